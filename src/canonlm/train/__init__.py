@@ -1,0 +1,1 @@
+"""Training: Lightning module and data module, schedules, callbacks, loggers, the ``run`` entry point."""

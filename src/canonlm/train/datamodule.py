@@ -1,0 +1,77 @@
+"""LightningDataModule over the deterministic synthetic streams of :mod:`canonlm.data`.
+
+``data.batch_size`` is the GLOBAL number of windows per optimizer step; each rank gets
+``batch_size / (world_size * accumulate_grad_batches)`` windows per micro-batch, so the data seen per optimizer
+step is identical for any number of GPUs (tasks.md §1.1). The training stream starts at micro-batch
+``global_step * accumulate_grad_batches``, so a resumed run continues exactly where the checkpoint was written
+(engineering.md P15); the stream itself is a pure function of (seed, task, split, window index).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import lightning.pytorch as L
+import torch
+from torch.utils.data import DataLoader
+
+from canonlm.arch.config import ConfigError
+from canonlm.data.stream import SyntheticStream
+
+
+class SyntheticDataModule(L.LightningDataModule):
+    """Train/val/test loaders for one task.
+
+    Args:
+        task: a task from :func:`canonlm.data.tasks.build_task`.
+        task_cfg: the task config (``context``, ``tail``, ``seed`` are read).
+        batch_size: global windows per optimizer step. val_windows / test_windows: windows per evaluation pass.
+        num_workers: DataLoader workers per rank (the stream does not depend on it).
+    Raises ConfigError (``data.batch_size``) when the batch does not split evenly over ranks x accumulation.
+    """
+
+    def __init__(self, task: Any, task_cfg: Mapping[str, Any], batch_size: int, num_workers: int = 0,
+                 val_windows: int = 128, test_windows: int = 512):
+        super().__init__()
+        self.task = task
+        self.window = int(task_cfg["context"])
+        self.tail = task_cfg.get("tail", "drop")
+        self.seed = int(task_cfg.get("seed", 0))
+        self.batch_size = int(batch_size)
+        self.num_workers = int(num_workers)
+        self.val_windows = int(val_windows)
+        self.test_windows = int(test_windows)
+
+    def micro_batch(self, world_size: int, accumulate: int) -> int:
+        """Windows per rank per micro-batch; raises ConfigError if ``batch_size`` does not divide evenly."""
+        parts = world_size * accumulate
+        if self.batch_size < 1 or self.batch_size % parts:
+            raise ConfigError("data.batch_size", self.batch_size,
+                              f"a positive multiple of world_size x accumulate_grad_batches = {world_size} x {accumulate}")
+        return self.batch_size // parts
+
+    def _loader(self, split: str, start_step: int = 0, num_windows: int | None = None) -> DataLoader:
+        trainer = self.trainer
+        world, rank = (trainer.world_size, trainer.global_rank) if trainer else (1, 0)
+        accumulate = trainer.accumulate_grad_batches if trainer else 1
+        micro = self.micro_batch(world, accumulate)
+        num_steps = None if num_windows is None else max(1, math.ceil(num_windows / (micro * world)))
+        ds = SyntheticStream(self.task, split, window=self.window, batch_size=micro, seed=self.seed, rank=rank,
+                             world_size=world, start_step=start_step, num_steps=num_steps, tail=self.tail)
+        pin = bool(trainer is not None and trainer.accelerator is not None
+                   and type(trainer.accelerator).__name__ == "CUDAAccelerator")
+        return DataLoader(ds, batch_size=None, num_workers=self.num_workers, pin_memory=pin,
+                          persistent_workers=False)
+
+    def train_dataloader(self) -> DataLoader:
+        start = 0
+        if self.trainer is not None:
+            start = self.trainer.global_step * self.trainer.accumulate_grad_batches
+        return self._loader("train", start_step=start)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val", num_windows=self.val_windows)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test", num_windows=self.test_windows)

@@ -1,0 +1,91 @@
+"""Paper-style tables from a sweep: ``python -m canonlm.train.report <multirun dir> [--rows task.N] [--cols model.size]``.
+
+Reads every ``results.json`` below the folder (one per run, written by ``train.py``), groups runs by the row and
+column keys, takes the best run over every other varied key (the paper reports the best learning rate per cell,
+tasks.md §1.4) and prints cells as ``acc@K / acc@K/2`` in percent (whole-answer exact match on the test split;
+for Depo K = task.K). ``--json`` writes the table too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _get(d: dict[str, Any], dotted: str) -> Any:
+    for part in dotted.split("."):
+        d = d.get(part, {}) if isinstance(d, dict) else {}
+    return d if d != {} else None
+
+
+def load_runs(root: Path) -> list[dict[str, Any]]:
+    """Each run: its results.json plus its resolved config (``hparams.json`` beside it)."""
+    runs = []
+    for res in sorted(root.rglob("results.json")):
+        r = json.loads(res.read_text())
+        hp = res.parent / "hparams.json"
+        r["config"] = json.loads(hp.read_text()) if hp.exists() else {}
+        r["dir"] = str(res.parent)
+        runs.append(r)
+    return runs
+
+
+def cell(run: dict[str, Any]) -> tuple[float, float] | None:
+    """(acc at k=K, acc at k=K/2) of a run's test (else val) split, or None if absent."""
+    split = run.get("test") or run.get("val")
+    K = _get(run["config"], "task.K") or run.get("task_config", {}).get("K")
+    if not split or not K:
+        return None
+    by = split["by_group"]
+    hi, lo = by.get(str(K)), by.get(str(K // 2))
+    if hi is None:
+        return None
+    return hi["acc"], (lo["acc"] if lo else float("nan"))
+
+
+def table(runs: list[dict[str, Any]], rows: str, cols: str) -> dict[str, dict[str, dict[str, Any]]]:
+    """{row value: {col value: {"acc": (hi, lo), "dir": best run dir}}}, best by acc@K then acc@K/2."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for r in runs:
+        c = cell(r)
+        if c is None:
+            continue
+        rv, cv = str(_get(r["config"], rows)), str(_get(r["config"], cols))
+        best = out.setdefault(rv, {}).get(cv)
+        key = (c[0], 0.0 if c[1] != c[1] else c[1])
+        if best is None or key > best["key"]:
+            out[rv][cv] = {"acc": c, "key": key, "dir": r["dir"]}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("root", type=Path)
+    ap.add_argument("--rows", default="task.N")
+    ap.add_argument("--cols", default="model.size")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    runs = load_runs(args.root)
+    if not runs:
+        print(f"report: error: no results.json below {args.root}", file=sys.stderr)
+        return 2
+    t = table(runs, args.rows, args.cols)
+    colvals = sorted({c for row in t.values() for c in row})
+    print(f"{args.rows:>12} | " + " | ".join(f"{c:>12}" for c in colvals))
+    for rv in sorted(t, key=lambda v: (len(v), v)):
+        cells = []
+        for c in colvals:
+            e = t[rv].get(c)
+            cells.append(f"{100 * e['acc'][0]:5.1f}/{100 * e['acc'][1]:5.1f}" if e else f"{'-':>11}")
+        print(f"{rv:>12} | " + " | ".join(f"{x:>12}" for x in cells))
+    if args.json:
+        args.json.write_text(json.dumps({r: {c: {"acc": e["acc"], "dir": e["dir"]} for c, e in row.items()}
+                                         for r, row in t.items()}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""Every group option and every experiment composes; the composed config builds a valid task and model config;
+bad inputs fail with one clear message naming the key, the value and what is allowed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from conftest import CONF, ROOT, compose
+
+GROUPS = ["arch", "canon", "pos", "task", "optim", "sched", "trainer", "strategy", "logger", "callbacks", "debug"]
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
+def test_every_group_option_composes(group, option, tmp_path):
+    cfg = compose([f"{group}={option}"], output_dir=tmp_path)
+    OmegaConf.resolve(cfg)
+    if group in ("arch", "canon", "pos", "task"):
+        from canonlm.train.run import build_configs
+
+        build_configs(cfg)
+
+
+@pytest.mark.parametrize("experiment", options("experiment"))
+def test_every_experiment_composes_and_builds_on_meta(experiment, tmp_path):
+    import torch
+
+    from canonlm.arch.model import LlamaCanon
+    from canonlm.train.run import build_configs, validate_training
+
+    cfg = compose([f"experiment={experiment}"], output_dir=tmp_path)
+    if "grid" in experiment:  # the sweep's steps come from ${task.N}; resolve as a job would
+        assert cfg.trainer.max_steps > 0
+    OmegaConf.resolve(cfg)
+    task, mcfg = build_configs(cfg)
+    validate_training(cfg)
+    with torch.device("meta"):
+        model = LlamaCanon(mcfg)
+    assert model.num_params() > 0
+
+
+def test_canon_subsets_all_selectable(tmp_path):
+    from itertools import combinations
+
+    from canonlm.train.run import build_configs
+
+    for r in range(5):
+        for letters in combinations("ABCD", r):
+            s = "".join(letters)
+            cfg = compose([f"canon={s or 'none'}"], output_dir=tmp_path)
+            assert cfg.canon.set == s
+            assert build_configs(cfg)[1].canon.set == s
+    cfg = compose(["canon.set=ABD"], output_dir=tmp_path)
+    assert build_configs(cfg)[1].canon.set == "ABD"
+
+
+def test_issue_command_composes(tmp_path):
+    from canonlm.train.run import build_configs
+
+    cfg = compose(["arch=llama", "canon=ABCD", "pos=nope", "task=depo1", "model.size=12L768D"], output_dir=tmp_path)
+    task, m = build_configs(cfg)
+    assert (m.n_layers, m.d_model, m.n_heads, m.head_dim) == (12, 768, 12, 64)
+    assert m.pos.type == "nope" and m.canon.set == "ABCD"
+    assert cfg.task.N == 225 and cfg.task.K == 8 and cfg.task.context == 2048
+
+
+@pytest.mark.parametrize("size,expect", [("8L512D", (8, 512, 8)), ("12L512D", (12, 512, 8)),
+                                         ("8L768D", (8, 768, 12)), ("12L768D", (12, 768, 12))])
+def test_paper_sizes(size, expect, tmp_path):
+    from canonlm.train.run import build_configs
+
+    m = build_configs(compose([f"model.size={size}"], output_dir=tmp_path))[1]
+    assert (m.n_layers, m.d_model, m.n_heads) == expect and m.head_dim == 64
+
+
+def test_paper_presets_match_appendix(tmp_path):
+    # tasks.md §1.3: Depo1 N=375 -> 112.5k steps, Depo2 N=125 -> 150k; batch 128 x 2048; AdamW (0.9, 0.98), 1e-6.
+    cfg = compose(["experiment=depo1_N375"], output_dir=tmp_path)
+    assert (cfg.task.N, cfg.task.K, cfg.task.context, cfg.data.batch_size) == (375, 8, 2048, 128)
+    assert cfg.trainer.max_steps == 112_500 and cfg.sched.warmup_steps == 1000 and cfg.sched.min_lr_ratio == 0.1
+    assert list(cfg.optim.betas) == [0.9, 0.98] and cfg.optim.eps == 1e-6 and cfg.optim.weight_decay == 0.03
+    cfg = compose(["experiment=depo2_N125"], output_dir=tmp_path)
+    assert (cfg.task.N, cfg.task.K, cfg.task.vocab_V, cfg.task.min_len, cfg.task.max_len) == (125, 16, 4, 5, 7)
+    assert cfg.trainer.max_steps == 150_000
+    grid = compose(["experiment=depo1_grid", "task.N=300"], output_dir=tmp_path)
+    assert grid.trainer.max_steps == 100_000
+
+
+BAD = [
+    (["canon=ABE"], "canon/ABE"),                      # unknown group option (Hydra lists the options)
+    (["pos=sinusoidal"], "pos/sinusoidal"),
+    (["canon.set=ABE"], "canon.set='ABE'"),            # letter outside ABCD
+    (["model.size=4L130D", "model.n_heads=4"], "model.n_heads=4"),  # 130 % 4 != 0
+    (["pos=partial_rope", "pos.fraction=1.5"], "pos.fraction=1.5"),
+    (["pos=partial_rope", "pos.fraction=0"], "pos.fraction=0"),
+    (["task.context=64"], "task.context=64"),          # shorter than the largest instance
+    (["kernels.attention=flash"], "model.kernels.attention='flash'"),  # optional library requested explicitly
+    (["kernels.canon=dao"], "model.kernels.canon='dao'"),
+]
+
+
+@pytest.mark.parametrize("overrides,needle", BAD)
+def test_bad_input_fails_before_training_with_one_clear_message(overrides, needle, tmp_path):
+    """Run the real entry point; it must stop before building anything, with one message naming key and value."""
+    cmd = [sys.executable, str(ROOT / "train.py"), *overrides, f"paths.log_dir={tmp_path}",
+           "logger=none", "callbacks=none"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert p.returncode != 0
+    err = p.stderr
+    assert needle in err, err
+    assert "allowed" in err or "Available options" in err, err
+    assert "Traceback" not in err
+    assert not list(Path(tmp_path).rglob("*.ckpt")) and not list(Path(tmp_path).rglob("metrics.jsonl"))
