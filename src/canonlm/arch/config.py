@@ -14,12 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 
-class ConfigError(ValueError):
-    """Bad configuration value. The message names the key, the value given and what is allowed."""
-
-    def __init__(self, key: str, value: Any, allowed: str):
-        self.key, self.value, self.allowed = key, value, allowed
-        super().__init__(f"invalid config: {key}={value!r}; allowed: {allowed}")
+from canonlm.errors import ConfigError  # the one shared error type (stdlib-only module)
 
 
 # Model sizes of the paper's synthetic grid (tasks.md §1.2) plus tiny CPU sizes. Name -> (n_layers, d_model, n_heads).

@@ -51,12 +51,14 @@ class SyntheticDataModule(L.LightningDataModule):
                               f"a positive multiple of world_size x accumulate_grad_batches = {world_size} x {accumulate}")
         return self.batch_size // parts
 
-    def _loader(self, split: str, start_step: int = 0, num_windows: int | None = None) -> DataLoader:
+    def _loader(self, split: str, start_step: int = 0, num_windows: int | None = None,
+                num_steps: int | None = None) -> DataLoader:
         trainer = self.trainer
         world, rank = (trainer.world_size, trainer.global_rank) if trainer else (1, 0)
         accumulate = trainer.accumulate_grad_batches if trainer else 1
         micro = self.micro_batch(world, accumulate)
-        num_steps = None if num_windows is None else max(1, math.ceil(num_windows / (micro * world)))
+        if num_windows is not None:
+            num_steps = max(1, math.ceil(num_windows / (micro * world)))
         ds = SyntheticStream(self.task, split, window=self.window, batch_size=micro, seed=self.seed, rank=rank,
                              world_size=world, start_step=start_step, num_steps=num_steps, tail=self.tail)
         pin = bool(trainer is not None and trainer.accelerator is not None
@@ -65,9 +67,11 @@ class SyntheticDataModule(L.LightningDataModule):
                           persistent_workers=False)
 
     def train_dataloader(self) -> DataLoader:
-        start = 0
-        if self.trainer is not None:
-            start = self.trainer.global_step * self.trainer.accumulate_grad_batches
+        trainer = self.trainer
+        overfit = trainer.overfit_batches if trainer is not None else 0
+        if overfit and overfit >= 1:  # debug=overfit: the same first micro-batches, replayed every epoch
+            return self._loader("train", start_step=0, num_steps=int(overfit))
+        start = trainer.global_step * trainer.accumulate_grad_batches if trainer is not None else 0
         return self._loader("train", start_step=start)
 
     def val_dataloader(self) -> DataLoader:

@@ -124,6 +124,26 @@ def resolve_ckpt(cfg: DictConfig, output_dir: str) -> str | None:
     return ck
 
 
+class _DropTips(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "litlogger" not in record.getMessage() and "LitLogger" not in record.getMessage()
+
+
+def _tidy_logging() -> None:
+    """Send Lightning's messages once, through the root handlers Hydra configured (console + run log file), and drop
+    Lightning's advertising tips and the known-harmless warnings of our iterable streams."""
+    import warnings
+
+    lg = logging.getLogger("lightning")
+    for h in list(lg.handlers):
+        lg.removeHandler(h)
+    for name in ("lightning", "lightning.pytorch", "lightning.pytorch.utilities.rank_zero"):
+        logging.getLogger(name).addFilter(_DropTips())
+    warnings.filterwarnings("ignore", message=".*`IterableDataset` has `__len__` defined.*")
+    warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\)` is deprecated.*")
+    warnings.filterwarnings("ignore", message=".*does not have many workers which may be a bottleneck.*")
+
+
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Train and evaluate as configured; returns the results dict also written to ``<run dir>/results.json``."""
     import lightning.pytorch as L
@@ -134,13 +154,14 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     from canonlm.train.loggers import JSONLLogger
     from canonlm.train.module import LMModule
 
+    _tidy_logging()
     # 1. validate everything before building anything
     task, mcfg = build_configs(cfg)
     validate_training(cfg)
     device = _device_of(cfg)
-    from canonlm.arch.model import check_backends
+    from canonlm.arch.model import resolve_backends
 
-    check_backends(mcfg, device)
+    resolve_backends(mcfg, device, torch.bfloat16 if "bf16" in str(cfg.trainer.precision) else torch.float32)
     output_dir = str(cfg.paths.output_dir)
     ckpt = resolve_ckpt(cfg, output_dir)
 

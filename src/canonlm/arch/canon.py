@@ -1,0 +1,99 @@
+"""The Canon layer as an ``nn.Module`` (paper §4, eq. 4.1; spec models.md §1.1, §1.8).
+
+``Canon(h)_t = h_t + sum_{i=0}^{K-1} w[:, i] * h_{t-K+1+i}`` (``h_{<0} = 0``): a residual, causal, depthwise 1-D
+convolution over time. The math runs in :func:`canonlm.ops.canon.causal_conv1d` (reference or fast backends);
+this module owns the parameters, their initialisation and the backend choice.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from canonlm.arch.config import CanonConfig, ConfigError
+from canonlm.ops import canon as canon_ops
+
+# Per-lag weights of the "fixed" ablation (paper footnote 10): lag 0 (current token), 1, 2, 3.
+FIXED_LAG_WEIGHTS = (1.0, 0.4, 0.2, 0.1)
+
+
+class Canon(nn.Module):
+    """Residual causal depthwise conv over ``channels`` features (one Canon-A/B/C/D site).
+
+    Args:
+        channels: C, the width of the hidden vectors it mixes (models.md §1.2 table: d, (H+2H_kv)·d_head, 2·d_ff).
+        cfg: :class:`~canonlm.arch.config.CanonConfig` (kernel K, residual, activation, bias, trainable, init).
+        backend: backend name passed to ``canonlm.ops.canon.causal_conv1d`` (``"auto"``, ``"reference"`` or a
+            name returned by ``canonlm.ops.canon.resolve_backend``); the model sets it in ``check_backends``.
+
+    Parameters:
+        weight: ``nn.Parameter`` of shape **(C, K)** (the kernels' layout; ``nn.Conv1d`` stores (C, 1, K)).
+            ``weight[:, K-1]`` multiplies the current token, ``weight[:, 0]`` the token K-1 steps back.
+        bias: ``(C,)`` zero-initialised, only if ``cfg.bias``.
+        With ``cfg.trainable=False`` (cst-Canon, paper Fig. 24) both have ``requires_grad=False``.
+
+    Init (:meth:`reset_parameters`; never touched by the model-level init, models.md §1.1):
+        ``default``: ``kaiming_uniform_(a=sqrt(5))`` with fan_in = K, i.e. ``U(-1/sqrt(K), 1/sqrt(K))`` -- what
+        ``nn.Conv1d(C, C, K, groups=C)`` does; ``identity``: ``[0, .., 0, 1]``; ``fixed``: the per-lag scalars
+        ``(1, .4, .2, .1)`` for lags 0..3 (current token 1), same for every channel, lags >= 4 get 0.
+
+    Forward: ``x (B, T, C)`` -> ``(B, T, C)`` of ``x.dtype`` (under autocast the backend decides the dtype).
+    Raises ValueError (forward) when ``x.shape[-1] != C``.
+    """
+
+    def __init__(self, channels: int, cfg: CanonConfig, backend: str = "auto"):
+        super().__init__()
+        if channels < 1:
+            raise ConfigError("canon.channels", channels, "a positive integer")
+        if cfg.init not in ("default", "identity", "fixed"):
+            raise ConfigError("canon.init", cfg.init, "default | identity | fixed")
+        self.channels, self.kernel = channels, cfg.kernel
+        self.residual, self.activation, self.init_mode = cfg.residual, cfg.activation, cfg.init
+        self.backend = backend
+        self.weight = nn.Parameter(torch.empty(channels, cfg.kernel), requires_grad=cfg.trainable)
+        self.bias = nn.Parameter(torch.empty(channels), requires_grad=cfg.trainable) if cfg.bias else None
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """(Re)draw the weights per ``cfg.init`` (class docstring); bias = 0. Works on meta, regular and DTensor
+        parameters (after FSDP2 ``to_empty``)."""
+        w = self.weight
+        if self.init_mode == "default":
+            nn.init.kaiming_uniform_(w, a=math.sqrt(5))  # fan_in of a (C, K) tensor = K, as for (C, 1, K)
+        else:
+            K = self.kernel
+            lags = [0.0] * K
+            if self.init_mode == "identity":
+                lags[K - 1] = 1.0
+            else:  # fixed: lag j sits at tap K-1-j
+                for j, val in enumerate(FIXED_LAG_WEIGHTS[:K]):
+                    lags[K - 1 - j] = val
+            _fill_rows(w, torch.tensor(lags, dtype=w.dtype))
+        if self.bias is not None:
+            self.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.channels:
+            raise ValueError(f"Canon: input has {x.shape[-1]} channels, expected {self.channels}")
+        return canon_ops.causal_conv1d(x, self.weight, self.bias, residual=self.residual,
+                                       activation=self.activation, backend=self.backend)
+
+    def extra_repr(self) -> str:
+        return (f"channels={self.channels}, kernel={self.kernel}, residual={self.residual}, "
+                f"activation={self.activation}, bias={self.bias is not None}, "
+                f"trainable={self.weight.requires_grad}, init={self.init_mode}, backend={self.backend}")
+
+
+def _fill_rows(w: torch.Tensor, row: torch.Tensor) -> None:
+    """``w[c, :] = row`` for every channel c; ``w`` may be a regular tensor, a meta tensor or a DTensor."""
+    if w.device.type == "meta":
+        return
+    full = row.to(w.device).expand(w.shape)
+    if hasattr(w, "device_mesh"):  # DTensor (FSDP2): shard the full pattern like w
+        from torch.distributed.tensor import distribute_tensor
+
+        full = distribute_tensor(full.contiguous(), w.device_mesh, w.placements)
+    w.copy_(full)

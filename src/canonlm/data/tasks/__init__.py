@@ -1,0 +1,113 @@
+"""Task registry and the data types every synthetic task returns.
+
+    from canonlm.data.tasks import build_task, TASKS
+    task = build_task("depo1", cfg)          # cfg: the Hydra ``task`` node as a mapping
+    inst = task.instance("train", (w, i))    # Instance; pure function of (seed, task, params, split, w, i)
+
+Registered tasks (``TASKS``): ``depo1``, ``depo2`` (both :class:`canonlm.data.tasks.depo.DepoTask`; they differ only
+in their defaults, spec tasks.md §2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+
+from canonlm.data import ConfigError
+
+TASKS: tuple[str, ...] = ("depo1", "depo2")
+SPLITS: tuple[str, ...] = ("train", "val", "test")
+
+
+@dataclass
+class Instance:
+    """One generated instance (sequence) of a task. All arrays have shape (L,), L = instance length in tokens.
+
+    tokens: int64 token ids (task vocabulary; pad id 0 never occurs).
+    loss_mask: bool, True where the token is a loss target (predicted from the previous position).
+    answer_id: int32, index of the answer (query) the token belongs to, 0..n_answers-1; -1 for tokens that are not
+        scored (everything but the answer tokens themselves; Depo: ``<ans>`` is a loss target but not scored).
+    group: int32 metric group of scored tokens (Depo: the query's k); 0 where answer_id == -1.
+    meta: task-specific facts (Depo: ``n`` nodes, ``k`` int32 (t,) depth per query).
+    """
+
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+    answer_id: np.ndarray
+    group: np.ndarray
+    meta: dict[str, Any]
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+@dataclass
+class InstanceBatch:
+    """Many instances, concatenated (ragged layout). S = total tokens, I = instances, Q = answers.
+
+    tokens int64 (S,); loss_mask bool (S,); offsets int64 (I+1,) [instance r occupies ``offsets[r]:offsets[r+1]``].
+    Answers (the scored spans; Depo: one per query, ``<ans>`` excluded), in instance order and in order within
+    their instance: ans_inst int64 (Q,) [instance index], ans_start int64 (Q,) [first token, counted from the start
+    of the instance], ans_len int64 (Q,) [tokens], ans_group int32 (Q,) [metric group, e.g. k], ans_offsets int64
+    (I+1,) [answers of instance r: ``ans_offsets[r]:ans_offsets[r+1]``]. meta: task-specific per-instance arrays.
+    """
+
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+    offsets: np.ndarray
+    ans_inst: np.ndarray
+    ans_start: np.ndarray
+    ans_len: np.ndarray
+    ans_group: np.ndarray
+    ans_offsets: np.ndarray
+    meta: dict[str, np.ndarray]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """int64 (I,): tokens per instance."""
+        return np.diff(self.offsets)
+
+    def token_answers(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per-token (answer_id, group), both int32 (S,): answer index local to its instance (-1 = not scored) and
+        the answer's group (0 elsewhere) -- the layout of :class:`Instance`."""
+        aid = np.full(self.tokens.shape[0], -1, dtype=np.int32)
+        grp = np.zeros(self.tokens.shape[0], dtype=np.int32)
+        q = np.repeat(np.arange(self.ans_len.shape[0]), self.ans_len)
+        aoff = np.zeros(self.ans_len.shape[0] + 1, dtype=np.int64)
+        np.cumsum(self.ans_len, out=aoff[1:])
+        pos = self.offsets[self.ans_inst[q]] + self.ans_start[q] + np.arange(q.shape[0]) - aoff[q]
+        aid[pos] = (np.arange(self.ans_len.shape[0]) - self.ans_offsets[self.ans_inst])[q]
+        grp[pos] = self.ans_group[q]
+        return aid, grp
+
+    def __len__(self) -> int:
+        return int(self.offsets.shape[0] - 1)
+
+
+def check_split(split: Any) -> str:
+    """Return ``split`` if it is one of ``SPLITS``; raise ValueError naming it otherwise."""
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r} is not allowed; allowed: {' | '.join(SPLITS)}")
+    return split
+
+
+def build_task(name: str, cfg: Mapping[str, Any] | None = None):
+    """Build and validate a task from its config node.
+
+    Args:
+        name: registry key, one of ``TASKS``.
+        cfg: the Hydra ``task`` node as a mapping (a ``DictConfig`` works too); missing keys take the task's
+            defaults; ``cfg["name"]``, if present, must equal ``name``.
+    Returns: the task object (see :class:`canonlm.data.tasks.depo.DepoTask` for the attributes).
+    Raises: ConfigError("task.name", ...) for an unknown name; the task's own ConfigErrors for bad keys/values.
+    """
+    if name not in TASKS:
+        raise ConfigError("task.name", name, " | ".join(TASKS))
+    from canonlm.data.tasks.depo import DepoTask  # lazy: depo imports this module
+
+    return DepoTask(name, cfg or {})
+
+
+__all__ = ["TASKS", "SPLITS", "Instance", "InstanceBatch", "build_task", "check_split", "ConfigError"]

@@ -1,0 +1,134 @@
+"""Causal (GQA) softmax attention behind one dispatch point (spec models.md §2 "attention", §4.2, §5.4).
+
+Layout everywhere is flash-attn's **(B, T, H, D)** (time before heads); ``F.scaled_dot_product_attention`` wants
+(B, H, T, D), so the ``sdpa`` backend passes transposed *views* (no copy) and transposes the result back.
+
+Backends:
+
+* ``"reference"`` -- explicit math in float32 (autocast disabled): ``softmax(q k^T * scale + causal mask) v`` with
+  the k/v heads repeated for GQA; the result is cast back to ``q.dtype``. O(T^2) memory; the CPU oracle.
+* ``"sdpa"``      -- ``torch.nn.functional.scaled_dot_product_attention(..., is_causal=causal, enable_gqa=...)``:
+  the default on CPU and GPU (fused flash / memory-efficient / cuDNN / CPU-flash kernels chosen by PyTorch).
+* ``"flash"``     -- ``flash_attn.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal)`` (FA2; CUDA,
+  fp16/bf16 only, head dim <= 256; imported inside the call, never at package import). flash-attn >= 2.7 registers
+  its kernels as ``torch.library`` custom ops (``flash_attn::_flash_attn_forward``), so it traces under compile.
+
+``"auto"`` and ``"fused"`` both mean ``"sdpa"`` (always available; it *is* a fused kernel on every device).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+
+BACKENDS = ("auto", "fused", "reference", "sdpa", "flash")
+
+
+@functools.lru_cache(maxsize=None)
+def flash_available() -> bool:
+    """True when ``flash_attn.flash_attn_func`` can be imported (result cached; no CUDA check)."""
+    try:
+        from flash_attn import flash_attn_func  # noqa: F401
+    except Exception:  # ImportError, or an ABI mismatch raising OSError/RuntimeError (engineering.md P20)
+        return False
+    return True
+
+
+def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype) -> str:
+    """Concrete backend for ``name`` on ``device`` with compute dtype ``dtype``; call once, before any work.
+
+    Args:
+        name: one of ``auto | fused | reference | sdpa | flash``.
+        device: device the model runs on (``meta`` skips availability checks of ``flash``).
+        dtype: compute dtype of q/k/v (under autocast: the autocast dtype).
+    Returns:
+        ``"reference"``, ``"sdpa"`` or ``"flash"``.
+    Raises:
+        canonlm.arch.config.ConfigError("model.kernels.attention", name, ...): unknown name, or ``flash`` requested
+        without CUDA, without the ``flash_attn`` package, or with a dtype other than fp16/bf16.
+    """
+    from canonlm.arch.config import ConfigError  # lazy: canonlm.arch imports this module
+
+    key = "model.kernels.attention"
+    if name not in BACKENDS:
+        raise ConfigError(key, name, " | ".join(BACKENDS))
+    if name in ("auto", "fused"):
+        return "sdpa"
+    if name == "flash":
+        device = torch.device(device)
+        if device.type == "meta":
+            return "flash"
+        if device.type != "cuda" or not torch.cuda.is_available():
+            raise ConfigError(key, name, f"auto | reference | sdpa (flash needs a CUDA device; got {device})")
+        if not flash_available():
+            raise ConfigError(key, name, "auto | reference | sdpa (flash_attn is not importable; see the GPU install)")
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ConfigError(key, name, f"auto | reference | sdpa (flash needs fp16/bf16 compute, got {dtype}; "
+                                         "enable bf16 mixed precision)")
+    return name
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, scale: float | None = None,
+              backend: str = "auto") -> torch.Tensor:
+    """Multi-head softmax attention with grouped-query k/v.
+
+    Args:
+        q: ``(B, T, H, D)``; k, v: ``(B, T, H_kv, D)`` with ``H % H_kv == 0`` (query head h uses kv head
+            ``h // (H / H_kv)``, as HF ``repeat_kv`` and flash-attn). Float tensors of one dtype and device; any
+            strides with a unit-stride last dim (views of a fused qkv projection are fine).
+        causal: mask ``j > i`` (query i sees keys 0..i).
+        scale: softmax scale, default ``D ** -0.5``.
+        backend: ``auto | fused | reference | sdpa | flash`` (module docstring); resolve it once with
+            :func:`resolve_backend`.
+    Returns:
+        ``(B, T, H, D)`` tensor of ``q.dtype``.
+    Raises:
+        ValueError: bad ranks/shapes, ``H % H_kv != 0``, unknown backend, or ``flash`` on CPU / fp32 tensors.
+    """
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
+        raise ValueError(f"attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; expected "
+                         "q (B, T, H, D) and k, v (B, T, H_kv, D)")
+    B, T, H, D = q.shape
+    Hkv = k.shape[2]
+    if k.shape[0] != B or k.shape[3] != D or H % Hkv or (causal and k.shape[1] != T):
+        raise ValueError(f"attention: q {tuple(q.shape)} and k/v {tuple(k.shape)} do not match (same B and D, "
+                         f"H % H_kv == 0, and equal T when causal)")
+    if backend in ("auto", "fused", "sdpa"):
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             is_causal=causal, scale=scale, enable_gqa=Hkv != H)
+        return out.transpose(1, 2)
+    if backend == "reference":
+        return attention_reference(q, k, v, causal=causal, scale=scale)
+    if backend == "flash":
+        if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"attention backend='flash': needs fp16/bf16 CUDA tensors, got {q.dtype} on {q.device}")
+        from flash_attn import flash_attn_func
+
+        return flash_attn_func(q, k, v, softmax_scale=scale, causal=causal)
+    raise ValueError(f"attention: backend={backend!r}; allowed {' | '.join(BACKENDS)}")
+
+
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+                        scale: float | None = None) -> torch.Tensor:
+    """Explicit-math attention in float32 (models.md §4.2); same shapes and semantics as :func:`attention`.
+
+    Materialises the ``(B, H, T, T)`` score matrix; autocast is disabled inside so the math stays in fp32.
+    Causal masking is top-left aligned (query i sees keys 0..i).
+    """
+    B, T, H, D = q.shape
+    Hkv = k.shape[2]
+    scale = D ** -0.5 if scale is None else scale
+    with torch.autocast(q.device.type, enabled=False):
+        qf = q.float().transpose(1, 2)                                    # (B, H, T, D)
+        kf = k.float().transpose(1, 2).repeat_interleave(H // Hkv, dim=1)  # (B, H, S, D)
+        vf = v.float().transpose(1, 2).repeat_interleave(H // Hkv, dim=1)
+        scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale           # (B, H, T, S)
+        if causal:
+            S = k.shape[1]
+            mask = torch.ones(T, S, dtype=torch.bool, device=q.device).triu_(1)
+            scores = scores.masked_fill(mask, -math.inf)
+        out = torch.matmul(scores.softmax(dim=-1), vf)                   # (B, H, T, D)
+    return out.transpose(1, 2).to(q.dtype)
