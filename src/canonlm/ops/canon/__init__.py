@@ -1,34 +1,397 @@
-"""Canon op: residual causal depthwise 1-D convolution (paper eq. 4.1; spec models.md §1.1, §4.1).
+"""Canon op: residual causal depthwise 1-D convolution (paper eq. 4.1; spec models.md §1.1, §4.1, §6).
 
-CONTRACT (owned by the ops/canon author; other modules call only these names):
+Public API (the model calls only these names)::
 
-    causal_conv1d(x, weight, bias=None, *, residual=True, activation=False, backend="auto") -> Tensor
-        x:      (B, T, C), any float dtype; channel-last (the C axis has stride 1 when contiguous).
-        weight: (C, K); weight[:, K-1] multiplies the current token, weight[:, 0] the token K-1 steps back.
-        bias:   (C,) or None.
-        returns (B, T, C), same dtype as x:  y_t = [x_t +] act(b + sum_i weight[:, i] * x_{t-K+1+i}),  x_{<0} = 0.
-        backend: "auto" | "reference" | op-specific fast paths.
+    causal_conv1d(x, weight, bias=None, *, residual=True, activation=False, backend="auto", initial_state=None)
+    causal_conv1d_reference(x, weight, bias=None, *, residual=True, activation=False, initial_state=None)
+    causal_conv1d_step(x_t, state, weight, bias=None, *, residual=True, activation=False, backend="auto")
+    causal_conv1d_state(x, kernel_size, initial_state=None)
+    resolve_backend(name, device, dtype) -> str
+    available_backends(device, dtype) -> dict[str, str | None]
+    BACKENDS
 
-This file currently holds only the reference; the fast paths are added by the ops/canon owner.
+Math, per channel c (x channel-last (B, T, C); weight (C, K); weight[:, K-1] multiplies the current token,
+weight[:, 0] the token K-1 steps back)::
+
+    y_t = [x_t +] act(b + sum_{i=0}^{K-1} weight[:, i] * x_{t-K+1+i}),   act = SiLU or identity
+    history x_{<0} = 0, or initial_state (B, C, K-1) = the previous K-1 raw inputs (column K-2 = time -1).
+
+Backends (``kernels.canon`` in the Hydra config; ``model.kernels.canon`` in errors):
+
+* ``reference`` -- ``F.conv1d`` on a left-padded (B, C, T) view (the oracle, spec §4.1 "Reference A").
+* ``torch``     -- shift-and-add on (B, T, C) (spec §4.1 "Reference B"); low-precision inputs accumulate in fp32.
+* ``cpu``       -- native C kernel (``csrc/canon_cpu.c``, compiled on first use, OpenMP, fp32 and bf16 with fp32
+  accumulation), exposed as the custom ops ``canonlm::canon_conv_fwd`` / ``canonlm::canon_conv_bwd``.
+* ``fla``       -- fla's Triton ``causal_conv1d(x, weight, bias, residual=x)`` (CUDA).
+* ``dao``       -- Dao-AILab ``causal_conv1d_fn`` on the channel-last view (CUDA; K in {2,3,4}, C % 8 == 0).
+* ``auto``      -- dao, else fla on CUDA when importable; on CPU the native kernel when it builds (fp32/bf16),
+  else ``torch`` (one warning if the compiler is missing).
+
+All backends are differentiable w.r.t. x, weight, bias and initial_state, and return x.dtype.
 """
 
 from __future__ import annotations
 
+import sys
+import warnings
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
+from torch import Tensor
+
+from canonlm.arch.config import ConfigError
+
+from . import _cuda, _native
+
+__all__ = [
+    "BACKENDS",
+    "available_backends",
+    "causal_conv1d",
+    "causal_conv1d_reference",
+    "causal_conv1d_state",
+    "causal_conv1d_step",
+    "causal_conv1d_torch",
+    "resolve_backend",
+]
+
+BACKENDS = ("auto", "reference", "torch", "cpu", "fla", "dao")
+CONFIG_KEY = "model.kernels.canon"
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+_warned_native = False
 
 
-def causal_conv1d_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                            residual: bool = True, activation: bool = False) -> torch.Tensor:
-    """Oracle: ``F.conv1d`` on a left-zero-padded (B, C, T) view. Shapes as in :func:`causal_conv1d`."""
+# ----------------------------------------------------------------------------------------------------------------
+# validation
+# ----------------------------------------------------------------------------------------------------------------
+
+def _validate(x: Tensor, weight: Tensor, bias: Optional[Tensor], initial_state: Optional[Tensor]) -> None:
+    if not isinstance(x, Tensor) or x.dim() != 3:
+        raise ValueError(f"causal_conv1d: x must be a (B, T, C) tensor; got "
+                         f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
+    if not x.is_floating_point():
+        raise ValueError(f"causal_conv1d: x.dtype={x.dtype}; allowed: a floating-point dtype")
+    B, T, C = x.shape
+    if weight.dim() != 2 or weight.shape[0] != C or weight.shape[1] < 1:
+        raise ValueError(f"causal_conv1d: weight.shape={tuple(weight.shape)}; allowed: (C, K) with C={C} "
+                         f"(x's channels) and K >= 1 (an nn.Conv1d weight (C, 1, K) must be squeezed to (C, K))")
+    K = weight.shape[1]
+    if bias is not None and tuple(bias.shape) != (C,):
+        raise ValueError(f"causal_conv1d: bias.shape={tuple(bias.shape)}; allowed: ({C},) or None")
+    if initial_state is not None and tuple(initial_state.shape) != (B, C, K - 1):
+        raise ValueError(f"causal_conv1d: initial_state.shape={tuple(initial_state.shape)}; allowed: "
+                         f"(B, C, K-1) = {(B, C, K - 1)} (the previous K-1 raw inputs) or None")
+    for name, t in (("weight", weight), ("bias", bias), ("initial_state", initial_state)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"causal_conv1d: {name}.device={t.device}; allowed: x's device {x.device}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# pure-PyTorch paths
+# ----------------------------------------------------------------------------------------------------------------
+
+def causal_conv1d_reference(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, residual: bool = True,
+                            activation: bool = False, initial_state: Optional[Tensor] = None) -> Tensor:
+    """Oracle (spec models.md §4.1 "Reference A"): ``F.conv1d(F.pad(x, (K-1, 0)), w.unsqueeze(1), b, groups=C)``.
+
+    Args: x (B, T, C); weight (C, K); bias (C,) or None; initial_state (B, C, K-1) or None (prepended instead of the
+    zero padding). Computes in ``promote_types(x.dtype, weight.dtype)`` and returns (B, T, C) in x.dtype.
+    Raises ValueError on bad shapes.
+    """
+    _validate(x, weight, bias, initial_state)
     C, K = weight.shape
-    xt = x.transpose(1, 2)
-    y = F.conv1d(F.pad(xt, (K - 1, 0)), weight.unsqueeze(1), bias, groups=C).transpose(1, 2)
+    cd = torch.promote_types(x.dtype, weight.dtype)
+    xt = x.to(cd).transpose(1, 2)
+    if initial_state is not None:
+        xp = torch.cat([initial_state.to(cd), xt], dim=-1)
+    else:
+        xp = F.pad(xt, (K - 1, 0))
+    y = F.conv1d(xp, weight.to(cd).unsqueeze(1), None if bias is None else bias.to(cd), groups=C).transpose(1, 2)
     if activation:
         y = F.silu(y)
-    return x + y if residual else y
+    if residual:
+        y = x.to(cd) + y
+    return y.to(x.dtype)
 
 
-def causal_conv1d(x, weight, bias=None, *, residual=True, activation=False, backend="auto"):
-    """Dispatch point; see the module docstring for shapes."""
-    return causal_conv1d_reference(x, weight, bias, residual=residual, activation=activation)
+def causal_conv1d_torch(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, residual: bool = True,
+                        activation: bool = False, initial_state: Optional[Tensor] = None) -> Tensor:
+    """Shift-and-add form (spec models.md §4.1 "Reference B"): ``y = [x +] act(b + sum_i w[:, i] * x_pad[:, i:i+T])``.
+
+    Works on (B, T, C) directly (no transpose). float16/bfloat16 inputs accumulate in float32 (plain bf16
+    accumulation errs by ~6e-2, spec §4.1). Shapes as in :func:`causal_conv1d_reference`; returns x.dtype.
+    """
+    _validate(x, weight, bias, initial_state)
+    B, T, C = x.shape
+    K = weight.shape[1]
+    cd = torch.promote_types(x.dtype, weight.dtype)
+    if cd in _LOW_PRECISION:
+        cd = torch.float32
+    xc = x.to(cd)
+    w = weight.to(cd)
+    if initial_state is not None:
+        xp = torch.cat([initial_state.to(cd).transpose(1, 2), xc], dim=1)
+    elif K > 1:
+        xp = F.pad(xc, (0, 0, K - 1, 0))
+    else:
+        xp = xc
+    acc = xc * w[:, K - 1]
+    for i in range(K - 1):
+        acc = torch.addcmul(acc, xp[:, i:i + T], w[:, i])
+    if bias is not None:
+        acc = acc + bias.to(cd)
+    if activation:
+        acc = F.silu(acc)
+    if residual:
+        acc = acc + xc
+    return acc.to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# backend selection
+# ----------------------------------------------------------------------------------------------------------------
+
+def _cuda_device_reason(device: torch.device) -> Optional[str]:
+    if device.type != "cuda":
+        return f"needs a CUDA device (tensors are on {device.type})"
+    if not torch.cuda.is_available():
+        return "needs a CUDA device (torch.cuda.is_available() is False)"
+    return None
+
+
+def _unavailable_reason(name: str, device: torch.device, dtype: torch.dtype) -> Optional[str]:
+    """None if backend ``name`` can run on (device, dtype), else why not."""
+    if name in ("reference", "torch", "auto"):
+        return None
+    if name == "cpu":
+        if device.type != "cpu":
+            return f"needs CPU tensors (tensors are on {device.type})"
+        if dtype not in _native.SUPPORTED_DTYPES:
+            return f"supports float32 and bfloat16 (got {dtype})"
+        if not _native.available():
+            return f"native kernel does not build: {_native.unavailable_reason()}"
+        return None
+    reason = _cuda_device_reason(device)
+    if reason is not None:
+        return reason
+    if name == "dao":
+        fns, err = _cuda.dao_functions()
+        return None if fns is not None else f"causal_conv1d is not importable ({err})"
+    if name == "fla":
+        fns, err = _cuda.fla_functions()
+        return None if fns is not None else f"fla causal_conv1d is not importable ({err})"
+    raise AssertionError(name)
+
+
+def available_backends(device, dtype: torch.dtype = torch.float32) -> dict:
+    """Map every concrete backend name to None (runs here) or the reason it cannot run on (device, dtype).
+
+    Probes lazily: ``cpu`` compiles the native kernel on first use; ``dao``/``fla`` are imported only for a
+    CUDA device with CUDA available.
+    """
+    device = torch.device(device)
+    return {n: _unavailable_reason(n, device, dtype) for n in BACKENDS if n != "auto"}
+
+
+def resolve_backend(name: str, device, dtype: torch.dtype) -> str:
+    """Concrete Canon backend for tensors on ``device`` with ``dtype``.
+
+    ``"auto"``: ``dao`` or ``fla`` on CUDA when importable (dao first), else ``torch``; on CPU the native kernel
+    (``cpu``) when it builds and dtype is float32/bfloat16, else ``torch`` (a one-time warning if the compiler is
+    missing). Any other name is returned as is when it can run here.
+
+    Raises:
+        ConfigError("model.kernels.canon", name, allowed): unknown name, or an explicitly requested backend that
+        cannot run here (library missing, no CUDA, no C compiler, unsupported dtype) -- raised before any work;
+        ``allowed`` lists the backends available here and why the requested one is not.
+    """
+    global _warned_native
+    if name not in BACKENDS:
+        raise ConfigError(CONFIG_KEY, name, "one of " + ", ".join(BACKENDS))
+    device = torch.device(device)
+    if name == "auto":
+        if device.type == "cuda" and torch.cuda.is_available():
+            for cand in ("dao", "fla"):
+                if _unavailable_reason(cand, device, dtype) is None:
+                    return cand
+            return "torch"
+        if device.type == "cpu" and dtype in _native.SUPPORTED_DTYPES:
+            if _native.available():
+                return "cpu"
+            if not _warned_native:
+                _warned_native = True
+                warnings.warn(f"canonlm: native CPU Canon kernel unavailable ({_native.unavailable_reason()}); "
+                              f"using the slower 'torch' backend", RuntimeWarning, stacklevel=2)
+        return "torch"
+    reason = _unavailable_reason(name, device, dtype)
+    if reason is not None:
+        here = [n for n, r in available_backends(device, dtype).items() if r is None]
+        raise ConfigError(CONFIG_KEY, name,
+                          f"backends available here ({device.type}, {dtype}): auto, {', '.join(here)} "
+                          f"['{name}' {reason}]")
+    return name
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# dispatch
+# ----------------------------------------------------------------------------------------------------------------
+
+def _assume_constant(fn):
+    """``torch.compiler.assume_constant_result`` without importing ``torch._dynamo`` when canonlm is imported (that
+    import alone costs ~1.7 s): if dynamo is not loaded yet, set the marker its decorator sets
+    (``torch/_dynamo/decorators.py``); tests/test_canon_op.py compiles with fullgraph=True to catch a change."""
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.assume_constant_result(fn)
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_assume_constant
+def _select(backend: str, device: str, dtype: torch.dtype, C: int, K: int) -> str:
+    """Backend for these tensors, with shape fallbacks for ``auto``. Constant under torch.compile (no tracing into
+    the import probes / kernel build). Successful choices are memoised."""
+    key = (backend, device, dtype, C, K)
+    hit = _select_cache.get(key)
+    if hit is not None:
+        return hit
+    be = resolve_backend(backend, torch.device(device), dtype)
+    if be == "dao":
+        reason = _cuda.dao_supports_shape(C, K, dtype)
+        if reason is not None:
+            if backend != "auto":
+                raise ValueError(f"causal_conv1d: backend 'dao' cannot run: {reason}")
+            be = "fla" if _unavailable_reason("fla", torch.device(device), dtype) is None else "torch"
+    if be == "cpu" and K > _native.KMAX:
+        if backend != "auto":
+            raise ValueError(f"causal_conv1d: backend 'cpu' supports K <= {_native.KMAX}; got K={K}")
+        be = "torch"
+    _select_cache[key] = be
+    return be
+
+
+_select_cache: dict = {}
+
+
+def causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, residual: bool = True,
+                  activation: bool = False, backend: str = "auto", initial_state: Optional[Tensor] = None) -> Tensor:
+    """Canon layer op: ``y_t = [x_t +] act(b + sum_i weight[:, i] * x_{t-K+1+i})`` (paper eq. 4.1).
+
+    Args:
+        x: (B, T, C) channel-last, floating dtype (any strides; made contiguous where a kernel needs it).
+        weight: (C, K); ``weight[:, K-1]`` multiplies the current token, ``weight[:, 0]`` the token K-1 back.
+        bias: (C,) or None.
+        residual: add x to the output (paper default True).
+        activation: SiLU after the convolution (paper default False).
+        backend: one of :data:`BACKENDS` (see :func:`resolve_backend`). With ``"auto"``, shapes a fast path does
+            not support (Dao: K not in {2,3,4} or C % 8 != 0; native: K > 64) fall back to the next backend.
+        initial_state: (B, C, K-1) = the K-1 raw inputs before x (chunked prefill), or None for zeros.
+
+    Returns:
+        (B, T, C) in x.dtype (accumulation in float32 for low-precision inputs on every backend but
+        ``reference``, which computes in ``promote_types(x.dtype, weight.dtype)``).
+
+    Raises:
+        ValueError: bad shapes/devices/dtypes, or a shape the explicitly requested backend cannot handle.
+        ConfigError: unknown or unavailable backend (see :func:`resolve_backend`).
+    """
+    _validate(x, weight, bias, initial_state)
+    be = _select(backend, str(x.device), x.dtype, int(weight.shape[0]), int(weight.shape[1]))
+    if be == "cpu":
+        return _native.canon_conv(x, weight, bias, initial_state, bool(residual), bool(activation))
+    if be == "torch":
+        return causal_conv1d_torch(x, weight, bias, residual=residual, activation=activation,
+                                   initial_state=initial_state)
+    if be == "reference":
+        return causal_conv1d_reference(x, weight, bias, residual=residual, activation=activation,
+                                       initial_state=initial_state)
+    if be == "dao":
+        return _cuda.dao_forward(x, weight, bias, residual, activation, initial_state)
+    if be == "fla":
+        return _cuda.fla_forward(x, weight, bias, residual, activation, initial_state)
+    raise AssertionError(be)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# decode
+# ----------------------------------------------------------------------------------------------------------------
+
+def causal_conv1d_state(x: Tensor, kernel_size: int, initial_state: Optional[Tensor] = None) -> Tensor:
+    """Decode state after a prefill (spec models.md §6): the last K raw inputs, (B, C, K), zero-left-padded.
+
+    Args: x (B, T, C) the prefill inputs (before the residual add); kernel_size K >= 1; initial_state (B, C, K-1)
+    history before x, or None. Returns (B, C, K) in x.dtype; column K-1 is the newest input. Feed ``state[:, :, 1:]``
+    as ``initial_state`` to continue with another multi-token :func:`causal_conv1d` call.
+    Raises ValueError on bad shapes.
+    """
+    if x.dim() != 3 or int(kernel_size) < 1:
+        raise ValueError(f"causal_conv1d_state: x.shape={tuple(x.shape)}, kernel_size={kernel_size}; "
+                         f"allowed: x (B, T, C) and kernel_size >= 1")
+    K = int(kernel_size)
+    B, T, C = x.shape
+    hist = x.transpose(1, 2)
+    if initial_state is not None:
+        if tuple(initial_state.shape) != (B, C, K - 1):
+            raise ValueError(f"causal_conv1d_state: initial_state.shape={tuple(initial_state.shape)}; "
+                             f"allowed: {(B, C, K - 1)}")
+        hist = torch.cat([initial_state.to(x.dtype), hist], dim=-1)
+    n = hist.shape[-1]
+    return hist[..., n - K:].contiguous() if n >= K else F.pad(hist, (K - n, 0)).contiguous()
+
+
+@_assume_constant
+def _select_step(backend: str, device: str, dtype: torch.dtype, K: int) -> str:
+    """Decode backend: ``dao``/``fla`` when resolved and usable for K, else ``torch`` (constant under compile)."""
+    be = resolve_backend(backend, torch.device(device), dtype)
+    if be == "dao" and K in _cuda.DAO_WIDTHS:
+        return "dao"
+    if backend == "dao":
+        raise ValueError(f"causal_conv1d_step: backend 'dao' supports K in {_cuda.DAO_WIDTHS}; got K={K}")
+    if be in ("dao", "fla"):
+        fns, _ = _cuda.fla_functions()
+        if fns is not None and fns[1] is not None:
+            return "fla"
+    return "torch"
+
+
+def causal_conv1d_step(x_t: Tensor, state: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *,
+                       residual: bool = True, activation: bool = False,
+                       backend: str = "auto") -> tuple[Tensor, Tensor]:
+    """Decode one token (spec models.md §4.1, §6).
+
+    Args:
+        x_t: (B, C) new input; state: (B, C, K) the last K raw inputs (column K-1 newest); weight (C, K);
+        bias (C,) or None.
+        backend: ``auto`` (dao, else fla on CUDA when importable, else torch math), ``dao``, ``fla``, or
+            ``torch``/``reference``/``cpu`` (all three: the plain torch formula).
+
+    Returns:
+        (y_t (B, C) in x_t.dtype, new_state (B, C, K) in state.dtype) with new_state = roll-left(state) and x_t as
+        its last column, ``y_t = [x_t +] act(b + sum_j new_state[:, :, j] * weight[:, j])``. ``state`` is not
+        modified.
+
+    Raises:
+        ValueError: bad shapes. ConfigError: unknown or unavailable backend.
+    """
+    if x_t.dim() != 2 or state.dim() != 3 or state.shape[:2] != x_t.shape or weight.dim() != 2 \
+            or weight.shape[0] != x_t.shape[1] or state.shape[2] != weight.shape[1]:
+        raise ValueError(f"causal_conv1d_step: x_t {tuple(x_t.shape)}, state {tuple(state.shape)}, weight "
+                         f"{tuple(weight.shape)}; allowed: x_t (B, C), state (B, C, K), weight (C, K)")
+    if bias is not None and tuple(bias.shape) != (x_t.shape[1],):
+        raise ValueError(f"causal_conv1d_step: bias.shape={tuple(bias.shape)}; allowed: ({x_t.shape[1]},) or None")
+    be = _select_step(backend, str(x_t.device), x_t.dtype, int(weight.shape[1]))
+    if be == "dao":
+        return _cuda.dao_step(x_t, state, weight, bias, residual, activation)
+    if be == "fla":
+        return _cuda.fla_step(x_t, state, weight, bias, residual, activation)
+    new_state = torch.cat([state[:, :, 1:], x_t.unsqueeze(-1).to(state.dtype)], dim=-1)
+    cd = torch.promote_types(x_t.dtype, weight.dtype)
+    if cd in _LOW_PRECISION:
+        cd = torch.float32
+    z = (new_state.to(cd) * weight.to(cd)).sum(-1)
+    if bias is not None:
+        z = z + bias.to(cd)
+    if activation:
+        z = F.silu(z)
+    if residual:
+        z = z + x_t.to(cd)
+    return z.to(x_t.dtype), new_state

@@ -1,0 +1,147 @@
+"""CUDA fast paths for the Canon op: Dao-AILab ``causal_conv1d`` and fla's Triton ``causal_conv1d``.
+
+Both libraries are optional at run time and imported here lazily (inside functions), never when canonlm is imported
+(spec engineering.md §6.3, P20). Shapes follow :func:`canonlm.ops.canon.causal_conv1d`: x (B, T, C) channel-last,
+weight (C, K), bias (C,) or None, initial_state (B, C, K-1) = the previous K-1 raw inputs.
+
+* ``dao``: ``causal_conv1d.causal_conv1d_fn(x (B, C, T), weight (C, K), bias, seq_idx=None, initial_states
+  (B, C, K-1), return_final_states=False, final_states_out=None, activation=None|"silu")`` (spec models.md §5.1;
+  causal_conv1d_interface.py). x is passed as the channel-last *view* ``x.transpose(1, 2)`` (stride(1) == 1), which
+  needs C % 8 == 0 and K in {2, 3, 4}; initial_states must be channel-last too and of x's dtype; the bias must have
+  the weight's dtype. The residual is added outside. Decode: ``causal_conv1d_update(x (B, C), conv_state (B, C, K),
+  weight, bias, activation)`` updates ``conv_state`` in place (roll left, write x as the last column).
+* ``fla``: ``causal_conv1d(x (B, T, D), weight (D, W), bias, residual (B, T, D), initial_state (N, D, W),
+  output_final_state, activation) -> (y, final_state)`` (fla-core 0.6, ``fla/modules/causal_conv1d/ops.py``; older
+  releases: ``fla.modules.convolution``). fla's state is K wide with column 0 unused, so the (B, C, K-1) history is
+  left-padded by one zero column and the gradient of that column is dropped. Decode: ``causal_conv1d_update(x,
+  cache (N, D, W), residual, weight, bias, activation) -> (y, cache)`` (in place).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+DAO_WIDTHS = (2, 3, 4)
+
+_probe_cache: dict[str, tuple[Optional[object], Optional[str]]] = {}
+
+
+def _probe(name: str, loader: Callable[[], object]) -> tuple[Optional[object], Optional[str]]:
+    if name not in _probe_cache:
+        try:
+            _probe_cache[name] = (loader(), None)
+        except Exception as e:  # noqa: BLE001 -- ImportError, undefined symbol (OSError), triton errors, ...
+            _probe_cache[name] = (None, f"{type(e).__name__}: {e}")
+    return _probe_cache[name]
+
+
+def _load_dao():
+    mod = importlib.import_module("causal_conv1d")
+    return mod.causal_conv1d_fn, mod.causal_conv1d_update
+
+
+def _load_fla():
+    errors = []
+    for path in ("fla.modules.causal_conv1d.ops", "fla.modules.causal_conv1d", "fla.modules.conv.causal_conv1d",
+                 "fla.modules.conv", "fla.modules.convolution"):
+        try:
+            mod = importlib.import_module(path)
+        except ImportError as e:
+            errors.append(f"{path}: {e}")
+            continue
+        fn = getattr(mod, "causal_conv1d", None)
+        if callable(fn):
+            return fn, getattr(mod, "causal_conv1d_update", None)
+    raise ImportError("fla causal_conv1d not found (" + "; ".join(errors) + ")")
+
+
+def dao_functions():
+    """(causal_conv1d_fn, causal_conv1d_update) or None; second item: the import error message."""
+    return _probe("dao", _load_dao)
+
+
+def fla_functions():
+    """(causal_conv1d, causal_conv1d_update or None) or None; second item: the import error message."""
+    return _probe("fla", _load_fla)
+
+
+def dao_supports_shape(C: int, K: int, dtype: torch.dtype) -> Optional[str]:
+    """None if Dao's channel-last kernel accepts C channels, kernel size K and x dtype, else the reason."""
+    if K not in DAO_WIDTHS:
+        return f"kernel size K={K}; causal_conv1d supports K in {DAO_WIDTHS}"
+    if C % 8 != 0:
+        return f"channels C={C}; causal_conv1d's channel-last path needs C % 8 == 0"
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return f"dtype {dtype}; causal_conv1d supports float32, float16, bfloat16"
+    return None
+
+
+def dao_supports(x: Tensor, weight: Tensor) -> Optional[str]:
+    """None if Dao's channel-last kernel accepts these tensors, else the reason."""
+    return dao_supports_shape(weight.shape[0], weight.shape[1], x.dtype)
+
+
+def dao_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: bool, activation: bool,
+                initial_state: Optional[Tensor]) -> Tensor:
+    """Canon via ``causal_conv1d_fn`` on the channel-last view of x; differentiable (the library's autograd)."""
+    fns, err = dao_functions()
+    if fns is None:
+        raise RuntimeError(f"causal_conv1d unavailable: {err}")
+    fn = fns[0]
+    reason = dao_supports(x, weight)
+    if reason is not None:
+        raise ValueError(f"backend 'dao' cannot run: {reason}")
+    x = x.contiguous()
+    xt = x.transpose(1, 2)  # (B, C, T) view, stride(1) == 1
+    b = None if bias is None else bias.to(weight.dtype)
+    init = None
+    if initial_state is not None:
+        # channel-last (B, C, K-1): stride(1) == 1, same dtype as x
+        init = initial_state.to(x.dtype).transpose(1, 2).contiguous().transpose(1, 2)
+    y = fn(xt, weight, b, None, init, False, None, "silu" if activation else None).transpose(1, 2)
+    return x + y if residual else y
+
+
+def fla_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: bool, activation: bool,
+                initial_state: Optional[Tensor]) -> Tensor:
+    """Canon via fla's Triton ``causal_conv1d(x, weight, bias, residual=x)``; differentiable."""
+    fns, err = fla_functions()
+    if fns is None:
+        raise RuntimeError(f"fla causal_conv1d unavailable: {err}")
+    fn = fns[0]
+    state = None
+    if initial_state is not None:
+        state = F.pad(initial_state.to(x.dtype), (1, 0))  # (B, C, K): column 0 unused by fla
+    out = fn(x, weight=weight, bias=bias, residual=x if residual else None, initial_state=state,
+             output_final_state=False, activation="silu" if activation else None)
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def dao_step(x_t: Tensor, state: Tensor, weight: Tensor, bias: Optional[Tensor], residual: bool,
+             activation: bool) -> tuple[Tensor, Tensor]:
+    """One decode step with ``causal_conv1d_update`` on a copy of ``state`` (B, C, K)."""
+    fns, err = dao_functions()
+    if fns is None:
+        raise RuntimeError(f"causal_conv1d unavailable: {err}")
+    upd = fns[1]
+    new_state = state.to(x_t.dtype).contiguous().clone()
+    b = None if bias is None else bias.to(weight.dtype)
+    y = upd(x_t, new_state, weight, b, "silu" if activation else None)
+    return (x_t + y if residual else y), new_state
+
+
+def fla_step(x_t: Tensor, state: Tensor, weight: Tensor, bias: Optional[Tensor], residual: bool,
+             activation: bool) -> tuple[Tensor, Tensor]:
+    """One decode step with fla's ``causal_conv1d_update`` on a copy of ``state`` (B, C, K)."""
+    fns, err = fla_functions()
+    if fns is None or fns[1] is None:
+        raise RuntimeError(f"fla causal_conv1d_update unavailable: {err or 'not exported by this fla version'}")
+    upd = fns[1]
+    new_state = state.to(x_t.dtype).contiguous().clone()
+    y, new_state = upd(x_t, new_state, x_t if residual else None, weight, bias, "silu" if activation else None)
+    return y, new_state
