@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from canonlm.arch.config import build_model_config
 from canonlm.arch.model import LlamaCanon
+from canonlm.utils.allocator import tune_malloc
 
 V, L, D, H, FF, T, B = 2000, 4, 256, 4, 704, 512, 8
 
@@ -72,7 +73,11 @@ def main() -> None:
     ap.add_argument("--canon-backend", default="auto", help="kernels.canon for the Canon model")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' LlamaForCausalLM")
     ap.add_argument("--compile", action="store_true", help="also compile each model (module.compile())")
+    ap.add_argument("--default-malloc", action="store_true",
+                    help="keep glibc's allocator defaults (train.py tunes them; see canonlm.utils.allocator)")
     args = ap.parse_args()
+    if not args.default_malloc:
+        tune_malloc()  # process-wide: applies to every model measured here alike
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
@@ -97,7 +102,8 @@ def main() -> None:
 
     med = {r.name: statistics.median(r.times) for r in runners}
     print(f"# {L}L/{D}D, T={T}, B={B} ({B * T} tokens/step), threads={torch.get_num_threads()}, "
-          f"torch {torch.__version__}, canon backend={args.canon_backend}, compile={args.compile}")
+          f"torch {torch.__version__}, canon backend={args.canon_backend}, compile={args.compile}, "
+          f"malloc={'default' if args.default_malloc else 'tuned'}")
     print(f"{'config':<22} {'step s':>8} {'tok/s':>9}")
     for r in runners:
         print(f"{r.name:<22} {med[r.name]:>8.3f} {B * T / med[r.name]:>9.0f}")

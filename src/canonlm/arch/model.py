@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from canonlm.arch.canon import Canon
@@ -100,6 +101,17 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
         H, Hkv, dh = self.n_heads, self.n_kv_heads, self.head_dim
+        if self.q_norm is None and self.canon_b is None:
+            # Plain attention: three matmuls on row slices of the fused weight (same math). Their gradients need no
+            # concatenation into a (B, T, (H + 2Hkv)·dh) tensor in the backward.
+            wq, wk, wv = self.wqkv.weight.split([H * dh, Hkv * dh, Hkv * dh], dim=0)
+            q = F.linear(x, wq).unflatten(-1, (H, dh))
+            k = F.linear(x, wk).unflatten(-1, (Hkv, dh))
+            v = F.linear(x, wv).unflatten(-1, (Hkv, dh))
+            if cos is not None:
+                q, k = apply_rope(q, cos, sin, self.pairing), apply_rope(k, cos, sin, self.pairing)
+            o = attention_ops.attention(q, k, v, causal=True, backend=self.backend)
+            return self.wo(o.flatten(2))
         qkv = self.wqkv(x)                                             # (B, T, (H + 2Hkv)·dh) = [q ; k ; v]
         if self.q_norm is not None:
             q, k, v = qkv.split([H * dh, Hkv * dh, Hkv * dh], dim=-1)

@@ -79,6 +79,11 @@ class MLP(nn.Module):
         self.w2 = nn.Linear(d_ff, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "gated" and self.canon_d is None:
+            # No Canon-D: two matmuls on row slices of the fused weight. Same math; the backward then needs no
+            # concatenation of the (B, T, 2·d_ff) gate/up gradients (a full activation-sized copy per layer).
+            w1, w3 = self.w13.weight.chunk(2, dim=0)
+            return self.w2(activation(self.act, F.linear(x, w1)) * F.linear(x, w3))
         h = self.w13(x)
         if self.canon_d is not None:
             h = self.canon_d(h)

@@ -69,7 +69,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairing: s
     sin = sin.to(x.dtype)[:, None, :]
     if pairing == "half":
         x1, x2 = x[..., :half], x[..., half:r]
-        rot = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+        rot = [torch.addcmul(x1 * cos, x2, sin, value=-1), torch.addcmul(x2 * cos, x1, sin)]
         return torch.cat(rot + [x[..., r:]] if r < D else rot, dim=-1)
     if pairing == "interleaved":
         xr = x[..., :r].unflatten(-1, (half, 2))
