@@ -11,6 +11,7 @@ import itertools
 
 import pytest
 import torch
+from oracles import canon_loop as loop_oracle
 
 from canonlm.ops.canon import available_backends, causal_conv1d, causal_conv1d_step
 
@@ -25,23 +26,6 @@ def _skip_unless(backend: str) -> None:
     reason = available_backends(torch.device("cuda"), torch.float32)[backend]
     if reason is not None:
         pytest.skip(f"{backend} unavailable: {reason}")
-
-
-def loop_oracle(x, w, b=None, residual=True, activation=False, init=None):
-    """y[:, t] = [x_t +] act(b + sum_i w[:, i] * x[:, t-K+1+i]); history zeros or init (B, C, K-1)."""
-    B, T, C = x.shape
-    K = w.shape[1]
-    hist = [init[:, :, j] for j in range(K - 1)] if init is not None else [x.new_zeros(B, C)] * (K - 1)
-    seq = hist + [x[:, t] for t in range(T)]
-    out = []
-    for t in range(T):
-        z = b.expand(B, C) if b is not None else x.new_zeros(B, C)
-        for i in range(K):
-            z = z + w[:, i] * seq[t + i]
-        if activation:
-            z = z * torch.sigmoid(z)
-        out.append(x[:, t] + z if residual else z)
-    return torch.stack(out, dim=1)
 
 
 def _grads(fn, leaves, dy):

@@ -6,26 +6,14 @@ import math
 
 import pytest
 import torch
+from oracles import canon_loop
 
 from canonlm.arch import Canon, CanonConfig, LlamaCanon, build_model_config
 
 
 def loop_oracle(x, w, b=None, residual=True, activation=False):
-    """y[:, t] = [x_t +] act(b + sum_i w[:, i] * x[:, t-K+1+i]) with x_{<0} = 0, as a plain loop in float64."""
-    x64, w64 = x.double(), w.double()
-    B, T, C = x.shape
-    K = w.shape[1]
-    y = torch.zeros(B, T, C, dtype=torch.float64)
-    for t in range(T):
-        acc = torch.zeros(B, C, dtype=torch.float64) if b is None else b.double().expand(B, C).clone()
-        for i in range(K):
-            src = t - (K - 1) + i
-            if src >= 0:
-                acc += w64[:, i] * x64[:, src]
-        if activation:
-            acc = acc * torch.sigmoid(acc)
-        y[:, t] = x64[:, t] + acc if residual else acc
-    return y
+    """The shared plain-loop oracle, in float64."""
+    return canon_loop(x.double(), w.double(), None if b is None else b.double(), residual, activation)
 
 
 @pytest.mark.parametrize("K", [1, 2, 3, 4, 5])

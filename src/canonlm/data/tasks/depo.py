@@ -87,6 +87,8 @@ class DepoTask:
         num_groups: K + 1 (metric group = k; 0 = not scored). group_name: ``"k"``.
         bos_id, ans_id, eos_id (None without eos): special ids; ``query_id(k)`` -> id of ``<query_k>``.
         eval_ks: tuple of the depths eval queries use (powers_of_two: {1, 2, 4, ..} ∪ {K}; fixed: eval_k).
+        chance: 1 / N, the whole-answer accuracy of guessing one of the n = N names of an eval instance (the floor
+            failing models sit at in the paper's tables, tasks.md §2.4).
     Raises ConfigError (naming ``task.<key>``) for unknown keys, wrong types, N < 3, K < 1, vocab_V < 1,
     min_len > max_len, fewer distinct names than N, V**max_len > 2**40, unknown name / loss_on / vocab / tail /
     eval_k_mode, eval_k missing (fixed) or given (powers_of_two) or outside [1, K], official ids overflowing.
@@ -177,6 +179,7 @@ class DepoTask:
         self.ans_id = self._map(self._c_ans)
         self.eos_id = self._map(self._c_eos) if self.eos else None
         self.num_groups = K + 1
+        self.chance = 1.0 / self.N
 
         self._special_rows = 3 + K  # table rows after the names: bos, ans, eos, query_1..query_K
         self._vpow = self.V ** np.arange(self.max_len, dtype=np.int64)

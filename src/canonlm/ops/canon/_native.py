@@ -291,16 +291,20 @@ def _setup_context(ctx, inputs, output):
     ctx.residual, ctx.activation = residual, activation
 
 
-def _backward(ctx, dy):
+def _grads(ctx, dy, bwd):
+    """Shared backward of the custom op and of :class:`_CanonFunction`: ``bwd`` is the op or its eager impl."""
     x, weight, bias, initial_state = ctx.saved_tensors
     need_dinit = initial_state is not None and ctx.needs_input_grad[3]
-    dx, dw, db, dinit = canon_conv_bwd(dy, x, weight, bias, initial_state, ctx.residual, ctx.activation,
-                                       need_dinit)
+    dx, dw, db, dinit = bwd(dy, x, weight, bias, initial_state, ctx.residual, ctx.activation, need_dinit)
     return (dx if ctx.needs_input_grad[0] else None,
             dw if ctx.needs_input_grad[1] else None,
             db.to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None,
             dinit if need_dinit else None,
             None, None)
+
+
+def _backward(ctx, dy):
+    return _grads(ctx, dy, canon_conv_bwd)
 
 
 canon_conv_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -318,15 +322,7 @@ class _CanonFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight, bias, initial_state = ctx.saved_tensors
-        need_dinit = initial_state is not None and ctx.needs_input_grad[3]
-        dx, dw, db, dinit = canon_bwd_impl(dy, x, weight, bias, initial_state, ctx.residual, ctx.activation,
-                                           need_dinit)
-        return (dx if ctx.needs_input_grad[0] else None,
-                dw if ctx.needs_input_grad[1] else None,
-                db.to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None,
-                dinit if need_dinit else None,
-                None, None)
+        return _grads(ctx, dy, canon_bwd_impl)
 
 
 def canon_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor], initial_state: Optional[Tensor],
