@@ -182,13 +182,14 @@ def test_param_count_12L768D_canon_abcd():
     assert 0.0044 < 380_928 / base.num_params(non_embedding=True) < 0.0046
 
 
+# d_ff for the gated MLP: 8d/3 rounded up to a multiple of 256 (models.md §2): 512 -> 1536, 256 -> 768.
 @pytest.mark.parametrize("size,kw,canon,exp", [
-    ("8L512D", {}, "AC", dict(L=8, d=512, H=8, Hkv=8, d_ff=1408)),
-    ("12L512D", {"n_kv_heads": 2, "qk_norm": "whole"}, "ABCD", dict(L=12, d=512, H=8, Hkv=2, d_ff=1408,
+    ("8L512D", {}, "AC", dict(L=8, d=512, H=8, Hkv=8, d_ff=1536)),
+    ("12L512D", {"n_kv_heads": 2, "qk_norm": "whole"}, "ABCD", dict(L=12, d=512, H=8, Hkv=2, d_ff=1536,
                                                                      qk_norm="whole")),
     ("8L768D", {"mlp": "standard"}, "BD", dict(L=8, d=768, H=12, Hkv=12, d_ff=3072, mlp="standard")),
     ("4L256D", {"qk_norm": "per_head", "tie_embeddings": True}, "ABD",
-     dict(L=4, d=256, H=4, Hkv=4, d_ff=704, qk_norm="per_head", tied=True)),
+     dict(L=4, d=256, H=4, Hkv=4, d_ff=768, qk_norm="per_head", tied=True)),
 ])
 def test_param_counts_match_formula(size, kw, canon, exp):
     model = meta_model(size, canon, **kw)

@@ -104,6 +104,12 @@ BAD = [
     (["task.context=64"], "task.context=64"),          # shorter than the largest instance
     (["kernels.attention=flash"], "model.kernels.attention='flash'"),  # optional library requested explicitly
     (["kernels.canon=dao"], "model.kernels.canon='dao'"),
+    (["canon.residual=maybe"], "canon.residual='maybe'"),            # not a boolean
+    (["model.size=4L100D", "model.n_heads=4"], "even head_dim"),     # head_dim 25 cannot be rotated
+    (["loss.z_coef=abc"], "loss.z_coef='abc'"),
+    (["optim.betas=[0.9]"], "optim.betas=[0.9]"),
+    (["trainer.accelerator=gpu"], "invalid config: trainer="),       # Lightning's own check, before any model
+    (["data.batch_size=10", "trainer.accumulate_grad_batches=4"], "data.batch_size=10"),
 ]
 
 

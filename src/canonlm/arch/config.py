@@ -101,7 +101,7 @@ class ModelConfig:
     n_heads: int = 4
     n_kv_heads: int | None = None
     d_ff: int | None = None
-    ffn_multiple_of: int = 64
+    ffn_multiple_of: int = 256
     mlp: str = "gated"
     mlp_act: str = "silu"
     norm_eps: float = 1e-6
@@ -125,6 +125,9 @@ class ModelConfig:
 
     @property
     def ffn_dim(self) -> int:
+        """MLP hidden width: ``d_ff`` if set; standard MLP 4d; gated ``m * ceil(8d / 3 / m)`` with
+        ``m = ffn_multiple_of`` (default 256: "8/3·d rounded up to 256", models.md §2 / lingua; ``m = 1`` gives
+        HF's unrounded 8d/3 (ceil), tasks.md §1.2). E.g. d=768 -> 2048, d=512 -> 1536, d=128 -> 512."""
         if self.d_ff is not None:
             return self.d_ff
         if self.mlp == "standard":
@@ -150,6 +153,16 @@ def _choice(key: str, value: Any, allowed: tuple) -> None:
 def _positive_int(key: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ConfigError(key, value, "a positive integer")
+
+
+def _positive_float(key: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(key, value, "a positive number")
+
+
+def _bool(key: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(key, value, "true | false")
 
 
 def parse_size(size: str) -> tuple[int, int, int]:
@@ -183,10 +196,9 @@ def validate(cfg: ModelConfig) -> ModelConfig:
     _choice("model.mlp_act", cfg.mlp_act, ("silu", "relu2", "gelu"))
     _choice("model.qk_norm", cfg.qk_norm, ("none", "whole", "per_head"))
     _choice("model.init", cfg.init, ("hf_normal", "lingua"))
-    if not cfg.init_std > 0:
-        raise ConfigError("model.init_std", cfg.init_std, "a positive float")
-    if not cfg.norm_eps > 0:
-        raise ConfigError("model.norm_eps", cfg.norm_eps, "a positive float")
+    _positive_float("model.init_std", cfg.init_std)
+    _positive_float("model.norm_eps", cfg.norm_eps)
+    _bool("model.tie_embeddings", cfg.tie_embeddings)
     _choice("model.ops", cfg.ops, ("auto", "reference", "fused"))
     for op, backend in cfg.kernels.items():
         _choice("model.kernels", op, ("canon", "attention"))
@@ -199,19 +211,23 @@ def validate(cfg: ModelConfig) -> ModelConfig:
                              if "b" in bad else ""))
     _positive_int("canon.kernel", c.kernel)
     _choice("canon.init", c.init, ("default", "identity", "fixed"))
+    for key in ("residual", "activation", "bias", "trainable"):
+        _bool(f"canon.{key}", getattr(c, key))
 
     p = cfg.pos
     _choice("pos.type", p.type, ("rope", "partial_rope", "nope"))
     _choice("pos.pairing", p.pairing, ("half", "interleaved"))
-    if not p.theta > 0:
-        raise ConfigError("pos.theta", p.theta, "a positive float")
+    _positive_float("pos.theta", p.theta)
     if p.type == "partial_rope":
-        if not (0.0 < float(p.fraction) <= 1.0):
+        if isinstance(p.fraction, bool) or not isinstance(p.fraction, (int, float)) or not 0.0 < p.fraction <= 1.0:
             raise ConfigError("pos.fraction", p.fraction, "a fraction of head dims in (0, 1] (paper's reduced RoPE: 0.25)")
         r = cfg.rope_dim
         if r < 2 or r % 2:
             raise ConfigError("pos.fraction", p.fraction,
                               f"a fraction whose rotated width round(fraction*head_dim={cfg.head_dim}) is even and >= 2 (got {r})")
+    elif p.type == "rope" and cfg.head_dim % 2:
+        raise ConfigError("model.n_heads", cfg.n_heads, f"a head count giving an even head_dim for RoPE "
+                          f"(d_model={cfg.d_model} / n_heads = {cfg.head_dim}), or pos=nope")
     return cfg
 
 

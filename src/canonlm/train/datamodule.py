@@ -9,8 +9,9 @@ step is identical for any number of GPUs (tasks.md §1.1). The training stream s
 
 from __future__ import annotations
 
+import itertools
 import math
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import lightning.pytorch as L
 import torch
@@ -18,6 +19,27 @@ from torch.utils.data import DataLoader
 
 from canonlm.arch.config import ConfigError
 from canonlm.data.stream import SyntheticStream
+
+
+class StepGroups:
+    """Iterate a loader in groups of ``accumulate`` micro-batches (one optimizer step) and add to every batch
+    ``step_loss_tokens``: int64 0-d tensor, this rank's number of loss tokens (``loss_mask[:, 1:]``) in the whole
+    group. The module all-reduces it to normalise the step's loss by the global loss-token count (engineering.md
+    P25). Batches are otherwise passed through unchanged (dicts of (B, T) tensors)."""
+
+    def __init__(self, loader: DataLoader, accumulate: int):
+        self.loader, self.accumulate = loader, max(int(accumulate), 1)
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        it = iter(self.loader)
+        while True:
+            group = list(itertools.islice(it, self.accumulate))
+            if not group:
+                return
+            n = torch.tensor(sum(int(b["loss_mask"][:, 1:].sum()) for b in group), dtype=torch.long)
+            for b in group:
+                b["step_loss_tokens"] = n
+                yield b
 
 
 class SyntheticDataModule(L.LightningDataModule):
@@ -66,13 +88,17 @@ class SyntheticDataModule(L.LightningDataModule):
         return DataLoader(ds, batch_size=None, num_workers=self.num_workers, pin_memory=pin,
                           persistent_workers=False)
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> StepGroups:
+        """The training stream from micro-batch ``global_step * accumulate_grad_batches`` (exact resume), in
+        optimizer-step groups carrying ``step_loss_tokens`` (:class:`StepGroups`). Under ``overfit_batches=n``
+        (debug=overfit) the same first n micro-batches are replayed every epoch."""
         trainer = self.trainer
+        accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
         overfit = trainer.overfit_batches if trainer is not None else 0
-        if overfit and overfit >= 1:  # debug=overfit: the same first micro-batches, replayed every epoch
-            return self._loader("train", start_step=0, num_steps=int(overfit))
-        start = trainer.global_step * trainer.accumulate_grad_batches if trainer is not None else 0
-        return self._loader("train", start_step=start)
+        if overfit and overfit >= 1:
+            return StepGroups(self._loader("train", start_step=0, num_steps=int(overfit)), accumulate)
+        start = trainer.global_step * accumulate if trainer is not None else 0
+        return StepGroups(self._loader("train", start_step=start), accumulate)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader("val", num_windows=self.val_windows)

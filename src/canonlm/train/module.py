@@ -115,17 +115,23 @@ class LMModule(L.LightningModule):
         return logits, out
 
     def training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """Loss of one micro-batch, scaled so that the optimizer step's gradient is
+        ``sum over micro-batches and ranks of loss_sum / (loss tokens of the whole step on all ranks)``:
+        Lightning divides by ``accumulate_grad_batches`` and DDP/FSDP average over ranks, so the returned value is
+        ``loss_sum * world * accumulate / n_step`` with ``n_step`` = all-reduced ``batch["step_loss_tokens"]``
+        (engineering.md P25). Logs ``train/loss`` (this micro-batch's mean over its loss tokens, all ranks)."""
         _, out = self._loss(batch)
-        n_global = self._global_sum(out["n_tokens"].detach().float()).clamp_min(1.0)
-        world = self.trainer.world_size
-        # DDP/FSDP average gradients over ranks: scaling by world makes the result sum(loss) / global token count.
-        loss = out["loss_sum"] * (world / n_global)
+        world, accumulate = self.trainer.world_size, self.trainer.accumulate_grad_batches
+        n_local = batch.get("step_loss_tokens", out["n_tokens"]).to(self.device, torch.float32)
+        n_step = self._global_sum(n_local).clamp_min(1.0)
+        loss = out["loss_sum"] * (world * accumulate / n_step)
         with torch.no_grad():
-            nll = self._global_sum(out["nll_sum"].detach().float()) / n_global
-            loss_global = self._global_sum(out["loss_sum"].detach().float()) / n_global
+            n_micro = self._global_sum(out["n_tokens"].detach().float()).clamp_min(1.0)
+            nll = self._global_sum(out["nll_sum"].detach().float()) / n_micro
+            loss_global = self._global_sum(out["loss_sum"].detach().float()) / n_micro
         self.log("train/loss", loss_global, prog_bar=True)
         self.log("train/nll", nll, prog_bar=False)
-        self.log("train/loss_tokens", n_global)
+        self.log("train/loss_tokens", n_micro)
         return loss
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:

@@ -11,6 +11,7 @@ Order (nothing is built or trained before every check has passed):
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -24,6 +25,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from canonlm.arch.config import ConfigError, ModelConfig, build_model_config
 from canonlm.data.tasks import build_task
+from canonlm.train.resolvers import register_resolvers
+
+register_resolvers()  # also in Hydra launcher workers (submitit pickles `main`; train.py's import never runs there)
 
 log = logging.getLogger("canonlm")
 
@@ -60,6 +64,17 @@ def validate_training(cfg: DictConfig) -> None:
     z = cfg.loss.get("z_loss", "none")
     if z not in ("none", "lingua", "palm"):
         raise ConfigError("loss.z_loss", z, "none | lingua | palm")
+    zc = cfg.loss.get("z_coef")
+    if isinstance(zc, bool) or not isinstance(zc, (int, float)) or zc < 0:
+        raise ConfigError("loss.z_coef", zc, "a number >= 0")
+    betas = cfg.optim.get("betas")
+    if betas is not None and (len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)):
+        raise ConfigError("optim.betas", list(betas) if hasattr(betas, "__len__") else betas,
+                          "two numbers in [0, 1), e.g. [0.9, 0.98]")
+    for key, lo in (("eps", 0.0), ("weight_decay", -1e-12)):
+        v = cfg.optim.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > lo):
+            raise ConfigError(f"optim.{key}", v, "a positive number" if key == "eps" else "a number >= 0")
     name = cfg.strategy.get("name")
     if name not in STRATEGIES:
         raise ConfigError("strategy.name", name, " | ".join(STRATEGIES))
@@ -148,6 +163,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     """Train and evaluate as configured; returns the results dict also written to ``<run dir>/results.json``."""
     import lightning.pytorch as L
     from hydra.utils import instantiate
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
 
     from canonlm.train.checkpoint import AtomicCheckpointIO
     from canonlm.train.datamodule import SyntheticDataModule
@@ -167,31 +183,44 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     output_dir = str(cfg.paths.output_dir)
     ckpt = resolve_ckpt(cfg, output_dir)
 
-    # 2. build
-    L.seed_everything(int(cfg.seed), workers=False, verbose=False)
+    # 2. build: the Trainer first (Lightning's own argument checks, world size), then data and model
     task_cfg = _container(cfg.task)
     dm = SyntheticDataModule(task, task_cfg, batch_size=cfg.data.batch_size, num_workers=cfg.data.num_workers,
                              val_windows=cfg.data.val_windows, test_windows=cfg.data.test_windows)
+    callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
+    loggers = []
+    for name, lg in (cfg.get("logger") or {}).items():
+        if lg is None:
+            continue
+        if name == "wandb" and lg.get("id") is None:  # stable across resumes, distinct across multirun jobs
+            lg = OmegaConf.merge(lg, {"id": f"{cfg.get('run_name')}-{hashlib.sha1(output_dir.encode()).hexdigest()[:8]}"})
+        loggers.append(instantiate(lg))
+    loggers.append(JSONLLogger(output_dir))
+    trainer_kwargs = _container(cfg.trainer)
+    trainer_kwargs.pop("_target_", None)
+    accumulate = int(trainer_kwargs.get("accumulate_grad_batches") or 1)
+    if isinstance(trainer_kwargs.get("val_check_interval"), int):  # config: optimizer steps; Lightning: batches
+        trainer_kwargs["val_check_interval"] *= accumulate
+    plugins: list[Any] = [] if cfg.strategy.name == "fsdp2" else [AtomicCheckpointIO()]
+    if os.environ.get("SLURM_JOB_ID"):
+        from lightning.pytorch.plugins.environments import SLURMEnvironment
+
+        plugins.append(SLURMEnvironment(auto_requeue=False))  # the Preemption callback owns requeueing (P9)
+    try:
+        trainer = L.Trainer(**trainer_kwargs, strategy=_strategy(cfg), callbacks=callbacks, logger=loggers,
+                            plugins=plugins)
+    except (MisconfigurationException, ValueError, TypeError) as e:
+        raise ConfigError("trainer", {k: v for k, v in trainer_kwargs.items() if k != "default_root_dir"},
+                          f"arguments Lightning accepts on this machine ({e})") from None
+    dm.micro_batch(trainer.world_size, trainer.accumulate_grad_batches)  # raises ConfigError before building
+
+    L.seed_everything(int(cfg.seed), workers=False, verbose=False)
     fsdp = _container(cfg.strategy) if cfg.strategy.name == "fsdp2" else None
     module = LMModule(mcfg, optimizer=instantiate(cfg.optim), sched=_container(cfg.sched),
                       total_steps=cfg.trainer.max_steps, loss=_container(cfg.loss), num_groups=task.num_groups,
                       group_name=getattr(task, "group_name", "group"), compile=bool(cfg.get("compile", False)),
                       activation_checkpointing=bool(cfg.get("activation_checkpointing", False)), fsdp=fsdp)
     module.tokens_per_step = int(cfg.data.batch_size) * int(task_cfg["context"])
-
-    callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
-    loggers = [instantiate(lg) for lg in (cfg.get("logger") or {}).values() if lg is not None]
-    loggers.append(JSONLLogger(output_dir))
-    trainer_kwargs = _container(cfg.trainer)
-    trainer_kwargs.pop("_target_", None)
-    plugins: list[Any] = [] if cfg.strategy.name == "fsdp2" else [AtomicCheckpointIO()]
-    if os.environ.get("SLURM_JOB_ID"):
-        from lightning.pytorch.plugins.environments import SLURMEnvironment
-
-        plugins.append(SLURMEnvironment(auto_requeue=False))  # the Preemption callback owns requeueing (P9)
-    trainer = L.Trainer(**trainer_kwargs, strategy=_strategy(cfg), callbacks=callbacks, logger=loggers,
-                        plugins=plugins)
-    dm.micro_batch(trainer.world_size, trainer.accumulate_grad_batches)  # raises ConfigError before training
 
     n_params = module.model.num_params()
     if trainer.is_global_zero:
