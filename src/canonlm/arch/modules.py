@@ -29,7 +29,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), (self.dim,), self.weight.float(), self.eps).to(x.dtype)
+        dt = torch.promote_types(x.dtype, torch.float32)  # at least fp32 (bf16/fp16 upcast; fp64 stays fp64)
+        return F.rms_norm(x.to(dt), (self.dim,), self.weight.to(dt), self.eps).to(x.dtype)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
