@@ -2,13 +2,14 @@
 
 One training step = forward + cross-entropy + backward + AdamW step, on a 4L/256D model (4 heads, SwiGLU 704,
 untied, vocab 2000) at T=512, B=8 (4096 tokens/step), fp32 and bf16 autocast, 2 threads. Every configuration is
-measured in this one run (warm-up steps, then the median over rounds that interleave the configurations, so
-machine drift hits all of them alike), and the script prints tokens/s and the ratios the project targets:
+measured in this one run (warm-up steps, then the median over rounds that interleave the configurations in a rotating
+order, so machine drift and cache effects hit all of them alike), and the script prints tokens/s and the ratios the project targets:
 
     canon_overhead  = step(Canon-ABCD) / step(no Canon)         target <= 1.15
     vs_transformers = step(canonlm, no Canon) / step(HF Llama)  target <= 1.00
 
-Usage: python bench/train_throughput.py [--steps 6] [--threads 2] [--canon-backend auto] [--no-hf] [--compile]
+Usage: python bench/train_throughput.py [--steps 12] [--threads 2] [--canon-backend auto] [--no-hf] [--compile]
+       [--dtypes fp32,bf16] [--no-canon-arm]
 """
 
 from __future__ import annotations
@@ -67,11 +68,14 @@ class Runner:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=6, help="measured rounds (median reported)")
+    ap.add_argument("--steps", type=int, default=12, help="measured rounds (median reported)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--canon-backend", default="auto", help="kernels.canon for the Canon model")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' LlamaForCausalLM")
+    ap.add_argument("--dtypes", default="fp32,bf16", help="comma list of fp32, bf16")
+    ap.add_argument("--no-canon-arm", action="store_true",
+                    help="measure only canonlm without Canon (and HF): the two-model comparison")
     ap.add_argument("--compile", action="store_true", help="also compile each model (module.compile())")
     ap.add_argument("--default-malloc", action="store_true",
                     help="keep glibc's allocator defaults (train.py tunes them; see canonlm.utils.allocator)")
@@ -82,10 +86,11 @@ def main() -> None:
     torch.manual_seed(0)
 
     runners: list[Runner] = []
-    for bf16 in (False, True):
-        tag = "bf16" if bf16 else "fp32"
+    for tag in args.dtypes.split(","):
+        bf16 = tag == "bf16"
         runners.append(Runner(f"canonlm none {tag}", canonlm_model("", args.canon_backend), False, bf16))
-        runners.append(Runner(f"canonlm ABCD {tag}", canonlm_model("ABCD", args.canon_backend), False, bf16))
+        if not args.no_canon_arm:
+            runners.append(Runner(f"canonlm ABCD {tag}", canonlm_model("ABCD", args.canon_backend), False, bf16))
         if not args.no_hf:
             m = hf_model()
             if m is not None:
@@ -96,8 +101,8 @@ def main() -> None:
     for r in runners:
         for _ in range(args.warmup):
             r.step()
-    for _ in range(args.steps):
-        for r in runners:
+    for i in range(args.steps):  # rotate the order every round so no configuration always follows the same one
+        for r in runners[i % len(runners):] + runners[:i % len(runners)]:
             r.times.append(r.step())
 
     med = {r.name: statistics.median(r.times) for r in runners}
@@ -107,9 +112,10 @@ def main() -> None:
     print(f"{'config':<22} {'step s':>8} {'tok/s':>9}")
     for r in runners:
         print(f"{r.name:<22} {med[r.name]:>8.3f} {B * T / med[r.name]:>9.0f}")
-    for tag in ("fp32", "bf16"):
-        over = med[f"canonlm ABCD {tag}"] / med[f"canonlm none {tag}"]
-        print(f"canon_overhead {tag}: {over:.3f}x  (target <= 1.15)")
+    for tag in args.dtypes.split(","):
+        if f"canonlm ABCD {tag}" in med:
+            over = med[f"canonlm ABCD {tag}"] / med[f"canonlm none {tag}"]
+            print(f"canon_overhead {tag}: {over:.3f}x  (target <= 1.15)")
         if f"hf-llama {tag}" in med:
             ratio = med[f"canonlm none {tag}"] / med[f"hf-llama {tag}"]
             print(f"vs_transformers {tag}: {ratio:.3f}x step time of LlamaForCausalLM  (target <= 1.00)")
