@@ -46,7 +46,7 @@ def naive_pack(task, split, w, T, seed, tail="drop", G=8):
         i += 1
     lo, hi = part * T, (part + 1) * T
     out_t, out_l, out_a, out_g = toks[lo:hi], loss[lo:hi], [], []
-    dense, last = {}, None
+    dense = {}
     for p in range(lo, hi):
         a = ans[p]
         ok = a is not None and starts[p] >= lo and a[2] <= hi

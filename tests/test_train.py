@@ -57,28 +57,24 @@ def test_train_py_end_to_end(tmp_path):
     assert max(steps) >= 35
 
 
-def _final_weights(overrides, out):
-    import torch
-
+def _run_in_process(overrides, out):
+    """``canonlm.train.run.run`` on the tiny config (no subprocess); returns its results dict."""
     from canonlm.train.run import run
 
     cfg = compose([*TINY, *overrides, "logger=none", "callbacks=default", "callbacks.progress.force=lines"],
                   output_dir=out)
-    res = run(cfg)
-    return res
+    return run(cfg)
 
 
 def test_resume_equals_continuous(tmp_path):
     """Train 16 steps straight vs 8 steps + resume from the step-8 checkpoint: same data, same final loss."""
-    import torch
-
     common = ["trainer.val_check_interval=8", "callbacks.checkpoint.every_n_train_steps=8", "test=false",
               "trainer.max_steps=16"]
-    a = _final_weights(common, tmp_path / "a")
-    b1 = _final_weights([*common[:-1], "trainer.max_steps=8"], tmp_path / "b")
+    a = _run_in_process(common, tmp_path / "a")
+    _run_in_process([*common[:-1], "trainer.max_steps=8"], tmp_path / "b")
     ck = tmp_path / "b" / "checkpoints" / "last.ckpt"
     assert ck.exists()
-    b2 = _final_weights([*common, "ckpt_path=auto"], tmp_path / "b")
+    b2 = _run_in_process([*common, "ckpt_path=auto"], tmp_path / "b")
     assert b2["steps"] == a["steps"] == 16
     assert b2["val"]["loss"] == pytest.approx(a["val"]["loss"], rel=1e-5, abs=1e-6)
     assert b2["val"]["by_group"] == a["val"]["by_group"]
@@ -97,8 +93,8 @@ def test_gradient_accumulation_matches_full_batch(tmp_path):
     """8 windows in one micro-batch vs 2 micro-batches of 4: the loss is normalised by the loss tokens of the whole
     optimizer step (P25), so the trained models agree."""
     common = ["trainer.val_check_interval=4", "test=false", "trainer.max_steps=4"]
-    a = _final_weights(common, tmp_path / "a")
-    b = _final_weights([*common, "trainer.accumulate_grad_batches=2"], tmp_path / "b")
+    a = _run_in_process(common, tmp_path / "a")
+    b = _run_in_process([*common, "trainer.accumulate_grad_batches=2"], tmp_path / "b")
     assert b["steps"] == a["steps"] == 4
     assert b["val"]["loss"] == pytest.approx(a["val"]["loss"], rel=1e-4)
 

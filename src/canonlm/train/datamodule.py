@@ -83,8 +83,7 @@ class SyntheticDataModule(L.LightningDataModule):
             num_steps = max(1, math.ceil(num_windows / (micro * world)))
         ds = SyntheticStream(self.task, split, window=self.window, batch_size=micro, seed=self.seed, rank=rank,
                              world_size=world, start_step=start_step, num_steps=num_steps, tail=self.tail)
-        pin = bool(trainer is not None and trainer.accelerator is not None
-                   and type(trainer.accelerator).__name__ == "CUDAAccelerator")
+        pin = trainer is not None and trainer.strategy.root_device.type == "cuda"
         return DataLoader(ds, batch_size=None, num_workers=self.num_workers, pin_memory=pin,
                           persistent_workers=False)
 

@@ -56,7 +56,6 @@ class LMModule(L.LightningModule):
                  group_name: str = "group", compile: bool = False, activation_checkpointing: bool = False,
                  fsdp: Mapping[str, Any] | None = None):
         super().__init__()
-        self.model_cfg = model_cfg
         self.model = LlamaCanon(model_cfg)
         self.optimizer_factory = optimizer
         self.sched = dict(sched)
@@ -123,12 +122,12 @@ class LMModule(L.LightningModule):
         _, out = self._loss(batch)
         world, accumulate = self.trainer.world_size, self.trainer.accumulate_grad_batches
         n_local = batch.get("step_loss_tokens", out["n_tokens"]).to(self.device, torch.float32)
-        n_step = self._global_sum(n_local).clamp_min(1.0)
+        # one collective for the step's token count and the logged sums: [n_step, n_micro, nll_sum, loss_sum]
+        sums = self._global_sum(torch.stack([n_local, out["n_tokens"].detach().float(),
+                                             out["nll_sum"].detach().float(), out["loss_sum"].detach().float()]))
+        n_step, n_micro = sums[0].clamp_min(1.0), sums[1].clamp_min(1.0)
         loss = out["loss_sum"] * (world * accumulate / n_step)
-        with torch.no_grad():
-            n_micro = self._global_sum(out["n_tokens"].detach().float()).clamp_min(1.0)
-            nll = self._global_sum(out["nll_sum"].detach().float()) / n_micro
-            loss_global = self._global_sum(out["loss_sum"].detach().float()) / n_micro
+        nll, loss_global = sums[2] / n_micro, sums[3] / n_micro
         self.log("train/loss", loss_global, prog_bar=True)
         self.log("train/nll", nll, prog_bar=False)
         self.log("train/loss_tokens", n_micro)

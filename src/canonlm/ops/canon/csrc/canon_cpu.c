@@ -525,8 +525,13 @@ static void bwd_unit_vec(const canon_args *a, i64 b, i64 t0, i64 t1, i64 c0, i64
     }
 }
 
-/* Work split: units (b, time block, channel tile), at least ~4 per thread when T allows (blocks >= 64 rows). */
-static void plan(const canon_args *a, int nth, i64 ctile, i64 *n_tb, i64 *tb_len, i64 *n_ct, i64 *ct_len) {
+/* Threads and work split shared by canon_fwd and canon_bwd: units (b, time block, channel tile), at least ~4 per
+   thread when T allows (blocks >= 64 rows). Tiny inputs run on one thread (a parallel region costs more than it
+   saves). Returns the thread count; writes the split and the number of units. */
+static int plan(const canon_args *a, int nthreads, i64 ctile, i64 *n_tb, i64 *tb_len, i64 *n_ct, i64 *ct_len,
+                i64 *units) {
+    int nth = nthreads > 0 ? nthreads : 1;
+    if (a->B * a->T * a->C < CANON_MIN_PARALLEL) nth = 1;
     i64 ct = ctile > 0 && ctile < a->C ? ctile : a->C;
     *ct_len = ct;
     *n_ct = (a->C + ct - 1) / ct;
@@ -534,6 +539,8 @@ static void plan(const canon_args *a, int nth, i64 ctile, i64 *n_tb, i64 *tb_len
     while (a->B * ntb * (*n_ct) < 4 * (i64)nth && a->T / (ntb * 2) >= 64) ntb *= 2;
     *n_tb = ntb;
     *tb_len = (a->T + ntb - 1) / ntb;
+    *units = a->B * ntb * (*n_ct);
+    return nth;
 }
 
 /* Forward. Returns 0 on success, 1 on allocation failure, 2 on bad sizes. */
@@ -543,11 +550,8 @@ int canon_fwd(const void *x, void *y, const float *wT, const float *bias, const 
     if (K < 1 || K > CANON_KMAX || B < 0 || T < 0 || C < 0) return 2;
     if (B == 0 || T == 0 || C == 0) return 0;
     canon_args a = {x, NULL, y, wT, bias, init, NULL, B, T, C, K, bf16, residual, act};
-    int nth = nthreads > 0 ? nthreads : 1;
-    if (B * T * C < CANON_MIN_PARALLEL) nth = 1; /* tiny inputs: a parallel region costs more than it saves */
-    i64 n_tb, tb_len, n_ct, ct_len;
-    plan(&a, nth, ctile, &n_tb, &tb_len, &n_ct, &ct_len);
-    const i64 units = B * n_tb * n_ct;
+    i64 n_tb, tb_len, n_ct, ct_len, units;
+    const int nth = plan(&a, nthreads, ctile, &n_tb, &tb_len, &n_ct, &ct_len, &units);
     int err = 0;
 #pragma omp parallel num_threads(nth) if (nth > 1 && units > 1)
     {
@@ -583,11 +587,8 @@ int canon_bwd(const void *x, const void *dy, void *dx, const float *wT, const fl
     if (dinit && K > 1) memset(dinit, 0, (size_t)(B * (K - 1) * C) * sizeof(float));
     if (B == 0 || T == 0 || C == 0) return 0;
     canon_args a = {x, dy, dx, wT, bias, init, (K > 1 ? dinit : NULL), B, T, C, K, bf16, residual, act};
-    int nth = nthreads > 0 ? nthreads : 1;
-    if (B * T * C < CANON_MIN_PARALLEL) nth = 1; /* tiny inputs: a parallel region costs more than it saves */
-    i64 n_tb, tb_len, n_ct, ct_len;
-    plan(&a, nth, ctile, &n_tb, &tb_len, &n_ct, &ct_len);
-    const i64 units = B * n_tb * n_ct;
+    i64 n_tb, tb_len, n_ct, ct_len, units;
+    const int nth = plan(&a, nthreads, ctile, &n_tb, &tb_len, &n_ct, &ct_len, &units);
     int err = 0;
 #pragma omp parallel num_threads(nth) if (nth > 1 && units > 1)
     {
