@@ -21,7 +21,8 @@ def options(group: str) -> list[str]:
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
 def test_every_group_option_composes(group, option, tmp_path):
-    cfg = compose([f"{group}={option}"], output_dir=tmp_path)
+    extra = ["canon=Ab"] if (group, option) == ("arch", "mamba2_nomlp") else []  # no MLP: no Canon-C/D sites
+    cfg = compose([f"{group}={option}", *extra], output_dir=tmp_path)
     OmegaConf.resolve(cfg)
     if group in ("arch", "canon", "pos", "task"):
         from canonlm.errors import ConfigError
@@ -32,6 +33,31 @@ def test_every_group_option_composes(group, option, tmp_path):
                 build_configs(cfg)
             return
         build_configs(cfg)
+
+
+def _linear_canon_sets():
+    from canonlm.train.resolvers import linear_canon_sets
+
+    return linear_canon_sets()
+
+
+@pytest.mark.parametrize("option", _linear_canon_sets())
+def test_linear_canon_options_compose(option, tmp_path):
+    """canon=AbCD, canon=b, ... (in-memory options, models.md §1.3) compose onto conf/canon/_base.yaml."""
+    from canonlm.train.run import build_configs
+
+    cfg = compose(["arch=gdn", f"canon={option}"], output_dir=tmp_path)
+    assert cfg.canon.set == option and cfg.canon.kernel == 4 and cfg.canon.residual is True
+    _, mcfg = build_configs(cfg)
+    assert mcfg.canon.set == "".join(dict.fromkeys(option))
+
+
+def test_mamba2_without_mlp_rejects_canon_cd(tmp_path):
+    from canonlm.errors import ConfigError
+    from canonlm.train.run import build_configs
+
+    with pytest.raises(ConfigError, match="canon.set"):
+        build_configs(compose(["arch=mamba2_nomlp", "canon=AbCD"], output_dir=tmp_path))
 
 
 @pytest.mark.parametrize("experiment", options("experiment"))

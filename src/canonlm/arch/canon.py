@@ -40,10 +40,17 @@ class Canon(nn.Module):
         ``(1, .4, .2, .1)`` for lags 0..3 (current token 1), same for every channel, lags >= 4 get 0.
 
     Forward: ``x (B, T, C)`` -> ``(B, T, C)`` of ``x.dtype`` (under autocast the backend decides the dtype).
-    Raises ValueError (forward) when ``x.shape[-1] != C``.
+    With ``cache`` (a layer dict of :class:`~canonlm.arch.cache.DecodeCache`), the conv continues from the
+    inputs stored under ``cache_key`` (the last K raw inputs, ``(B, C, K)``) and stores the new ones, so chunked
+    calls equal one call (models.md §6). Raises ValueError (forward) when ``x.shape[-1] != C``.
+
+    ``cache_key`` names the state in the cache (``canon_a`` ... ``canon_d``, or ``conv_q`` etc. for a mixer's own
+    short conv). ``native=True`` marks a mixer's own conv (``b``: GLA / GDN short convs, Mamba2 conv1d; models.md
+    §1.3): the model-level init may then redraw it (GLA / GDN: normal(0, 0.02)), which it never does for Canon.
     """
 
-    def __init__(self, channels: int, cfg: CanonConfig, backend: str = "auto"):
+    def __init__(self, channels: int, cfg: CanonConfig, backend: str = "auto", cache_key: str = "canon",
+                 native: bool = False):
         super().__init__()
         if channels < 1:
             raise ConfigError("canon.channels", channels, "a positive integer")
@@ -51,7 +58,7 @@ class Canon(nn.Module):
             raise ConfigError("canon.init", cfg.init, "default | identity | fixed")
         self.channels, self.kernel = channels, cfg.kernel
         self.residual, self.activation, self.init_mode = cfg.residual, cfg.activation, cfg.init
-        self.backend = backend
+        self.backend, self.cache_key, self.native = backend, cache_key, bool(native)
         self.weight = nn.Parameter(torch.empty(channels, cfg.kernel), requires_grad=cfg.trainable)
         self.bias = nn.Parameter(torch.empty(channels), requires_grad=cfg.trainable) if cfg.bias else None
         self.reset_parameters()
@@ -75,14 +82,26 @@ class Canon(nn.Module):
         if self.bias is not None:
             self.bias.zero_()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
         if x.shape[-1] != self.channels:
             raise ValueError(f"Canon: input has {x.shape[-1]} channels, expected {self.channels}")
-        return canon_ops.causal_conv1d(x, self.weight, self.bias, residual=self.residual,
-                                       activation=self.activation, backend=self.backend)
+        if cache is None:
+            return canon_ops.causal_conv1d(x, self.weight, self.bias, residual=self.residual,
+                                           activation=self.activation, backend=self.backend)
+        prev = cache.get(self.cache_key)  # (B, C, K) last raw inputs, or None (zero history)
+        if prev is not None and x.shape[1] == 1:
+            y, cache[self.cache_key] = canon_ops.causal_conv1d_step(
+                x[:, 0], prev, self.weight, self.bias, residual=self.residual, activation=self.activation,
+                backend=self.backend)
+            return y.unsqueeze(1)
+        init = None if prev is None else prev[:, :, 1:].to(x.dtype)
+        y = canon_ops.causal_conv1d(x, self.weight, self.bias, residual=self.residual, activation=self.activation,
+                                    backend=self.backend, initial_state=init)
+        cache[self.cache_key] = canon_ops.causal_conv1d_state(x, self.kernel, init)
+        return y
 
     def extra_repr(self) -> str:
-        return (f"channels={self.channels}, kernel={self.kernel}, residual={self.residual}, "
+        return (f"{'native, ' if self.native else ''}channels={self.channels}, kernel={self.kernel}, residual={self.residual}, "
                 f"activation={self.activation}, bias={self.bias is not None}, "
                 f"trainable={self.weight.requires_grad}, init={self.init_mode}, backend={self.backend}")
 

@@ -31,14 +31,22 @@ SIZES: dict[str, tuple[int, int, int]] = {
 _SIZE_RE = re.compile(r"^(\d+)L(\d+)D$")
 
 CANON_LETTERS = "ABCD"  # Llama placements; lowercase 'b' (mixer's native conv) is for linear models only
+LINEAR_CANON_LETTERS = "AbBCD"  # GLA / GDN / Mamba2: 'b' = the mixer's own short conv (models.md §1.3)
+
+# Token-mixer families (models.md §2, §3). The Hydra `arch` presets (gla5, gdn2, mamba2_mlp, ...) are settings of these.
+ARCHS = ("llama", "gla", "gdn", "mamba2")
+LINEAR_ARCHS = ("gla", "gdn", "mamba2")
+INITS = ("hf_normal", "lingua", "linear_0.02_split", "mamba2_default")
 
 
 @dataclass
 class CanonConfig:
     """Canon layers (models.md §1.1, §1.8).
 
-    set: placements, any subset of ``ABCD`` written as a string (``"ABCD"``, ``"AC"``, ``""`` = none); duplicate
-        letters are ignored (official strings such as ``"AABD"`` are accepted).
+    set: placements written as a string (``"ABCD"``, ``"AC"``, ``""`` = none); duplicate letters are ignored
+        (official strings such as ``"AbbCD"`` or ``"bb"`` are accepted). Llama: letters from ``ABCD``. GLA / GDN /
+        Mamba2: letters from ``AbBCD``, where lowercase ``b`` keeps the mixer's own non-residual SiLU short conv
+        (models.md §1.3) and its absence removes it; ``canon=AbCD`` is the paper's default for linear models.
     kernel: taps K (the CUDA kernels support 2, 3, 4; the reference any K >= 1).
     residual: ``h + conv(h)`` (paper default) vs ``conv(h)``.
     activation: SiLU after the conv (paper: off).
@@ -83,7 +91,7 @@ class PosConfig:
 
 @dataclass
 class ModelConfig:
-    """Llama-style decoder with Canon layers (models.md §1.2, §2).
+    """Decoder LM with Canon layers: Llama (models.md §1.2, §2) or a linear token mixer (GLA, GDN, Mamba2; §3).
 
     Sizes: ``n_layers``, ``d_model``, ``n_heads`` (``head_dim = d_model // n_heads``), ``n_kv_heads`` (GQA; None =
     n_heads), ``d_ff`` (None = gated: ``ffn_multiple_of * ceil(8 d / 3 / ffn_multiple_of)``; standard: 4 d).
@@ -91,7 +99,21 @@ class ModelConfig:
     ``qk_norm``: ``none`` | ``whole`` (RMSNorm over all projected q / k channels, official) | ``per_head``.
     ``init``: ``hf_normal`` (normal(0, init_std), synthetic presets) | ``lingua`` (trunc-normal d^-1/2). Canon
     weights always keep PyTorch's default init.
-    ``ops``: ``auto`` | ``reference`` | ``fused``; ``kernels`` may pin one op: ``{"canon": ..., "attention": ...}``.
+    ``ops``: ``auto`` | ``reference`` | ``fused``; ``kernels`` may pin one op: ``{"canon" | "attention" | "gla" |
+    "gdn" | "ssd": backend}``.
+
+    Linear token mixers (``arch`` = ``gla`` | ``gdn`` | ``mamba2``; models.md §1.3, §3; keys as in fla / HF Mamba2):
+    ``n_heads`` None = the paper's rule (GLA: 4; GDN: max(4, d // 128); Mamba2: 16); ``expand_k`` / ``expand_v``:
+    key / value width = expand · d (GLA 0.5 / 1, GLA5 1 / 2, GDN 0.75 / 1.5, GDN2 1 / 2); ``gate_low_rank_dim``:
+    rank of GLA's forget-gate projection (16); ``key_head_dim``: when ``n_heads`` is None, heads =
+    max(1, round(key_dim / key_head_dim)) (GLA5 / GDN2: 128, i.e. 16 heads at d=2048); ``gate_logit_normalizer``: GLA's gate = logsigmoid(.) / this (16);
+    ``output_gate_rank``: 0 = full-rank output gate d -> value_dim, r > 0 = Linear(d, r) ∘ Linear(r, value_dim, bias)
+    (GLA5 / GDN2: 16); ``conv_kernel``: width of the mixer's own short conv (4); ``no_conv_act``: what replaces the
+    short conv on q/k/v when ``b`` is absent (``silu``, official; ``none``, upstream GLA); ``chunk_size``: chunk of
+    the chunked GLA/GDN/SSD algorithms (speed only, not results); ``ssm_state``: Mamba2 state size N (paper 64,
+    4.2 recipes 128); ``mamba_expand``: d_inner = expand · d (2); ``n_groups``: Mamba2 B/C groups G (1);
+    ``n_layers_factor``: blocks per size-layer (Mamba2 without MLP: 2, the paper's 2ℓ layers); ``ffn_ratio``:
+    d_ff = ffn_ratio · d when set (GLA5 / GDN2 / Mamba2(mlp): 2); ``mlp`` may be ``none`` (Mamba2 without MLP).
     """
 
     vocab_size: int = 128
@@ -112,12 +134,54 @@ class ModelConfig:
     max_seq_len: int = 2048
     ops: str = "auto"
     kernels: dict[str, str] = field(default_factory=dict)
+    # linear token mixers (ignored by llama)
+    expand_k: float = 0.5
+    expand_v: float = 1.0
+    gate_low_rank_dim: int = 16
+    gate_logit_normalizer: float = 16.0
+    output_gate_rank: int = 0
+    key_head_dim: int | None = None
+    conv_kernel: int = 4
+    no_conv_act: str = "silu"
+    chunk_size: int = 64
+    ssm_state: int = 64
+    mamba_expand: int = 2
+    n_groups: int = 1
+    n_layers_factor: int = 1
+    ffn_ratio: float | None = None
     canon: CanonConfig = field(default_factory=CanonConfig)
     pos: PosConfig = field(default_factory=PosConfig)
 
     @property
     def head_dim(self) -> int:
+        """Attention head width d / H (Llama). Linear mixers: see :attr:`head_k_dim`, :attr:`head_v_dim`."""
         return self.d_model // self.n_heads
+
+    @property
+    def key_dim(self) -> int:
+        """GLA / GDN total key width ``expand_k · d`` (q and k projections)."""
+        return int(round(self.expand_k * self.d_model))
+
+    @property
+    def value_dim(self) -> int:
+        """GLA / GDN total value width ``expand_v · d``; Mamba2: d_inner = ``mamba_expand · d``."""
+        if self.arch == "mamba2":
+            return self.mamba_expand * self.d_model
+        return int(round(self.expand_v * self.d_model))
+
+    @property
+    def head_k_dim(self) -> int:
+        """Per-head key width d_k (GLA / GDN); Mamba2: the state size N."""
+        return self.ssm_state if self.arch == "mamba2" else self.key_dim // self.n_heads
+
+    @property
+    def head_v_dim(self) -> int:
+        """Per-head value width d_v (GLA / GDN); Mamba2: head_dim P = d_inner / H."""
+        return self.value_dim // self.n_heads
+
+    @property
+    def has_mlp(self) -> bool:
+        return self.mlp != "none"
 
     @property
     def kv_heads(self) -> int:
@@ -130,6 +194,10 @@ class ModelConfig:
         HF's unrounded 8d/3 (ceil), tasks.md §1.2). E.g. d=768 -> 2048, d=512 -> 1536, d=128 -> 512."""
         if self.d_ff is not None:
             return self.d_ff
+        if self.mlp == "none":
+            return 0
+        if self.ffn_ratio is not None:
+            return int(round(self.ffn_ratio * self.d_model))
         if self.mlp == "standard":
             return 4 * self.d_model
         m = self.ffn_multiple_of
@@ -137,8 +205,8 @@ class ModelConfig:
 
     @property
     def rope_dim(self) -> int:
-        """Rotated channels per head (0 for NoPE)."""
-        if self.pos.type == "nope":
+        """Rotated channels per head (0 for NoPE and for the linear mixers, which have no positional encoding)."""
+        if self.pos.type == "nope" or self.arch != "llama":
             return 0
         if self.pos.type == "rope":
             return self.head_dim
@@ -178,37 +246,93 @@ def parse_size(size: str) -> tuple[int, int, int]:
     return n_layers, d, max(1, d // hd)
 
 
+def default_heads(arch: str, d_model: int, size_heads: int | None, key_dim: int | None = None,
+                  key_head_dim: int | None = None) -> int:
+    """The paper's head count for ``arch`` when ``model.n_heads`` is null (models.md §3.1–3.5): with
+    ``key_head_dim`` set (GLA5 / GDN2: 128), ``max(1, round(key_dim / key_head_dim))`` (16 / 24 / 32 heads at
+    d = 2048 / 3072 / 4096); else GLA 4; GDN ``max(4, d // 128)`` (4 at d=512, 6 at d=768: d_k = 96 with
+    expand_k = 0.75); Mamba2 16 (head_dim 2d/16); Llama the size's heads."""
+    if key_head_dim and key_dim and arch in ("gla", "gdn"):
+        return max(1, round(key_dim / key_head_dim))
+    if arch == "gla":
+        return 4
+    if arch == "gdn":
+        return max(4, d_model // 128)
+    if arch == "mamba2":
+        return 16
+    return int(size_heads or 1)
+
+
+def _validate_linear(cfg: ModelConfig) -> None:
+    d, H = cfg.d_model, cfg.n_heads
+    for key in ("gate_low_rank_dim", "conv_kernel", "chunk_size", "ssm_state", "mamba_expand", "n_groups",
+                "n_layers_factor"):
+        _positive_int(f"model.{key}", getattr(cfg, key))
+    if not isinstance(cfg.output_gate_rank, int) or isinstance(cfg.output_gate_rank, bool) or cfg.output_gate_rank < 0:
+        raise ConfigError("model.output_gate_rank", cfg.output_gate_rank, "0 (full-rank output gate) or a positive rank")
+    _positive_float("model.gate_logit_normalizer", cfg.gate_logit_normalizer)
+    _choice("model.no_conv_act", cfg.no_conv_act, ("silu", "none"))
+    if cfg.arch == "mamba2":
+        if (cfg.mamba_expand * d) % H:
+            raise ConfigError("model.n_heads", H, f"a divisor of d_inner = mamba_expand * d_model = {cfg.mamba_expand * d}"
+                              " (Mamba2 head_dim = d_inner / n_heads)")
+        if H % cfg.n_groups:
+            raise ConfigError("model.n_groups", cfg.n_groups, f"a divisor of model.n_heads={H} (heads share B/C per group)")
+        return
+    for key, width in (("expand_k", cfg.key_dim), ("expand_v", cfg.value_dim)):
+        _positive_float(f"model.{key}", getattr(cfg, key))
+        if abs(getattr(cfg, key) * d - width) > 1e-6 or width < H or width % H:
+            raise ConfigError(f"model.{key}", getattr(cfg, key),
+                              f"a factor making {key} * d_model (d_model={d}) an integer divisible by n_heads={H}")
+
+
 def validate(cfg: ModelConfig) -> ModelConfig:
     """Check every field; raise :class:`ConfigError` on the first bad one. Returns ``cfg``."""
-    _choice("model.arch", cfg.arch, ("llama",))
+    _choice("model.arch", cfg.arch, ARCHS)
     for key in ("vocab_size", "n_layers", "d_model", "n_heads", "max_seq_len", "ffn_multiple_of"):
         _positive_int(f"model.{key}", getattr(cfg, key))
-    if cfg.d_model % cfg.n_heads:
+    linear = cfg.arch in LINEAR_ARCHS
+    if not linear and cfg.d_model % cfg.n_heads:
         raise ConfigError("model.n_heads", cfg.n_heads,
                           f"a divisor of model.d_model={cfg.d_model} (head_dim = d_model / n_heads)")
     if cfg.n_kv_heads is not None:
         _positive_int("model.n_kv_heads", cfg.n_kv_heads)
+        if linear:
+            raise ConfigError("model.n_kv_heads", cfg.n_kv_heads, f"null (GQA is an attention option; arch={cfg.arch})")
         if cfg.n_heads % cfg.n_kv_heads:
             raise ConfigError("model.n_kv_heads", cfg.n_kv_heads, f"a divisor of model.n_heads={cfg.n_heads}")
     if cfg.d_ff is not None:
         _positive_int("model.d_ff", cfg.d_ff)
-    _choice("model.mlp", cfg.mlp, ("gated", "standard"))
+    if cfg.ffn_ratio is not None:
+        _positive_float("model.ffn_ratio", cfg.ffn_ratio)
+    _choice("model.mlp", cfg.mlp, ("gated", "standard", "none") if cfg.arch == "mamba2" else ("gated", "standard"))
     _choice("model.mlp_act", cfg.mlp_act, ("silu", "relu2", "gelu"))
     _choice("model.qk_norm", cfg.qk_norm, ("none", "whole", "per_head"))
-    _choice("model.init", cfg.init, ("hf_normal", "lingua"))
+    if linear and cfg.qk_norm != "none":
+        raise ConfigError("model.qk_norm", cfg.qk_norm, f"none (QK-norm is an attention option; arch={cfg.arch})")
+    _choice("model.init", cfg.init, INITS)
     _positive_float("model.init_std", cfg.init_std)
     _positive_float("model.norm_eps", cfg.norm_eps)
     _bool("model.tie_embeddings", cfg.tie_embeddings)
     _choice("model.ops", cfg.ops, ("auto", "reference", "fused"))
     for op, backend in cfg.kernels.items():
-        _choice("model.kernels", op, ("canon", "attention"))
+        _choice("model.kernels", op, ("canon", "attention", "gla", "gdn", "ssd"))
+    if linear:
+        _validate_linear(cfg)
 
     c = cfg.canon
-    bad = sorted(set(c.set) - set(CANON_LETTERS))
+    letters = LINEAR_CANON_LETTERS if linear else CANON_LETTERS
+    bad = sorted(set(c.set) - set(letters))
     if bad:
+        if linear:
+            raise ConfigError("canon.set", c.set, f"a string of letters from {letters!r} for arch={cfg.arch} (e.g. "
+                              "'AbCD' = the paper's default, 'b' = the original model, '' = no conv at all)")
         raise ConfigError("canon.set", c.set, f"a string of letters from {CANON_LETTERS!r} (e.g. 'ABCD', 'AC', '')"
                           + (" — lowercase 'b' is the native conv of linear models (GLA/GDN/Mamba2), not Llama"
                              if "b" in bad else ""))
+    if not cfg.has_mlp and (c.has("C") or c.has("D")):
+        raise ConfigError("canon.set", c.set, f"letters from 'AbB' for arch={cfg.arch} without an MLP (model.mlp=none"
+                          " has no Canon-C / Canon-D sites; arch=mamba2 has the MLP for Canon-AbCD)")
     _positive_int("canon.kernel", c.kernel)
     _choice("canon.init", c.init, ("default", "identity", "fixed"))
     for key in ("residual", "activation", "bias", "trainable"):
@@ -218,6 +342,8 @@ def validate(cfg: ModelConfig) -> ModelConfig:
     _choice("pos.type", p.type, ("rope", "partial_rope", "nope"))
     _choice("pos.pairing", p.pairing, ("half", "interleaved"))
     _positive_float("pos.theta", p.theta)
+    if linear:
+        return cfg  # linear mixers have no positional encoding: `pos` does not apply
     if p.type == "partial_rope":
         if isinstance(p.fraction, bool) or not isinstance(p.fraction, (int, float)) or not 0.0 < p.fraction <= 1.0:
             raise ConfigError("pos.fraction", p.fraction, "a fraction of head dims in (0, 1] (paper's reduced RoPE: 0.25)")
@@ -241,16 +367,30 @@ def build_model_config(model: Mapping[str, Any], canon: Mapping[str, Any] | None
     model = dict(model)
     model.update(overrides)
     size = model.pop("size", None)
+    arch = model.get("arch", "llama")
+    size_heads = None
     if size is not None:
-        n_layers, d_model, n_heads = parse_size(size)
-        for k, v in (("n_layers", n_layers), ("d_model", d_model), ("n_heads", n_heads)):
+        n_layers, d_model, size_heads = parse_size(size)
+        factor = model.get("n_layers_factor") or 1
+        if not isinstance(factor, int) or isinstance(factor, bool) or factor < 1:
+            raise ConfigError("model.n_layers_factor", factor, "a positive integer")
+        for k, v in (("n_layers", n_layers * factor), ("d_model", d_model)):
             if model.get(k) is None:
                 model[k] = v
+    if model.get("n_heads") is None and isinstance(model.get("d_model"), int) \
+            and (size_heads is not None or arch in ("gla", "gdn", "mamba2")):
+        kd = model.get("expand_k", ModelConfig.expand_k)
+        khd = model.get("key_head_dim")
+        if khd is not None and (not isinstance(khd, int) or isinstance(khd, bool) or khd < 1):
+            raise ConfigError("model.key_head_dim", khd, "null | a positive integer")
+        model["n_heads"] = default_heads(arch, model["d_model"], size_heads,
+                                         int(round(kd * model["d_model"])) if isinstance(kd, (int, float)) else None,
+                                         khd)
     known = {f.name for f in dataclasses.fields(ModelConfig)} - {"canon", "pos"}
     for k in list(model):
         if k not in known:
             raise ConfigError(f"model.{k}", model[k], "one of " + ", ".join(sorted(known | {"size"})))
-    model = {k: v for k, v in model.items() if v is not None or k in ("n_kv_heads", "d_ff")}
+    model = {k: v for k, v in model.items() if v is not None or k in ("n_kv_heads", "d_ff", "ffn_ratio", "key_head_dim")}
     model["kernels"] = dict(model.get("kernels") or {})
 
     def sub(cls, node, prefix):

@@ -1,52 +1,65 @@
-"""LlamaCanon: a pre-norm Llama decoder with Canon layers at A, B, C, D (paper §4, App. C; spec models.md §1.2, §2).
+"""CanonLM: a pre-norm decoder with Canon layers at A, B, C, D around one token mixer per block (paper §4, §5,
+App. C; spec models.md §1.2, §1.3, §2, §3). ``arch=llama`` is LlamaCanon; ``gla`` / ``gdn`` / ``mamba2`` swap the
+attention for a linear mixer (:mod:`canonlm.arch.mixers`), everything else stays.
 
     input_ids (B, T) -> tok_emb -> n_layers x Block -> RMSNorm -> lm_head -> logits (B, T, V)
 
     Block (pre-norm; Canon sites per models.md §1.2):
-        x = x + Wo · attention(RoPE(CanonB(QKnorm(Wqkv · CanonA(RMSNorm(x))))))
-        x = x + W2 · act·gate(CanonD(W13 · CanonC(RMSNorm(x))))
+        x = x + mixer(CanonA(RMSNorm(x)))            Llama: Wo · attention(RoPE(CanonB(QKnorm(Wqkv · .))))
+        x = x + W2 · act·gate(CanonD(W13 · CanonC(RMSNorm(x))))      (absent for Mamba2 without MLP)
 
-One fused ``wqkv`` Linear (output ``[q ; k ; v]``, ``(H + 2 H_kv) · d_head`` channels) and one fused ``w13`` Linear
-(``[W1 x ; W3 x]``) let Canon-B / Canon-D act on the concatenations without a ``cat``; parameter counts equal those
-of separate Linears. RoPE rotates q and k in one call, and the attention op takes the (B, T, H, D) layout, so q/k/v
-are head views (no transposes or copies) of the projection / RoPE outputs.
+Llama uses one fused ``wqkv`` Linear (output ``[q ; k ; v]``) and one fused ``w13`` Linear (``[W1 x ; W3 x]``) so
+Canon-B / Canon-D act on the concatenations without a ``cat``; parameter counts equal those of separate Linears.
+
+Decoding: ``model(ids, cache=model.new_cache())`` processes any number of new tokens and carries KV, Canon, short-conv
+and recurrent states in the :class:`~canonlm.arch.cache.DecodeCache`; token-by-token calls give the logits of one
+full forward (models.md §6).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from canonlm.arch.cache import DecodeCache
 from canonlm.arch.canon import Canon
 from canonlm.arch.config import ConfigError, ModelConfig, validate
-from canonlm.arch.modules import MLP, RMSNorm
-from canonlm.arch.positional import apply_rope, rope_angles
+from canonlm.arch.mixers import GLA, Attention, GatedDeltaNet, Mamba2Mixer, build_mixer
+from canonlm.arch.modules import MLP, GatedRMSNorm, RMSNorm
+from canonlm.arch.positional import rope_angles
 from canonlm.ops import attention as attention_ops
 from canonlm.ops import canon as canon_ops
+from canonlm.ops import gdn as gdn_ops
+from canonlm.ops import gla as gla_ops
+from canonlm.ops import ssd as ssd_ops
 
-OPS = ("canon", "attention")
+# The sequence ops each architecture uses (besides Canon), and their modules (each has resolve_backend).
+MIXER_OP = {"llama": "attention", "gla": "gla", "gdn": "gdn", "mamba2": "ssd"}
+_LINEAR_OPS = {"gla": gla_ops, "gdn": gdn_ops, "ssd": ssd_ops}
 
 
 def resolve_backends(cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> dict[str, str]:
-    """Concrete backend of every op for ``device`` and compute ``dtype`` (models.md §1.6; engineering.md P7).
+    """Concrete backend of every op the architecture uses for ``device`` and compute ``dtype`` (models.md §1.6;
+    engineering.md P7): ``canon`` always, plus ``attention`` (llama), ``gla``, ``gdn`` or ``ssd`` (Mamba2).
 
     The requested name of op ``o`` is ``cfg.kernels[o]`` if pinned (a pin wins over ``cfg.ops``), else ``cfg.ops``:
     ``auto`` (fast path when available), ``reference`` (pure-PyTorch oracles), ``fused`` (a fast kernel is
     required). Canon names go to ``canonlm.ops.canon.resolve_backend`` (``fused`` = its ``auto`` choice, refused
     when that is a plain-torch path); attention names to :func:`canonlm.ops.attention.resolve_backend`
-    (``auto``/``fused`` = SDPA). On the ``meta`` device Canon is not probed (``auto`` unless ``reference``).
+    (``auto``/``fused`` = SDPA); GLA / GDN / SSD names to ``canonlm.ops.<op>.resolve_backend`` (``fused`` = their
+    ``auto`` choice, refused when that is the reference). On the ``meta`` device nothing is probed (``auto`` unless
+    ``reference``). Pins of ops the architecture does not use are ignored.
 
     Returns:
-        ``{"canon": name, "attention": name}``.
+        ``{"canon": name, <mixer op>: name}``.
     Raises:
         ConfigError("model.kernels.<op>" when pinned, else "model.ops", name, allowed) when a requested backend is
         unknown or cannot run on (device, dtype) -- before any tensor work.
     """
     device = torch.device(device)
     out = {}
-    for op in OPS:
+    for op in ("canon", MIXER_OP[cfg.arch]):
         name = cfg.kernels.get(op, cfg.ops)
         key = f"model.kernels.{op}" if op in cfg.kernels else "model.ops"
         try:
@@ -54,13 +67,21 @@ def resolve_backends(cfg: ModelConfig, device: torch.device | str, dtype: torch.
                 out[op] = attention_ops.resolve_backend(name, device, dtype)
             elif device.type == "meta":
                 out[op] = "reference" if name == "reference" else "auto"
-            elif name == "fused":
-                out[op] = canon_ops.resolve_backend("auto", device, dtype)
-                if out[op] in ("torch", "reference"):
-                    raise ConfigError(key, name, f"auto | reference (no fused Canon kernel for {device.type}/{dtype}:"
-                                                 f" {canon_ops.available_backends(device, dtype)})")
+            elif op == "canon":
+                if name == "fused":
+                    out[op] = canon_ops.resolve_backend("auto", device, dtype)
+                    if out[op] in ("torch", "reference"):
+                        raise ConfigError(key, name, f"auto | reference (no fused Canon kernel for {device.type}/"
+                                                     f"{dtype}: {canon_ops.available_backends(device, dtype)})")
+                else:
+                    out[op] = canon_ops.resolve_backend(name, device, dtype)
             else:
-                out[op] = canon_ops.resolve_backend(name, device, dtype)
+                mod = _LINEAR_OPS[op]
+                out[op] = mod.resolve_backend("auto" if name == "fused" else name, device, dtype)
+                if name == "fused" and out[op] == "reference":
+                    fast = [b for b in mod.BACKENDS if b not in ("auto", "reference")]
+                    raise ConfigError(key, name, f"auto | reference (no fused {op} kernel for {device.type}/{dtype}: "
+                                                 f"{' / '.join(fast)} need a CUDA device and the library)")
         except ConfigError as e:
             raise ConfigError(key, name, e.allowed) from None
         except ValueError as e:
@@ -69,97 +90,53 @@ def resolve_backends(cfg: ModelConfig, device: torch.device | str, dtype: torch.
 
 
 def _module_backends(cfg: ModelConfig, resolved: dict[str, str]) -> dict[str, str]:
-    """Names handed to the modules: the resolved ones, except a Canon request of ``auto`` stays ``auto`` so the op
-    can still fall back per shape (e.g. dao needs C % 8 == 0) and follow the tensors' device."""
-    canon_req = cfg.kernels.get("canon", cfg.ops)
-    return {"canon": "auto" if canon_req == "auto" else resolved["canon"], "attention": resolved["attention"]}
-
-
-class Attention(nn.Module):
-    """Causal self-attention with fused qkv, QK-norm, Canon-B and (partial) RoPE (models.md §1.2, §2).
-
-    Parameters: ``wqkv (d -> (H + 2 H_kv)·d_head)``, ``wo (H·d_head -> d)``, no biases; QK-norm gains:
-    ``whole`` -> ``q_norm (H·d_head)`` and ``k_norm (H_kv·d_head)`` (official); ``per_head`` -> ``q_norm (d_head)``
-    and ``k_norm (d_head)`` shared by all heads; Canon-B over ``(H + 2 H_kv)·d_head`` channels.
-    Forward: ``x (B, T, d)``, ``cos``/``sin`` ``(T, rope_dim/2)`` or None (NoPE) -> ``(B, T, d)``.
-    """
-
-    def __init__(self, cfg: ModelConfig, backends: dict[str, str]):
-        super().__init__()
-        H, Hkv, dh = cfg.n_heads, cfg.kv_heads, cfg.head_dim
-        self.n_heads, self.n_kv_heads, self.head_dim = H, Hkv, dh
-        self.qk_norm, self.pairing, self.backend = cfg.qk_norm, cfg.pos.pairing, backends["attention"]
-        self.wqkv = nn.Linear(cfg.d_model, (H + 2 * Hkv) * dh, bias=False)
-        self.wo = nn.Linear(H * dh, cfg.d_model, bias=False)
-        if cfg.qk_norm == "whole":
-            self.q_norm, self.k_norm = RMSNorm(H * dh, cfg.norm_eps), RMSNorm(Hkv * dh, cfg.norm_eps)
-        elif cfg.qk_norm == "per_head":
-            self.q_norm, self.k_norm = RMSNorm(dh, cfg.norm_eps), RMSNorm(dh, cfg.norm_eps)
-        else:
-            self.q_norm = self.k_norm = None
-        self.canon_b = Canon((H + 2 * Hkv) * dh, cfg.canon, backends["canon"]) if cfg.canon.has("B") else None
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
-        H, Hkv, dh = self.n_heads, self.n_kv_heads, self.head_dim
-        if self.q_norm is None and self.canon_b is None:
-            # Plain attention: three matmuls on row slices of the fused weight (same math). Their gradients need no
-            # concatenation into a (B, T, (H + 2Hkv)·dh) tensor in the backward.
-            wq, wk, wv = self.wqkv.weight.split([H * dh, Hkv * dh, Hkv * dh], dim=0)
-            q = F.linear(x, wq).unflatten(-1, (H, dh))
-            k = F.linear(x, wk).unflatten(-1, (Hkv, dh))
-            v = F.linear(x, wv).unflatten(-1, (Hkv, dh))
-            if cos is not None:
-                q, k = apply_rope(q, cos, sin, self.pairing), apply_rope(k, cos, sin, self.pairing)
-            o = attention_ops.attention(q, k, v, causal=True, backend=self.backend)
-            return self.wo(o.flatten(2))
-        qkv = self.wqkv(x)                                             # (B, T, (H + 2Hkv)·dh) = [q ; k ; v]
-        if self.q_norm is not None:
-            q, k, v = qkv.split([H * dh, Hkv * dh, Hkv * dh], dim=-1)
-            if self.qk_norm == "per_head":
-                q = self.q_norm(q.unflatten(-1, (H, dh))).flatten(-2)
-                k = self.k_norm(k.unflatten(-1, (Hkv, dh))).flatten(-2)
-            else:
-                q, k = self.q_norm(q), self.k_norm(k)
-            qkv = torch.cat([q, k, v], dim=-1)
-        if self.canon_b is not None:
-            qkv = self.canon_b(qkv)
-        qk, v = qkv.unflatten(-1, (H + 2 * Hkv, dh)).split([H + Hkv, Hkv], dim=2)  # (B, T, heads, dh) views
-        if cos is not None:
-            qk = apply_rope(qk, cos, sin, self.pairing)                # q and k rotated in one call
-        q, k = qk.split([H, Hkv], dim=2)
-        o = attention_ops.attention(q, k, v, causal=True, backend=self.backend)  # (B, T, H, dh)
-        return self.wo(o.flatten(2))
+    """Names handed to the modules: the resolved ones, except an ``auto`` request of Canon or a linear op stays
+    ``auto`` so the op can still fall back per shape (e.g. dao needs C % 8 == 0) and follow the tensors' device."""
+    out = dict(resolved)
+    for op in resolved:
+        if op != "attention" and cfg.kernels.get(op, cfg.ops) == "auto":
+            out[op] = "auto"
+    return out
 
 
 class Block(nn.Module):
-    """Pre-norm Llama block with optional Canon-A (after ``attn_norm``) and Canon-C (after ``mlp_norm``).
+    """Pre-norm block: ``attn_norm`` → Canon-A → token mixer ``attn`` (:mod:`canonlm.arch.mixers`) → +residual;
+    ``mlp_norm`` → Canon-C → MLP (with Canon-D) → +residual (no MLP sub-layer when ``model.mlp=none``).
 
-    Forward: ``x (B, T, d)`` residual stream (fp32 params: fp32 stream) -> ``(B, T, d)``.
+    Forward: ``x (B, T, d)`` residual stream, ``cos``/``sin`` RoPE tables of these positions (or None), ``cache`` a
+    layer dict of :class:`~canonlm.arch.cache.DecodeCache` (or None) -> ``(B, T, d)``.
     """
 
     def __init__(self, cfg: ModelConfig, backends: dict[str, str]):
         super().__init__()
         d, c = cfg.d_model, cfg.canon
         self.attn_norm = RMSNorm(d, cfg.norm_eps)
-        self.canon_a = Canon(d, c, backends["canon"]) if c.has("A") else None
-        self.attn = Attention(cfg, backends)
-        self.mlp_norm = RMSNorm(d, cfg.norm_eps)
-        self.canon_c = Canon(d, c, backends["canon"]) if c.has("C") else None
-        self.mlp = MLP(d, cfg.ffn_dim, cfg.mlp, cfg.mlp_act, c, backends["canon"])
+        self.canon_a = Canon(d, c, backends["canon"], cache_key="canon_a") if c.has("A") else None
+        self.attn = build_mixer(cfg, backends)
+        if cfg.has_mlp:
+            self.mlp_norm = RMSNorm(d, cfg.norm_eps)
+            self.canon_c = Canon(d, c, backends["canon"], cache_key="canon_c") if c.has("C") else None
+            self.mlp = MLP(d, cfg.ffn_dim, cfg.mlp, cfg.mlp_act, c, backends["canon"])
+        else:
+            self.mlp_norm = self.canon_c = self.mlp = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+                cache: dict | None = None) -> torch.Tensor:
         h = self.attn_norm(x)
         if self.canon_a is not None:
-            h = self.canon_a(h)
-        x = x + self.attn(h, cos, sin)
+            h = self.canon_a(h, cache)
+        x = x + self.attn(h, cos, sin, cache)
+        if self.mlp is None:
+            return x
         h = self.mlp_norm(x)
         if self.canon_c is not None:
-            h = self.canon_c(h)
-        return x + self.mlp(h)
+            h = self.canon_c(h, cache)
+        return x + self.mlp(h, cache)
 
 
-class LlamaCanon(nn.Module):
-    """Llama decoder + Canon layers (models.md §1.2, §2). Build with a validated :class:`ModelConfig`.
+class CanonLM(nn.Module):
+    """Decoder LM + Canon layers: Llama (models.md §1.2, §2) or GLA / GDN / Mamba2 (§1.3, §3), by ``cfg.arch``.
+    Build with a validated :class:`ModelConfig`. ``LlamaCanon`` is the same class.
 
     Modules: ``tok_emb`` (V, d) · ``blocks`` (``nn.ModuleList`` of :class:`Block`; the FSDP2 / compile unit) ·
     ``norm`` (final RMSNorm) · ``lm_head`` (d -> V, no bias; shares ``tok_emb.weight`` iff ``cfg.tie_embeddings``).
@@ -188,24 +165,43 @@ class LlamaCanon(nn.Module):
         self.activation_checkpointing = False
         self.init_weights()
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """``input_ids`` LongTensor (B, T), T <= max_seq_len -> logits (B, T, V) in the compute dtype (fp32, or
-        the autocast dtype). Raises ValueError on a bad rank or T > ``cfg.max_seq_len``."""
+    def forward(self, input_ids: torch.Tensor, cache: DecodeCache | None = None) -> torch.Tensor:
+        """``input_ids`` LongTensor (B, T) -> logits (B, T, V) in the compute dtype (fp32, or the autocast dtype).
+
+        With ``cache`` (from :meth:`new_cache`), the T tokens continue the sequences the cache has seen: positions
+        ``cache.seen .. cache.seen + T - 1``; the cache is updated in place (``seen += T``). Prefill, chunked
+        prefill and one-token decode steps all give the logits of one full forward over the whole sequence.
+        Raises ValueError on a bad rank, a cache of another batch size, or (Llama) positions beyond
+        ``cfg.max_seq_len``."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids: shape {tuple(input_ids.shape)}, expected (B, T)")
         T = input_ids.shape[1]
-        if T > self.cfg.max_seq_len:
-            raise ValueError(f"input_ids: T={T} exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        t0 = 0 if cache is None else cache.seen
+        if cache is not None:
+            if len(cache.layers) != len(self.blocks):
+                raise ValueError(f"cache: {len(cache.layers)} layers, the model has {len(self.blocks)}")
+            if cache.batch_size not in (None, input_ids.shape[0]):
+                raise ValueError(f"cache: holds {cache.batch_size} rows, input_ids has {input_ids.shape[0]}")
+        if self.cfg.arch == "llama" and t0 + T > self.cfg.max_seq_len:
+            raise ValueError(f"input_ids: positions up to {t0 + T} exceed model.max_seq_len={self.cfg.max_seq_len}")
         cos = sin = None
         if self.rope_cos is not None:
-            cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+            cos, sin = self.rope_cos[t0:t0 + T], self.rope_sin[t0:t0 + T]
         x = self.tok_emb(input_ids)
-        for block in self.blocks:
-            if self.activation_checkpointing and torch.is_grad_enabled():
+        for i, block in enumerate(self.blocks):
+            if cache is not None:
+                x = block(x, cos, sin, cache.layers[i])
+            elif self.activation_checkpointing and torch.is_grad_enabled():
                 x = checkpoint(block, x, cos, sin, use_reentrant=False)
             else:
                 x = block(x, cos, sin)
+        if cache is not None:
+            cache.seen += T
         return self.lm_head(self.norm(x))
+
+    def new_cache(self) -> DecodeCache:
+        """An empty :class:`~canonlm.arch.cache.DecodeCache` for this model (filled by the first forward)."""
+        return DecodeCache(len(self.blocks))
 
     def set_activation_checkpointing(self, enabled: bool = True) -> None:
         """Recompute each block in backward instead of storing its activations (``torch.utils.checkpoint``,
@@ -215,25 +211,44 @@ class LlamaCanon(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """(Re)initialise every parameter and the RoPE tables (models.md §2 "init", §1.1; §7.4 item 2).
+        """(Re)initialise every parameter and the RoPE tables (models.md §2 "init", §1.1, §3.3, §3.4; §7.4 item 2).
 
-        ``hf_normal``: Linear/Embedding weights ~ N(0, init_std). ``lingua``: trunc-normal (±3σ) with σ = d^-1/2,
-        except MLP ``w2`` σ = d_ff^-1/2 (no depth scaling). Norm gains = 1. Canon weights are redrawn by
-        :meth:`Canon.reset_parameters` (PyTorch default U(-1/√K, 1/√K), or identity / fixed), never by the
-        model-level scheme. Re-runnable after ``to_empty`` (meta-device / FSDP2 builds).
+        ``hf_normal``: Linear/Embedding weights ~ N(0, init_std), biases 0 (the paper's synthetic Llama = HF, and
+        GLA / GDN = fla's ``initializer_range``). ``linear_0.02_split`` (GLA5 / GDN2): the same, except the halves
+        of a low-rank product (``split_init = r``) get σ = √init_std / r^¼. For both, a mixer's own short conv
+        (``b``) is drawn like a Linear (normal(0, init_std)), as fla does. ``lingua``: trunc-normal (±3σ) with
+        σ = d^-1/2, except MLP ``w2`` σ = d_ff^-1/2. ``mamba2_default`` (HF Mamba2): Linear layers keep PyTorch's
+        default (kaiming-uniform) draw with zero biases, embedding ~ N(0, 0.1), conv1d default with a zero bias.
+        Norm gains = 1. Canon weights are redrawn by :meth:`Canon.reset_parameters` (PyTorch default
+        U(-1/√K, 1/√K), or identity / fixed), never by the model-level scheme. GDN / Mamba2 decay parameters
+        (``A_log``, ``dt_bias``, ``D``) get their own init (``init_special_``). Re-runnable after ``to_empty``
+        (meta-device / FSDP2 builds).
         """
         cfg = self.cfg
         for name, m in self.named_modules():
-            if isinstance(m, (Canon, RMSNorm)):
+            if isinstance(m, (RMSNorm, GatedRMSNorm)):
                 m.reset_parameters()
-            elif isinstance(m, (nn.Linear, nn.Embedding)):
-                if cfg.init == "hf_normal":
+            elif isinstance(m, Canon):
+                m.reset_parameters()
+                if m.native and cfg.init in ("hf_normal", "linear_0.02_split"):
                     nn.init.normal_(m.weight, mean=0.0, std=cfg.init_std)
-                else:
+            elif isinstance(m, (nn.Linear, nn.Embedding)):
+                if cfg.init == "mamba2_default":
+                    if isinstance(m, nn.Embedding):
+                        nn.init.normal_(m.weight, mean=0.0, std=0.1)
+                    else:
+                        m.reset_parameters()
+                elif cfg.init == "lingua":
                     std = (cfg.ffn_dim if name.endswith("mlp.w2") else cfg.d_model) ** -0.5
                     nn.init.trunc_normal_(m.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+                else:
+                    r = getattr(m, "split_init", None)
+                    std = cfg.init_std ** 0.5 / r ** 0.25 if (r and cfg.init == "linear_0.02_split") else cfg.init_std
+                    nn.init.normal_(m.weight, mean=0.0, std=std)
                 if getattr(m, "bias", None) is not None:
                     m.bias.zero_()
+            elif isinstance(m, (GatedDeltaNet, Mamba2Mixer)):
+                m.init_special_()
         if self.rope_cos is not None and self.rope_cos.device.type != "meta":
             cos, sin = rope_angles(cfg.rope_dim, cfg.max_seq_len, cfg.pos.theta, device=self.rope_cos.device)
             self.rope_cos.copy_(cos)
@@ -241,16 +256,17 @@ class LlamaCanon(nn.Module):
 
     def check_backends(self, device: torch.device | str, dtype: torch.dtype) -> dict[str, str]:
         """Re-resolve the op backends for ``device`` and compute ``dtype`` (e.g. ``torch.bfloat16`` under
-        autocast) and set them on every Canon / Attention module (a Canon ``auto`` request stays ``auto`` in the
-        modules, see :func:`_module_backends`). Returns the concrete ``{"canon": .., "attention": ..}``.
+        autocast) and set them on every Canon and token-mixer module (an ``auto`` request of Canon or a linear op stays
+        ``auto`` in the modules, see :func:`_module_backends`). Returns the concrete ``{"canon": .., <op>: ..}``.
         Raises ConfigError like :func:`resolve_backends`."""
         self.backends = resolve_backends(self.cfg, device, dtype)
         names = _module_backends(self.cfg, self.backends)
+        op = MIXER_OP[self.cfg.arch]
         for m in self.modules():
             if isinstance(m, Canon):
                 m.backend = names["canon"]
-            elif isinstance(m, Attention):
-                m.backend = names["attention"]
+            elif isinstance(m, (Attention, GLA, GatedDeltaNet, Mamba2Mixer)):
+                m.backend = names[op]
         return dict(self.backends)
 
     def num_params(self, non_embedding: bool = False) -> int:
@@ -265,9 +281,18 @@ class LlamaCanon(nn.Module):
         """Training FLOPs per token (forward + backward) for MFU: ``6·N + 12·L·d·T`` (PaLM App. B; lingua,
         engineering.md P23). N = parameters taking part in matmuls/convs = all parameters minus the embedding
         lookup table, plus the LM head when tied (it still does a d x V matmul). The attention term counts the
-        full T x T score and value products (no causal halving), as PaLM does."""
+        full T x T score and value products (no causal halving), as PaLM does. Linear mixers (GLA / GDN / Mamba2)
+        have no T x T term: their state update and read-out are counted as ``6 · 2 · L · H · d_k · d_v`` per token
+        (one outer-product update and one state read per token, forward + backward; the chunked form's intra-chunk
+        products are an implementation detail)."""
         cfg = self.cfg
         n = self.num_params() - self.tok_emb.weight.numel()
         if cfg.tie_embeddings:
             n += self.lm_head.weight.numel()
-        return float(6 * n + 12 * cfg.n_layers * cfg.d_model * seq_len)
+        if cfg.arch == "llama":
+            return float(6 * n + 12 * cfg.n_layers * cfg.d_model * seq_len)
+        state = cfg.n_heads * cfg.head_k_dim * cfg.head_v_dim  # Mamba2: H · N · P
+        return float(6 * n + 12 * cfg.n_layers * state)
+
+
+LlamaCanon = CanonLM  # the Transformer is ``arch=llama``; kept as the name the paper and the release use

@@ -12,6 +12,11 @@ from canonlm.arch.config import CanonConfig, ConfigError
 ACTIVATIONS = ("silu", "relu2", "gelu")
 
 
+def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float32, or float64 when it already is (gates and decays are computed in at least fp32)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 class RMSNorm(nn.Module):
     """``y = x / sqrt(mean(x^2, -1) + eps) * g`` over the last dim, computed in float32 (models.md §2 "norm").
 
@@ -76,10 +81,12 @@ class MLP(nn.Module):
         self.kind, self.act, self.d_ff = kind, act, d_ff
         up = 2 * d_ff if kind == "gated" else d_ff
         self.w13 = nn.Linear(d_model, up, bias=False)  # gated: [W1 ; W3]; standard: W1
-        self.canon_d = Canon(up, canon, canon_backend) if canon is not None and canon.has("D") else None
+        self.canon_d = (Canon(up, canon, canon_backend, cache_key="canon_d")
+                        if canon is not None and canon.has("D") else None)
         self.w2 = nn.Linear(d_ff, d_model, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
+        """``x (B, T, d)`` -> ``(B, T, d)``; ``cache``: a decode-cache layer dict for Canon-D's history (or None)."""
         if self.kind == "gated" and self.canon_d is None:
             # No Canon-D: two matmuls on row slices of the fused weight. Same math; the backward then needs no
             # concatenation of the (B, T, 2·d_ff) gate/up gradients (a full activation-sized copy per layer).
@@ -87,8 +94,65 @@ class MLP(nn.Module):
             return self.w2(activation(self.act, F.linear(x, w1)) * F.linear(x, w3))
         h = self.w13(x)
         if self.canon_d is not None:
-            h = self.canon_d(h)
+            h = self.canon_d(h, cache)
         if self.kind == "gated":
             gate, up = h.chunk(2, dim=-1)
             return self.w2(activation(self.act, gate) * up)
         return self.w2(activation(self.act, h))
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm with a SiLU output gate, in float32 (models.md §3.1–3.3).
+
+    ``norm_before_gate=True`` (fla ``FusedRMSNormGated`` with swish, GLA / GDN): ``y = RMSNorm(x) · w · silu(g)``.
+    ``norm_before_gate=False`` (Mamba2, ``MambaRMSNormGated`` / mamba_ssm ``norm_before_gate=False``):
+    ``y = RMSNorm(x · silu(g)) · w``. The mean square runs over groups of ``group_size`` channels of the last dim
+    (default: all ``dim``; Mamba2 uses d_inner / n_groups).
+
+    Args: dim: width of the last dim (GLA/GDN: the per-head d_v, weight shared by heads; Mamba2: d_inner);
+        eps; norm_before_gate; group_size (must divide dim).
+    Parameters: ``weight (dim,)`` = 1 at init.
+    Forward: ``x, g`` of equal shape ``(..., dim)`` -> ``(..., dim)`` in x.dtype.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, norm_before_gate: bool = True, group_size: int | None = None):
+        super().__init__()
+        group_size = dim if group_size is None else int(group_size)
+        if group_size < 1 or dim % group_size:
+            raise ValueError(f"GatedRMSNorm: group_size={group_size} must divide dim={dim}")
+        self.dim, self.eps, self.norm_before_gate, self.group_size = dim, eps, norm_before_gate, group_size
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        dt = torch.promote_types(x.dtype, torch.float32)
+        xf, gf = x.to(dt), F.silu(g.to(dt))
+        if not self.norm_before_gate:
+            xf = xf * gf
+        if self.group_size != self.dim:
+            shape = xf.shape
+            xf = F.rms_norm(xf.unflatten(-1, (-1, self.group_size)), (self.group_size,), eps=self.eps).reshape(shape)
+            xf = xf * self.weight.to(dt)
+        else:
+            xf = F.rms_norm(xf, (self.dim,), self.weight.to(dt), self.eps)
+        if self.norm_before_gate:
+            xf = xf * gf
+        return xf.to(x.dtype)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        self.weight.fill_(1.0)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}, norm_before_gate={self.norm_before_gate}, group_size={self.group_size}"
+
+
+class LowRankLinear(nn.Sequential):
+    """``Linear(d_in, rank, bias=False)`` then ``Linear(rank, d_out, bias)``: fla's low-rank gate projections (GLA
+    forget gate ``gk_proj``, GLA5 / GDN2 output gate ``g_proj``; models.md §1.4). Both halves carry
+    ``split_init = rank``: under ``model.init=linear_0.02_split`` they get σ = √std / rank^¼ so the product keeps the
+    ≈ std entry scale of a full matrix (§3.4). Forward: ``(..., d_in) -> (..., d_out)``."""
+
+    def __init__(self, d_in: int, rank: int, d_out: int, bias: bool = True):
+        super().__init__(nn.Linear(d_in, rank, bias=False), nn.Linear(rank, d_out, bias=bias))
+        for m in self:
+            m.split_init = rank

@@ -4,10 +4,13 @@ Evaluators in :mod:`canonlm.data` (Brevo/Lano generation accuracy, Lano KL, the 
 through :class:`LanguageModel`, so ``canonlm.data`` never imports ``canonlm.arch``. Any callable mapping int64 token
 ids (B, T) to logits (B, T, V) works (``LlamaCanon``, a Hugging Face model wrapped in a lambda, a test oracle).
 
-Generation is exact for every architecture: prompts of different lengths are right-padded in one batch and every
-step re-runs the forward pass on the unfinished rows' prefixes (causal masking makes the padding invisible to the
-positions that are read). This costs O(T^2) token-forwards per generation; model-level decode caches (KV, Canon and
-recurrent states) are not built yet and will plug in here without changing the results.
+Generation is exact for every architecture. When the forward object offers decode caches (``forward.new_cache()``
+and ``forward(tokens, cache)``, as :class:`canonlm.arch.CanonLM` does: KV, Canon, short-conv and recurrent states),
+a batch of right-padded prompts is prefilled over its shortest prompt, then stepped one position at a time: a row
+still inside its prompt is fed its next prompt token, a row past it samples the next token; finished rows leave the
+cache. That is O(T) token-forwards per generation. Otherwise (a plain callable, or sharded models that must run in
+lockstep) every step re-runs the forward pass on the unfinished rows' prefixes (causal masking makes the padding
+invisible to the positions that are read): the same tokens at O(T^2) cost.
 
 Sampling noise is counter-based (Gumbel-max with SplitMix64 words keyed by the prompt's key and the step), so a
 sample is a pure function of (model, prompt, key), whatever else is in the batch and whatever the batch size.
@@ -41,13 +44,16 @@ class LanguageModel:
         sync: for sharded models (FSDP), a callable ``sync(local_any_active: bool) -> bool`` that returns whether
             any rank still generates (an all-reduce MAX); ranks then run the same number of forward passes (a rank
             with nothing left runs a 1-token dummy pass), so the collectives inside the forward stay matched. All
-            ranks must be given the same number of prompts.
-    Raises ValueError for batch_size < 1 or vocab_size < 1.
+            ranks must be given the same number of prompts. Generation then uses the uncached path.
+        use_cache: None (default) = decode with caches when ``forward`` has ``new_cache`` and ``sync`` is None;
+            False = always re-run prefixes; True = require caches (ValueError if ``forward`` has none or with sync).
+    Raises ValueError for batch_size < 1 or vocab_size < 1, or an impossible ``use_cache``.
     """
 
     def __init__(self, forward: Callable[[torch.Tensor], torch.Tensor], vocab_size: int,
                  device: str | torch.device = "cpu", batch_size: int = 32, max_len: int | None = None,
-                 context: Callable[[], Any] | None = None, sync: Callable[[bool], bool] | None = None):
+                 context: Callable[[], Any] | None = None, sync: Callable[[bool], bool] | None = None,
+                 use_cache: bool | None = None):
         if int(batch_size) < 1:
             raise ValueError(f"batch_size={batch_size!r} is not allowed; allowed: an integer >= 1")
         if int(vocab_size) < 1:
@@ -59,6 +65,11 @@ class LanguageModel:
         self.max_len = max_len
         self.context = context or contextlib.nullcontext
         self.sync = sync
+        can = callable(getattr(forward, "new_cache", None))
+        if use_cache and (not can or sync is not None):
+            raise ValueError("use_cache=True: the forward object has no new_cache() or generation is synced across "
+                             "ranks (sharded models decode without caches); allowed: None | False")
+        self.use_cache = can and sync is None if use_cache is None else bool(use_cache)
 
     # ------------------------------------------------------------------ log-probabilities
     @torch.no_grad()
@@ -119,8 +130,21 @@ class LanguageModel:
                 out[int(r)] = g
         return out
 
+    def _pick(self, last: torch.Tensor, n_gen: torch.Tensor, temperature: float, keys: np.ndarray | None) -> torch.Tensor:
+        """Next tokens (A,) from the last logits (A, V) of A rows; ``n_gen`` (A,) = tokens each row generated so far
+        (the sampling noise of a row's j-th token is keyed by (key, j), so it does not depend on the batch)."""
+        last = last.float().cpu()[:, :self.vocab_size]
+        if temperature > 0:
+            j = n_gen.numpy()[:, None].astype(np.int64) * self.vocab_size + np.arange(self.vocab_size, dtype=np.int64)
+            u = to_unit(words(keys[:, None], _P_GUMBEL, j))
+            g = -np.log(-np.log(np.clip(u, 1e-300, None)))
+            return (last / temperature + torch.from_numpy(g).float()).argmax(-1)
+        return last.argmax(-1)
+
     def _generate_batch(self, prompts: list[np.ndarray], max_new: int, stops: set[int], temperature: float,
                         keys: np.ndarray | None) -> list[np.ndarray]:
+        if self.use_cache:
+            return self._generate_batch_cached(prompts, max_new, stops, temperature, keys)
         B = len(prompts)
         lens = np.array([len(p) for p in prompts], dtype=np.int64)
         if (lens < 1).any():
@@ -157,14 +181,7 @@ class LanguageModel:
             with self.context():
                 logits = self.forward(buf_dev[idx.to(self.device), :hi])  # (A, hi, V)
             last = logits[torch.arange(idx.numel(), device=logits.device), (cur[idx] - 1).to(logits.device)]
-            last = last.float().cpu()[:, :self.vocab_size]
-            if temperature > 0:
-                j = np.int64(step) * self.vocab_size + np.arange(self.vocab_size, dtype=np.int64)
-                u = to_unit(words(keys[idx.numpy()][:, None], _P_GUMBEL, j[None, :]))
-                g = -np.log(-np.log(np.clip(u, 1e-300, None)))
-                nxt = (last / temperature + torch.from_numpy(g).float()).argmax(-1)
-            else:
-                nxt = last.argmax(-1)
+            nxt = self._pick(last, n_gen[idx], temperature, None if keys is None else keys[idx.numpy()])
             buf[idx, cur[idx]] = nxt
             buf_dev[idx.to(self.device), cur[idx].to(self.device)] = nxt.to(self.device)
             cur[idx] += 1
@@ -173,6 +190,58 @@ class LanguageModel:
                 hit = torch.tensor([int(t) in stops for t in nxt.tolist()], dtype=torch.bool)
                 done[idx] |= hit
             done |= n_gen >= max_new
+        return [buf[r, int(lens[r]):int(lens[r]) + int(n_gen[r])].numpy().copy() for r in range(B)]
+
+    def _generate_batch_cached(self, prompts: list[np.ndarray], max_new: int, stops: set[int], temperature: float,
+                               keys: np.ndarray | None) -> list[np.ndarray]:
+        """Decode-cache generation (module docstring): prefill the shortest prompt's length for all rows, then one
+        position per forward call; finished rows are dropped from the batch and the cache."""
+        B = len(prompts)
+        lens = np.array([len(p) for p in prompts], dtype=np.int64)
+        if (lens < 1).any():
+            raise ValueError("prompts must be non-empty")
+        if self.max_len is not None and int(lens.max()) >= int(self.max_len):
+            raise ValueError(f"a prompt of {int(lens.max())} tokens leaves no room to generate within the model's "
+                             f"max_len={self.max_len}")
+        total = int(lens.max()) + max_new
+        if self.max_len is not None:
+            total = min(total, int(self.max_len))
+        buf = torch.zeros(B, total, dtype=torch.long)
+        for r, p in enumerate(prompts):
+            buf[r, :len(p)] = torch.from_numpy(p)
+        lens_t = torch.from_numpy(lens)
+        n_gen = torch.zeros(B, dtype=torch.long)
+        rows = torch.arange(B)  # original row of each cache row
+        pos = int(lens.min())  # next position to fill / feed
+        cache = self.forward.new_cache()
+        with self.context():
+            logits = self.forward(buf[:, :pos].to(self.device), cache)
+        last = logits[:, -1]
+        while rows.numel():
+            gen = lens_t[rows] <= pos  # rows whose position `pos` is generated (the others are still in the prompt)
+            finished = torch.zeros(rows.numel(), dtype=torch.bool)
+            if bool(gen.any()):
+                g = torch.nonzero(gen).flatten()
+                r = rows[g]
+                nxt = self._pick(last[g.to(last.device)], n_gen[r], temperature, None if keys is None else keys[r.numpy()])
+                buf[r, pos] = nxt
+                n_gen[r] += 1
+                stop = n_gen[r] >= max_new
+                if stops:
+                    stop |= torch.tensor([int(t) in stops for t in nxt.tolist()], dtype=torch.bool)
+                finished[g] = stop
+            if pos + 1 >= total:
+                break
+            if bool(finished.any()):
+                keep = torch.nonzero(~finished).flatten()
+                if keep.numel() == 0:
+                    break
+                rows = rows[keep]
+                cache.select(keep.to(self.device))
+            with self.context():
+                logits = self.forward(buf[rows, pos:pos + 1].to(self.device), cache)
+            last = logits[:, -1]
+            pos += 1
         return [buf[r, int(lens[r]):int(lens[r]) + int(n_gen[r])].numpy().copy() for r in range(B)]
 
 

@@ -4,7 +4,7 @@ A training run (``python train.py ...``) lives in ``logs/<task_name>/runs/<run_n
 ``.hydra/config.yaml`` (the composed config, written by Hydra), ``.hydra/hydra.yaml`` (Hydra's runtime: the original
 working directory) and ``checkpoints/last.ckpt`` (Lightning; model weights under ``state_dict`` with keys prefixed
 ``model.``). :func:`load_model` rebuilds the model config exactly as training did
-(:func:`canonlm.train.run.build_configs`), builds :class:`canonlm.arch.model.LlamaCanon`, loads the weights, switches
+(:func:`canonlm.train.run.build_configs`), builds :class:`canonlm.arch.model.CanonLM`, loads the weights, switches
 to eval mode and wraps it in :class:`canonlm.data.lm.LanguageModel`.
 
 The model may be rebuilt with a longer ``max_seq_len`` than it was trained with (RoPE tables are computed, not
@@ -32,7 +32,7 @@ CHECKPOINT = Path("checkpoints") / "last.ckpt"
 class LoadedModel:
     """A trained model ready for evaluation.
 
-    model: ``LlamaCanon`` in eval mode on ``device``. lm: the :class:`LanguageModel` around it (greedy generation /
+    model: ``CanonLM`` in eval mode on ``device``. lm: the :class:`LanguageModel` around it (greedy generation /
     log-probabilities; ``max_len`` = ``model_cfg.max_seq_len``). cfg: the run's composed config (DictConfig).
     task_cfg: the resolved ``task`` node (dict). model_cfg: the rebuilt ``ModelConfig``. run_dir / ckpt: where it was
     loaded from. step: the checkpoint's global step (None if not recorded). trained_context: ``task.context``.
@@ -135,7 +135,7 @@ def load_model(run: str | Path, *, ckpt: str | Path | None = None, device: str =
     Raises FileNotFoundError (run / config / checkpoint missing), ConfigError (the run's config no longer builds,
         e.g. a moved ``task.data_dir``), ValueError (bad device / precision, or weights that do not fit the model).
     """
-    from canonlm.arch.model import LlamaCanon
+    from canonlm.arch.model import CanonLM
     from canonlm.train.run import build_configs
 
     if precision not in ("fp32", "bf16"):
@@ -161,7 +161,7 @@ def load_model(run: str | Path, *, ckpt: str | Path | None = None, device: str =
     state = _load_state(ck)
     sd = state.get("state_dict", state)
     sd = {k[len("model."):]: v for k, v in sd.items() if k.startswith("model.")} or dict(sd)
-    model = LlamaCanon(mcfg)
+    model = CanonLM(mcfg)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     if missing or unexpected:
         raise ValueError(f"checkpoint {ck} does not fit the run's model: missing {sorted(missing)[:5]}, "

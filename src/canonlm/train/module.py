@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from canonlm.arch.config import ModelConfig
 from canonlm.arch.loss import lm_loss
-from canonlm.arch.model import LlamaCanon
+from canonlm.arch.model import CanonLM
 import numpy as np
 import torch.nn.functional as F
 
@@ -44,7 +44,7 @@ def _peak_flops(device: torch.device) -> float | None:
 
 
 class LMModule(L.LightningModule):
-    """Causal LM training/evaluation around :class:`canonlm.arch.model.LlamaCanon`.
+    """Causal LM training/evaluation around :class:`canonlm.arch.model.CanonLM` (Llama, GLA, GDN or Mamba2 with Canon layers).
 
     Args:
         model_cfg: validated model config (vocab size and max length already set from the task).
@@ -68,7 +68,7 @@ class LMModule(L.LightningModule):
         super().__init__()
         self.task = task
         self.gen_eval = {"samples": None, "batch_size": 64, "on_val": True, **dict(gen_eval or {})}
-        self.model = LlamaCanon(model_cfg)
+        self.model = CanonLM(model_cfg)
         self.optimizer_factory = optimizer
         self.sched = dict(sched)
         self.total_steps = int(total_steps)

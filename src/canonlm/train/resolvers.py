@@ -1,4 +1,4 @@
-"""OmegaConf resolvers used by the config tree (registered once, before Hydra composes)."""
+"""OmegaConf resolvers and in-memory config options used by the config tree (registered once, before Hydra composes)."""
 
 from __future__ import annotations
 
@@ -37,3 +37,31 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("canonlm_steps", paper_steps)
     if not OmegaConf.has_resolver("canonlm_context"):
         OmegaConf.register_new_resolver("canonlm_context", paper_context)
+    register_linear_canon_sets()
+
+
+def linear_canon_sets() -> list[str]:
+    """Names of the ``canon`` group options that contain the lowercase ``b`` of linear models (models.md §1.3):
+    every subset of ``A b B C D`` (in that order) with ``b``, plus the official spellings ``AbbCD`` and ``bb``."""
+    import itertools
+
+    letters = "AbBCD"
+    names = []
+    for n in range(1, 6):
+        for combo in itertools.combinations(letters, n):
+            if "b" in combo:
+                names.append("".join(combo))
+    return names + ["AbbCD", "bb"]
+
+
+def register_linear_canon_sets() -> None:
+    """Register the ``canon`` options with lowercase ``b`` (``canon=AbCD``, ``canon=b``, ...) in Hydra's ConfigStore.
+
+    They live in memory, not as ``conf/canon/*.yaml`` files, because ``AbCD.yaml`` and ``ABCD.yaml`` would be the
+    same file on case-insensitive file systems (the reason the release spells it "AbbCD"). Each option is
+    ``conf/canon/_base.yaml`` with ``set`` replaced. Idempotent."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    for name in linear_canon_sets():
+        cs.store(group="canon", name=name, node={"defaults": ["_base", "_self_"], "set": name})

@@ -76,10 +76,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     """Multi-head softmax attention with grouped-query k/v.
 
     Args:
-        q: ``(B, T, H, D)``; k, v: ``(B, T, H_kv, D)`` with ``H % H_kv == 0`` (query head h uses kv head
+        q: ``(B, T, H, D)``; k, v: ``(B, S, H_kv, D)`` with ``H % H_kv == 0`` (query head h uses kv head
             ``h // (H / H_kv)``, as HF ``repeat_kv`` and flash-attn). Float tensors of one dtype and device; any
-            strides with a unit-stride last dim (views of a fused qkv projection are fine).
-        causal: mask ``j > i`` (query i sees keys 0..i).
+            strides with a unit-stride last dim (views of a fused qkv projection are fine). ``S == T`` in training;
+            ``S > T`` when decoding with a KV cache (the T queries are the last T positions).
+        causal: query i sees keys ``0 .. i + S - T`` (bottom-right aligned, as flash-attn; = ``j <= i`` when S == T).
         scale: softmax scale, default ``D ** -0.5``.
         backend: ``auto | fused | reference | sdpa | flash`` (module docstring); resolve it once with
             :func:`resolve_backend`.
@@ -93,12 +94,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
                          "q (B, T, H, D) and k, v (B, T, H_kv, D)")
     B, T, H, D = q.shape
     Hkv = k.shape[2]
-    if k.shape[0] != B or k.shape[3] != D or H % Hkv or (causal and k.shape[1] != T):
+    S = k.shape[1]
+    if k.shape[0] != B or k.shape[3] != D or H % Hkv or (causal and S < T):
         raise ValueError(f"attention: q {tuple(q.shape)} and k/v {tuple(k.shape)} do not match (same B and D, "
-                         f"H % H_kv == 0, and equal T when causal)")
+                         f"H % H_kv == 0, and S >= T when causal)")
     if backend in ("auto", "fused", "sdpa"):
+        mask, is_causal = None, causal and S == T
+        if causal and S > T and T > 1:  # cached decode of several tokens: bottom-right aligned causal mask
+            mask = _causal_mask(T, S, q.device)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=causal, scale=scale, enable_gqa=Hkv != H)
+                                             attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=Hkv != H)
         return out.transpose(1, 2)
     if backend == "reference":
         return attention_reference(q, k, v, causal=causal, scale=scale)
@@ -113,22 +118,28 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                         scale: float | None = None) -> torch.Tensor:
-    """Explicit-math attention in float32 (models.md §4.2); same shapes and semantics as :func:`attention`.
+    """Explicit-math attention in float32 (float64 for float64 inputs; models.md §4.2); same shapes and semantics as
+    :func:`attention`.
 
-    Materialises the ``(B, H, T, T)`` score matrix; autocast is disabled inside so the math stays in fp32.
-    Causal masking is top-left aligned (query i sees keys 0..i).
+    Materialises the ``(B, H, T, S)`` score matrix; autocast is disabled inside so the math stays in fp32.
+    Causal masking is bottom-right aligned (query i sees keys ``0 .. i + S - T``; top-left = the same when S == T).
     """
     B, T, H, D = q.shape
     Hkv = k.shape[2]
     scale = D ** -0.5 if scale is None else scale
+    cd = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
     with torch.autocast(q.device.type, enabled=False):
-        qf = q.float().transpose(1, 2)                                    # (B, H, T, D)
-        kf = k.float().transpose(1, 2).repeat_interleave(H // Hkv, dim=1)  # (B, H, S, D)
-        vf = v.float().transpose(1, 2).repeat_interleave(H // Hkv, dim=1)
+        qf = q.to(cd).transpose(1, 2)                                     # (B, H, T, D)
+        kf = k.to(cd).transpose(1, 2).repeat_interleave(H // Hkv, dim=1)  # (B, H, S, D)
+        vf = v.to(cd).transpose(1, 2).repeat_interleave(H // Hkv, dim=1)
         scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale           # (B, H, T, S)
         if causal:
             S = k.shape[1]
-            mask = torch.ones(T, S, dtype=torch.bool, device=q.device).triu_(1)
-            scores = scores.masked_fill(mask, -math.inf)
+            scores = scores.masked_fill(~_causal_mask(T, S, q.device), -math.inf)
         out = torch.matmul(scores.softmax(dim=-1), vf)                   # (B, H, T, D)
     return out.transpose(1, 2).to(q.dtype)
+
+
+def _causal_mask(T: int, S: int, device) -> torch.Tensor:
+    """Boolean ``(T, S)`` mask, True = may attend: query i (the (S - T + i)-th position) sees keys ``j <= i + S - T``."""
+    return torch.ones(T, S, dtype=torch.bool, device=device).tril_(S - T)

@@ -1,0 +1,91 @@
+"""Gated Linear Attention token mixer with Canon-B / the short convs ``b`` (models.md §1.3, §3.1, §3.5, §4.3).
+
+    q, k = W_q x, W_k x  (d -> key_dim);  v = W_v x  (d -> value_dim)
+    [Canon-B on [q ; k ; v]]  [b: SiLU short conv on each of q, k, v | else SiLU (official) or nothing (upstream)]
+    gk = logsigmoid(gk_proj x) / gate_logit_normalizer        (B, T, H, d_k), log-space forget gate
+    o  = chunk_gla(q, k, v, gk)                                (B, T, H, d_v); S_t = diag(exp gk_t) S_{t-1} + k_t v_tᵀ
+    y  = o_proj( RMSNorm_per_head(o) · silu(g_proj x) )
+
+Paper synthetic GLA = fla's defaults (4 heads, expand_k 0.5, expand_v 1, full-rank output gate): 4d² per mixer.
+GLA5 (Part 4.2) = expand_k 1, expand_v 2, rank-16 output gate: ≈ 6d².
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from canonlm.arch.canon import Canon
+from canonlm.arch.config import ModelConfig
+from canonlm.arch.mixers._shortconv import short_conv
+from canonlm.arch.modules import GatedRMSNorm, at_least_fp32, LowRankLinear
+from canonlm.ops import gla as gla_ops
+
+_warned_b = False
+
+
+class GLA(nn.Module):
+    """GLA mixer (fla ``GatedLinearAttention`` semantics; official GLA5 Canon variant).
+
+    Parameters: ``q_proj, k_proj (d -> key_dim)``, ``v_proj (d -> value_dim)``, no biases; ``gk_proj``
+    LowRankLinear(d, gate_low_rank_dim, key_dim, bias); ``g_proj`` Linear(d, value_dim) (``output_gate_rank=0``)
+    or LowRankLinear(d, r, value_dim, bias); ``g_norm`` per-head GatedRMSNorm(d_v); ``o_proj (value_dim -> d)``;
+    Canon-B over ``2·key_dim + value_dim`` channels (``B`` in canon.set; the official code fences it, canonlm allows it
+    with a warning, models.md §1.3); short convs ``conv_q, conv_k (key_dim)``, ``conv_v (value_dim)`` (``b``).
+
+    Forward: ``x (B, T, d)``, ``cos``/``sin`` ignored (no positional encoding), ``cache`` layer dict or None ->
+    ``(B, T, d)``. With a cache the recurrent state ``cache["state"] (B, H, d_k, d_v)`` (fp32) and the conv
+    states carry over, so token-by-token calls equal one call.
+    """
+
+    def __init__(self, cfg: ModelConfig, backends: dict[str, str]):
+        super().__init__()
+        global _warned_b
+        d, H, Kd, Vd = cfg.d_model, cfg.n_heads, cfg.key_dim, cfg.value_dim
+        self.n_heads, self.head_k_dim, self.head_v_dim = H, cfg.head_k_dim, cfg.head_v_dim
+        self.key_dim, self.value_dim = Kd, Vd
+        self.normalizer, self.chunk_size, self.no_conv_act = cfg.gate_logit_normalizer, cfg.chunk_size, cfg.no_conv_act
+        self.backend = backends["gla"]
+        self.q_proj = nn.Linear(d, Kd, bias=False)
+        self.k_proj = nn.Linear(d, Kd, bias=False)
+        self.v_proj = nn.Linear(d, Vd, bias=False)
+        self.canon_b = Canon(2 * Kd + Vd, cfg.canon, backends["canon"], cache_key="canon_b") if cfg.canon.has("B") else None
+        if self.canon_b is not None and not _warned_b:
+            _warned_b = True
+            warnings.warn("canonlm: Canon-B in GLA is allowed but untested by the paper's authors (the official code "
+                          "fences it); the paper's default for GLA is canon=AbCD", UserWarning, stacklevel=2)
+        if cfg.canon.has("b"):
+            self.conv_q = short_conv(Kd, cfg.conv_kernel, backends["canon"], "conv_q")
+            self.conv_k = short_conv(Kd, cfg.conv_kernel, backends["canon"], "conv_k")
+            self.conv_v = short_conv(Vd, cfg.conv_kernel, backends["canon"], "conv_v")
+        else:
+            self.conv_q = self.conv_k = self.conv_v = None
+        self.gk_proj = LowRankLinear(d, cfg.gate_low_rank_dim, Kd, bias=True)
+        r = cfg.output_gate_rank
+        self.g_proj = nn.Linear(d, Vd, bias=False) if r == 0 else LowRankLinear(d, r, Vd, bias=True)
+        self.g_norm = GatedRMSNorm(self.head_v_dim, cfg.norm_eps, norm_before_gate=True)
+        self.o_proj = nn.Linear(Vd, d, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
+                cache: dict | None = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, Kd = self.n_heads, self.key_dim
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.canon_b is not None:
+            q, k, v = self.canon_b(torch.cat([q, k, v], dim=-1), cache).split([Kd, Kd, self.value_dim], dim=-1)
+        if self.conv_q is not None:
+            q, k, v = self.conv_q(q, cache), self.conv_k(k, cache), self.conv_v(v, cache)
+        elif self.no_conv_act == "silu":
+            q, k, v = F.silu(q), F.silu(k), F.silu(v)
+        gk = F.logsigmoid(at_least_fp32(self.gk_proj(x))) / self.normalizer
+        state = None if cache is None else cache.get("state")
+        o, state = gla_ops.chunk_gla(q.view(B, T, H, -1), k.view(B, T, H, -1), v.view(B, T, H, -1),
+                                     gk.view(B, T, H, -1), initial_state=state, output_final_state=cache is not None,
+                                     chunk_size=self.chunk_size, backend=self.backend)
+        if cache is not None:
+            cache["state"] = state
+        o = self.g_norm(o, self.g_proj(x).view(B, T, H, -1))
+        return self.o_proj(o.flatten(2))

@@ -1,0 +1,536 @@
+"""Mamba2 SSD scan (state-space duality, chunked) and the Mamba2 mixer core (spec models.md §1.3, §3.3, §4.5, §5.2).
+
+Public API (the Mamba2 mixer calls only these names)::
+
+    ssd_scan(x, dt, A, B, C, *, chunk_size=256, D=None, dt_bias=None, dt_softplus=True, dt_limit=(0.0, inf),
+             initial_state=None, output_final_state=False, backend="auto") -> (y, final_state | None)
+    ssd_scan_reference(...same, without backend...)                      -> (y, final_state | None)
+    split_conv1d_scan_combined(zxbcdt, conv_weight, conv_bias, dt_bias, A, D, *, chunk_size, activation,
+                               rmsnorm_weight, rmsnorm_eps, outproj_weight, headdim, ngroups,
+                               norm_before_gate=False, dt_limit=(0.0, inf)) -> out          (CUDA, fused)
+    split_conv1d_scan_reference(...same...)                                                -> out
+    gated_rmsnorm(y, z, weight, eps, ngroups, norm_before_gate=False)   (the mixer's gated RMSNorm, plain torch)
+    resolve_backend(name, device, dtype) -> str
+    available_backends(device, dtype) -> dict[str, str | None]
+    BACKENDS, CONFIG_KEY
+
+Math, per batch row and head h (group g = h // (H // G) supplies B and C)::
+
+    Δ_t  = clamp(softplus(dt_t + dt_bias_h), *dt_limit)     (no softplus when dt_softplus=False; always clamped)
+    a_t  = Δ_t · A_h   (A_h = -exp(A_log_h) < 0)             x̄_t = Δ_t · x_t
+    H_t  = exp(a_t) · H_{t-1} + x̄_t B_tᵀ                     (state H_t ∈ R^{P×N}, H_0 = initial_state or 0)
+    y_t  = H_t C_t + D_h · x_t
+
+Chunked form (chunk Q; spec §4.5, the "SSD" algorithm of Dao & Gu 2024, written here from those formulas): with
+``L_ts = exp(Σ_{r=s+1}^{t} a_r)`` (s ≤ t, inside a chunk; computed as a masked cumulative sum of a, never as a ratio
+of exponentials) ::
+
+    y_t^diag = Σ_{s≤t in chunk} L_ts (C_t·B_s) x̄_s                           batched over all chunks (matmuls)
+    S_c      = Σ_{s∈c} exp(Σ_{r=s+1}^{end(c)} a_r) x̄_s B_sᵀ                  batched over all chunks
+    H_c      = exp(Σ_{r∈c} a_r) H_{c-1} + S_c                                 a short loop over chunks
+    y_t^off  = exp(Σ_{r=start(c)}^{t} a_r) H_{c-1} C_t                        batched over all chunks
+
+SSD is "simple GLA" (fla ``naive_recurrent_simple_gla``) with q = C, k = B, v = Δ·x, g = a, scale = 1 (fla's state
+is the transpose (N, P) of ours); the benchmark and a test use that mapping.
+
+Backends (``model.kernels.ssd`` in the config and in errors):
+
+* ``reference`` -- :func:`ssd_scan_reference` (pure PyTorch, any device, float32 / float64 compute).
+* ``mamba_ssm`` -- mamba-ssm's Triton kernels (CUDA; fp32/fp16/bf16): ``mamba_chunk_scan_combined``, and for a
+  one-token step without autograd ``selective_state_update`` (see ``_mamba.py``).
+* ``auto``      -- ``mamba_ssm`` on CUDA when ``mamba_ssm.ops.triton.ssd_combined`` imports (and dtype is not
+  float64), else ``reference``.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from contextlib import nullcontext
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from canonlm.errors import ConfigError
+
+from . import _mamba
+
+__all__ = [
+    "BACKENDS",
+    "CONFIG_KEY",
+    "available_backends",
+    "gated_rmsnorm",
+    "resolve_backend",
+    "split_conv1d_scan_combined",
+    "split_conv1d_scan_reference",
+    "ssd_scan",
+    "ssd_scan_reference",
+]
+
+BACKENDS = ("auto", "reference", "mamba_ssm")
+CONFIG_KEY = "model.kernels.ssd"
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_INF = float("inf")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# validation
+# ----------------------------------------------------------------------------------------------------------------
+
+def _shape(t) -> object:
+    return tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+
+
+def _check_chunk(chunk_size) -> int:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"ssd_scan: chunk_size={chunk_size!r}; allowed: a positive int (e.g. 64 or 256)")
+    return int(chunk_size)
+
+
+def _check_limit(dt_limit) -> tuple[float, float]:
+    try:
+        lo, hi = (float(v) for v in dt_limit)
+    except (TypeError, ValueError):
+        raise ValueError(f"ssd_scan: dt_limit={dt_limit!r}; allowed: a pair (lo, hi) of floats with lo <= hi") \
+            from None
+    if not lo <= hi or math.isnan(lo) or math.isnan(hi):
+        raise ValueError(f"ssd_scan: dt_limit={dt_limit!r}; allowed: a pair (lo, hi) of floats with lo <= hi")
+    return lo, hi
+
+
+def _validate(x, dt, A, B, C, D, dt_bias, initial_state) -> tuple[int, int, int, int, int, int]:
+    """(Bsz, T, H, P, G, N) after checking every shape/device; ValueError naming the argument otherwise."""
+    if not isinstance(x, Tensor) or x.dim() != 4 or not x.is_floating_point():
+        raise ValueError(f"ssd_scan: x.shape={_shape(x)}; allowed: a floating (B, T, H, P) tensor")
+    Bsz, T, H, P = x.shape
+    if T < 1 or H < 1 or P < 1:
+        raise ValueError(f"ssd_scan: x.shape={tuple(x.shape)}; allowed: (B, T, H, P) with T, H, P >= 1")
+    if not isinstance(dt, Tensor) or tuple(dt.shape) != (Bsz, T, H):
+        raise ValueError(f"ssd_scan: dt.shape={_shape(dt)}; allowed: (B, T, H) = {(Bsz, T, H)} (raw time step)")
+    if not isinstance(A, Tensor) or tuple(A.shape) != (H,):
+        raise ValueError(f"ssd_scan: A.shape={_shape(A)}; allowed: ({H},) (per-head A = -exp(A_log) < 0)")
+    if not isinstance(B, Tensor) or B.dim() != 4 or tuple(B.shape[:2]) != (Bsz, T):
+        raise ValueError(f"ssd_scan: B.shape={_shape(B)}; allowed: (B, T, G, N) with (B, T) = {(Bsz, T)}")
+    G, N = B.shape[2], B.shape[3]
+    if G < 1 or N < 1 or H % G != 0:
+        raise ValueError(f"ssd_scan: B.shape={tuple(B.shape)}; allowed: G >= 1 groups dividing H={H}, N >= 1")
+    if not isinstance(C, Tensor) or C.shape != B.shape:
+        raise ValueError(f"ssd_scan: C.shape={_shape(C)}; allowed: B's shape {tuple(B.shape)}")
+    if D is not None and tuple(D.shape) not in ((H,), (H, P)):
+        raise ValueError(f"ssd_scan: D.shape={_shape(D)}; allowed: ({H},), ({H}, {P}) or None")
+    if dt_bias is not None and tuple(dt_bias.shape) != (H,):
+        raise ValueError(f"ssd_scan: dt_bias.shape={_shape(dt_bias)}; allowed: ({H},) or None")
+    if initial_state is not None and tuple(initial_state.shape) != (Bsz, H, P, N):
+        raise ValueError(f"ssd_scan: initial_state.shape={_shape(initial_state)}; allowed: (B, H, P, N) = "
+                         f"{(Bsz, H, P, N)} or None")
+    for name, t in (("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), ("dt_bias", dt_bias),
+                    ("initial_state", initial_state)):
+        if t is None:
+            continue
+        if not t.is_floating_point():
+            raise ValueError(f"ssd_scan: {name}.dtype={t.dtype}; allowed: a floating-point dtype")
+        if t.device != x.device:
+            raise ValueError(f"ssd_scan: {name}.device={t.device}; allowed: x's device {x.device}")
+    return Bsz, T, H, P, G, N
+
+
+def _compute_dtype(*tensors) -> torch.dtype:
+    """float64 when any input is float64, else float32 (low-precision inputs are upcast)."""
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _no_autocast(device: torch.device):
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device_type=device.type, enabled=False)
+    return nullcontext()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# pure-PyTorch reference (spec models.md §4.5)
+# ----------------------------------------------------------------------------------------------------------------
+
+def _time_step(dt: Tensor, dt_bias: Optional[Tensor], dt_softplus: bool, dt_limit: tuple[float, float],
+               cd: torch.dtype) -> Tensor:
+    """Δ = clamp(softplus(dt + dt_bias), *dt_limit) in ``cd`` (softplus linear above 20, as in the kernels)."""
+    d = dt.to(cd)
+    if dt_bias is not None:
+        d = d + dt_bias.to(cd)
+    if dt_softplus:
+        d = F.softplus(d)
+    return d.clamp(dt_limit[0], dt_limit[1])
+
+
+def _ssd_chunked(xbar: Tensor, a: Tensor, Bm: Tensor, Cm: Tensor, h0: Optional[Tensor], Q: int
+                 ) -> tuple[Tensor, Tensor]:
+    """Chunked SSD core. xbar (B, Tp, H, P), a (B, Tp, H), Bm/Cm (B, Tp, G, N), h0 (B, H, P, N) or None, all in one
+    dtype, Tp % Q == 0. Returns (y without the D term (B, Tp, H, P), final state (B, H, P, N)).
+
+    Heads are split as (G, R) (group-major, R = H // G) so that group g's B/C serve its R heads: the per-head
+    diagonal blocks are batched over (B, G, R, chunks); the state products fold the R heads into the matrix
+    dimension (R·P rows against one group's B or C), so B and C are never repeated per head."""
+    Bsz, Tp, H, P = xbar.shape
+    G, N = Bm.shape[2], Bm.shape[3]
+    R, nc = H // G, Tp // Q
+    x6 = xbar.reshape(Bsz, nc, Q, G, R, P)
+    ah = a.reshape(Bsz, nc, Q, G, R).permute(0, 3, 4, 1, 2)                 # (B, G, R, nc, Q)
+    bc = Bm.reshape(Bsz, nc, Q, G, N).permute(0, 3, 1, 2, 4)                 # (B, G, nc, Q, N)
+    cc = Cm.reshape(Bsz, nc, Q, G, N).permute(0, 3, 1, 2, 4)                 # (B, G, nc, Q, N)
+
+    # segment sums seg[t, s] = sum_{r=s+1}^{t} a_r (s <= t) as a cumulative sum over rows r of the strictly-lower
+    # masked matrix E[r, s] = a_r (r > s). Above the diagonal seg is exactly 0 (an empty sum), so L = exp(seg) is 1
+    # there; the causal mask is applied once per group to the scores instead (R times fewer elements), and exp runs
+    # in place on finite values only.
+    ones = torch.ones(Q, Q, dtype=torch.bool, device=a.device)
+    strict, upper = ones.tril(-1), ~ones.tril(0)
+    seg = ah.unsqueeze(-1).expand(*ah.shape, Q).masked_fill(~strict, 0.0).cumsum(-2)
+    L = seg.exp_()                                                           # (B, G, R, nc, Q, Q), 1 above diag
+
+    # intra-chunk (diagonal blocks), per head
+    scores = (cc @ bc.transpose(-1, -2)).masked_fill_(upper, 0.0)            # (B, G, nc, Q, Q) = C_t . B_s, s <= t
+    y_diag = (L * scores.unsqueeze(2)) @ x6.permute(0, 3, 4, 1, 2, 5)       # (B, G, R, nc, Q, P)
+
+    # per-chunk states S_c = sum_s exp(sum_{r=s+1}^{end} a_r) xbar_s B_s^T; the decay to the chunk end is L's last row
+    # (all of it on or below the diagonal)
+    dec_end = L[..., Q - 1, :].permute(0, 1, 3, 4, 2).unsqueeze(-1)          # (B, G, nc, Q, R, 1)
+    xw = x6.permute(0, 3, 1, 2, 4, 5) * dec_end                              # (B, G, nc, Q, R, P)
+    S = xw.reshape(Bsz, G, nc, Q, R * P).transpose(-1, -2) @ bc              # (B, G, nc, R*P, N)
+
+    # inter-chunk recurrence over the chunk states (nc small steps)
+    acs = ah.cumsum(-1)                                                      # sum_{r=start}^{t} a_r, (B, G, R, nc, Q)
+    chunk_decay = acs[..., Q - 1].exp().permute(0, 1, 3, 2)[..., None, None]  # (B, G, nc, R, 1, 1)
+    h = xbar.new_zeros(Bsz, G, R, P, N) if h0 is None else h0.reshape(Bsz, G, R, P, N)
+    prev = []
+    # unbind (not S[:, :, c]): its backward stacks the nc gradients instead of scattering each into a zero tensor
+    for dec_c, S_c in zip(chunk_decay.unbind(2), S.view(Bsz, G, nc, R, P, N).unbind(2)):
+        prev.append(h)
+        h = dec_c * h + S_c
+    h_prev = torch.stack(prev, dim=2).view(Bsz, G, nc, R * P, N)             # state entering chunk c
+
+    # off-diagonal part: exp(sum_{r=start}^{t} a_r) * H_{c-1} C_t
+    y_off = (cc @ h_prev.transpose(-1, -2)).view(Bsz, G, nc, Q, R, P)
+    y = y_off * acs.exp().permute(0, 1, 3, 4, 2).unsqueeze(-1) + y_diag.permute(0, 1, 3, 4, 2, 5)
+    y = y.permute(0, 2, 3, 1, 4, 5).reshape(Bsz, Tp, H, P)                   # (B, G, nc, Q, R, P) -> (B, T, H, P)
+    return y, h.reshape(Bsz, H, P, N)
+
+
+def ssd_scan_reference(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, *, chunk_size: int = 256,
+                       D: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None, dt_softplus: bool = True,
+                       dt_limit: Sequence[float] = (0.0, _INF), initial_state: Optional[Tensor] = None,
+                       output_final_state: bool = False) -> tuple[Tensor, Optional[Tensor]]:
+    """Pure-PyTorch chunked SSD (spec models.md §4.5); the CPU path and the oracle of the fused kernels.
+
+    Args: see :func:`ssd_scan` (same shapes and semantics).
+
+    Computes in float32 (float64 when any input is float64) with autocast disabled; differentiable w.r.t. x, dt, A,
+    B, C, D, dt_bias and initial_state. The chunk is ``min(chunk_size, T)``; T is zero-padded to a multiple of it
+    with Δ = 0 in the padding (set *after* the softplus), so a = 0 and x̄ = 0 there and neither y nor the final state
+    change. The result does not depend on ``chunk_size`` beyond rounding.
+
+    Returns:
+        (y (B, T, H, P) in x.dtype, final state (B, H, P, N) in the compute dtype or None).
+
+    Raises:
+        ValueError: bad shapes / devices / dtypes, ``chunk_size`` not a positive int, bad ``dt_limit``.
+    """
+    Bsz, T, H, P, G, N = _validate(x, dt, A, B, C, D, dt_bias, initial_state)
+    Q = min(_check_chunk(chunk_size), T)
+    lim = _check_limit(dt_limit)
+    cd = _compute_dtype(x, dt, A, B, C, D, dt_bias, initial_state)
+    with _no_autocast(x.device):
+        xc = x.to(cd)
+        delta = _time_step(dt, dt_bias, dt_softplus, lim, cd)               # (B, T, H)
+        pad = (-T) % Q
+        Bm, Cm = B.to(cd), C.to(cd)
+        if pad:
+            delta = F.pad(delta, (0, 0, 0, pad))                            # Δ = 0 -> a = 0, x̄ = 0
+            Bm = F.pad(Bm, (0, 0, 0, 0, 0, pad))
+            Cm = F.pad(Cm, (0, 0, 0, 0, 0, pad))
+            xp = F.pad(xc, (0, 0, 0, 0, 0, pad))
+        else:
+            xp = xc
+        a = delta * A.to(cd)
+        xbar = xp * delta.unsqueeze(-1)
+        h0 = None if initial_state is None else initial_state.to(cd)
+        y, h = _ssd_chunked(xbar, a, Bm, Cm, h0, Q)
+        y = y[:, :T]
+        if D is not None:
+            y = y + xc * D.to(cd).reshape(H, -1)
+    return y.to(x.dtype), (h if output_final_state else None)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# backend selection
+# ----------------------------------------------------------------------------------------------------------------
+
+def _unavailable_reason(name: str, device: torch.device, dtype: torch.dtype) -> Optional[str]:
+    """None if backend ``name`` can run on (device, dtype), else why not."""
+    if name in ("reference", "auto"):
+        return None
+    if name == "mamba_ssm":
+        if device.type != "cuda":
+            return f"needs a CUDA device (tensors are on {device.type})"
+        if not torch.cuda.is_available():
+            return "needs a CUDA device (torch.cuda.is_available() is False)"
+        if dtype not in _KERNEL_DTYPES:
+            return f"supports float32, float16 and bfloat16 (got {dtype})"
+        fn, err = _mamba.chunk_scan_function()
+        return None if fn is not None else f"mamba_ssm.ops.triton.ssd_combined is not importable ({err})"
+    raise AssertionError(name)
+
+
+def available_backends(device, dtype: torch.dtype = torch.float32) -> dict:
+    """Map every concrete backend name to None (runs here) or the reason it cannot run on (device, dtype).
+    mamba_ssm is imported only for a CUDA device with CUDA available."""
+    device = torch.device(device)
+    return {n: _unavailable_reason(n, device, dtype) for n in BACKENDS if n != "auto"}
+
+
+def resolve_backend(name: str, device, dtype: torch.dtype) -> str:
+    """Concrete SSD backend for tensors on ``device`` with ``dtype``.
+
+    ``"auto"``: ``"mamba_ssm"`` on CUDA when ``mamba_ssm.ops.triton.ssd_combined`` imports and dtype is
+    fp32/fp16/bf16, else ``"reference"``. ``"reference"`` always runs. Device ``meta`` (shape tracing): ``name`` is
+    returned unchanged (``ssd_scan`` then runs the reference, which works on meta tensors).
+
+    Raises:
+        ConfigError("model.kernels.ssd", name, allowed): unknown name, or ``"mamba_ssm"`` where it cannot run (not
+        CUDA, mamba_ssm not importable, float64); ``allowed`` lists the backends available here and why the
+        requested one is not.
+    """
+    if name not in BACKENDS:
+        raise ConfigError(CONFIG_KEY, name, "one of " + ", ".join(BACKENDS))
+    device = torch.device(device)
+    if device.type == "meta":
+        return name
+    if name == "auto":
+        return "mamba_ssm" if _unavailable_reason("mamba_ssm", device, dtype) is None else "reference"
+    reason = _unavailable_reason(name, device, dtype)
+    if reason is not None:
+        here = [n for n, r in available_backends(device, dtype).items() if r is None]
+        raise ConfigError(CONFIG_KEY, name, f"backends available here ({device.type}, {dtype}): auto, "
+                                            f"{', '.join(here)} ['{name}' {reason}]")
+    return name
+
+
+def _assume_constant(fn):
+    """``torch.compiler.assume_constant_result`` without importing ``torch._dynamo`` at canonlm import time (same
+    trick as ``canonlm.ops.canon``): the backend probe is not traced under torch.compile."""
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.assume_constant_result(fn)
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+_select_cache: dict = {}
+
+
+@_assume_constant
+def _select(backend: str, device: str, dtype: torch.dtype) -> str:
+    key = (backend, device, dtype)
+    hit = _select_cache.get(key)
+    if hit is None:
+        hit = _select_cache[key] = resolve_backend(backend, torch.device(device), dtype)
+    return hit
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# dispatch
+# ----------------------------------------------------------------------------------------------------------------
+
+def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, *, chunk_size: int = 256,
+             D: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None, dt_softplus: bool = True,
+             dt_limit: Sequence[float] = (0.0, _INF), initial_state: Optional[Tensor] = None,
+             output_final_state: bool = False, backend: str = "auto") -> tuple[Tensor, Optional[Tensor]]:
+    """Mamba2 SSD scan ``H_t = exp(Δ_t A_h) H_{t-1} + Δ_t x_t B_tᵀ``, ``y_t = H_t C_t + D_h x_t`` (spec §4.5).
+
+    Args:
+        x: (B, T, H, P) inputs (heads × head dim), any floating dtype; T >= 1 (T = 1 is a decode step).
+        dt: (B, T, H) raw time step (before dt_bias / softplus).
+        A: (H,) per-head decay rate, negative (``-exp(A_log)``).
+        B, C: (B, T, G, N) input / output projections, H % G == 0; head h uses group ``h // (H // G)``.
+        chunk_size: positive int, the SSD chunk length (mamba_ssm's ``chunk_size``; Mamba2 uses 256).
+        D: (H,) (or (H, P)) skip weight; None = no ``D·x`` term.
+        dt_bias: (H,) added to dt before the softplus; None = 0.
+        dt_softplus: apply softplus to ``dt + dt_bias``.
+        dt_limit: (lo, hi); Δ is clamped to it (always, as the kernels do; the default (0, inf) is a no-op after a
+            softplus).
+        initial_state: (B, H, P, N) state before x (continuation / chunked prefill), or None for zeros.
+        output_final_state: also return the state after the last token.
+        backend: one of :data:`BACKENDS` (see :func:`resolve_backend`). ``mamba_ssm`` uses
+            ``mamba_chunk_scan_combined``, or ``selective_state_update`` for T == 1 when autograd is off.
+
+    Returns:
+        (y (B, T, H, P) in x.dtype, final state (B, H, P, N) -- float32, float64 for float64 inputs on the
+        reference -- or None).
+
+    Raises:
+        ValueError: bad shapes / devices / dtypes, ``chunk_size`` not a positive int, bad ``dt_limit``.
+        ConfigError: unknown or unavailable backend.
+    """
+    Bsz, T, H, P, G, N = _validate(x, dt, A, B, C, D, dt_bias, initial_state)
+    Q = _check_chunk(chunk_size)
+    lim = _check_limit(dt_limit)
+    be = _select(backend, str(x.device), x.dtype)
+    if be == "mamba_ssm":
+        if T == 1 and not torch.is_grad_enabled():
+            return _mamba.state_update(x, dt, A, B, C, D, dt_bias, dt_softplus, lim, initial_state,
+                                       output_final_state)
+        return _mamba.chunk_scan(x, dt, A, B, C, Q, D, dt_bias, dt_softplus, lim, initial_state, output_final_state)
+    return ssd_scan_reference(x, dt, A, B, C, chunk_size=Q, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                              dt_limit=lim, initial_state=initial_state, output_final_state=output_final_state)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Mamba2 mixer core: conv1d over xBC -> SSD -> gated RMSNorm -> out-proj (spec §1.3, §3.3, §5.2)
+# ----------------------------------------------------------------------------------------------------------------
+
+def gated_rmsnorm(y: Tensor, z: Optional[Tensor], weight: Optional[Tensor], eps: float, ngroups: int = 1,
+                  norm_before_gate: bool = False) -> Tensor:
+    """Mamba2's gated RMSNorm over groups of ``d / ngroups`` channels, in float32 (float64 for float64 inputs).
+
+    ``norm_before_gate=False`` (Mamba2 / canonlm default): ``RMSNorm(y ⊙ silu(z)) ⊙ weight``; ``True``:
+    ``RMSNorm(y) ⊙ weight ⊙ silu(z)``. RMSNorm(u) = u / sqrt(mean_group(u²) + eps). ``z=None``: no gate;
+    ``weight=None``: no norm, only the gate ``y ⊙ silu(z)`` (mamba_ssm's behaviour without ``rmsnorm_weight``).
+
+    Args: y, z (..., d); weight (d,) or None; d % ngroups == 0. Returns (..., d) in the compute dtype.
+    Raises ValueError on bad shapes.
+    """
+    d = y.shape[-1]
+    if z is not None and z.shape != y.shape:
+        raise ValueError(f"gated_rmsnorm: z.shape={tuple(z.shape)}; allowed: y's shape {tuple(y.shape)}")
+    if weight is not None and tuple(weight.shape) != (d,):
+        raise ValueError(f"gated_rmsnorm: weight.shape={tuple(weight.shape)}; allowed: ({d},) or None")
+    if ngroups < 1 or d % ngroups != 0:
+        raise ValueError(f"gated_rmsnorm: ngroups={ngroups}; allowed: a positive divisor of d={d}")
+    cd = _compute_dtype(y, z, weight)
+    u = y.to(cd)
+    gate = None if z is None else F.silu(z.to(cd))
+    if weight is None:
+        return u if gate is None else u * gate
+    if gate is not None and not norm_before_gate:
+        u = u * gate
+    ug = u.reshape(*u.shape[:-1], ngroups, d // ngroups)
+    u = (ug * torch.rsqrt(ug.pow(2).mean(-1, keepdim=True) + eps)).reshape(u.shape) * weight.to(cd)
+    if gate is not None and norm_before_gate:
+        u = u * gate
+    return u
+
+
+def _split_dims(zxbcdt, conv_weight, conv_bias, dt_bias, A, D, headdim, ngroups, activation, rmsnorm_weight,
+                outproj_weight) -> tuple[int, int, int, int, int]:
+    """(H, P, G, N, conv_dim) after validating the fused-mixer arguments; ValueError otherwise."""
+    if not isinstance(zxbcdt, Tensor) or zxbcdt.dim() != 3:
+        raise ValueError(f"split_conv1d_scan: zxbcdt.shape={_shape(zxbcdt)}; allowed: (B, T, 2HP + 2GN + H)")
+    if not isinstance(A, Tensor) or A.dim() != 1:
+        raise ValueError(f"split_conv1d_scan: A.shape={_shape(A)}; allowed: (H,)")
+    H = A.shape[0]
+    P, G = int(headdim), int(ngroups)
+    if P < 1 or G < 1 or H % G != 0:
+        raise ValueError(f"split_conv1d_scan: headdim={headdim}, ngroups={ngroups}; allowed: headdim >= 1 and "
+                         f"ngroups a positive divisor of H={H}")
+    d_inner = H * P
+    if not isinstance(conv_weight, Tensor) or conv_weight.dim() != 2:
+        raise ValueError(f"split_conv1d_scan: conv_weight.shape={_shape(conv_weight)}; allowed: (conv_dim, W) "
+                         f"(an nn.Conv1d weight (conv_dim, 1, W) must be squeezed)")
+    conv_dim = conv_weight.shape[0]
+    gn2 = conv_dim - d_inner
+    if gn2 <= 0 or gn2 % (2 * G) != 0:
+        raise ValueError(f"split_conv1d_scan: conv_weight.shape={tuple(conv_weight.shape)}; allowed: conv_dim = "
+                         f"H*headdim + 2*ngroups*N = {d_inner} + 2*{G}*N")
+    N = gn2 // (2 * G)
+    want = 2 * d_inner + gn2 + H
+    if zxbcdt.shape[-1] != want:
+        raise ValueError(f"split_conv1d_scan: zxbcdt.shape={tuple(zxbcdt.shape)}; allowed: last dim 2*H*P + 2*G*N "
+                         f"+ H = {want} (z {d_inner}, xBC {conv_dim}, dt {H})")
+    if conv_bias is not None and tuple(conv_bias.shape) != (conv_dim,):
+        raise ValueError(f"split_conv1d_scan: conv_bias.shape={_shape(conv_bias)}; allowed: ({conv_dim},) or None")
+    if dt_bias is not None and tuple(dt_bias.shape) != (H,):
+        raise ValueError(f"split_conv1d_scan: dt_bias.shape={_shape(dt_bias)}; allowed: ({H},)")
+    if D is not None and tuple(D.shape) not in ((H,), (H, P)):
+        raise ValueError(f"split_conv1d_scan: D.shape={_shape(D)}; allowed: ({H},) or ({H}, {P})")
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"split_conv1d_scan: activation={activation!r}; allowed: 'silu' (= 'swish') or None")
+    if rmsnorm_weight is not None and tuple(rmsnorm_weight.shape) != (d_inner,):
+        raise ValueError(f"split_conv1d_scan: rmsnorm_weight.shape={_shape(rmsnorm_weight)}; allowed: ({d_inner},)")
+    if outproj_weight is not None and (outproj_weight.dim() != 2 or outproj_weight.shape[1] != d_inner):
+        raise ValueError(f"split_conv1d_scan: outproj_weight.shape={_shape(outproj_weight)}; allowed: "
+                         f"(out_dim, {d_inner})")
+    return H, P, G, N, conv_dim
+
+
+def split_conv1d_scan_reference(zxbcdt: Tensor, conv_weight: Tensor, conv_bias: Optional[Tensor],
+                                dt_bias: Optional[Tensor], A: Tensor, D: Optional[Tensor], *, chunk_size: int,
+                                activation: Optional[str], rmsnorm_weight: Optional[Tensor], rmsnorm_eps: float,
+                                outproj_weight: Optional[Tensor], headdim: int, ngroups: int,
+                                norm_before_gate: bool = False,
+                                dt_limit: Sequence[float] = (0.0, _INF)) -> Tensor:
+    """Plain-torch Mamba2 mixer core (what ``mamba_split_conv1d_scan_combined`` fuses; spec §3.3, §5.2).
+
+    ``zxbcdt`` (B, T, 2·H·P + 2·G·N + H) is split as ``[z (H·P), xBC (H·P + 2·G·N), dt (H)]``;
+    ``xBC ← act(causal_conv1d(xBC, conv_weight (conv_dim, W), conv_bias))`` (non-residual, act = SiLU for
+    ``activation="silu"``, identity for None; :func:`canonlm.ops.canon.causal_conv1d_reference`); ``xBC = [x (H·P),
+    B (G·N), C (G·N)]``; ``y = ssd_scan_reference(x, dt, A, B, C, D, dt_bias, dt_softplus=True, dt_limit)``;
+    ``y ← gated_rmsnorm(y, z, rmsnorm_weight, rmsnorm_eps, ngroups, norm_before_gate)``; ``out = y W_outᵀ`` (no
+    bias; skipped when ``outproj_weight`` is None).
+
+    ``noconv1d`` (Mamba2 without its conv, spec §1.3) is ``conv_weight[:, :] = [0, …, 0, 1]``, ``conv_bias=None``,
+    ``activation=None``: xBC passes through unchanged.
+
+    Computes in float32 (float64 for float64 zxbcdt) with autocast disabled; differentiable w.r.t. every tensor.
+    Returns (B, T, out_dim) (or (B, T, H·P) without out-proj) in zxbcdt.dtype.
+
+    Raises:
+        ValueError: inconsistent shapes, unknown activation, bad chunk_size / dt_limit.
+    """
+    from canonlm.ops.canon import causal_conv1d_reference
+
+    H, P, G, N, conv_dim = _split_dims(zxbcdt, conv_weight, conv_bias, dt_bias, A, D, headdim, ngroups, activation,
+                                       rmsnorm_weight, outproj_weight)
+    Bsz, T, _ = zxbcdt.shape
+    d_inner = H * P
+    cd = _compute_dtype(zxbcdt, conv_weight, conv_bias, A, D, dt_bias, rmsnorm_weight, outproj_weight)
+    with _no_autocast(zxbcdt.device):
+        z, xBC, dt = zxbcdt.to(cd).split([d_inner, conv_dim, H], dim=-1)
+        xBC = causal_conv1d_reference(xBC, conv_weight.to(cd), None if conv_bias is None else conv_bias.to(cd),
+                                      residual=False, activation=activation in ("silu", "swish"))
+        x, Bm, Cm = xBC.split([d_inner, G * N, G * N], dim=-1)
+        y, _ = ssd_scan_reference(x.reshape(Bsz, T, H, P), dt, A, Bm.reshape(Bsz, T, G, N),
+                                  Cm.reshape(Bsz, T, G, N), chunk_size=chunk_size, D=D, dt_bias=dt_bias,
+                                  dt_softplus=True, dt_limit=dt_limit)
+        y = gated_rmsnorm(y.reshape(Bsz, T, d_inner), z, rmsnorm_weight, rmsnorm_eps, G, norm_before_gate)
+        if outproj_weight is not None:
+            y = F.linear(y, outproj_weight.to(cd))
+    return y.to(zxbcdt.dtype)
+
+
+def split_conv1d_scan_combined(zxbcdt: Tensor, conv_weight: Tensor, conv_bias: Optional[Tensor],
+                               dt_bias: Optional[Tensor], A: Tensor, D: Optional[Tensor], *, chunk_size: int,
+                               activation: Optional[str], rmsnorm_weight: Optional[Tensor], rmsnorm_eps: float,
+                               outproj_weight: Optional[Tensor], headdim: int, ngroups: int,
+                               norm_before_gate: bool = False, dt_limit: Sequence[float] = (0.0, _INF)) -> Tensor:
+    """Fused Mamba2 mixer core: thin wrapper of mamba_ssm's ``mamba_split_conv1d_scan_combined`` (CUDA only).
+
+    Same arguments and result as :func:`split_conv1d_scan_reference` (the documented composition); the time step is
+    always ``softplus(dt + dt_bias)`` clamped to ``dt_limit``. The kernel keeps x/B/C/z in zxbcdt's dtype, states and
+    the norm in float32. ``D=None`` / ``dt_bias=None`` are passed to the kernel as zeros (it requires both).
+
+    Raises:
+        ConfigError("model.kernels.ssd", "mamba_ssm", ...): not on CUDA, mamba_ssm not importable, or float64.
+        RuntimeError: causal_conv1d (needed by the fused kernel) not importable.
+        ValueError: inconsistent shapes, unknown activation, bad chunk_size / dt_limit.
+    """
+    H, P, G, N, conv_dim = _split_dims(zxbcdt, conv_weight, conv_bias, dt_bias, A, D, headdim, ngroups, activation,
+                                       rmsnorm_weight, outproj_weight)
+    Q = _check_chunk(chunk_size)
+    lim = _check_limit(dt_limit)
+    resolve_backend("mamba_ssm", zxbcdt.device, zxbcdt.dtype)
+    if D is None:
+        D = torch.zeros(H, device=zxbcdt.device, dtype=torch.float32)
+    if dt_bias is None:
+        dt_bias = torch.zeros(H, device=zxbcdt.device, dtype=torch.float32)
+    return _mamba.split_conv1d_scan(zxbcdt, conv_weight, conv_bias, dt_bias, A, D, chunk_size=Q,
+                                    activation=activation, rmsnorm_weight=rmsnorm_weight, rmsnorm_eps=rmsnorm_eps,
+                                    outproj_weight=outproj_weight, headdim=P, ngroups=G,
+                                    norm_before_gate=norm_before_gate, dt_limit=lim)

@@ -1,0 +1,427 @@
+"""GLA / GDN / Mamba2 with Canon layers (models.md §1.3, §3): configs, parameter counts, each mixer against a plain
+loop written from the spec's formulas, inits, decode caches (token by token == one full forward, for every
+architecture and Canon setting), cached generation == uncached generation, bad input."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from oracles import canon_loop
+
+from canonlm.arch import CanonLM, ConfigError, build_model_config
+from canonlm.data.lm import LanguageModel
+
+# Hydra arch presets as plain dicts (the same keys as conf/arch/*.yaml; test_configs checks the YAMLs compose).
+PRESETS = {
+    "llama": dict(arch="llama"),
+    "gla": dict(arch="gla", expand_k=0.5, expand_v=1.0),
+    "gla5": dict(arch="gla", expand_k=1.0, expand_v=2.0, output_gate_rank=16, ffn_ratio=2.0, init="linear_0.02_split",
+                 key_head_dim=128),
+    "gdn": dict(arch="gdn", expand_k=0.75, expand_v=1.5, ffn_ratio=2.0),
+    "gdn2": dict(arch="gdn", expand_k=1.0, expand_v=2.0, output_gate_rank=16, ffn_ratio=2.0, init="linear_0.02_split",
+                 key_head_dim=128),
+    "mamba2": dict(arch="mamba2", ffn_ratio=2.0, init="mamba2_default", norm_eps=1e-5),
+    "mamba2_nomlp": dict(arch="mamba2", mlp="none", n_layers_factor=2, init="mamba2_default", norm_eps=1e-5),
+}
+
+
+def build(preset, canon="", size="2L64D", vocab=32, dtype=torch.float64, **kw):
+    model = dict(PRESETS[preset], size=size, **kw)
+    cfg = build_model_config(model, canon={"set": canon}, pos={"type": "rope"}, vocab_size=vocab, max_seq_len=256,
+                             ops="reference")
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = CanonLM(cfg)
+    return m.to(dtype)
+
+
+# ------------------------------------------------------------------------------------------------ parameter counts
+
+def expected_params(preset, L, d, V, canon="", K=4, r_gate=16):
+    """Independent count from models.md §1.2–§3.5 (per-layer pieces written out one by one)."""
+    p = dict(PRESETS[preset])
+    arch = p["arch"]
+    per_layer = d  # attn_norm
+    has_mlp = p.get("mlp", "gated") != "none"
+    if arch == "gla" or arch == "gdn":
+        Kd, Vd = int(p["expand_k"] * d), int(p["expand_v"] * d)
+        H = 4 if preset == "gla" else (max(4, d // 128) if preset == "gdn" else max(1, Kd // 128))
+        per_layer += d * Kd * 2 + d * Vd + Vd * d          # q, k, v, o
+        if p.get("output_gate_rank", 0):
+            per_layer += d * r_gate + r_gate * Vd + Vd     # low-rank output gate (+ bias)
+        else:
+            per_layer += d * Vd                            # full-rank output gate
+        per_layer += Vd // H                               # per-head output norm gain
+        if arch == "gla":
+            per_layer += d * 16 + 16 * Kd + Kd             # low-rank forget gate (+ bias)
+        else:
+            per_layer += 2 * d * H + 2 * H                 # a_proj, b_proj, A_log, dt_bias
+        if "b" in canon:
+            per_layer += 4 * (2 * Kd + Vd)                 # three short convs, no bias
+        if "B" in canon:
+            per_layer += K * (2 * Kd + Vd)
+    else:  # mamba2
+        H, N, di = 16, 64, 2 * d
+        per_layer += d * (2 * di + 2 * N + H) + di * d + di + 3 * H  # in_proj, out_proj, gated norm, dt_bias/A_log/D
+        if "b" in canon:
+            per_layer += 4 * (di + 2 * N) + (di + 2 * N)   # conv1d weight + bias
+        if "B" in canon:
+            per_layer += K * (2 * di + 2 * N + H)
+    if "A" in canon:
+        per_layer += K * d
+    if has_mlp:
+        I = 2 * d if p.get("ffn_ratio") else 256 * math.ceil(8 * d / 3 / 256)
+        per_layer += d + 3 * d * I                         # mlp_norm + gated MLP
+        per_layer += K * d * ("C" in canon) + K * 2 * I * ("D" in canon)
+    return L * per_layer + 2 * V * d + d
+
+
+@pytest.mark.parametrize("preset", [p for p in PRESETS if p != "llama"])
+@pytest.mark.parametrize("canon", ["", "b", "AbCD", "ABCD"])
+@pytest.mark.parametrize("size", ["2L64D", "12L768D"])
+def test_param_counts_match_spec(preset, canon, size):
+    if preset == "mamba2_nomlp":
+        canon = canon.replace("C", "").replace("D", "")
+    L, d = (2, 64) if size == "2L64D" else (12, 768)
+    if preset == "mamba2_nomlp":
+        L *= 2  # 2ℓ layers (models.md §3.5)
+    model = dict(PRESETS[preset], size=size)
+    cfg = build_model_config(model, canon={"set": canon}, vocab_size=50)
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = CanonLM(cfg)
+    assert len(m.blocks) == L
+    assert m.num_params() == expected_params(preset, L, d, 50, canon)
+
+
+def test_mixer_sizes_follow_the_papers_d2_budgets():
+    """models.md §1.4 / §3.5: GLA mixer ≈ 4d², GLA5 / GDN / GDN2 / Mamba2 mixers ≈ 6d², MLP 2d ≈ 6d² (d = 768)."""
+    d = 768
+    for preset, mixer_d2, mlp_d2 in [("gla", 4, 8), ("gla5", 6, 6), ("gdn", 6, 6), ("gdn2", 6, 6), ("mamba2", 6, 6)]:
+        cfg = build_model_config(dict(PRESETS[preset], size="1L768D"), canon={"set": ""}, vocab_size=8)
+        with torch.device("meta"):
+            m = CanonLM(cfg)
+        blk = m.blocks[0]
+        n_mixer = sum(p.numel() for p in blk.attn.parameters())
+        n_mlp = sum(p.numel() for p in blk.mlp.parameters())
+        assert abs(n_mixer / d ** 2 - mixer_d2) < 0.25, (preset, n_mixer / d ** 2)
+        assert abs(n_mlp / d ** 2 - mlp_d2) < 0.3, (preset, n_mlp / d ** 2)
+
+
+def test_head_rules_and_widths():
+    c = build_model_config(dict(PRESETS["gdn"], size="12L768D"), vocab_size=8)
+    assert (c.n_heads, c.head_k_dim, c.head_v_dim) == (6, 96, 192)
+    c = build_model_config(dict(PRESETS["gdn"], size="8L512D"), vocab_size=8)
+    assert (c.n_heads, c.head_k_dim, c.head_v_dim) == (4, 96, 192)
+    c = build_model_config(dict(PRESETS["gla"], size="12L768D"), vocab_size=8)
+    assert (c.n_heads, c.head_k_dim, c.head_v_dim) == (4, 96, 192)
+    c = build_model_config(dict(PRESETS["mamba2"], size="12L768D"), vocab_size=8)
+    assert (c.n_heads, c.head_v_dim, c.ssm_state, c.n_layers) == (16, 96, 64, 12)  # head_dim 2d/16
+    c = build_model_config(dict(PRESETS["mamba2_nomlp"], size="8L512D"), vocab_size=8)
+    assert c.n_layers == 16 and c.ffn_dim == 0
+    c = build_model_config(dict(PRESETS["gdn2"], size="12L768D"), vocab_size=8)
+    assert (c.n_heads, c.head_k_dim, c.head_v_dim) == (6, 128, 256)
+    c = build_model_config(dict(PRESETS["gla5"], size="24L2048D"), vocab_size=8)
+    assert (c.n_heads, c.head_k_dim, c.head_v_dim) == (16, 128, 256)  # the 1B GLA5 recipe (models.md §3.1)
+
+
+# ------------------------------------------------------------------------------------------------ mixer oracles
+
+def _rms(x, w, eps):
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _lin(x, mod):
+    """Apply a Linear or a 2-layer low-rank Sequential by explicit matmuls."""
+    if isinstance(mod, torch.nn.Sequential):
+        return _lin(_lin(x, mod[0]), mod[1])
+    y = x @ mod.weight.T
+    return y + mod.bias if mod.bias is not None else y
+
+
+def _qkv(m, x, canon_cfg):
+    q, k, v = x @ m.q_proj.weight.T, x @ m.k_proj.weight.T, x @ m.v_proj.weight.T
+    if m.canon_b is not None:
+        qkv = canon_loop(torch.cat([q, k, v], -1), m.canon_b.weight, residual=True)
+        q, k, v = qkv.split([m.key_dim, m.key_dim, m.value_dim], -1)
+    if m.conv_q is not None:
+        q, k, v = (canon_loop(t, c.weight, residual=False, activation=True) for t, c in
+                   ((q, m.conv_q), (k, m.conv_k), (v, m.conv_v)))
+    else:
+        q, k, v = q * torch.sigmoid(q), k * torch.sigmoid(k), v * torch.sigmoid(v)
+    return q, k, v
+
+
+def gla_oracle(m, x, eps):
+    """GLA mixer by a per-token loop (models.md §3.1, §4.3)."""
+    B, T, _ = x.shape
+    H = m.n_heads
+    q, k, v = _qkv(m, x, None)
+    gk = F.logsigmoid(_lin(x, m.gk_proj)) / m.normalizer
+    q, k, v, gk = (t.view(B, T, H, -1) for t in (q, k, v, gk))
+    dk, dv = q.shape[-1], v.shape[-1]
+    S = x.new_zeros(B, H, dk, dv)
+    outs = []
+    for t in range(T):
+        S = gk[:, t].exp().unsqueeze(-1) * S + k[:, t].unsqueeze(-1) * v[:, t].unsqueeze(-2)
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t] * dk ** -0.5, S))
+    o = torch.stack(outs, 1)
+    g = _lin(x, m.g_proj).view(B, T, H, -1)
+    o = _rms(o, m.g_norm.weight, eps) * g * torch.sigmoid(g)
+    return o.flatten(2) @ m.o_proj.weight.T
+
+
+def gdn_oracle(m, x, eps):
+    """GDN mixer by a per-token loop of the delta rule (models.md §3.2, §4.4)."""
+    B, T, _ = x.shape
+    H = m.n_heads
+    q, k, v = _qkv(m, x, None)
+    q, k, v = (t.view(B, T, H, -1) for t in (q, k, v))
+    q = q / torch.sqrt(q.pow(2).sum(-1, keepdim=True) + 1e-6)
+    k = k / torch.sqrt(k.pow(2).sum(-1, keepdim=True) + 1e-6)
+    beta = torch.sigmoid(x @ m.b_proj.weight.T)
+    g = -m.A_log.exp() * F.softplus(x @ m.a_proj.weight.T + m.dt_bias)
+    dk, dv = q.shape[-1], v.shape[-1]
+    S = x.new_zeros(B, H, dk, dv)
+    outs = []
+    for t in range(T):
+        a = g[:, t].exp()[..., None, None]
+        kt, vt, bt = k[:, t], v[:, t], beta[:, t][..., None]
+        w = bt * (vt - torch.einsum("bhk,bhkv->bhv", kt, a * S))      # w_tᵀ = β (v_tᵀ − α k_tᵀ S)
+        S = a * S + kt.unsqueeze(-1) * w.unsqueeze(-2)
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t] * dk ** -0.5, S))
+    o = torch.stack(outs, 1)
+    gate = _lin(x, m.g_proj).view(B, T, H, -1)
+    o = _rms(o, m.o_norm.weight, eps) * gate * torch.sigmoid(gate)
+    return o.flatten(2) @ m.o_proj.weight.T
+
+
+def mamba2_oracle(m, x, eps):
+    """Mamba2 mixer by a per-token loop (models.md §3.3, §4.5): in_proj, [Canon-B], conv1d+SiLU or identity,
+    SSD recurrence with softplus(dt + dt_bias), D skip, RMSNorm(y · silu(z)), out_proj."""
+    B, T, _ = x.shape
+    H, P, G, N, di = m.n_heads, m.head_dim, m.n_groups, m.ssm_state, m.d_inner
+    zx = x @ m.in_proj.weight.T
+    if m.canon_b is not None:
+        zx = canon_loop(zx, m.canon_b.weight, residual=True)
+    z, xbc, dt = zx.split([di, di + 2 * G * N, H], -1)
+    if m.conv1d is not None:
+        xbc = canon_loop(xbc, m.conv1d.weight, m.conv1d.bias, residual=False, activation=True)
+    xs, Bm, Cm = xbc.split([di, G * N, G * N], -1)
+    xs, Bm, Cm = xs.view(B, T, H, P), Bm.view(B, T, G, N), Cm.view(B, T, G, N)
+    A = -m.A_log.exp()
+    hs = torch.arange(H) // (H // G)
+    state = x.new_zeros(B, H, P, N)
+    ys = []
+    for t in range(T):
+        delta = F.softplus(dt[:, t] + m.dt_bias)                       # (B, H)
+        Bt, Ct = Bm[:, t, hs], Cm[:, t, hs]                              # (B, H, N)
+        state = torch.exp(delta * A)[..., None, None] * state + (delta[..., None] * xs[:, t]).unsqueeze(-1) * Bt.unsqueeze(-2)
+        ys.append(torch.einsum("bhpn,bhn->bhp", state, Ct) + m.D[:, None] * xs[:, t])
+    y = torch.stack(ys, 1).reshape(B, T, di)
+    y = y * z * torch.sigmoid(z)
+    y = _rms(y.view(B, T, G, -1), m.norm.weight.view(G, -1), eps).reshape(B, T, di)
+    return y @ m.out_proj.weight.T
+
+
+ORACLES = {"gla": gla_oracle, "gla5": gla_oracle, "gdn": gdn_oracle, "gdn2": gdn_oracle,
+           "mamba2": mamba2_oracle, "mamba2_nomlp": mamba2_oracle}
+
+
+@pytest.mark.parametrize("preset", list(ORACLES))
+@pytest.mark.parametrize("canon", ["", "b", "B", "Bb"])
+def test_mixer_matches_loop_oracle(preset, canon):
+    model = build(preset, canon=canon, chunk_size=8)
+    m = model.blocks[0].attn
+    with torch.no_grad():  # non-trivial decay / bias parameters
+        for p in m.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    torch.manual_seed(1)
+    x = torch.randn(2, 21, model.cfg.d_model, dtype=torch.float64)
+    got = m(x, None, None)
+    want = ORACLES[preset](m, x, model.cfg.norm_eps)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+
+
+def test_block_wiring_canon_a_c_d():
+    """Block = x + mixer(CanonA(norm(x))); x + MLP(CanonD, CanonC(norm(x))) (models.md §1.2, §3.3)."""
+    model = build("gla", canon="AbCD")
+    blk = model.blocks[0]
+    torch.manual_seed(2)
+    x = torch.randn(2, 9, 64, dtype=torch.float64)
+    eps = model.cfg.norm_eps
+    h = canon_loop(_rms(x, blk.attn_norm.weight, eps), blk.canon_a.weight)
+    x1 = x + blk.attn(h, None, None)
+    h = canon_loop(_rms(x1, blk.mlp_norm.weight, eps), blk.canon_c.weight)
+    u = canon_loop(h @ blk.mlp.w13.weight.T, blk.mlp.canon_d.weight)
+    gte, up = u.chunk(2, -1)
+    want = x1 + (F.silu(gte) * up) @ blk.mlp.w2.weight.T
+    torch.testing.assert_close(blk(x, None, None), want, rtol=1e-10, atol=1e-12)
+
+
+# ------------------------------------------------------------------------------------------------ inits
+
+def test_linear_inits():
+    torch.manual_seed(0)
+    m = build("gla", canon="AbCD", size="2L256D", dtype=torch.float32)
+    blk = m.blocks[0]
+    assert abs(blk.attn.q_proj.weight.std().item() - 0.02) < 2e-3
+    assert abs(blk.attn.conv_q.weight.std().item() - 0.02) < 3e-3          # fla-style 0.02 for the short convs (b)
+    w = blk.canon_a.weight                                                 # Canon: PyTorch default U(-1/2, 1/2)
+    assert w.abs().max() <= 0.5 and w.std().item() > 0.25
+    assert blk.attn.gk_proj[1].bias.abs().max() == 0
+    m5 = build("gla5", canon="AbCD", size="2L256D", dtype=torch.float32)
+    lr = m5.blocks[0].attn.g_proj[0].weight                                # split init σ = √0.02 / 16^¼
+    assert abs(lr.std().item() - math.sqrt(0.02) / 2) < 5e-3
+    mm = build("mamba2", canon="AbCD", size="2L256D", dtype=torch.float32)
+    mix = mm.blocks[0].attn
+    assert abs(mm.tok_emb.weight.std().item() - 0.1) < 5e-3               # embedding N(0, 0.1)
+    bound = 1 / math.sqrt(256)                                             # kaiming-uniform(a=√5) of a Linear
+    assert mix.in_proj.weight.abs().max() <= bound and mix.in_proj.weight.std().item() > 0.8 * bound / math.sqrt(3)
+    assert mix.conv1d.bias.abs().max() == 0
+    A = mix.A_log.exp()
+    assert ((A >= 1) & (A <= 16)).all() and torch.equal(mix.D, torch.ones_like(mix.D))
+    dt = F.softplus(mix.dt_bias)
+    assert ((dt >= 1e-4 * 0.999) & (dt <= 0.1 * 1.001)).all()
+    g = build("gdn", canon="b", size="2L256D", dtype=torch.float32).blocks[0].attn
+    assert ((g.A_log.exp() >= 0) & (g.A_log.exp() <= 16)).all()
+
+
+# ------------------------------------------------------------------------------------------------ decode caches
+
+DECODE_CASES = [
+    ("llama", "", {}), ("llama", "ABCD", {}), ("llama", "AC", {"qk_norm": "whole"}),
+    ("llama", "ABCD", {"n_kv_heads": 1}),
+    ("gla", "", {}), ("gla", "b", {}), ("gla", "AbCD", {}), ("gla", "ABCD", {}),
+    ("gla5", "AbCD", {}), ("gdn", "", {}), ("gdn", "b", {}), ("gdn", "AbCD", {}), ("gdn", "AbBCD", {}),
+    ("gdn2", "AbCD", {}), ("mamba2", "", {}), ("mamba2", "b", {}), ("mamba2", "AbCD", {}), ("mamba2", "ABCD", {}),
+    ("mamba2_nomlp", "Ab", {}), ("mamba2_nomlp", "B", {}),
+]
+
+
+@pytest.mark.parametrize("preset, canon, kw", DECODE_CASES)
+def test_decode_equals_full_forward(preset, canon, kw):
+    """Prefill 7 tokens, decode 1 token at a time, then a 5-token chunk, then single tokens again: the logits equal
+    one forward pass over the whole sequence (models.md §6, §9)."""
+    model = build(preset, canon=canon, chunk_size=4, **kw).eval()
+    torch.manual_seed(3)
+    ids = torch.randint(0, 32, (3, 23))
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.new_cache()
+        parts, t = [model(ids[:, :7], cache)], 7
+        for n in (1, 1, 1, 5, 1, 1, 1, 1, 1, 1, 1, 1):
+            parts.append(model(ids[:, t:t + n], cache))
+            t += n
+    assert t == 23 and cache.seen == 23
+    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-9, atol=1e-9)
+
+
+def test_cache_select_drops_rows():
+    model = build("gdn", canon="AbCD").eval()
+    ids = torch.randint(0, 32, (4, 12))
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.new_cache()
+        model(ids[:, :8], cache)
+        cache.select(torch.tensor([3, 1]))
+        step = model(ids[[3, 1], 8:9], cache)
+    torch.testing.assert_close(step[:, 0], full[[3, 1], 8], rtol=1e-9, atol=1e-9)
+    assert cache.batch_size == 2
+
+
+@pytest.mark.parametrize("preset, canon", [("llama", "ABCD"), ("gla", "AbCD"), ("mamba2", "AbCD")])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_cached_generation_equals_recomputed(preset, canon, temperature):
+    """LanguageModel decodes with the model's caches (ragged prompts, stop tokens, rows finishing at different
+    steps); the tokens equal those of the cache-free path that re-runs every prefix."""
+    model = build(preset, canon=canon, dtype=torch.float32).eval()
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 32, size=n) for n in (3, 9, 5, 1, 12, 7)]
+    keys = np.arange(6, dtype=np.uint64) * 977 + 5
+    kw = dict(vocab_size=32, batch_size=4, max_len=256)
+    cached = LanguageModel(model, **kw)
+    plain = LanguageModel(model, use_cache=False, **kw)
+    assert cached.use_cache and not plain.use_cache
+    a = cached.generate(prompts, 10, stop_ids=[5, 17], temperature=temperature, keys=keys)
+    b = plain.generate(prompts, 10, stop_ids=[5, 17], temperature=temperature, keys=keys)
+    assert [x.tolist() for x in a] == [x.tolist() for x in b]
+    assert any(len(x) < 10 for x in a) or temperature == 0.0
+
+
+def test_use_cache_true_needs_a_cache():
+    with pytest.raises(ValueError, match="use_cache"):
+        LanguageModel(lambda t: torch.zeros(*t.shape, 4), vocab_size=4, use_cache=True)
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+
+@pytest.mark.parametrize("model, canon, key", [
+    (dict(arch="llama", size="2L64D"), "AbCD", "canon.set"),
+    (dict(arch="gla", size="2L64D"), "AbCE", "canon.set"),
+    (dict(arch="mamba2", mlp="none", size="2L64D"), "AbCD", "canon.set"),
+    (dict(arch="gla", size="2L64D", n_heads=5), "", "model.expand_k"),
+    (dict(arch="gdn", size="2L64D", expand_v=0.3, n_heads=4), "", "model.expand_v"),
+    (dict(arch="mamba2", size="2L64D", n_heads=7), "", "model.n_heads"),
+    (dict(arch="mamba2", size="2L64D", n_groups=3), "", "model.n_groups"),
+    (dict(arch="gla", size="2L64D", chunk_size=0), "", "model.chunk_size"),
+    (dict(arch="gdn", size="2L64D", chunk_size=-4), "", "model.chunk_size"),
+    (dict(arch="mamba2", size="2L64D", ssm_state=0), "", "model.ssm_state"),
+    (dict(arch="gla", size="2L64D", qk_norm="whole"), "", "model.qk_norm"),
+    (dict(arch="gla", size="2L64D", mlp="none"), "", "model.mlp"),
+    (dict(arch="rwkv", size="2L64D"), "", "model.arch"),
+    (dict(arch="gla", size="2L64D", no_conv_act="gelu"), "", "model.no_conv_act"),
+])
+def test_bad_linear_config_is_one_clear_error(model, canon, key):
+    with pytest.raises(ConfigError) as e:
+        build_model_config(model, canon={"set": canon}, vocab_size=8)
+    assert e.value.key == key and "allowed" in str(e.value)
+
+
+@pytest.mark.parametrize("op, arch", [("gla", "gla"), ("gdn", "gdn"), ("ssd", "mamba2")])
+def test_fused_request_without_library_fails_early(op, arch):
+    """A fast path requested where it cannot run (CPU, no library) is a ConfigError at construction."""
+    cfg = build_model_config(dict(PRESETS[arch], size="2L64D"), canon={"set": "b"}, vocab_size=8,
+                             kernels={op: "fla" if op != "ssd" else "mamba_ssm"})
+    with pytest.raises(ConfigError) as e:
+        CanonLM(cfg)
+    assert e.value.key == f"model.kernels.{op}"
+    cfg = build_model_config(dict(PRESETS[arch], size="2L64D"), canon={"set": "b"}, vocab_size=8, ops="fused")
+    with pytest.raises(ConfigError) as e:
+        CanonLM(cfg)
+    assert e.value.key == "model.ops"
+
+
+def test_gla_canon_b_warns_once_but_builds():
+    import canonlm.arch.mixers.gla as gla_mod
+
+    gla_mod._warned_b = False
+    cfg = build_model_config(dict(PRESETS["gla"], size="2L64D"), canon={"set": "ABCD"}, vocab_size=8)
+    with pytest.warns(UserWarning, match="Canon-B in GLA"):
+        CanonLM(cfg)
+
+
+def test_official_canon_strings():
+    """'AbbCD' == 'AbCD' and 'bb' == 'b' (set semantics, models.md §1.3)."""
+    a = build_model_config(dict(PRESETS["gdn"], size="2L64D"), canon={"set": "AbbCD"}, vocab_size=8)
+    assert a.canon.set == "AbCD"
+    assert build_model_config(dict(PRESETS["gdn"], size="2L64D"), canon={"set": "bb"}, vocab_size=8).canon.set == "b"
+
+
+def test_bf16_autocast_forward_backward_linear():
+    for preset in ("gla", "gdn", "mamba2"):
+        model = build(preset, canon="AbCD", dtype=torch.float32)
+        ids = torch.randint(0, 32, (2, 40))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(ids)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), ids.flatten())
+        loss.backward()
+        assert torch.isfinite(loss)
+        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
