@@ -411,9 +411,10 @@ def _fake_fla_update(x, cache, residual=None, weight=None, bias=None, activation
 
 @pytest.mark.parametrize("backend", ["dao", "fla"])
 def test_cuda_adapters_against_documented_contracts(monkeypatch, backend):
+    from canonlm.ops import _dispatch
     from canonlm.ops.canon import _cuda
-    monkeypatch.setitem(_cuda._probe_cache, "dao", ((_fake_dao_fn, _fake_dao_update), None))
-    monkeypatch.setitem(_cuda._probe_cache, "fla", ((_fake_fla_fn, _fake_fla_update), None))
+    monkeypatch.setitem(_dispatch._probes, "canon.dao", ((_fake_dao_fn, _fake_dao_update), None))
+    monkeypatch.setitem(_dispatch._probes, "canon.fla", ((_fake_fla_fn, _fake_fla_update), None))
     fwd = _cuda.dao_forward if backend == "dao" else _cuda.fla_forward
     step = _cuda.dao_step if backend == "dao" else _cuda.fla_step
     for residual, activation, bias, init in FLAGS:

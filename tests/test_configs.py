@@ -21,8 +21,7 @@ def options(group: str) -> list[str]:
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
 def test_every_group_option_composes(group, option, tmp_path):
-    extra = ["canon=Ab"] if (group, option) == ("arch", "mamba2_nomlp") else []  # no MLP: no Canon-C/D sites
-    cfg = compose([f"{group}={option}", *extra], output_dir=tmp_path)
+    cfg = compose([f"{group}={option}"], output_dir=tmp_path)
     OmegaConf.resolve(cfg)
     if group in ("arch", "canon", "pos", "task"):
         from canonlm.errors import ConfigError
@@ -50,6 +49,15 @@ def test_linear_canon_options_compose(option, tmp_path):
     assert cfg.canon.set == option and cfg.canon.kernel == 4 and cfg.canon.residual is True
     _, mcfg = build_configs(cfg)
     assert mcfg.canon.set == "".join(dict.fromkeys(option))
+
+
+def test_linear_presets_default_to_canon_abcd_and_the_command_line_wins(tmp_path):
+    """arch presets of linear models set canon=AbCD (mamba2_nomlp: Ab); an explicit canon= wins in any order."""
+    assert compose(["arch=gla"]).canon.set == "AbCD" and compose(["arch=gdn2"]).canon.set == "AbCD"
+    assert compose(["arch=mamba2"]).canon.set == "AbCD" and compose(["arch=mamba2_nomlp"]).canon.set == "Ab"
+    assert compose(["arch=llama"]).canon.set == "ABCD"
+    assert compose(["arch=gla", "canon=none"]).canon.set == "" == compose(["canon=none", "arch=gla"]).canon.set
+    assert compose(["arch=gdn", "canon=b"]).canon.set == "b"
 
 
 def test_mamba2_without_mlp_rejects_canon_cd(tmp_path):

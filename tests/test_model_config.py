@@ -68,7 +68,7 @@ def test_unknown_keys():
     ({"init": "xavier"}, "model.init", "xavier"),
     ({"ops": "fast"}, "model.ops", "fast"),
     ({"kernels": {"mlp": "fused"}}, "model.kernels", "mlp"),
-    ({"arch": "gla"}, "model.arch", "gla"),
+    ({"arch": "rwkv"}, "model.arch", "rwkv"),
 ])
 def test_bad_choices(model, key, value):
     expect(key, value, build, model)

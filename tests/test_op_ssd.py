@@ -515,8 +515,10 @@ def _fake_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_s
 
 
 def test_mamba_adapters_against_documented_contracts(monkeypatch):
-    monkeypatch.setitem(_mamba._probe_cache, "chunk", (_fake_chunk_scan, None))
-    monkeypatch.setitem(_mamba._probe_cache, "state_update", (_fake_state_update, None))
+    from canonlm.ops import _dispatch
+
+    monkeypatch.setitem(_dispatch._probes, "ssd.chunk", (_fake_chunk_scan, None))
+    monkeypatch.setitem(_dispatch._probes, "ssd.state_update", (_fake_state_update, None))
     x, dt, A, B, C, D, db, h0 = [t.float() for t in _inputs(T=9, seed=30)]
     lim = (0.0, 3.0)
     yo, ho = ssd_loop(*[t.double() for t in (x, dt, A, B, C, D, db)], True, lim, h0.double())

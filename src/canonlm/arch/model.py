@@ -18,6 +18,8 @@ full forward (models.md §6).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
@@ -37,6 +39,16 @@ from canonlm.ops import ssd as ssd_ops
 # The sequence ops each architecture uses (besides Canon), and their modules (each has resolve_backend).
 MIXER_OP = {"llama": "attention", "gla": "gla", "gdn": "gdn", "mamba2": "ssd"}
 _LINEAR_OPS = {"gla": gla_ops, "gdn": gdn_ops, "ssd": ssd_ops}
+# Largest key head dim fla's chunked delta-rule kernels accept (fla/ops/common/chunk_delta_h.py asserts K <= 256).
+FLA_GDN_MAX_HEAD_K = 256
+
+
+def _fast_shape_reason(cfg: ModelConfig, op: str, backend: str) -> str | None:
+    """Why the fast kernel ``backend`` of ``op`` cannot take this model's shapes, or None."""
+    if op == "gdn" and backend == "fla" and cfg.head_k_dim > FLA_GDN_MAX_HEAD_K:
+        return (f"fla's chunk_gated_delta_rule supports key head dims <= {FLA_GDN_MAX_HEAD_K} "
+                f"(this model: d_k = key_dim / n_heads = {cfg.head_k_dim}; raise model.n_heads)")
+    return None
 
 
 def resolve_backends(cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> dict[str, str]:
@@ -82,6 +94,13 @@ def resolve_backends(cfg: ModelConfig, device: torch.device | str, dtype: torch.
                     fast = [b for b in mod.BACKENDS if b not in ("auto", "reference")]
                     raise ConfigError(key, name, f"auto | reference (no fused {op} kernel for {device.type}/{dtype}: "
                                                  f"{' / '.join(fast)} need a CUDA device and the library)")
+                reason = _fast_shape_reason(cfg, op, out[op])
+                if reason is not None:
+                    if name == "auto":
+                        warnings.warn(f"canonlm: {reason}; using the reference {op} op", RuntimeWarning, stacklevel=2)
+                        out[op] = "reference"
+                    else:
+                        raise ConfigError(key, name, f"auto | reference ({reason})")
         except ConfigError as e:
             raise ConfigError(key, name, e.allowed) from None
         except ValueError as e:
@@ -94,7 +113,7 @@ def _module_backends(cfg: ModelConfig, resolved: dict[str, str]) -> dict[str, st
     ``auto`` so the op can still fall back per shape (e.g. dao needs C % 8 == 0) and follow the tensors' device."""
     out = dict(resolved)
     for op in resolved:
-        if op != "attention" and cfg.kernels.get(op, cfg.ops) == "auto":
+        if op != "attention" and cfg.kernels.get(op, cfg.ops) == "auto" and _fast_shape_reason(cfg, op, "fla") is None:
             out[op] = "auto"
     return out
 

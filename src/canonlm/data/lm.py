@@ -141,11 +141,9 @@ class LanguageModel:
             return (last / temperature + torch.from_numpy(g).float()).argmax(-1)
         return last.argmax(-1)
 
-    def _generate_batch(self, prompts: list[np.ndarray], max_new: int, stops: set[int], temperature: float,
-                        keys: np.ndarray | None) -> list[np.ndarray]:
-        if self.use_cache:
-            return self._generate_batch_cached(prompts, max_new, stops, temperature, keys)
-        B = len(prompts)
+    def _buffer(self, prompts: list[np.ndarray], max_new: int) -> tuple[np.ndarray, int, torch.Tensor]:
+        """``(lens (B,), total, buf (B, total) int64)``: the prompts right-padded with room for ``max_new`` tokens
+        (capped at ``max_len``). Raises ValueError for an empty prompt or one that leaves no room under max_len."""
         lens = np.array([len(p) for p in prompts], dtype=np.int64)
         if (lens < 1).any():
             raise ValueError("prompts must be non-empty")
@@ -155,16 +153,22 @@ class LanguageModel:
         total = int(lens.max()) + max_new
         if self.max_len is not None:
             total = min(total, int(self.max_len))
-        buf = torch.zeros(B, total, dtype=torch.long)
+        buf = torch.zeros(len(prompts), total, dtype=torch.long)
         for r, p in enumerate(prompts):
             buf[r, :len(p)] = torch.from_numpy(p)
+        return lens, total, buf
+
+    def _generate_batch(self, prompts: list[np.ndarray], max_new: int, stops: set[int], temperature: float,
+                        keys: np.ndarray | None) -> list[np.ndarray]:
+        if self.use_cache:
+            return self._generate_batch_cached(prompts, max_new, stops, temperature, keys)
+        B = len(prompts)
+        lens, total, buf = self._buffer(prompts, max_new)
         cur = torch.from_numpy(lens.copy())  # next write position per row
         done = torch.zeros(B, dtype=torch.bool)
         n_gen = torch.zeros(B, dtype=torch.long)
         buf_dev = buf.to(self.device)
-        step = -1
         while True:  # at most max_new steps with local work (n_gen caps every row), then dummies if syncing
-            step += 1
             active = (~done) & (cur < total)
             any_active = bool(active.any())
             if self.sync is not None:  # sharded models: every rank runs the same number of forward passes
@@ -197,18 +201,7 @@ class LanguageModel:
         """Decode-cache generation (module docstring): prefill the shortest prompt's length for all rows, then one
         position per forward call; finished rows are dropped from the batch and the cache."""
         B = len(prompts)
-        lens = np.array([len(p) for p in prompts], dtype=np.int64)
-        if (lens < 1).any():
-            raise ValueError("prompts must be non-empty")
-        if self.max_len is not None and int(lens.max()) >= int(self.max_len):
-            raise ValueError(f"a prompt of {int(lens.max())} tokens leaves no room to generate within the model's "
-                             f"max_len={self.max_len}")
-        total = int(lens.max()) + max_new
-        if self.max_len is not None:
-            total = min(total, int(self.max_len))
-        buf = torch.zeros(B, total, dtype=torch.long)
-        for r, p in enumerate(prompts):
-            buf[r, :len(p)] = torch.from_numpy(p)
+        lens, total, buf = self._buffer(prompts, max_new)
         lens_t = torch.from_numpy(lens)
         n_gen = torch.zeros(B, dtype=torch.long)
         rows = torch.arange(B)  # original row of each cache row

@@ -1,7 +1,7 @@
 """Gated DeltaNet token mixer with Canon-B / the short convs ``b`` (models.md §1.3, §3.2, §3.5, §4.4).
 
     q, k = W_q x, W_k x (d -> H·d_k);  v = W_v x (d -> H·d_v)
-    [Canon-B on [q ; k ; v]]  [b: SiLU short conv on each of q, k, v | else SiLU]
+    [Canon-B on [q ; k ; v]]  [b: SiLU short conv on each of q, k, v | else SiLU (or nothing: no_conv_act=none)]
     beta = sigmoid(b_proj x)                       (B, T, H)
     g    = -exp(A_log) · softplus(a_proj x + dt_bias)   (B, T, H), log-space decay, fp32
     o    = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True)
@@ -20,9 +20,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from canonlm.arch.canon import Canon
 from canonlm.arch.config import ModelConfig
-from canonlm.arch.mixers._shortconv import short_conv
+from canonlm.arch.mixers._shortconv import build_qkv, qkv_forward
 from canonlm.arch.modules import GatedRMSNorm, at_least_fp32, LowRankLinear
 from canonlm.ops import gdn as gdn_ops
 
@@ -33,8 +32,9 @@ DT_MIN, DT_MAX, DT_FLOOR = 1e-3, 0.1, 1e-4
 
 @torch.no_grad()
 def init_dt_bias_(dt_bias: torch.Tensor) -> None:
-    """``dt_bias = softplus⁻¹(dt)`` with ``dt = exp(U(log 1e-3, log 0.1))`` clamped to >= 1e-4 (Mamba / fla init)."""
-    u = torch.rand(dt_bias.shape, device=dt_bias.device, dtype=torch.float32)
+    """``dt_bias = softplus⁻¹(dt)`` with ``dt = exp(U(log 1e-3, log 0.1))`` clamped to >= 1e-4 (Mamba / fla init).
+    Works on regular tensors and FSDP2 DTensors (the draw is made ``like`` the parameter)."""
+    u = torch.empty_like(dt_bias, dtype=torch.float32).uniform_()
     dt = torch.exp(u * (math.log(DT_MAX) - math.log(DT_MIN)) + math.log(DT_MIN)).clamp_(min=DT_FLOOR)
     dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
@@ -54,22 +54,13 @@ class GatedDeltaNet(nn.Module):
     def __init__(self, cfg: ModelConfig, backends: dict[str, str]):
         super().__init__()
         d, H, Kd, Vd = cfg.d_model, cfg.n_heads, cfg.key_dim, cfg.value_dim
-        self.n_heads, self.key_dim, self.value_dim = H, Kd, Vd
+        self.n_heads = H
         self.chunk_size, self.backend = cfg.chunk_size, backends["gdn"]
-        self.q_proj = nn.Linear(d, Kd, bias=False)
-        self.k_proj = nn.Linear(d, Kd, bias=False)
-        self.v_proj = nn.Linear(d, Vd, bias=False)
+        build_qkv(self, cfg, backends["canon"])
         self.a_proj = nn.Linear(d, H, bias=False)
         self.b_proj = nn.Linear(d, H, bias=False)
         self.A_log = nn.Parameter(torch.empty(H))
         self.dt_bias = nn.Parameter(torch.empty(H))
-        self.canon_b = Canon(2 * Kd + Vd, cfg.canon, backends["canon"], cache_key="canon_b") if cfg.canon.has("B") else None
-        if cfg.canon.has("b"):
-            self.conv_q = short_conv(Kd, cfg.conv_kernel, backends["canon"], "conv_q")
-            self.conv_k = short_conv(Kd, cfg.conv_kernel, backends["canon"], "conv_k")
-            self.conv_v = short_conv(Vd, cfg.conv_kernel, backends["canon"], "conv_v")
-        else:
-            self.conv_q = self.conv_k = self.conv_v = None
         r = cfg.output_gate_rank
         self.g_proj = nn.Linear(d, Vd, bias=False) if r == 0 else LowRankLinear(d, r, Vd, bias=True)
         self.o_norm = GatedRMSNorm(cfg.head_v_dim, cfg.norm_eps, norm_before_gate=True)
@@ -81,20 +72,14 @@ class GatedDeltaNet(nn.Module):
         """``A_log = log U(0, 16)`` and ``dt_bias`` per :func:`init_dt_bias_` (re-run after meta / FSDP builds)."""
         if self.A_log.device.type == "meta":
             return
-        self.A_log.copy_(torch.empty_like(self.A_log, dtype=torch.float32).uniform_(*A_INIT_RANGE).clamp_(min=1e-4).log())
+        self.A_log.copy_(torch.empty_like(self.A_log, dtype=torch.float32).uniform_(*A_INIT_RANGE).clamp(min=1e-4).log())
         init_dt_bias_(self.dt_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
                 cache: dict | None = None) -> torch.Tensor:
         B, T, _ = x.shape
-        H, Kd = self.n_heads, self.key_dim
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if self.canon_b is not None:
-            q, k, v = self.canon_b(torch.cat([q, k, v], dim=-1), cache).split([Kd, Kd, self.value_dim], dim=-1)
-        if self.conv_q is not None:
-            q, k, v = self.conv_q(q, cache), self.conv_k(k, cache), self.conv_v(v, cache)
-        else:
-            q, k, v = F.silu(q), F.silu(k), F.silu(v)
+        H = self.n_heads
+        q, k, v = qkv_forward(self, x, cache)
         beta = torch.sigmoid(at_least_fp32(self.b_proj(x)))
         g = -at_least_fp32(self.A_log).exp() * F.softplus(at_least_fp32(self.a_proj(x)) + at_least_fp32(self.dt_bias))
         state = None if cache is None else cache.get("state")

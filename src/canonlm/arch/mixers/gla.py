@@ -18,9 +18,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from canonlm.arch.canon import Canon
 from canonlm.arch.config import ModelConfig
-from canonlm.arch.mixers._shortconv import short_conv
+from canonlm.arch.mixers._shortconv import build_qkv, qkv_forward
 from canonlm.arch.modules import GatedRMSNorm, at_least_fp32, LowRankLinear
 from canonlm.ops import gla as gla_ops
 
@@ -46,23 +45,13 @@ class GLA(nn.Module):
         global _warned_b
         d, H, Kd, Vd = cfg.d_model, cfg.n_heads, cfg.key_dim, cfg.value_dim
         self.n_heads, self.head_k_dim, self.head_v_dim = H, cfg.head_k_dim, cfg.head_v_dim
-        self.key_dim, self.value_dim = Kd, Vd
-        self.normalizer, self.chunk_size, self.no_conv_act = cfg.gate_logit_normalizer, cfg.chunk_size, cfg.no_conv_act
+        self.normalizer, self.chunk_size = cfg.gate_logit_normalizer, cfg.chunk_size
         self.backend = backends["gla"]
-        self.q_proj = nn.Linear(d, Kd, bias=False)
-        self.k_proj = nn.Linear(d, Kd, bias=False)
-        self.v_proj = nn.Linear(d, Vd, bias=False)
-        self.canon_b = Canon(2 * Kd + Vd, cfg.canon, backends["canon"], cache_key="canon_b") if cfg.canon.has("B") else None
+        build_qkv(self, cfg, backends["canon"])
         if self.canon_b is not None and not _warned_b:
             _warned_b = True
             warnings.warn("canonlm: Canon-B in GLA is allowed but untested by the paper's authors (the official code "
                           "fences it); the paper's default for GLA is canon=AbCD", UserWarning, stacklevel=2)
-        if cfg.canon.has("b"):
-            self.conv_q = short_conv(Kd, cfg.conv_kernel, backends["canon"], "conv_q")
-            self.conv_k = short_conv(Kd, cfg.conv_kernel, backends["canon"], "conv_k")
-            self.conv_v = short_conv(Vd, cfg.conv_kernel, backends["canon"], "conv_v")
-        else:
-            self.conv_q = self.conv_k = self.conv_v = None
         self.gk_proj = LowRankLinear(d, cfg.gate_low_rank_dim, Kd, bias=True)
         r = cfg.output_gate_rank
         self.g_proj = nn.Linear(d, Vd, bias=False) if r == 0 else LowRankLinear(d, r, Vd, bias=True)
@@ -72,14 +61,8 @@ class GLA(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
                 cache: dict | None = None) -> torch.Tensor:
         B, T, _ = x.shape
-        H, Kd = self.n_heads, self.key_dim
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if self.canon_b is not None:
-            q, k, v = self.canon_b(torch.cat([q, k, v], dim=-1), cache).split([Kd, Kd, self.value_dim], dim=-1)
-        if self.conv_q is not None:
-            q, k, v = self.conv_q(q, cache), self.conv_k(k, cache), self.conv_v(v, cache)
-        elif self.no_conv_act == "silu":
-            q, k, v = F.silu(q), F.silu(k), F.silu(v)
+        H = self.n_heads
+        q, k, v = qkv_forward(self, x, cache)
         gk = F.logsigmoid(at_least_fp32(self.gk_proj(x))) / self.normalizer
         state = None if cache is None else cache.get("state")
         o, state = gla_ops.chunk_gla(q.view(B, T, H, -1), k.view(B, T, H, -1), v.view(B, T, H, -1),

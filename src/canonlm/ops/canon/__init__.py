@@ -32,7 +32,6 @@ All backends are differentiable w.r.t. x, weight, bias and initial_state, and re
 
 from __future__ import annotations
 
-import sys
 import warnings
 from typing import Optional
 
@@ -41,6 +40,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from canonlm.arch.config import ConfigError
+
+from canonlm.ops._dispatch import assume_constant
 
 from . import _cuda, _native
 
@@ -236,17 +237,7 @@ def resolve_backend(name: str, device, dtype: torch.dtype) -> str:
 # dispatch
 # ----------------------------------------------------------------------------------------------------------------
 
-def _assume_constant(fn):
-    """``torch.compiler.assume_constant_result`` without importing ``torch._dynamo`` when canonlm is imported (that
-    import alone costs ~1.7 s): if dynamo is not loaded yet, set the marker its decorator sets
-    (``torch/_dynamo/decorators.py``); tests/test_canon_op.py compiles with fullgraph=True to catch a change."""
-    if "torch._dynamo" in sys.modules:
-        return torch.compiler.assume_constant_result(fn)
-    fn._dynamo_marked_constant = True
-    return fn
-
-
-@_assume_constant
+@assume_constant
 def _select(backend: str, device: str, dtype: torch.dtype, C: int, K: int) -> str:
     """Backend for these tensors, with shape fallbacks for ``auto``. Constant under torch.compile (no tracing into
     the import probes / kernel build). Successful choices are memoised."""
@@ -338,7 +329,7 @@ def causal_conv1d_state(x: Tensor, kernel_size: int, initial_state: Optional[Ten
     return hist[..., n - K:].contiguous() if n >= K else F.pad(hist, (K - n, 0)).contiguous()
 
 
-@_assume_constant
+@assume_constant
 def _select_step(backend: str, device: str, dtype: torch.dtype, K: int) -> str:
     """Decode backend: ``dao``/``fla`` when resolved and usable for K, else ``torch`` (constant under compile)."""
     be = resolve_backend(backend, torch.device(device), dtype)

@@ -26,18 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from canonlm.ops._dispatch import probe
+
 DAO_WIDTHS = (2, 3, 4)
 
-_probe_cache: dict[str, tuple[Optional[object], Optional[str]]] = {}
-
-
-def _probe(name: str, loader: Callable[[], object]) -> tuple[Optional[object], Optional[str]]:
-    if name not in _probe_cache:
-        try:
-            _probe_cache[name] = (loader(), None)
-        except Exception as e:  # noqa: BLE001 -- ImportError, undefined symbol (OSError), triton errors, ...
-            _probe_cache[name] = (None, f"{type(e).__name__}: {e}")
-    return _probe_cache[name]
 
 
 def _load_dao():
@@ -62,12 +54,12 @@ def _load_fla():
 
 def dao_functions():
     """(causal_conv1d_fn, causal_conv1d_update) or None; second item: the import error message."""
-    return _probe("dao", _load_dao)
+    return probe("canon.dao", _load_dao)
 
 
 def fla_functions():
     """(causal_conv1d, causal_conv1d_update or None) or None; second item: the import error message."""
-    return _probe("fla", _load_fla)
+    return probe("canon.fla", _load_fla)
 
 
 def dao_supports_shape(C: int, K: int, dtype: torch.dtype) -> Optional[str]:

@@ -45,9 +45,7 @@ Backends (``kernels.gdn`` in the Hydra config; ``model.kernels.gdn`` in errors):
 
 from __future__ import annotations
 
-import contextlib
 import operator
-import sys
 import warnings
 from typing import Optional
 
@@ -56,6 +54,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from canonlm.errors import ConfigError
+from canonlm.ops._dispatch import compute_dtype, cuda_reason, make_selector, no_autocast, shape_of
 
 from . import _fla
 
@@ -81,8 +80,6 @@ _warned_dtype: set = set()
 # validation
 # ----------------------------------------------------------------------------------------------------------------
 
-def _shape(t) -> object:
-    return tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
 
 
 def _validate(q, k, v, g, beta, initial_state, chunk_size, where: str) -> None:
@@ -105,20 +102,14 @@ def _validate(q, k, v, g, beta, initial_state, chunk_size, where: str) -> None:
                                                                          else (initial_state,)))
     if not ok:
         raise ValueError(
-            f"{where}: got q {_shape(q)}, k {_shape(k)}, v {_shape(v)}, g {_shape(g)}, beta {_shape(beta)}, "
-            f"initial_state {None if initial_state is None else _shape(initial_state)}; allowed: floating-point "
+            f"{where}: got q {shape_of(q)}, k {shape_of(k)}, v {shape_of(v)}, g {shape_of(g)}, beta {shape_of(beta)}, "
+            f"initial_state {None if initial_state is None else shape_of(initial_state)}; allowed: floating-point "
             f"tensors on one device with q, k (B, T, H, K), v (B, T, H, V), g, beta (B, T, H), T >= 1, "
             f"initial_state (B, H, K, V) or None")
 
 
-def _compute_dtype(*ts: Optional[Tensor]) -> torch.dtype:
-    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in ts) else torch.float32
 
 
-def _no_autocast(device: torch.device):
-    if device.type in ("cpu", "cuda"):
-        return torch.autocast(device.type, enabled=False)
-    return contextlib.nullcontext()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -160,12 +151,12 @@ def chunk_gated_delta_rule_reference(q: Tensor, k: Tensor, v: Tensor, g: Tensor,
     _validate(q, k, v, g, beta, initial_state, chunk_size, "chunk_gated_delta_rule_reference")
     B, T, H, K = q.shape
     V = v.shape[-1]
-    cd = _compute_dtype(q, k, v, g, beta, initial_state)
+    cd = compute_dtype(q, k, v, g, beta, initial_state)
     scale = K ** -0.5 if scale is None else float(scale)
     C = min(operator.index(chunk_size), T)
     n = -(-T // C)
     pad = n * C - T
-    with _no_autocast(q.device):
+    with no_autocast(q.device):
         qc, kc = q.to(cd), k.to(cd)
         if use_qk_l2norm:
             qc, kc = l2norm(qc), l2norm(kc)
@@ -228,10 +219,9 @@ def chunk_gated_delta_rule_reference(q: Tensor, k: Tensor, v: Tensor, g: Tensor,
 
 def _fla_reason(device: torch.device, dtype: torch.dtype) -> Optional[str]:
     """None if backend ``fla`` can run on (device, dtype), else why not."""
-    if device.type != "cuda":
-        return f"needs a CUDA device (tensors are on {device.type})"
-    if not torch.cuda.is_available():
-        return "needs a CUDA device (torch.cuda.is_available() is False)"
+    reason = cuda_reason(device)
+    if reason is not None:
+        return reason
     fns, err = _fla.functions()
     if fns is None:
         return f"fla.ops.gated_delta_rule.chunk_gated_delta_rule is not importable ({err})"
@@ -274,28 +264,7 @@ def resolve_backend(name: str, device, dtype: torch.dtype) -> str:
     return name
 
 
-def _assume_constant(fn):
-    """``torch.compiler.assume_constant_result`` without importing ``torch._dynamo`` at canonlm import time (same
-    trick as :mod:`canonlm.ops.canon`): backend selection is constant under torch.compile."""
-    if "torch._dynamo" in sys.modules:
-        return torch.compiler.assume_constant_result(fn)
-    fn._dynamo_marked_constant = True
-    return fn
-
-
-@_assume_constant
-def _select(backend: str, device: str, dtype: torch.dtype) -> str:
-    key = (backend, device, dtype)
-    hit = _select_cache.get(key)
-    if hit is None:
-        hit = resolve_backend(backend, torch.device(device), dtype)
-        if hit == "auto":  # meta device
-            hit = "reference"
-        _select_cache[key] = hit
-    return hit
-
-
-_select_cache: dict = {}
+_select = make_selector(resolve_backend, meta_auto="reference")
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -35,6 +35,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from canonlm.ops._dispatch import probe
+
 #: dtypes the fla GDN kernels may accept (fp32 only if :func:`chunk_refuses_fp32` is False).
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: at most this many tokens go to ``fused_recurrent_gated_delta_rule`` when autograd is off (spec models.md §3.2).
@@ -55,12 +57,7 @@ def functions():
 
     Imported once and cached; any exception (ImportError without triton, undefined symbols, a Triton driver error)
     counts as "not importable"."""
-    if "fns" not in _probe_cache:
-        try:
-            _probe_cache["fns"] = (_load(), None)
-        except Exception as e:  # noqa: BLE001
-            _probe_cache["fns"] = (None, f"{type(e).__name__}: {e}")
-    return _probe_cache["fns"]
+    return probe("gdn.fla", _load)
 
 
 def chunk_refuses_fp32() -> bool:

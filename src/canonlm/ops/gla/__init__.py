@@ -46,9 +46,7 @@ O(T (K + V) + T/C K V). Chunks whose length is not a power of two are padded at 
 
 from __future__ import annotations
 
-import contextlib
 import operator
-import sys
 from typing import Optional
 
 import torch
@@ -56,6 +54,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from canonlm.errors import ConfigError
+from canonlm.ops._dispatch import compute_dtype, cuda_reason, make_selector, no_autocast
 
 from . import _fla
 
@@ -247,11 +246,9 @@ def chunk_gla_reference(q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, scale: Op
     _validate(q, k, v, g, initial_state)
     B, T, H, K = q.shape
     V = v.shape[-1]
-    cd = torch.float64 if torch.float64 in (q.dtype, k.dtype, v.dtype, g.dtype) else torch.float32
+    cd = compute_dtype(q, k, v, g)
     s = float(K ** -0.5 if scale is None else scale)
-    dev = q.device.type
-    no_autocast = torch.autocast(dev, enabled=False) if dev in ("cpu", "cuda") else contextlib.nullcontext()
-    with no_autocast:
+    with no_autocast(q.device):
         C = min(C, T)
         N = -(-T // C)
         C2 = _next_pow2(C)
@@ -284,10 +281,9 @@ def chunk_gla_reference(q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, scale: Op
 
 def _fla_unavailable_reason(device: torch.device, dtype: torch.dtype) -> Optional[str]:
     """None if fla's GLA kernels can run on (device, dtype), else why not."""
-    if device.type != "cuda":
-        return f"needs a CUDA device (tensors are on {device.type}; fla's Triton kernels have no CPU driver)"
-    if not torch.cuda.is_available():
-        return "needs a CUDA device (torch.cuda.is_available() is False)"
+    reason = cuda_reason(device)
+    if reason is not None:
+        return reason + " (fla's Triton kernels have no CPU driver)"
     if dtype not in _FLA_DTYPES:
         return f"supports float16, bfloat16 and float32 inputs (got {dtype})"
     fns, err = _fla.fla_functions()
@@ -322,26 +318,7 @@ def resolve_backend(name: str, device, dtype: torch.dtype) -> str:
 # dispatch
 # ----------------------------------------------------------------------------------------------------------------
 
-def _assume_constant(fn):
-    """``torch.compiler.assume_constant_result`` without importing ``torch._dynamo`` at canonlm import time (same
-    device as in canonlm.ops.canon): the backend choice is a constant under torch.compile, so dynamo does not trace
-    into the fla import probe."""
-    if "torch._dynamo" in sys.modules:
-        return torch.compiler.assume_constant_result(fn)
-    fn._dynamo_marked_constant = True
-    return fn
-
-
-_select_cache: dict = {}
-
-
-@_assume_constant
-def _select(backend: str, device: str, dtype: torch.dtype) -> str:
-    key = (backend, device, dtype)
-    hit = _select_cache.get(key)
-    if hit is None:
-        hit = _select_cache[key] = resolve_backend(backend, torch.device(device), dtype)
-    return hit
+_select = make_selector(resolve_backend)
 
 
 def chunk_gla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, scale: Optional[float] = None,

@@ -27,10 +27,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from canonlm.ops._dispatch import probe
+
 # decode path: fused_recurrent_gla is used for T <= this when no gradient is being recorded
 FUSED_RECURRENT_MAX_T = 64
-
-_probe_cache: dict[str, tuple[Optional[tuple], Optional[str]]] = {}
 
 
 def _load_fla():
@@ -44,12 +44,7 @@ def fla_functions() -> tuple[Optional[tuple], Optional[str]]:
     """``((chunk_gla, fused_recurrent_gla or None), None)`` when ``fla.ops.gla`` imports, else ``(None, reason)``.
 
     Probed once per process (the import pulls in triton and every fla kernel, several seconds)."""
-    if "fla" not in _probe_cache:
-        try:
-            _probe_cache["fla"] = (_load_fla(), None)
-        except Exception as e:  # noqa: BLE001 -- ImportError (no fla / no triton), triton driver errors, ...
-            _probe_cache["fla"] = (None, f"{type(e).__name__}: {e}")
-    return _probe_cache["fla"]
+    return probe("gla.fla", _load_fla)
 
 
 def fla_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float, initial_state: Optional[Tensor],

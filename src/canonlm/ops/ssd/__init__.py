@@ -45,7 +45,6 @@ Backends (``model.kernels.ssd`` in the config and in errors):
 from __future__ import annotations
 
 import math
-import sys
 from contextlib import nullcontext
 from typing import Optional, Sequence
 
@@ -54,6 +53,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from canonlm.errors import ConfigError
+from canonlm.ops._dispatch import assume_constant, compute_dtype, cuda_reason, make_selector, no_autocast, shape_of
 
 from . import _mamba
 
@@ -79,8 +79,6 @@ _INF = float("inf")
 # validation
 # ----------------------------------------------------------------------------------------------------------------
 
-def _shape(t) -> object:
-    return tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
 
 
 def _check_chunk(chunk_size) -> int:
@@ -103,27 +101,27 @@ def _check_limit(dt_limit) -> tuple[float, float]:
 def _validate(x, dt, A, B, C, D, dt_bias, initial_state) -> tuple[int, int, int, int, int, int]:
     """(Bsz, T, H, P, G, N) after checking every shape/device; ValueError naming the argument otherwise."""
     if not isinstance(x, Tensor) or x.dim() != 4 or not x.is_floating_point():
-        raise ValueError(f"ssd_scan: x.shape={_shape(x)}; allowed: a floating (B, T, H, P) tensor")
+        raise ValueError(f"ssd_scan: x.shape={shape_of(x)}; allowed: a floating (B, T, H, P) tensor")
     Bsz, T, H, P = x.shape
     if T < 1 or H < 1 or P < 1:
         raise ValueError(f"ssd_scan: x.shape={tuple(x.shape)}; allowed: (B, T, H, P) with T, H, P >= 1")
     if not isinstance(dt, Tensor) or tuple(dt.shape) != (Bsz, T, H):
-        raise ValueError(f"ssd_scan: dt.shape={_shape(dt)}; allowed: (B, T, H) = {(Bsz, T, H)} (raw time step)")
+        raise ValueError(f"ssd_scan: dt.shape={shape_of(dt)}; allowed: (B, T, H) = {(Bsz, T, H)} (raw time step)")
     if not isinstance(A, Tensor) or tuple(A.shape) != (H,):
-        raise ValueError(f"ssd_scan: A.shape={_shape(A)}; allowed: ({H},) (per-head A = -exp(A_log) < 0)")
+        raise ValueError(f"ssd_scan: A.shape={shape_of(A)}; allowed: ({H},) (per-head A = -exp(A_log) < 0)")
     if not isinstance(B, Tensor) or B.dim() != 4 or tuple(B.shape[:2]) != (Bsz, T):
-        raise ValueError(f"ssd_scan: B.shape={_shape(B)}; allowed: (B, T, G, N) with (B, T) = {(Bsz, T)}")
+        raise ValueError(f"ssd_scan: B.shape={shape_of(B)}; allowed: (B, T, G, N) with (B, T) = {(Bsz, T)}")
     G, N = B.shape[2], B.shape[3]
     if G < 1 or N < 1 or H % G != 0:
         raise ValueError(f"ssd_scan: B.shape={tuple(B.shape)}; allowed: G >= 1 groups dividing H={H}, N >= 1")
     if not isinstance(C, Tensor) or C.shape != B.shape:
-        raise ValueError(f"ssd_scan: C.shape={_shape(C)}; allowed: B's shape {tuple(B.shape)}")
+        raise ValueError(f"ssd_scan: C.shape={shape_of(C)}; allowed: B's shape {tuple(B.shape)}")
     if D is not None and tuple(D.shape) not in ((H,), (H, P)):
-        raise ValueError(f"ssd_scan: D.shape={_shape(D)}; allowed: ({H},), ({H}, {P}) or None")
+        raise ValueError(f"ssd_scan: D.shape={shape_of(D)}; allowed: ({H},), ({H}, {P}) or None")
     if dt_bias is not None and tuple(dt_bias.shape) != (H,):
-        raise ValueError(f"ssd_scan: dt_bias.shape={_shape(dt_bias)}; allowed: ({H},) or None")
+        raise ValueError(f"ssd_scan: dt_bias.shape={shape_of(dt_bias)}; allowed: ({H},) or None")
     if initial_state is not None and tuple(initial_state.shape) != (Bsz, H, P, N):
-        raise ValueError(f"ssd_scan: initial_state.shape={_shape(initial_state)}; allowed: (B, H, P, N) = "
+        raise ValueError(f"ssd_scan: initial_state.shape={shape_of(initial_state)}; allowed: (B, H, P, N) = "
                          f"{(Bsz, H, P, N)} or None")
     for name, t in (("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), ("dt_bias", dt_bias),
                     ("initial_state", initial_state)):
@@ -136,15 +134,8 @@ def _validate(x, dt, A, B, C, D, dt_bias, initial_state) -> tuple[int, int, int,
     return Bsz, T, H, P, G, N
 
 
-def _compute_dtype(*tensors) -> torch.dtype:
-    """float64 when any input is float64, else float32 (low-precision inputs are upcast)."""
-    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
-def _no_autocast(device: torch.device):
-    if torch.amp.is_autocast_available(device.type):
-        return torch.autocast(device_type=device.type, enabled=False)
-    return nullcontext()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -237,8 +228,8 @@ def ssd_scan_reference(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, *
     Bsz, T, H, P, G, N = _validate(x, dt, A, B, C, D, dt_bias, initial_state)
     Q = min(_check_chunk(chunk_size), T)
     lim = _check_limit(dt_limit)
-    cd = _compute_dtype(x, dt, A, B, C, D, dt_bias, initial_state)
-    with _no_autocast(x.device):
+    cd = compute_dtype(x, dt, A, B, C, D, dt_bias, initial_state)
+    with no_autocast(x.device):
         xc = x.to(cd)
         delta = _time_step(dt, dt_bias, dt_softplus, lim, cd)               # (B, T, H)
         pad = (-T) % Q
@@ -269,10 +260,9 @@ def _unavailable_reason(name: str, device: torch.device, dtype: torch.dtype) -> 
     if name in ("reference", "auto"):
         return None
     if name == "mamba_ssm":
-        if device.type != "cuda":
-            return f"needs a CUDA device (tensors are on {device.type})"
-        if not torch.cuda.is_available():
-            return "needs a CUDA device (torch.cuda.is_available() is False)"
+        reason = cuda_reason(device)
+        if reason is not None:
+            return reason
         if dtype not in _KERNEL_DTYPES:
             return f"supports float32, float16 and bfloat16 (got {dtype})"
         fn, err = _mamba.chunk_scan_function()
@@ -314,25 +304,15 @@ def resolve_backend(name: str, device, dtype: torch.dtype) -> str:
     return name
 
 
-def _assume_constant(fn):
-    """``torch.compiler.assume_constant_result`` without importing ``torch._dynamo`` at canonlm import time (same
-    trick as ``canonlm.ops.canon``): the backend probe is not traced under torch.compile."""
-    if "torch._dynamo" in sys.modules:
-        return torch.compiler.assume_constant_result(fn)
-    fn._dynamo_marked_constant = True
-    return fn
+_select = make_selector(resolve_backend)
 
 
-_select_cache: dict = {}
-
-
-@_assume_constant
-def _select(backend: str, device: str, dtype: torch.dtype) -> str:
-    key = (backend, device, dtype)
-    hit = _select_cache.get(key)
-    if hit is None:
-        hit = _select_cache[key] = resolve_backend(backend, torch.device(device), dtype)
-    return hit
+@assume_constant
+def use_fused_split(backend: str, device: str, dtype: torch.dtype) -> bool:
+    """True when ``backend`` resolves to ``mamba_ssm`` for (device, dtype) *and* the fused
+    ``mamba_split_conv1d_scan_combined`` path imports (it also needs the causal-conv1d CUDA extension, which
+    mamba-ssm does not depend on). Memoised; a constant under torch.compile."""
+    return _select(backend, device, dtype) == "mamba_ssm" and _mamba.split_function()[0] is not None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -404,7 +384,7 @@ def gated_rmsnorm(y: Tensor, z: Optional[Tensor], weight: Optional[Tensor], eps:
         raise ValueError(f"gated_rmsnorm: weight.shape={tuple(weight.shape)}; allowed: ({d},) or None")
     if ngroups < 1 or d % ngroups != 0:
         raise ValueError(f"gated_rmsnorm: ngroups={ngroups}; allowed: a positive divisor of d={d}")
-    cd = _compute_dtype(y, z, weight)
+    cd = compute_dtype(y, z, weight)
     u = y.to(cd)
     gate = None if z is None else F.silu(z.to(cd))
     if weight is None:
@@ -422,9 +402,9 @@ def _split_dims(zxbcdt, conv_weight, conv_bias, dt_bias, A, D, headdim, ngroups,
                 outproj_weight) -> tuple[int, int, int, int, int]:
     """(H, P, G, N, conv_dim) after validating the fused-mixer arguments; ValueError otherwise."""
     if not isinstance(zxbcdt, Tensor) or zxbcdt.dim() != 3:
-        raise ValueError(f"split_conv1d_scan: zxbcdt.shape={_shape(zxbcdt)}; allowed: (B, T, 2HP + 2GN + H)")
+        raise ValueError(f"split_conv1d_scan: zxbcdt.shape={shape_of(zxbcdt)}; allowed: (B, T, 2HP + 2GN + H)")
     if not isinstance(A, Tensor) or A.dim() != 1:
-        raise ValueError(f"split_conv1d_scan: A.shape={_shape(A)}; allowed: (H,)")
+        raise ValueError(f"split_conv1d_scan: A.shape={shape_of(A)}; allowed: (H,)")
     H = A.shape[0]
     P, G = int(headdim), int(ngroups)
     if P < 1 or G < 1 or H % G != 0:
@@ -432,7 +412,7 @@ def _split_dims(zxbcdt, conv_weight, conv_bias, dt_bias, A, D, headdim, ngroups,
                          f"ngroups a positive divisor of H={H}")
     d_inner = H * P
     if not isinstance(conv_weight, Tensor) or conv_weight.dim() != 2:
-        raise ValueError(f"split_conv1d_scan: conv_weight.shape={_shape(conv_weight)}; allowed: (conv_dim, W) "
+        raise ValueError(f"split_conv1d_scan: conv_weight.shape={shape_of(conv_weight)}; allowed: (conv_dim, W) "
                          f"(an nn.Conv1d weight (conv_dim, 1, W) must be squeezed)")
     conv_dim = conv_weight.shape[0]
     gn2 = conv_dim - d_inner
@@ -445,17 +425,17 @@ def _split_dims(zxbcdt, conv_weight, conv_bias, dt_bias, A, D, headdim, ngroups,
         raise ValueError(f"split_conv1d_scan: zxbcdt.shape={tuple(zxbcdt.shape)}; allowed: last dim 2*H*P + 2*G*N "
                          f"+ H = {want} (z {d_inner}, xBC {conv_dim}, dt {H})")
     if conv_bias is not None and tuple(conv_bias.shape) != (conv_dim,):
-        raise ValueError(f"split_conv1d_scan: conv_bias.shape={_shape(conv_bias)}; allowed: ({conv_dim},) or None")
+        raise ValueError(f"split_conv1d_scan: conv_bias.shape={shape_of(conv_bias)}; allowed: ({conv_dim},) or None")
     if dt_bias is not None and tuple(dt_bias.shape) != (H,):
-        raise ValueError(f"split_conv1d_scan: dt_bias.shape={_shape(dt_bias)}; allowed: ({H},)")
+        raise ValueError(f"split_conv1d_scan: dt_bias.shape={shape_of(dt_bias)}; allowed: ({H},)")
     if D is not None and tuple(D.shape) not in ((H,), (H, P)):
-        raise ValueError(f"split_conv1d_scan: D.shape={_shape(D)}; allowed: ({H},) or ({H}, {P})")
+        raise ValueError(f"split_conv1d_scan: D.shape={shape_of(D)}; allowed: ({H},) or ({H}, {P})")
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"split_conv1d_scan: activation={activation!r}; allowed: 'silu' (= 'swish') or None")
     if rmsnorm_weight is not None and tuple(rmsnorm_weight.shape) != (d_inner,):
-        raise ValueError(f"split_conv1d_scan: rmsnorm_weight.shape={_shape(rmsnorm_weight)}; allowed: ({d_inner},)")
+        raise ValueError(f"split_conv1d_scan: rmsnorm_weight.shape={shape_of(rmsnorm_weight)}; allowed: ({d_inner},)")
     if outproj_weight is not None and (outproj_weight.dim() != 2 or outproj_weight.shape[1] != d_inner):
-        raise ValueError(f"split_conv1d_scan: outproj_weight.shape={_shape(outproj_weight)}; allowed: "
+        raise ValueError(f"split_conv1d_scan: outproj_weight.shape={shape_of(outproj_weight)}; allowed: "
                          f"(out_dim, {d_inner})")
     return H, P, G, N, conv_dim
 
@@ -490,8 +470,8 @@ def split_conv1d_scan_reference(zxbcdt: Tensor, conv_weight: Tensor, conv_bias: 
                                        rmsnorm_weight, outproj_weight)
     Bsz, T, _ = zxbcdt.shape
     d_inner = H * P
-    cd = _compute_dtype(zxbcdt, conv_weight, conv_bias, A, D, dt_bias, rmsnorm_weight, outproj_weight)
-    with _no_autocast(zxbcdt.device):
+    cd = compute_dtype(zxbcdt, conv_weight, conv_bias, A, D, dt_bias, rmsnorm_weight, outproj_weight)
+    with no_autocast(zxbcdt.device):
         z, xBC, dt = zxbcdt.to(cd).split([d_inner, conv_dim, H], dim=-1)
         xBC = causal_conv1d_reference(xBC, conv_weight.to(cd), None if conv_bias is None else conv_bias.to(cd),
                                       residual=False, activation=activation in ("silu", "swish"))

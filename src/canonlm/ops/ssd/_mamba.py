@@ -32,16 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-_probe_cache: dict[str, tuple[Optional[object], Optional[str]]] = {}
+from canonlm.ops._dispatch import probe
 
-
-def _probe(name: str, loader: Callable[[], object]) -> tuple[Optional[object], Optional[str]]:
-    if name not in _probe_cache:
-        try:
-            _probe_cache[name] = (loader(), None)
-        except Exception as e:  # noqa: BLE001 -- ImportError, undefined symbol (OSError), triton errors, ...
-            _probe_cache[name] = (None, f"{type(e).__name__}: {e}")
-    return _probe_cache[name]
 
 
 def _load_chunk():
@@ -62,17 +54,17 @@ def _load_split():
 
 def chunk_scan_function():
     """(mamba_chunk_scan_combined or None, import error message or None)."""
-    return _probe("chunk", _load_chunk)
+    return probe("ssd.chunk", _load_chunk)
 
 
 def state_update_function():
     """(selective_state_update or None, import error message or None)."""
-    return _probe("state_update", _load_state_update)
+    return probe("ssd.state_update", _load_state_update)
 
 
 def split_function():
     """(mamba_split_conv1d_scan_combined or None, import error message or None); needs causal_conv1d as well."""
-    return _probe("split", _load_split)
+    return probe("ssd.split", _load_split)
 
 
 def _need(fn_err, what: str):

@@ -1,0 +1,85 @@
+"""Plumbing shared by the sequence ops' dispatch points (canon, gla, gdn, ssd): backend memoisation that stays a
+constant under ``torch.compile``, the reference paths' compute dtype and autocast guard, and the CUDA checks."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+
+def assume_constant(fn):
+    """``torch.compiler.assume_constant_result`` without importing ``torch._dynamo`` when canonlm is imported (that
+    import alone costs ~1.7 s): if dynamo is not loaded yet, set the marker its decorator sets
+    (``torch/_dynamo/decorators.py``); tests/test_canon_op.py compiles with fullgraph=True to catch a change."""
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.assume_constant_result(fn)
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+def make_selector(resolve: Callable[[str, torch.device, torch.dtype], str],
+                  meta_auto: Optional[str] = None) -> Callable[[str, str, torch.dtype], str]:
+    """``select(backend, device_str, dtype) -> concrete backend``: ``resolve`` memoised per (backend, device, dtype)
+    and treated as a constant by torch.compile (no tracing into import probes). ``meta_auto``: what an ``auto``
+    that ``resolve`` leaves unresolved (the ``meta`` device) becomes."""
+    cache: dict = {}
+
+    @assume_constant
+    def select(backend: str, device: str, dtype: torch.dtype) -> str:
+        key = (backend, device, dtype)
+        hit = cache.get(key)
+        if hit is None:
+            hit = resolve(backend, torch.device(device), dtype)
+            if hit == "auto" and meta_auto is not None:
+                hit = meta_auto
+            cache[key] = hit
+        return hit
+
+    select.cache = cache
+    return select
+
+
+def compute_dtype(*tensors: Optional[Tensor]) -> torch.dtype:
+    """float64 when any given tensor is float64, else float32: the reference paths' accumulation dtype."""
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def no_autocast(device: torch.device):
+    """A context that disables autocast on ``device`` (CPU / CUDA), so a reference computes in its own dtype."""
+    if device.type in ("cpu", "cuda"):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def cuda_reason(device: torch.device) -> Optional[str]:
+    """None on a usable CUDA device, else why a CUDA-only kernel cannot run there."""
+    if device.type != "cuda":
+        return f"needs a CUDA device (tensors are on {device.type})"
+    if not torch.cuda.is_available():
+        return "needs a CUDA device (torch.cuda.is_available() is False)"
+    return None
+
+
+def shape_of(t) -> object:
+    """``tuple(t.shape)`` for a tensor, else the type name (for error messages)."""
+    return tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+
+
+_probes: dict[str, tuple[Optional[object], Optional[str]]] = {}
+
+
+def probe(name: str, loader: Callable[[], object]) -> tuple[Optional[object], Optional[str]]:
+    """``(loader(), None)``, or ``(None, "<Error>: <message>")`` if it raises; run once per ``name`` per process.
+
+    Used for the optional CUDA libraries (imported lazily, never when canonlm is imported; engineering.md §6.3): an
+    ImportError, an undefined symbol of an ABI mismatch (OSError) or a Triton driver error all mean "unavailable"."""
+    if name not in _probes:
+        try:
+            _probes[name] = (loader(), None)
+        except Exception as e:  # noqa: BLE001
+            _probes[name] = (None, f"{type(e).__name__}: {e}")
+    return _probes[name]
