@@ -41,7 +41,7 @@ from torch import Tensor
 
 from canonlm.arch.config import ConfigError
 
-from canonlm.ops._dispatch import assume_constant
+from canonlm.ops._dispatch import assume_constant, cuda_reason
 
 from . import _cuda, _native
 
@@ -152,14 +152,6 @@ def causal_conv1d_torch(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None
 # backend selection
 # ----------------------------------------------------------------------------------------------------------------
 
-def _cuda_device_reason(device: torch.device) -> Optional[str]:
-    if device.type != "cuda":
-        return f"needs a CUDA device (tensors are on {device.type})"
-    if not torch.cuda.is_available():
-        return "needs a CUDA device (torch.cuda.is_available() is False)"
-    return None
-
-
 def _unavailable_reason(name: str, device: torch.device, dtype: torch.dtype) -> Optional[str]:
     """None if backend ``name`` can run on (device, dtype), else why not."""
     if name in ("reference", "torch", "auto"):
@@ -172,7 +164,7 @@ def _unavailable_reason(name: str, device: torch.device, dtype: torch.dtype) -> 
         if not _native.available():
             return f"native kernel does not build: {_native.unavailable_reason()}"
         return None
-    reason = _cuda_device_reason(device)
+    reason = cuda_reason(device)
     if reason is not None:
         return reason
     if name == "dao":
