@@ -497,3 +497,22 @@ def test_init_weights_after_fsdp2_sharding(tmp_path):
             assert torch.isfinite(m(ids)).all()
     finally:
         dist.destroy_process_group()
+
+
+def test_fla_gdn_head_dim_limit(monkeypatch):
+    """fla's chunked delta-rule kernels take key head dims <= 256: an explicit fla request with d_k = 512 is a
+    ConfigError naming the limit; auto falls back to the reference with a warning (the kernel is faked present)."""
+    from canonlm.arch import model as model_mod
+
+    monkeypatch.setattr(model_mod.gdn_ops, "resolve_backend", lambda name, device, dtype: "fla")
+    cfg = build_model_config(dict(PRESETS["gdn"], size="1L512D", n_heads=1, expand_k=1.0, expand_v=1.0),
+                             canon={"set": "b"}, vocab_size=8, kernels={"gdn": "fla"})
+    assert cfg.head_k_dim == 512
+    with pytest.raises(ConfigError, match="256") as e:
+        model_mod.resolve_backends(cfg, "cpu", torch.bfloat16)
+    assert e.value.key == "model.kernels.gdn"
+    cfg.kernels = {}
+    with pytest.warns(RuntimeWarning, match="256"):
+        assert model_mod.resolve_backends(cfg, "cpu", torch.bfloat16)["gdn"] == "reference"
+    cfg.n_heads = 2  # d_k = 256 is accepted
+    assert model_mod.resolve_backends(cfg, "cpu", torch.bfloat16)["gdn"] == "fla"
