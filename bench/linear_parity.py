@@ -25,7 +25,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the oracles live with the tests (one copy of each)
 
-from test_linear_arch import PRESETS, build  # noqa: E402
+from test_linear_arch import PRESETS, build, decode_in_pieces  # noqa: E402
 from test_op_gdn import oracle as gdn_loop  # noqa: E402
 from test_op_gla import loop_gla  # noqa: E402
 from test_op_ssd import ssd_loop  # noqa: E402
@@ -129,15 +129,8 @@ def main() -> None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 model = build(preset, canon=canon, chunk_size=16, dtype=dtype).eval()
-            ids = torch.randint(0, 32, (3, 23), generator=g)
-            with torch.no_grad():
-                full = model(ids)
-                cache = model.new_cache()
-                parts, t = [model(ids[:, :7], cache)], 7
-                for n in (1, 1, 1, 5, 1, 1, 1, 1, 1, 1, 1, 1):
-                    parts.append(model(ids[:, t:t + n], cache))
-                    t += n
-            row.append(f"{str(dtype)[6:]} {(torch.cat(parts, 1) - full).abs().max().item():.1e}")
+            full, pieces, _ = decode_in_pieces(model, torch.randint(0, 32, (3, 23), generator=g))
+            row.append(f"{str(dtype)[6:]} {(pieces - full).abs().max().item():.1e}")
         print(f"  {preset:<14} canon={canon:<5} " + ", ".join(row))
 
 

@@ -296,6 +296,20 @@ def test_linear_inits():
 
 # ------------------------------------------------------------------------------------------------ decode caches
 
+def decode_in_pieces(model, ids):
+    """(full forward logits, logits of prefill 7 -> 3 single tokens -> a 5-token chunk -> single tokens, the cache)
+    for ids (B, 23)."""
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.new_cache()
+        parts, t = [model(ids[:, :7], cache)], 7
+        for n in (1, 1, 1, 5, 1, 1, 1, 1, 1, 1, 1, 1):
+            parts.append(model(ids[:, t:t + n], cache))
+            t += n
+    assert t == ids.shape[1]
+    return full, torch.cat(parts, 1), cache
+
+
 DECODE_CASES = [
     ("llama", "", {}), ("llama", "ABCD", {}), ("llama", "AC", {"qk_norm": "whole"}),
     ("llama", "ABCD", {"n_kv_heads": 1}),
@@ -313,15 +327,9 @@ def test_decode_equals_full_forward(preset, canon, kw):
     model = build(preset, canon=canon, chunk_size=4, **kw).eval()
     torch.manual_seed(3)
     ids = torch.randint(0, 32, (3, 23))
-    with torch.no_grad():
-        full = model(ids)
-        cache = model.new_cache()
-        parts, t = [model(ids[:, :7], cache)], 7
-        for n in (1, 1, 1, 5, 1, 1, 1, 1, 1, 1, 1, 1):
-            parts.append(model(ids[:, t:t + n], cache))
-            t += n
-    assert t == 23 and cache.seen == 23
-    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-9, atol=1e-9)
+    full, pieces, cache = decode_in_pieces(model, ids)
+    assert cache.seen == 23
+    torch.testing.assert_close(pieces, full, rtol=1e-9, atol=1e-9)
 
 
 def test_cache_select_drops_rows():
