@@ -524,3 +524,22 @@ def test_fla_gdn_head_dim_limit(monkeypatch):
         assert model_mod.resolve_backends(cfg, "cpu", torch.bfloat16)["gdn"] == "reference"
     cfg.n_heads = 2  # d_k = 256 is accepted
     assert model_mod.resolve_backends(cfg, "cpu", torch.bfloat16)["gdn"] == "fla"
+
+
+def test_gdn_op_falls_back_for_head_dims_fla_refuses(monkeypatch):
+    """The op itself owns fla's d_k <= 256 limit: with the fla backend selected (faked here), K = 300 runs the
+    reference under ``auto`` (same result as the reference) and is a ValueError when fla is pinned."""
+    from canonlm.ops import gdn as gdn_ops
+
+    monkeypatch.setattr(gdn_ops, "_select", lambda backend, device, dtype: "fla")
+    monkeypatch.setattr(gdn_ops._fla, "forward", lambda *a, **k: pytest.fail("fla called with K > 256"))
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 5, 1, 300, generator=g), torch.randn(1, 5, 1, 300, generator=g)
+    v, gg = torch.randn(1, 5, 1, 4, generator=g), -torch.rand(1, 5, 1, generator=g)
+    beta = torch.rand(1, 5, 1, generator=g)
+    got, _ = gdn_ops.chunk_gated_delta_rule(q, k, v, gg, beta, backend="auto")
+    want, _ = gdn_ops.chunk_gated_delta_rule_reference(q, k, v, gg, beta)
+    torch.testing.assert_close(got, want)
+    with pytest.raises(ValueError, match="256"):
+        gdn_ops.chunk_gated_delta_rule(q, k, v, gg, beta, backend="fla")
+    assert gdn_ops.fla_shape_reason(256) is None and "256" in gdn_ops.fla_shape_reason(257)

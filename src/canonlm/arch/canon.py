@@ -101,7 +101,8 @@ class Canon(nn.Module):
         return y
 
     def extra_repr(self) -> str:
-        return (f"{'native, ' if self.native else ''}channels={self.channels}, kernel={self.kernel}, residual={self.residual}, "
+        return (f"{'native, ' if self.native else ''}channels={self.channels}, kernel={self.kernel}, "
+                f"residual={self.residual}, "
                 f"activation={self.activation}, bias={self.bias is not None}, "
                 f"trainable={self.weight.requires_grad}, init={self.init_mode}, backend={self.backend}")
 

@@ -106,7 +106,8 @@ class ModelConfig:
     ``n_heads`` None = the paper's rule (GLA: 4; GDN: max(4, d // 128); Mamba2: 16); ``expand_k`` / ``expand_v``:
     key / value width = expand · d (GLA 0.5 / 1, GLA5 1 / 2, GDN 0.75 / 1.5, GDN2 1 / 2); ``gate_low_rank_dim``:
     rank of GLA's forget-gate projection (16); ``key_head_dim``: when ``n_heads`` is None, heads =
-    max(1, round(key_dim / key_head_dim)) (GLA5 / GDN2: 128, i.e. 16 heads at d=2048); ``gate_logit_normalizer``: GLA's gate = logsigmoid(.) / this (16);
+    max(1, round(key_dim / key_head_dim)) (GLA5 / GDN2: 128, i.e. 16 heads at d=2048); ``gate_logit_normalizer``:
+    GLA's gate = logsigmoid(.) / this (16);
     ``output_gate_rank``: 0 = full-rank output gate d -> value_dim, r > 0 = Linear(d, r) ∘ Linear(r, value_dim, bias)
     (GLA5 / GDN2: 16); ``conv_kernel``: width of the mixer's own short conv (4); ``no_conv_act``: what replaces the
     short conv on q/k/v when ``b`` is absent (``silu``, official; ``none``, upstream GLA); ``chunk_size``: chunk of
@@ -181,6 +182,7 @@ class ModelConfig:
 
     @property
     def has_mlp(self) -> bool:
+        """False for ``mlp: none`` (Mamba2 without MLP): the block is norm -> Canon-A -> mixer only."""
         return self.mlp != "none"
 
     @property
@@ -268,6 +270,8 @@ def _validate_linear(cfg: ModelConfig) -> None:
     for key in ("gate_low_rank_dim", "conv_kernel", "chunk_size", "ssm_state", "mamba_expand", "n_groups",
                 "n_layers_factor"):
         _positive_int(f"model.{key}", getattr(cfg, key))
+    if cfg.key_head_dim is not None:
+        _positive_int("model.key_head_dim", cfg.key_head_dim)
     if not isinstance(cfg.output_gate_rank, int) or isinstance(cfg.output_gate_rank, bool) or cfg.output_gate_rank < 0:
         raise ConfigError("model.output_gate_rank", cfg.output_gate_rank, "0 (full-rank output gate) or a positive rank")
     _positive_float("model.gate_logit_normalizer", cfg.gate_logit_normalizer)
@@ -378,14 +382,12 @@ def build_model_config(model: Mapping[str, Any], canon: Mapping[str, Any] | None
             if model.get(k) is None:
                 model[k] = v
     if model.get("n_heads") is None and isinstance(model.get("d_model"), int) \
-            and (size_heads is not None or arch in ("gla", "gdn", "mamba2")):
-        kd = model.get("expand_k", ModelConfig.expand_k)
-        khd = model.get("key_head_dim")
-        if khd is not None and (not isinstance(khd, int) or isinstance(khd, bool) or khd < 1):
-            raise ConfigError("model.key_head_dim", khd, "null | a positive integer")
+            and (size_heads is not None or arch in LINEAR_ARCHS):
+        kd, khd = model.get("expand_k", ModelConfig.expand_k), model.get("key_head_dim")
+        valid = isinstance(kd, (int, float)) and isinstance(khd, int) and not isinstance(khd, bool) and khd > 0
+        # an invalid expand_k / key_head_dim falls back to the arch's rule here and is reported by validate()
         model["n_heads"] = default_heads(arch, model["d_model"], size_heads,
-                                         int(round(kd * model["d_model"])) if isinstance(kd, (int, float)) else None,
-                                         khd)
+                                         int(round(kd * model["d_model"])) if valid else None, khd if valid else None)
     known = {f.name for f in dataclasses.fields(ModelConfig)} - {"canon", "pos"}
     for k in list(model):
         if k not in known:

@@ -39,15 +39,12 @@ from canonlm.ops import ssd as ssd_ops
 # The sequence ops each architecture uses (besides Canon), and their modules (each has resolve_backend).
 MIXER_OP = {"llama": "attention", "gla": "gla", "gdn": "gdn", "mamba2": "ssd"}
 _LINEAR_OPS = {"gla": gla_ops, "gdn": gdn_ops, "ssd": ssd_ops}
-# Largest key head dim fla's chunked delta-rule kernels accept (fla/ops/common/chunk_delta_h.py asserts K <= 256).
-FLA_GDN_MAX_HEAD_K = 256
 
 
 def _fast_shape_reason(cfg: ModelConfig, op: str, backend: str) -> str | None:
-    """Why the fast kernel ``backend`` of ``op`` cannot take this model's shapes, or None."""
-    if op == "gdn" and backend == "fla" and cfg.head_k_dim > FLA_GDN_MAX_HEAD_K:
-        return (f"fla's chunk_gated_delta_rule supports key head dims <= {FLA_GDN_MAX_HEAD_K} "
-                f"(this model: d_k = key_dim / n_heads = {cfg.head_k_dim}; raise model.n_heads)")
+    """Why the fast kernel ``backend`` of ``op`` cannot take this model's shapes, or None (the ops own the limits)."""
+    if op == "gdn" and backend == "fla":
+        return gdn_ops.fla_shape_reason(cfg.head_k_dim)
     return None
 
 
@@ -110,10 +107,11 @@ def resolve_backends(cfg: ModelConfig, device: torch.device | str, dtype: torch.
 
 def _module_backends(cfg: ModelConfig, resolved: dict[str, str]) -> dict[str, str]:
     """Names handed to the modules: the resolved ones, except an ``auto`` request of Canon or a linear op stays
-    ``auto`` so the op can still fall back per shape (e.g. dao needs C % 8 == 0) and follow the tensors' device."""
+    ``auto`` so the op can still fall back per shape (e.g. dao needs C % 8 == 0, fla's GDN d_k <= 256) and follow the
+    tensors' device."""
     out = dict(resolved)
     for op in resolved:
-        if op != "attention" and cfg.kernels.get(op, cfg.ops) == "auto" and _fast_shape_reason(cfg, op, "fla") is None:
+        if op != "attention" and cfg.kernels.get(op, cfg.ops) == "auto":
             out[op] = "auto"
     return out
 

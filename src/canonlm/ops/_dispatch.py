@@ -83,3 +83,36 @@ def probe(name: str, loader: Callable[[], object]) -> tuple[Optional[object], Op
         except Exception as e:  # noqa: BLE001
             _probes[name] = (None, f"{type(e).__name__}: {e}")
     return _probes[name]
+
+
+def resolve_fast_or_reference(name: str, device, dtype: torch.dtype, *, key: str, fast: str,
+                              reason: Callable[[torch.device, torch.dtype], Optional[str]],
+                              hint: str = "") -> str:
+    """Backend choice of an op with one fast kernel beside its reference (GLA: fla, GDN: fla, SSD: mamba_ssm).
+
+    Args:
+        name: ``auto`` | ``reference`` | ``fast``; device / dtype: where and in which compute dtype the op runs.
+        key: config key named in errors (``model.kernels.<op>``); fast: the fast backend's name.
+        reason: ``reason(device, dtype)`` -> None when the fast kernel can run there, else why not.
+        hint: appended to the refusal of an explicit ``fast`` request (e.g. how to make it runnable).
+    Returns:
+        ``auto`` -> ``fast`` when it can run, else ``reference``; ``reference`` -> itself; ``fast`` -> itself when it
+        can run. On the ``meta`` device ``name`` is returned unchecked (``auto`` stays ``auto``).
+    Raises:
+        canonlm.errors.ConfigError(key, name, allowed): unknown name, or ``fast`` where it cannot run; ``allowed``
+        says what runs here and why ``fast`` does not.
+    """
+    from canonlm.errors import ConfigError
+
+    allowed = ("auto", "reference", fast)
+    if name not in allowed:
+        raise ConfigError(key, name, "one of " + ", ".join(allowed))
+    device = torch.device(device)
+    if device.type == "meta" or name == "reference":
+        return name
+    why = reason(device, dtype)
+    if name == "auto":
+        return fast if why is None else "reference"
+    if why is not None:
+        raise ConfigError(key, name, f"auto or reference here ({device.type}, {dtype}) ['{fast}' {why}{hint}]")
+    return name

@@ -44,7 +44,8 @@ def _peak_flops(device: torch.device) -> float | None:
 
 
 class LMModule(L.LightningModule):
-    """Causal LM training/evaluation around :class:`canonlm.arch.model.CanonLM` (Llama, GLA, GDN or Mamba2 with Canon layers).
+    """Causal LM training/evaluation around :class:`canonlm.arch.model.CanonLM` (Llama, GLA, GDN or Mamba2 with
+    Canon layers).
 
     Args:
         model_cfg: validated model config (vocab size and max length already set from the task).

@@ -45,10 +45,11 @@ def linear_canon_sets() -> list[str]:
     every subset of ``A b B C D`` (in that order) with ``b``, plus the official spellings ``AbbCD`` and ``bb``."""
     import itertools
 
-    letters = "AbBCD"
+    from canonlm.arch.config import LINEAR_CANON_LETTERS
+
     names = []
-    for n in range(1, 6):
-        for combo in itertools.combinations(letters, n):
+    for n in range(1, len(LINEAR_CANON_LETTERS) + 1):
+        for combo in itertools.combinations(LINEAR_CANON_LETTERS, n):
             if "b" in combo:
                 names.append("".join(combo))
     return names + ["AbbCD", "bb"]

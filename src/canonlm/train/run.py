@@ -257,10 +257,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     module.tokens_per_step = int(cfg.data.batch_size) * int(task_cfg["context"])
 
     n_params = module.model.num_params()
+    pos_type = mcfg.pos.type if mcfg.arch == "llama" else "none"  # linear mixers have no positional encoding
     if trainer.is_global_zero:
         log.info("task %s | vocab %d | context %d | model %s %dL %dD %dH canon=%r pos=%s | %.2fM params",
                  task.name, task.vocab_size, task_cfg["context"], mcfg.arch, mcfg.n_layers, mcfg.d_model,
-                 mcfg.n_heads, mcfg.canon.set, mcfg.pos.type if mcfg.arch == "llama" else "none", n_params / 1e6)
+                 mcfg.n_heads, mcfg.canon.set, pos_type, n_params / 1e6)
         for lg in loggers:
             lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
 
@@ -276,8 +277,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         "task": task.name,
         "task_config": task_cfg,
         "model": {"arch": mcfg.arch, "size": f"{mcfg.n_layers}L{mcfg.d_model}D", "n_heads": mcfg.n_heads,
-                  "canon": mcfg.canon.set, "pos": mcfg.pos.type if mcfg.arch == "llama" else "none",
-                  "qk_norm": mcfg.qk_norm, "params": n_params,
+                  "canon": mcfg.canon.set, "pos": pos_type, "qk_norm": mcfg.qk_norm, "params": n_params,
                   "tie_embeddings": mcfg.tie_embeddings},
         "steps": trainer.global_step,
         "tokens_seen": trainer.global_step * module.tokens_per_step,

@@ -53,7 +53,7 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(self, cfg: ModelConfig, backends: dict[str, str]):
         super().__init__()
-        d, H, Kd, Vd = cfg.d_model, cfg.n_heads, cfg.key_dim, cfg.value_dim
+        d, H, Vd = cfg.d_model, cfg.n_heads, cfg.value_dim
         self.n_heads = H
         self.chunk_size, self.backend = cfg.chunk_size, backends["gdn"]
         build_qkv(self, cfg, backends["canon"])

@@ -76,8 +76,7 @@ class Mamba2Mixer(nn.Module):
         if self.canon_b is not None:
             zxbcdt = self.canon_b(zxbcdt, cache)
         A = -torch.exp(at_least_fp32(self.A_log))
-        if (cache is None and self.conv_kernel in (2, 3, 4)  # the fused kernel convolves with causal-conv1d (W <= 4)
-                and ssd_ops.use_fused_split(self.backend, str(x.device), x.dtype)):
+        if cache is None and ssd_ops.use_fused_split(self.backend, str(x.device), x.dtype, self.conv_kernel):
             if self.conv1d is not None:
                 w, b, act = self.conv1d.weight, self.conv1d.bias, "silu"
             else:  # noconv1d: identity kernel, no bias, no activation (models.md §1.3)

@@ -20,7 +20,7 @@ weight (C, K), bias (C,) or None, initial_state (B, C, K-1) = the previous K-1 r
 from __future__ import annotations
 
 import importlib
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F

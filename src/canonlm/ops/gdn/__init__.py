@@ -53,8 +53,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from canonlm.errors import ConfigError
-from canonlm.ops._dispatch import compute_dtype, cuda_reason, make_selector, no_autocast, shape_of
+from canonlm.ops._dispatch import (compute_dtype, cuda_reason, make_selector, no_autocast,
+                                   resolve_fast_or_reference, shape_of)
 
 from . import _fla
 
@@ -74,6 +74,16 @@ CONFIG_KEY = "model.kernels.gdn"
 L2NORM_EPS = 1e-6
 
 _warned_dtype: set = set()
+#: Largest key head dim fla's chunked delta-rule kernels accept (fla/ops/common/chunk_delta_h.py asserts K <= 256).
+FLA_MAX_HEAD_K = 256
+
+
+def fla_shape_reason(head_k: int) -> Optional[str]:
+    """None when fla's GDN kernels take key head dim ``head_k``, else why not (a ConfigError / warning text)."""
+    if head_k > FLA_MAX_HEAD_K:
+        return (f"fla's chunk_gated_delta_rule supports key head dims <= {FLA_MAX_HEAD_K} (got d_k = {head_k}; "
+                f"raise model.n_heads)")
+    return None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -241,27 +251,15 @@ def resolve_backend(name: str, device, dtype: torch.dtype) -> str:
         ConfigError("model.kernels.gdn", name, allowed): unknown name, or ``fla`` on CPU / without an importable
         fla / with a dtype its kernel refuses; ``allowed`` says what runs here and why ``fla`` does not.
     """
-    if name not in BACKENDS:
-        raise ConfigError(CONFIG_KEY, name, "one of " + ", ".join(BACKENDS))
-    device = torch.device(device)
-    if device.type == "meta" or name == "reference":
-        return name
-    reason = _fla_reason(device, dtype)
-    if name == "auto":
-        if reason is None:
-            return "fla"
-        if device.type == "cuda" and _fla_reason(device, torch.bfloat16) is None and dtype not in _warned_dtype:
-            _warned_dtype.add(dtype)
-            warnings.warn(f"canonlm: GDN kernels.gdn=auto uses the slow pure-PyTorch reference on CUDA because {reason}; "
-                          f"enable bf16 mixed precision (trainer.precision=bf16-mixed) to use fla",
-                          RuntimeWarning, stacklevel=2)
-        return "reference"
-    if reason is not None:
-        hint = ("; enable bf16 mixed precision (trainer.precision=bf16-mixed) to use fla"
-                if device.type == "cuda" and _fla_reason(device, torch.bfloat16) is None else "")
-        raise ConfigError(CONFIG_KEY, name,
-                          f"auto or reference here ({device.type}, {dtype}) ['fla' {reason}{hint}]")
-    return name
+    dev = torch.device(device)
+    bf16_ok = name != "reference" and dev.type == "cuda" and _fla_reason(dev, torch.bfloat16) is None
+    hint = "; enable bf16 mixed precision (trainer.precision=bf16-mixed) to use fla" if bf16_ok else ""
+    be = resolve_fast_or_reference(name, device, dtype, key=CONFIG_KEY, fast="fla", reason=_fla_reason, hint=hint)
+    if name == "auto" and be == "reference" and bf16_ok and dtype not in _warned_dtype:  # refused only for its dtype
+        _warned_dtype.add(dtype)
+        warnings.warn(f"canonlm: GDN kernels.gdn=auto uses the slow pure-PyTorch reference on CUDA because "
+                      f"{_fla_reason(dev, dtype)}{hint}", RuntimeWarning, stacklevel=2)
+    return be
 
 
 _select = make_selector(resolve_backend, meta_auto="reference")
@@ -288,19 +286,24 @@ def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
             ``use_qk_l2norm_in_kernel=True``, the GDN2 setting).
         chunk_size: positive int; the reference's chunk length. fla uses its own chunk size (64).
         backend: one of :data:`BACKENDS` (see :func:`resolve_backend`); the dtype checked is
-            ``promote_types(q, k, v)``.
+            ``promote_types(q, k, v)``. ``auto`` also falls back to the reference for key head dims fla refuses
+            (:func:`fla_shape_reason`).
 
     Returns:
         (o (B, T, H, V) in v.dtype, final_state (B, H, K, V) float32 -- float64 for float64 inputs on the reference
         -- or None).
 
     Raises:
-        ValueError: bad shapes/devices/dtypes, T == 0, chunk_size not a positive int.
+        ValueError: bad shapes/devices/dtypes, T == 0, chunk_size not a positive int, or ``fla`` with K > 256.
         ConfigError: unknown or unavailable backend (raised before any work).
     """
     _validate(q, k, v, g, beta, initial_state, chunk_size, "chunk_gated_delta_rule")
     dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
     be = _select(backend, str(q.device), dtype)
+    if be == "fla" and fla_shape_reason(q.shape[-1]) is not None:
+        if backend != "auto":
+            raise ValueError(f"chunk_gated_delta_rule: backend 'fla' cannot run: {fla_shape_reason(q.shape[-1])}")
+        be = "reference"  # auto: the shape fallback (CanonLM reports it once, at build time)
     if be == "fla":
         scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
         return _fla.forward(q, k, v, g, beta, scale, initial_state, bool(output_final_state), bool(use_qk_l2norm))

@@ -53,8 +53,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from canonlm.errors import ConfigError
-from canonlm.ops._dispatch import compute_dtype, cuda_reason, make_selector, no_autocast
+from canonlm.ops._dispatch import (compute_dtype, cuda_reason, make_selector, no_autocast,
+                                   resolve_fast_or_reference)
 
 from . import _fla
 
@@ -301,17 +301,7 @@ def resolve_backend(name: str, device, dtype: torch.dtype) -> str:
         ConfigError("model.kernels.gla", name, allowed): unknown name, or ``fla`` where it cannot run (not CUDA,
         fla/triton not importable, float64) -- raised before any work; ``allowed`` says what runs here and why.
     """
-    if name not in BACKENDS:
-        raise ConfigError(CONFIG_KEY, name, "one of " + ", ".join(BACKENDS))
-    device = torch.device(device)
-    if device.type == "meta" or name == "reference":
-        return name
-    reason = _fla_unavailable_reason(device, dtype)
-    if name == "auto":
-        return "fla" if reason is None else "reference"
-    if reason is not None:
-        raise ConfigError(CONFIG_KEY, name, f"auto or reference here ({device.type}, {dtype}); 'fla' {reason}")
-    return name
+    return resolve_fast_or_reference(name, device, dtype, key=CONFIG_KEY, fast="fla", reason=_fla_unavailable_reason)
 
 
 # ----------------------------------------------------------------------------------------------------------------

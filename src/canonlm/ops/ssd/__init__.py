@@ -45,15 +45,15 @@ Backends (``model.kernels.ssd`` in the config and in errors):
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
 from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from canonlm.errors import ConfigError
-from canonlm.ops._dispatch import assume_constant, compute_dtype, cuda_reason, make_selector, no_autocast, shape_of
+from canonlm.ops._dispatch import (assume_constant, compute_dtype, cuda_reason, make_selector, no_autocast,
+                                   resolve_fast_or_reference, shape_of)
+from canonlm.ops.canon._cuda import DAO_WIDTHS
 
 from . import _mamba
 
@@ -286,33 +286,24 @@ def resolve_backend(name: str, device, dtype: torch.dtype) -> str:
 
     Raises:
         ConfigError("model.kernels.ssd", name, allowed): unknown name, or ``"mamba_ssm"`` where it cannot run (not
-        CUDA, mamba_ssm not importable, float64); ``allowed`` lists the backends available here and why the
+        CUDA, mamba_ssm not importable, float64); ``allowed`` says what runs here and why the
         requested one is not.
     """
-    if name not in BACKENDS:
-        raise ConfigError(CONFIG_KEY, name, "one of " + ", ".join(BACKENDS))
-    device = torch.device(device)
-    if device.type == "meta":
-        return name
-    if name == "auto":
-        return "mamba_ssm" if _unavailable_reason("mamba_ssm", device, dtype) is None else "reference"
-    reason = _unavailable_reason(name, device, dtype)
-    if reason is not None:
-        here = [n for n, r in available_backends(device, dtype).items() if r is None]
-        raise ConfigError(CONFIG_KEY, name, f"backends available here ({device.type}, {dtype}): auto, "
-                                            f"{', '.join(here)} ['{name}' {reason}]")
-    return name
+    return resolve_fast_or_reference(name, device, dtype, key=CONFIG_KEY, fast="mamba_ssm",
+                                     reason=lambda dev, dt: _unavailable_reason("mamba_ssm", dev, dt))
 
 
 _select = make_selector(resolve_backend)
 
 
 @assume_constant
-def use_fused_split(backend: str, device: str, dtype: torch.dtype) -> bool:
-    """True when ``backend`` resolves to ``mamba_ssm`` for (device, dtype) *and* the fused
+def use_fused_split(backend: str, device: str, dtype: torch.dtype, conv_width: int) -> bool:
+    """True when ``backend`` resolves to ``mamba_ssm`` for (device, dtype), the fused
     ``mamba_split_conv1d_scan_combined`` path imports (it also needs the causal-conv1d CUDA extension, which
-    mamba-ssm does not depend on). Memoised; a constant under torch.compile."""
-    return _select(backend, device, dtype) == "mamba_ssm" and _mamba.split_function()[0] is not None
+    mamba-ssm does not depend on) and that extension takes the conv width (2, 3 or 4). Constant under
+    torch.compile."""
+    return (conv_width in DAO_WIDTHS and _select(backend, device, dtype) == "mamba_ssm"
+            and _mamba.split_function()[0] is not None)
 
 
 # ----------------------------------------------------------------------------------------------------------------

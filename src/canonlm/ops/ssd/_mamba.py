@@ -26,7 +26,7 @@ A (H,), B/C (B, T, G, N), D (H,) or (H, P), dt_bias (H,), state (B, H, P, N).
 from __future__ import annotations
 
 import importlib
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
