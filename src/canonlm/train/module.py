@@ -58,6 +58,13 @@ class LMModule(L.LightningModule):
             (activation checkpointing, then per-block ``compile()``, then ``fully_shard``).
         task: the task object (optional): its ``evaluate`` / ``eval_samples`` / ``finalize_metrics`` hooks are used.
         gen_eval: ``{"samples": int | None (None = task.eval_samples(split)), "batch_size": int, "on_val": bool}``.
+        task_cfg: the task's config dict, stored in every checkpoint (with the model config) so that a resume
+            with another task or model is refused (:func:`canonlm.train.checkpoint.check_compatible`).
+        max_nonfinite_steps: a step whose loss or gradient norm is not finite is skipped (no parameter or
+            optimizer-state update) and counted (``train/nonfinite_steps``); this many in a row stop the run with
+            ``last.ckpt`` saved (:class:`canonlm.errors.RunStopped`, exit code 3).
+    Training time (``train_time_s``), attempts (fit starts) and the skipped-step count are kept in the checkpoint
+    and accumulate across resumes.
     Batches are dicts of (B, T) tensors: ``tokens`` int64, ``loss_mask`` bool, ``answer_id`` int32, ``group`` int32.
     """
 
@@ -65,8 +72,19 @@ class LMModule(L.LightningModule):
                  sched: Mapping[str, Any], total_steps: int, loss: Mapping[str, Any], num_groups: int,
                  group_name: str = "group", compile: bool = False, activation_checkpointing: bool = False,
                  fsdp: Mapping[str, Any] | None = None, task: Any = None,
-                 gen_eval: Mapping[str, Any] | None = None):
+                 gen_eval: Mapping[str, Any] | None = None, task_cfg: Mapping[str, Any] | None = None,
+                 max_nonfinite_steps: int = 5):
         super().__init__()
+        self.task_cfg = dict(task_cfg or {})
+        self.max_nonfinite_steps = int(max_nonfinite_steps)
+        self.nonfinite_steps = 0        # skipped steps, whole run (all attempts)
+        self._nonfinite_run = 0         # skipped steps in a row
+        self._micro_nonfinite = False   # a micro-batch loss of the current step was not finite
+        self.stop_reason: str | None = None
+        self.train_time_prior = 0.0     # seconds of training in earlier attempts (from the checkpoint)
+        self.attempts = 0
+        self._fit_t0: float | None = None
+        self._fit_time = 0.0
         self.task = task
         self.gen_eval = {"samples": None, "batch_size": 64, "on_val": True, **dict(gen_eval or {})}
         self.model = CanonLM(model_cfg)
@@ -141,23 +159,57 @@ class LMModule(L.LightningModule):
         n_step, n_micro = sums[0].clamp_min(1.0), sums[1].clamp_min(1.0)
         loss = out["loss_sum"] * (world * accumulate / n_step)
         nll, loss_global = sums[2] / n_micro, sums[3] / n_micro
+        if not bool(torch.isfinite(loss_global)):  # all-reduced: every rank takes the same decision
+            self._micro_nonfinite = True
         self.log("train/loss", loss_global, prog_bar=True)
         self.log("train/nll", nll, prog_bar=False)
         self.log("train/loss_tokens", n_micro)
         return loss
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """After backward, before clipping and the optimizer step (Lightning ``Precision._after_closure``): the
+        global gradient norm (a DTensor's ``full_tensor`` under FSDP2; DDP gradients are already averaged, so every
+        rank decides alike). A non-finite loss or norm skips the step: every gradient is set to ``None``, which
+        ``torch.optim`` steps skip entirely (no moment, weight-decay or step-count update)."""
         step = self.trainer.global_step
-        if step % max(self.trainer.log_every_n_steps, 1) == 0:
-            grads = [p.grad for p in self.parameters() if p.grad is not None]
-            if grads:
-                norms = torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads])
-                gn = torch.linalg.vector_norm(norms)
-                if hasattr(gn, "full_tensor"):
-                    gn = gn.full_tensor()
-                self.log("train/grad_norm", gn)
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        gn = None
+        if grads:
+            norms = torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads])
+            gn = torch.linalg.vector_norm(norms)
+            if hasattr(gn, "full_tensor"):
+                gn = gn.full_tensor()
+        bad = self._micro_nonfinite or (gn is not None and not bool(torch.isfinite(gn)))
+        self._micro_nonfinite = False
+        if bad:
+            for p in self.parameters():
+                p.grad = None
+            self.nonfinite_steps += 1
+            self._nonfinite_run += 1
+            self.log("train/nonfinite_steps", float(self.nonfinite_steps))
+            if self._nonfinite_run >= self.max_nonfinite_steps:
+                self.stop_reason = (f"{self._nonfinite_run} optimizer steps in a row (steps {step - self._nonfinite_run + 2}"
+                                    f"-{step + 1}) had a non-finite loss or gradient norm and were skipped "
+                                    f"(max_nonfinite_steps={self.max_nonfinite_steps}); lower optim.lr, raise "
+                                    "sched.warmup_steps or use trainer.precision=32-true")
+            return
+        self._nonfinite_run = 0
+        if gn is not None and step % max(self.trainer.log_every_n_steps, 1) == 0:
+            self.log("train/grad_norm", gn)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.stop_reason is not None:
+            from canonlm.train.callbacks import last_checkpoint_path
+
+            path = last_checkpoint_path(self.trainer)
+            self.trainer.save_checkpoint(path, weights_only=False)
+            self.stop_reason += f"; saved {path} at step {self.trainer.global_step}"
+            if self.trainer.is_global_zero:  # this step's metrics are not flushed by Lightning after the raise
+                for lg in self.trainer.loggers:
+                    lg.log_metrics({"train/nonfinite_steps": float(self.nonfinite_steps)}, step=self.trainer.global_step)
+            from canonlm.errors import RunStopped
+
+            raise RunStopped(f"training stopped: {self.stop_reason}", 3)
         step = self.trainer.global_step
         now = time.perf_counter()
         every = max(self.trainer.log_every_n_steps, 1)
@@ -175,6 +227,38 @@ class LMModule(L.LightningModule):
                 flops = self.model.flops_per_token(batch["tokens"].shape[1])
                 self.log("perf/mfu", tok_s * flops / (peak * self.trainer.world_size))
             self._t_last, self._step_last = now, step
+
+    # ------------------------------------------------------------------ run state kept in checkpoints
+    @property
+    def train_time_s(self) -> float:
+        """Seconds spent in ``fit`` over all attempts of this run (earlier ones from the checkpoint)."""
+        running = time.perf_counter() - self._fit_t0 if self._fit_t0 is not None else 0.0
+        return self.train_time_prior + self._fit_time + running
+
+    def on_train_start(self) -> None:
+        self.attempts += 1
+        self._fit_t0 = time.perf_counter()
+
+    def on_train_end(self) -> None:
+        if self._fit_t0 is not None:
+            self._fit_time += time.perf_counter() - self._fit_t0
+            self._fit_t0 = None
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Add ``checkpoint["canonlm"]``: format, model config, task config, training time, attempts and skipped
+        steps (plain Python values, so the file loads with ``torch.load(weights_only=True)``)."""
+        import dataclasses
+
+        checkpoint["canonlm"] = {"format": 1, "model": dataclasses.asdict(self.model.cfg), "task": self.task_cfg,
+                                 "train_time_s": float(self.train_time_s), "attempts": int(self.attempts),
+                                 "nonfinite_steps": int(self.nonfinite_steps)}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        meta = checkpoint.get("canonlm") or {}
+        self.train_time_prior = float(meta.get("train_time_s", 0.0))
+        self.attempts = int(meta.get("attempts", 0))
+        self.nonfinite_steps = int(meta.get("nonfinite_steps", 0))
+        self._fit_time = 0.0
 
     # ------------------------------------------------------------------ evaluation
     def _eval_step(self, batch: Mapping[str, torch.Tensor], split: str) -> None:

@@ -31,8 +31,24 @@ def paper_context(task: str, variant: str) -> int:
     return table.get(str(variant), 1536)
 
 
+def launch_cwd() -> str:
+    """The directory ``train.py`` was started from (``${canonlm_cwd:}``; the default ``paths.root_dir``).
+
+    Hydra's own ``${hydra:runtime.cwd}`` is set only once a job runs, but a multirun resolves ``hydra.sweep.dir``
+    (which lives under ``paths.log_dir``) before any job, where it raises "HydraConfig was not set". The process
+    working directory is the same value in both places: Hydra runs with ``hydra.job.chdir=false``, and a SLURM job
+    (sbatch, submitit) starts in the directory it was submitted from.
+    """
+    import os
+
+    return os.getcwd()
+
+
 def register_resolvers() -> None:
-    """Register ``${canonlm_steps:<task>,<N>}`` and ``${canonlm_context:<task>,<variant>}`` (idempotent)."""
+    """Register ``${canonlm_steps:<task>,<N>}``, ``${canonlm_context:<task>,<variant>}`` and ``${canonlm_cwd:}``
+    (idempotent)."""
+    if not OmegaConf.has_resolver("canonlm_cwd"):
+        OmegaConf.register_new_resolver("canonlm_cwd", launch_cwd)
     if not OmegaConf.has_resolver("canonlm_steps"):
         OmegaConf.register_new_resolver("canonlm_steps", paper_steps)
     if not OmegaConf.has_resolver("canonlm_context"):

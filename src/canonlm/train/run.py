@@ -1,12 +1,20 @@
 """``run(cfg)``: validate the whole config, build task, model, data and trainer, train, test, report.
 
-Order (nothing is built or trained before every check has passed):
+Order (nothing is built, written or trained before every check has passed, and Lightning is imported only after
+them, so a bad value is reported in seconds):
 1. task (generator parameters, context window vs the largest instance), model config (sizes, Canon letters, RoPE
    fraction), schedule, loss, kernels requested explicitly — each bad value raises
-   :class:`canonlm.arch.config.ConfigError` naming the key, the value and what is allowed;
-2. run directory: ``ckpt_path=auto`` resumes from ``<run dir>/checkpoints/last.ckpt``; a run dir that already
-   holds checkpoints or results is never overwritten by a fresh run;
-3. seed, model, Lightning Trainer, fit, test, ``results.json`` + accuracy table.
+   :class:`canonlm.errors.ConfigError` naming the key, the value and what is allowed;
+2. checkpoints: temp files of interrupted saves are removed; ``ckpt_path=auto`` (the default inside a Hydra
+   multirun job, so a requeued sweep job resumes by itself) picks the newest loadable checkpoint and says which;
+   an explicit path is read; either is refused with one message when it is truncated or was made by another model
+   or task (:mod:`canonlm.train.checkpoint`); a run dir that already holds checkpoints or results is never
+   overwritten by a fresh run;
+3. run directory: writable, with room for one checkpoint. A refused config removes the (empty) run directory
+   Hydra made for it, so it leaves nothing behind; only then is the composed config written to ``.hydra/``;
+4. seed, model, Lightning Trainer, fit, test, ``results.json`` + accuracy table. A preemption (SIGTERM, or SLURM's
+   warning signal) or too many non-finite steps in a row stop training with ``last.ckpt`` saved and raise
+   :class:`canonlm.errors.RunStopped` (no test, no ``results.json``).
 """
 
 from __future__ import annotations
@@ -15,15 +23,15 @@ import hashlib
 import json
 import logging
 import os
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from canonlm.arch.config import ConfigError, ModelConfig, build_model_config
+from canonlm.arch.config import ModelConfig, build_model_config
 from canonlm.data.tasks import build_task
+from canonlm.errors import ConfigError, RunStopped  # noqa: F401 -- RunStopped re-exported for train.py
 from canonlm.train.resolvers import register_resolvers
 from canonlm.utils.io import atomic_write_text
 
@@ -113,6 +121,26 @@ def validate_training(cfg: DictConfig) -> None:
         v = cfg.data.get(key)
         if not isinstance(v, int) or v < 1:
             raise ConfigError(f"data.{key}", v, "a positive integer")
+    ck = (cfg.get("callbacks") or {}).get("checkpoint")
+    if ck is not None:
+        v = ck.get("keep_last")
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ConfigError("callbacks.checkpoint.keep_last", v, "null (keep all) or a positive integer")
+        v = ck.get("every_n_train_steps")
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ConfigError("callbacks.checkpoint.every_n_train_steps", v, "a positive integer")
+    pre = (cfg.get("callbacks") or {}).get("preemption")
+    if pre is not None:
+        import signal
+
+        v = pre.get("signal_name", "SIGUSR2")
+        if not isinstance(v, str) or not isinstance(getattr(signal, v, None), signal.Signals) \
+                or v in ("SIGKILL", "SIGSTOP", "SIGTERM"):
+            raise ConfigError("callbacks.preemption.signal_name", v,
+                              "a catchable signal name other than SIGTERM, e.g. SIGUSR2 or SIGUSR1")
+    v = cfg.get("max_nonfinite_steps", 5)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ConfigError("max_nonfinite_steps", v, "a positive integer (consecutive skipped steps before the run stops)")
     if not isinstance(cfg.data.get("num_workers"), int) or cfg.data.num_workers < 0:
         raise ConfigError("data.num_workers", cfg.data.get("num_workers"), "an integer >= 0")
     ge = cfg.data.get("gen_eval") or {}
@@ -145,30 +173,155 @@ def _strategy(cfg: DictConfig):
 
         return DDPStrategy(start_method="spawn" if s.name == "ddp_spawn" else "popen",
                            find_unused_parameters=bool(s.get("find_unused_parameters", False)))
-    from lightning.pytorch.strategies import ModelParallelStrategy
+    from canonlm.train.checkpoint import AtomicModelParallelStrategy
 
     devices = cfg.trainer.devices
     if devices in ("auto", -1):
         devices = torch.cuda.device_count() if torch.cuda.is_available() else 1
     world = int(devices) * int(cfg.trainer.get("num_nodes", 1))
     # P1: always pass the data-parallel size explicitly (the "auto" defaults give every rank the same batch).
-    return ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
+    return AtomicModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
 
 
-def resolve_ckpt(cfg: DictConfig, output_dir: str) -> str | None:
-    """Resolve ``ckpt_path``; refuse to start a fresh run in a directory that holds a previous run's results."""
-    from canonlm.train.checkpoint import find_last
+def _is_multirun() -> bool:
+    """True inside a Hydra multirun job (basic or submitit launcher)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+    except Exception:  # noqa: BLE001 -- not under Hydra (tests, eval): a plain run
+        return False
+
+
+def launch_rank() -> int:
+    """This process's global rank as the launcher set it (``RANK``, srun's ``SLURM_PROCID``, Lightning's
+    ``LOCAL_RANK`` for its own subprocesses), 0 for a single process: read before any process group exists."""
+    for var in ("RANK", "SLURM_PROCID", "LOCAL_RANK"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+def resolve_ckpt(cfg: DictConfig, output_dir: str, check=None) -> str | None:
+    """The checkpoint to start from, or None for a fresh run.
+
+    ``ckpt_path``: ``auto`` -> the newest loadable checkpoint of ``<output_dir>/checkpoints``
+    (:func:`canonlm.train.checkpoint.find_resume_checkpoint`), or None when there is none; ``null`` -> ``auto``
+    inside a Hydra multirun job (a requeued or re-run sweep job resumes in its own directory), else a fresh run,
+    refused when the directory already holds checkpoints or ``results.json``; a path -> that checkpoint, read and
+    checked. ``check(info)`` validates the chosen checkpoint against the model and task (raises CheckpointError).
+    Raises ConfigError / CheckpointError, never starts fresh beside old checkpoints."""
+    from canonlm.train.checkpoint import find_resume_checkpoint, has_checkpoints, inspect_checkpoint
 
     ck = cfg.get("ckpt_path")
+    if ck is None and cfg.get("train", True) and _is_multirun():
+        ck = "auto"
     if ck == "auto":
-        return find_last(output_dir)
-    if ck is None and cfg.get("train", True):
-        ckdir, res = Path(output_dir) / "checkpoints", Path(output_dir) / "results.json"
-        if (ckdir.is_dir() and any(ckdir.iterdir())) or res.exists():
+        info = find_resume_checkpoint(output_dir, check=check)
+        if info is not None:
+            log.info("ckpt_path=auto: resuming from %s (step %d)", info.path, info.step)
+            return info.path
+        return None
+    if ck is None:
+        if cfg.get("train", True) and (has_checkpoints(output_dir) or (Path(output_dir) / "results.json").exists()):
             raise ConfigError("run_name", cfg.get("run_name"),
                               f"a fresh name: {output_dir} already holds a run (checkpoints or results.json); "
                               "pass ckpt_path=auto to resume it")
-    return ck
+        return None
+    info = inspect_checkpoint(ck)
+    if check is not None:
+        check(info)
+    return str(ck)
+
+
+def _finished_results(cfg: DictConfig, output_dir: str) -> dict[str, Any] | None:
+    """A multirun job whose directory already holds ``results.json`` at ``trainer.max_steps`` (a re-run of a sweep
+    with a fixed ``hydra.sweep.dir``, or a requeue after the end): its results, so the job is not trained again."""
+    res = Path(output_dir) / "results.json"
+    if not (_is_multirun() and res.is_file() and cfg.get("ckpt_path") is None):
+        return None
+    try:
+        results = json.loads(res.read_text())
+    except (OSError, ValueError):
+        return None
+    return results if int(results.get("steps", -1)) >= int(cfg.trainer.max_steps) else None
+
+
+def _remove_if_created(output_dir: Path, log_dir: Path, was_empty: bool) -> None:
+    """After a refused config: remove the run directory Hydra created for this process (it was empty when the run
+    started) and the parent folders that are left empty, up to ``paths.log_dir``. Never touches a folder that held
+    anything before."""
+    import shutil
+
+    if not was_empty or not output_dir.is_dir():
+        return
+    for h in logging.getLogger().handlers:  # the run log (delay=True: only opened once something was logged)
+        if isinstance(h, logging.FileHandler) and Path(h.baseFilename).parent == output_dir:
+            h.close()
+    shutil.rmtree(output_dir, ignore_errors=True)
+    stop = log_dir.resolve().parent
+    p = output_dir.resolve().parent
+    while p != stop and p != p.parent:
+        try:
+            p.rmdir()
+        except OSError:
+            break
+        p = p.parent
+
+
+def _save_hydra_files(cfg: DictConfig, output_dir: str) -> None:
+    """Write ``.hydra/config.yaml``, ``hydra.yaml`` and ``overrides.yaml`` into the run directory, as Hydra's
+    ``run_job`` does when ``hydra.output_subdir`` is set (canonlm sets it to null so that a refused config writes
+    nothing, and writes them here once the config has passed). No-op outside a Hydra job."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        if not HydraConfig.initialized():
+            return
+        hc = HydraConfig.get()
+    except Exception:  # noqa: BLE001
+        return
+    d = Path(output_dir) / ".hydra"
+    atomic_write_text(d / "config.yaml", OmegaConf.to_yaml(cfg))
+    atomic_write_text(d / "hydra.yaml", OmegaConf.to_yaml(OmegaConf.create({"hydra": hc})))
+    atomic_write_text(d / "overrides.yaml", OmegaConf.to_yaml(hc.overrides.task))
+
+
+def prepare_run(cfg: DictConfig) -> tuple[Any, ModelConfig, str | None]:
+    """Every check that needs no Lightning, in order (module docstring, steps 1-3): returns (task, model config,
+    checkpoint to resume or None). Raises ConfigError (CheckpointError) with one message; on a refusal the run
+    directory Hydra made for this process is removed again."""
+    from canonlm.train.checkpoint import (check_compatible, check_run_dir, estimate_checkpoint_bytes,
+                                          remove_stale_temps)
+
+    output_dir = Path(str(cfg.paths.output_dir))
+    was_empty = output_dir.is_dir() and not any(output_dir.iterdir())
+    try:
+        task, mcfg = build_configs(cfg)
+        resolve_max_steps(cfg, task)
+        validate_training(cfg)
+        device = _device_of(cfg)
+        from canonlm.arch.model import CanonLM, resolve_backends
+
+        resolve_backends(mcfg, device, torch.bfloat16 if "bf16" in str(cfg.trainer.precision) else torch.float32)
+        with torch.device("meta"):
+            meta_model = CanonLM(mcfg)
+        shapes = {k: tuple(v.shape) for k, v in meta_model.state_dict().items()}
+        n_params = meta_model.num_params()
+        del meta_model
+        if launch_rank() == 0:
+            for line in remove_stale_temps(output_dir / "checkpoints"):
+                log.warning("%s", line)
+        task_cfg = _container(cfg.task)
+        ckpt = resolve_ckpt(cfg, str(output_dir), check=lambda info: check_compatible(info, mcfg, task_cfg, shapes))
+        if cfg.get("train", True) and cfg.get("callbacks") and (cfg.callbacks.get("checkpoint") is not None
+                                                                or cfg.callbacks.get("preemption") is not None):
+            check_run_dir(output_dir, estimate_checkpoint_bytes(n_params))
+    except ConfigError:
+        _remove_if_created(output_dir, Path(str(cfg.paths.log_dir)), was_empty)
+        raise
+    return task, mcfg, ckpt
 
 
 class _DropTips(logging.Filter):
@@ -192,7 +345,20 @@ def _tidy_logging() -> None:
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
-    """Train and evaluate as configured; returns the results dict also written to ``<run dir>/results.json``."""
+    """Train and evaluate as configured; returns the results dict also written to ``<run dir>/results.json``.
+
+    Raises ConfigError (before anything is written) and :class:`RunStopped` (training stopped early with a saved
+    checkpoint)."""
+    # 1-3. validate everything before importing Lightning or writing anything
+    task, mcfg, ckpt = prepare_run(cfg)
+    output_dir = str(cfg.paths.output_dir)
+    done = _finished_results(cfg, output_dir)
+    if done is not None:
+        log.info("%s already finished (%d steps, results.json): not trained again", output_dir, done["steps"])
+        return done
+    if launch_rank() == 0:
+        _save_hydra_files(cfg, output_dir)
+
     import lightning.pytorch as L
     from hydra.utils import instantiate
     from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -205,18 +371,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
     _tidy_logging()
     tune_malloc()  # keep freed activations in the process (canonlm.utils.allocator): ~20 % faster CPU steps
-    # 1. validate everything before building anything
-    task, mcfg = build_configs(cfg)
-    resolve_max_steps(cfg, task)
-    validate_training(cfg)
-    device = _device_of(cfg)
-    from canonlm.arch.model import resolve_backends
 
-    resolve_backends(mcfg, device, torch.bfloat16 if "bf16" in str(cfg.trainer.precision) else torch.float32)
-    output_dir = str(cfg.paths.output_dir)
-    ckpt = resolve_ckpt(cfg, output_dir)
-
-    # 2. build: the Trainer first (Lightning's own argument checks, world size), then data and model
+    # 4. build: the Trainer first (Lightning's own argument checks, world size), then data and model
     task_cfg = _container(cfg.task)
     dm = SyntheticDataModule(task, task_cfg, batch_size=cfg.data.batch_size, num_workers=cfg.data.num_workers,
                              val_windows=cfg.data.val_windows, test_windows=cfg.data.test_windows)
@@ -253,23 +409,22 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                       total_steps=cfg.trainer.max_steps, loss=_container(cfg.loss), num_groups=task.num_groups,
                       group_name=getattr(task, "group_name", "group"), compile=bool(cfg.get("compile", False)),
                       activation_checkpointing=bool(cfg.get("activation_checkpointing", False)), fsdp=fsdp,
-                      task=task, gen_eval=_container(cfg.data.get("gen_eval")) or {})
+                      task=task, gen_eval=_container(cfg.data.get("gen_eval")) or {}, task_cfg=task_cfg,
+                      max_nonfinite_steps=int(cfg.get("max_nonfinite_steps", 5)))
     module.tokens_per_step = int(cfg.data.batch_size) * int(task_cfg["context"])
 
     n_params = module.model.num_params()
     pos_type = mcfg.pos.type if mcfg.arch == "llama" else "none"  # linear mixers have no positional encoding
     if trainer.is_global_zero:
-        log.info("task %s | vocab %d | context %d | model %s %dL %dD %dH canon=%r pos=%s | %.2fM params",
-                 task.name, task.vocab_size, task_cfg["context"], mcfg.arch, mcfg.n_layers, mcfg.d_model,
-                 mcfg.n_heads, mcfg.canon.set, pos_type, n_params / 1e6)
+        log.info("task %s | vocab %d | context %d | model %s %dL %dD %dH canon=%r pos=%s | %.2fM params | "
+                 "world size %d", task.name, task.vocab_size, task_cfg["context"], mcfg.arch, mcfg.n_layers,
+                 mcfg.d_model, mcfg.n_heads, mcfg.canon.set, pos_type, n_params / 1e6, trainer.world_size)
         for lg in loggers:
             lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
 
-    # 3. train + test
-    t0 = time.perf_counter()
+    # 5. train + test
     if cfg.get("train", True):
-        trainer.fit(module, datamodule=dm, ckpt_path=ckpt)
-    train_time = time.perf_counter() - t0
+        trainer.fit(module, datamodule=dm, ckpt_path=ckpt, weights_only=True)  # may raise RunStopped
     if cfg.get("test", True):
         trainer.test(module, datamodule=dm, ckpt_path=None, verbose=False)
 
@@ -281,7 +436,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                   "tie_embeddings": mcfg.tie_embeddings},
         "steps": trainer.global_step,
         "tokens_seen": trainer.global_step * module.tokens_per_step,
-        "train_time_s": round(train_time, 1),
+        "train_time_s": round(module.train_time_s, 1),
+        "attempts": module.attempts,
+        "world_size": trainer.world_size,
+        "nonfinite_steps": module.nonfinite_steps,
         "metric": ("generation accuracy (the task's validator on the model's generations)"
                    if getattr(task, "eval_mode", "teacher_forced") == "generate" else
                    "answer_exact (whole answer right under teacher forcing), token_acc per answer token"),
@@ -330,8 +488,12 @@ def format_table(results: dict[str, Any], task: Any) -> str:
         lines.append(f"{task.name}: {split} loss {res['loss']:.4f} nats/token, perplexity {ppl:.3f}")
     for k, v in (res.get("task_metrics") or {}).items():
         lines.append(f"  {k} {v:.6g}")
+    attempts = results.get("attempts", 1)
     lines.append(f"  steps {results['steps']}, tokens {results['tokens_seen'] / 1e6:.2f}M, "
-                 f"training time {results['train_time_s']:.0f} s, loss {res['loss']:.4f}")
+                 f"training time {results['train_time_s']:.0f} s"
+                 + (f" over {attempts} attempts" if attempts and attempts > 1 else "")
+                 + (f", {results['nonfinite_steps']} non-finite steps skipped" if results.get("nonfinite_steps") else "")
+                 + f", loss {res['loss']:.4f}")
     return "\n".join(lines)
 
 

@@ -2,10 +2,27 @@
 
 The C source (``csrc/canon_cpu.c``) is compiled with the system C compiler (``$CC`` or ``cc``; flags
 ``-O3 -march=native -fopenmp -shared -fPIC``, falling back to fewer flags if those fail) into a per-user cache
-directory: ``$CANONLM_CACHE``, else ``$XDG_CACHE_HOME/canonlm``, else ``~/.cache/canonlm``. The file name carries a
-hash of the source, the flags, the compiler's version line and the CPU's identity (a ``-march=native`` build from
-one machine is never loaded on another one sharing the cache). The build writes a temp file and renames it into
-place, so concurrent processes are safe. No torch C++ headers are used, so a build takes well under a second.
+directory: ``$CANONLM_CACHE``, else ``$XDG_CACHE_HOME/canonlm``, else ``~/.cache/canonlm`` (created with mode
+0o700). The file name carries a hash of the source, the flags, the compiler's version line and the CPU's identity (a
+``-march=native`` build from one machine is never loaded on another one sharing the cache). The build writes a temp
+file, loads and checks it, then renames it into place, so concurrent processes are safe and a build that does not
+load is never published. No torch C++ headers are used, so a build takes well under a second.
+
+Trust rule (loading a shared library runs its code): a cached ``.so`` is loaded only if
+
+* its directory is a real directory (not a symlink) owned by this user (``os.geteuid()``) that nobody else can
+  write (no group/other write bits), and
+* the file is a regular file (not a symlink) owned by this user with no group/other write bits.
+
+A configured directory that fails the rule is not used: the kernel is built in ``~/.cache/canonlm`` if that passes,
+else in a fresh private ``tempfile.mkdtemp`` directory (removed at exit), and a warning names the directory and the
+reason (once per process). A cached file that fails the rule in a safe directory is deleted and rebuilt, never
+loaded. Parent directories are not checked.
+
+A cached file that does not load is deleted and rebuilt once: truncated (checked against its ELF headers before
+``dlopen``, which can die with SIGBUS on a cut file), corrupt (``OSError`` from the loader), missing symbols or a
+stale ABI. Only if the fresh build fails too is the ``cpu`` backend unavailable, with the compiler's or loader's
+message (:func:`unavailable_reason`).
 
 OpenMP: torch's CPU wheels load ``libgomp.so.1``; the kernel links the same soname, so it shares torch's thread
 pool. Each call passes ``torch.get_num_threads()`` threads.
@@ -25,14 +42,18 @@ Set ``CANONLM_DISABLE_NATIVE=1`` to pretend no compiler is available (the ``cpu`
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import os
 import platform
 import shutil
+import stat
+import struct
 import subprocess
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -60,17 +81,104 @@ def set_subblock(rows: int) -> None:
 
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
+_path: Optional[Path] = None  # the cached file the loaded kernel came from
 _error: Optional[str] = None
 _tried = False
+_warned_dirs: set[str] = set()
+_private_dir: Optional[Path] = None  # mkdtemp fallback, one per process
 
 
 def cache_dir() -> Path:
-    """Directory holding compiled kernels: ``$CANONLM_CACHE``, ``$XDG_CACHE_HOME/canonlm`` or ``~/.cache/canonlm``."""
+    """Configured directory for compiled kernels: ``$CANONLM_CACHE``, ``$XDG_CACHE_HOME/canonlm`` or
+    ``~/.cache/canonlm``. The kernel is built there only if it passes the trust rule (see :func:`safe_cache_dir`)."""
     if os.environ.get("CANONLM_CACHE"):
         return Path(os.environ["CANONLM_CACHE"]).expanduser()
     if os.environ.get("XDG_CACHE_HOME"):
         return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "canonlm"
     return Path.home() / ".cache" / "canonlm"
+
+
+def _unsafe_dir_reason(d: Path) -> Optional[str]:
+    """Why the directory ``d`` may not hold libraries we load (None: it is safe). Checked with ``os.lstat``."""
+    try:
+        st = os.lstat(d)
+    except OSError as e:
+        return f"cannot be inspected ({e.strerror or e})"
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symlink"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if st.st_uid != os.geteuid():
+        return f"is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
+    if st.st_mode & 0o022:
+        return f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):#o})"
+    return None
+
+
+def _safe_to_load(path: Path) -> Optional[str]:
+    """Why the library file ``path`` must not be loaded (None: it may be). Both the file and its directory must be
+    owned by this user, not symlinks, and not writable by group or others."""
+    path = Path(path)
+    why = _unsafe_dir_reason(path.parent)
+    if why is not None:
+        return f"its directory {path.parent} {why}"
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        return f"cannot be inspected ({e.strerror or e})"
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symlink"
+    if not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    if st.st_uid != os.geteuid():
+        return f"is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
+    if st.st_mode & 0o022:
+        return f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):#o})"
+    return None
+
+
+def _warn_once(d: Path, why: str, instead: Path) -> None:
+    if str(d) in _warned_dirs:
+        return
+    _warned_dirs.add(str(d))
+    warnings.warn(f"canonlm: not using the native kernel cache {d}: it {why}, so a library there could have been "
+                  f"planted by someone else (use a directory you own that only you can write, e.g. chmod 700, or "
+                  f"point CANONLM_CACHE at one). Building the native Canon kernel in {instead} instead.",
+                  RuntimeWarning, stacklevel=2)
+
+
+def _usable_dir(d: Path) -> Optional[str]:
+    """Create ``d`` (mode 0o700) if missing; return why it cannot hold our builds, or None."""
+    try:
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as e:
+        return f"cannot be created ({e.strerror or e})"
+    return _unsafe_dir_reason(d)
+
+
+def _mkdtemp_private() -> Path:
+    global _private_dir
+    if _private_dir is None or _unsafe_dir_reason(_private_dir) is not None:
+        _private_dir = Path(tempfile.mkdtemp(prefix="canonlm-native-"))  # mode 0o700, owned by us
+        atexit.register(shutil.rmtree, str(_private_dir), ignore_errors=True)
+    return _private_dir
+
+
+def safe_cache_dir() -> Path:
+    """The directory the kernel is built in and loaded from: :func:`cache_dir` if it passes the trust rule, else
+    ``~/.cache/canonlm`` if that does, else a private temp directory (warns once, naming the refused directory)."""
+    configured = cache_dir()
+    why = _usable_dir(configured)
+    if why is None:
+        return configured
+    default = Path.home() / ".cache" / "canonlm"
+    fallback = None
+    if default != configured and _usable_dir(default) is None:
+        fallback = default
+    if fallback is None:
+        fallback = _mkdtemp_private()
+    _warn_once(configured, why, fallback)
+    return fallback
 
 
 def _cpu_identity() -> str:
@@ -102,61 +210,174 @@ _FLAG_SETS = (
 )
 
 
-def _build() -> Path:
-    """Compile the kernel (or reuse the cached build). Raises RuntimeError with the compiler's message."""
+def _toolchain() -> tuple[str, str]:
+    """(compiler path, its version line). Raises RuntimeError if there is no working compiler."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (looked for $CC, cc, gcc, clang)")
-    src = _SRC.read_bytes()
     try:
         ver = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()[:1]
     except (OSError, subprocess.SubprocessError) as e:
         raise RuntimeError(f"C compiler {cc} does not run: {e}") from e
-    out_dir = cache_dir()
-    out_dir.mkdir(parents=True, exist_ok=True)
+    return cc, "".join(ver)
+
+
+def _target_path(out_dir: Path, flags: list[str], ver: Optional[str] = None) -> Path:
+    """Where the build with ``flags`` is cached in ``out_dir`` (``ver``: the compiler's version line, else asked)."""
+    if ver is None:
+        ver = _toolchain()[1]
+    key = hashlib.sha256(b"\0".join([_SRC.read_bytes(), " ".join(flags).encode(), ver.encode(),
+                                     _cpu_identity().encode()])).hexdigest()[:20]
+    return Path(out_dir) / f"canon_cpu_{key}.so"
+
+
+def _dlclose(lib: ctypes.CDLL) -> None:
+    try:
+        import _ctypes
+        close = getattr(_ctypes, "dlclose", None) or getattr(_ctypes, "FreeLibrary")
+        close(lib._handle)
+    except Exception:  # noqa: BLE001 -- best effort: a stale copy left mapped is harmless
+        pass
+
+
+def _elf_problem(path) -> Optional[str]:
+    """Why ``path`` is not a whole ELF shared library (None: it looks whole). dlopen of a truncated ELF file can kill
+    the process with SIGBUS instead of raising, so the headers, the loadable segments and the section header table
+    must lie inside the file. Not checked on macOS (Mach-O)."""
+    data = Path(path).read_bytes()
+    if data[:4] != b"\x7fELF":
+        return None if platform.system() == "Darwin" else "is not an ELF file"
+    if len(data) < 52 or data[4] not in (1, 2) or data[5] not in (1, 2):
+        return "has a truncated or invalid ELF header"
+    end = "<" if data[5] == 1 else ">"
+    wide = data[4] == 2
+    ehdr = end + ("HHIQQQIHHHHHH" if wide else "HHIIIIIHHHHHH")
+    if len(data) < 16 + struct.calcsize(ehdr):
+        return "has a truncated ELF header"
+    _, _, _, _, phoff, shoff, _, _, phentsize, phnum, shentsize, shnum, _ = struct.unpack_from(ehdr, data, 16)
+    phdr = end + ("IIQQQQQQ" if wide else "IIIIIIII")
+    if phnum == 0 or phentsize < struct.calcsize(phdr) or phoff + phnum * phentsize > len(data):
+        return "is truncated (program headers)"
+    for i in range(phnum):
+        f = struct.unpack_from(phdr, data, phoff + i * phentsize)
+        p_type, p_offset, p_filesz = (f[0], f[2], f[5]) if wide else (f[0], f[1], f[4])
+        if p_type in (1, 2) and p_offset + p_filesz > len(data):  # PT_LOAD, PT_DYNAMIC
+            return f"is truncated ({len(data)} bytes; a segment ends at {p_offset + p_filesz})"
+    if shnum and shoff + shnum * shentsize > len(data):
+        return f"is truncated ({len(data)} bytes; section headers end at {shoff + shnum * shentsize})"
+    return None
+
+
+def _open(path) -> ctypes.CDLL:
+    """Check and load one build (whole ELF file, ABI version, symbols). Raises OSError / AttributeError /
+    RuntimeError."""
+    why = _elf_problem(path)
+    if why is not None:
+        raise OSError(f"{path} {why}")
+    lib = ctypes.CDLL(str(path))
+    try:
+        abi = lib.canon_abi()
+        if abi != _ABI:
+            raise RuntimeError(f"stale kernel build (abi {abi} != {_ABI})")
+        P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        lib.canon_fwd.argtypes = [P, P, P, P, P, I64, I64, I64, I64, I, I, I, I, I64, I]
+        lib.canon_fwd.restype = I
+        lib.canon_bwd.argtypes = [P, P, P, P, P, P, P, P, P, I64, I64, I64, I64, I, I, I, I, I64, I]
+        lib.canon_bwd.restype = I
+        lib.canon_set_subblock.argtypes = [I64]
+        lib.canon_set_subblock.restype = None
+        lib.canon_has_openmp.restype = I
+    except Exception:
+        _dlclose(lib)
+        raise
+    return lib
+
+
+def _discard(path: Path, st: Optional[os.stat_result]) -> None:
+    """Delete a cached file we refuse or cannot load (only if it is still the file we looked at; best effort:
+    the fresh build replaces it anyway)."""
+    try:
+        now = os.lstat(path)
+        if st is None or (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+            os.unlink(path)
+    except OSError:
+        pass
+
+
+def _build_and_load(out_dir: Path) -> tuple[ctypes.CDLL, Path]:
+    """Load the cached build in ``out_dir`` or compile, load and publish a fresh one; returns (library, cached path).
+
+    ``out_dir`` must pass the trust rule. For each flag set (best first): a cached file that passes the rule and
+    loads is used; one that fails the rule or does not load is deleted and rebuilt once. A fresh build is compiled
+    to a temp file, loaded from it (a unique name, so a stale copy still mapped in this process is never reused)
+    and then renamed into place. Raises RuntimeError with the compiler's / loader's messages."""
+    out_dir = Path(out_dir)
+    why = _unsafe_dir_reason(out_dir)
+    if why is not None:
+        raise RuntimeError(f"refusing kernel cache directory {out_dir}: it {why}")
+    cc, ver = _toolchain()
     errors = []
     for flags in _FLAG_SETS:
-        key = hashlib.sha256(b"\0".join([src, " ".join(flags).encode(), "".join(ver).encode(),
-                                         _cpu_identity().encode()])).hexdigest()[:20]
-        target = out_dir / f"canon_cpu_{key}.so"
-        if target.exists():
-            return target
-        fd, tmp = tempfile.mkstemp(prefix=".canon_cpu_", suffix=".so", dir=out_dir)
+        target = _target_path(out_dir, flags, ver)
+        try:
+            st = os.lstat(target)
+        except FileNotFoundError:
+            st = None
+        if st is not None:
+            why = _safe_to_load(target)
+            if why is None:
+                try:
+                    return _open(target), target
+                except Exception as e:  # noqa: BLE001 -- truncated / corrupt / stale: rebuild below
+                    why = f"does not load ({type(e).__name__}: {e})"
+            errors.append(f"cached {target.name} {why}; rebuilding")
+            _discard(target, st)
+        fd, tmp = tempfile.mkstemp(prefix=".canon_cpu_", suffix=".so", dir=out_dir)  # 0o600, ours
         os.close(fd)
         try:
             r = subprocess.run([cc, *flags, "-o", tmp, str(_SRC)], capture_output=True, text=True, timeout=120)
-            if r.returncode == 0:
+            if r.returncode != 0:
+                errors.append(f"{cc} {' '.join(flags)}: {r.stderr.strip()[-400:]}")
+                continue
+            os.chmod(tmp, 0o755)  # the linker may have recreated it under a permissive umask
+            why = _safe_to_load(Path(tmp))
+            if why is not None:
+                errors.append(f"{cc} {' '.join(flags)}: fresh build {why}")
+                continue
+            try:
+                lib = _open(tmp)
+            except Exception as e:  # noqa: BLE001 -- try the next flag set
+                errors.append(f"{cc} {' '.join(flags)}: fresh build does not load ({type(e).__name__}: {e})")
+                continue
+            try:
                 os.replace(tmp, target)  # atomic: concurrent builders all write the same bytes
-                return target
-            errors.append(f"{cc} {' '.join(flags)}: {r.stderr.strip()[-400:]}")
+            except OSError:
+                return lib, Path(tmp)  # loaded and valid, just not cached
+            return lib, target
         except (OSError, subprocess.SubprocessError) as e:
             errors.append(f"{cc} {' '.join(flags)}: {e}")
         finally:
-            if os.path.exists(tmp):
+            if os.path.lexists(tmp):
                 os.unlink(tmp)
     raise RuntimeError("could not compile the native Canon kernel: " + " | ".join(errors))
 
 
+def _build() -> Path:
+    """Build (or reuse) the kernel in :func:`safe_cache_dir` and return the cached file. Raises RuntimeError."""
+    return _build_and_load(safe_cache_dir())[1]
+
+
 def _load() -> None:
-    global _lib, _error, _tried
+    global _lib, _path, _error, _tried
     with _lock:
         if _tried:
             return
         try:
             if os.environ.get("CANONLM_DISABLE_NATIVE", "") not in ("", "0"):
                 raise RuntimeError("disabled by CANONLM_DISABLE_NATIVE")
-            lib = ctypes.CDLL(str(_build()))
-            if lib.canon_abi() != _ABI:
-                raise RuntimeError(f"stale kernel build (abi {lib.canon_abi()} != {_ABI})")
-            P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-            lib.canon_fwd.argtypes = [P, P, P, P, P, I64, I64, I64, I64, I, I, I, I, I64, I]
-            lib.canon_fwd.restype = I
-            lib.canon_bwd.argtypes = [P, P, P, P, P, P, P, P, P, I64, I64, I64, I64, I, I, I, I, I64, I]
-            lib.canon_bwd.restype = I
-            lib.canon_set_subblock.argtypes = [I64]
-            lib.canon_set_subblock.restype = None
+            lib, path = _build_and_load(safe_cache_dir())
             lib.canon_set_subblock(SUBBLOCK)
-            _lib = lib
+            _lib, _path = lib, path
         except Exception as e:  # noqa: BLE001 -- any failure means "not available", reported verbatim
             _error = f"{type(e).__name__}: {e}"
         _tried = True
