@@ -43,7 +43,7 @@ def test_train_py_end_to_end(tmp_path):
     assert losses and all(math.isfinite(v) for v in losses)
     assert any("val/acc_k1" in r for r in rows) and any("perf/tokens_per_s" in r for r in rows)
     assert (run / "checkpoints" / "last.ckpt").is_file()
-    assert (run / "csv" / "metrics.csv").is_file()
+    assert (run / "csv" / "version_0" / "metrics.csv").is_file()
     assert "accuracy by k" in p.stdout and "results:" in p.stdout
     # a second fresh run into the same dir is refused (nothing is overwritten) ...
     cmd = [sys.executable, str(ROOT / "train.py"), *TINY, "run_name=e2e", "trainer.max_steps=30",
@@ -55,6 +55,9 @@ def test_train_py_end_to_end(tmp_path):
             "test=false"], tmp_path)
     steps = [r["step"] for r in _metrics(run) if "train/loss" in r]
     assert max(steps) >= 35
+    # the resumed attempt logs to its own CSV file; the first attempt's is kept (Lightning's CSVLogger would delete it)
+    first = (run / "csv" / "version_0" / "metrics.csv").read_text().splitlines()
+    assert len(first) > 3 and (run / "csv" / "version_1" / "metrics.csv").is_file()
 
 
 def _run_in_process(overrides, out):

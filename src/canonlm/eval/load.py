@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -112,12 +111,15 @@ def load_run_config(run_dir: str | Path):
 
 
 def _load_state(ck: Path) -> dict[str, Any]:
+    """The checkpoint dict, read with ``torch.load(weights_only=True)`` (no pickled code runs; canonlm's own
+    checkpoints hold only tensors and plain values). Raises ValueError naming the file when it cannot be read that
+    way (damaged, or a foreign file that pickles objects)."""
     try:
         return torch.load(ck, map_location="cpu", weights_only=True)
-    except Exception:  # noqa: BLE001 -- Lightning checkpoints may pickle callback state; the file is the user's own
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return torch.load(ck, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001 -- reported with the reader's first line
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". ")[0]
+        raise ValueError(f"checkpoint {ck} cannot be read with torch.load(weights_only=True): {first[:300]}; "
+                         "canonlm never unpickles code from a checkpoint") from None
 
 
 def load_model(run: str | Path, *, ckpt: str | Path | None = None, device: str = "auto",

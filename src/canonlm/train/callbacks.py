@@ -220,7 +220,11 @@ class Preemption(Callback):
         self._restore()
 
     def on_exception(self, trainer, pl_module, exception) -> None:
-        self._restore()
+        """After a preemption stop the process is on its way out: SLURM's SIGTERM (which follows our own
+        ``scontrol requeue``) must not reach Lightning's handler, which broadcasts to ranks that may have exited
+        already. Keep flag-only handlers; restore the previous ones after any other exception."""
+        if self.outcome == NONE:
+            self._restore()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         import os

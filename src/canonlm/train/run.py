@@ -342,6 +342,8 @@ def _tidy_logging() -> None:
     warnings.filterwarnings("ignore", message=".*`IterableDataset` has `__len__` defined.*")
     warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\)` is deprecated.*")
     warnings.filterwarnings("ignore", message=".*does not have many workers which may be a bottleneck.*")
+    # evaluation metrics are all-reduced by the module itself and logged from rank 0 (LMModule._eval_end)
+    warnings.filterwarnings("ignore", message=".*It is recommended to use `self.log\\(.*sync_dist=True.*")
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:

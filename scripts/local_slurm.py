@@ -1,0 +1,461 @@
+#!/usr/bin/env python3
+"""A one-node SLURM cluster on this machine, for tests and for trying slurm/launch.py and the submitit launcher.
+
+    python3 scripts/local_slurm.py start     # install SLURM if missing (root, apt), start munged/slurmctld/slurmd
+    python3 scripts/local_slurm.py status    # exit 0 when sinfo answers and the node is up, 1 otherwise
+    python3 scripts/local_slurm.py stop      # cancel its jobs, stop exactly the daemons `start` started
+
+Folder: ``--dir`` or ``$CANONLM_SLURM_DIR`` (default ``/tmp/canonlm-slurm``) holds everything the cluster writes:
+``etc/slurm.conf``, ``state/`` (slurmctld), ``spool/`` (slurmd), ``log/slurmctld.log``, ``log/slurmd.log`` and
+the daemons' pid files. Needs only the Python standard library (run it with the system ``python3``).
+
+What ``start`` does, in order:
+
+1. SLURM and munge: when ``slurmctld``, ``slurmd``, ``sbatch`` or ``munged`` is missing, ``apt-get update`` then
+   ``apt-get install -y slurm-wlm munge`` (Debian/Ubuntu packages; Slurm 22.05 on Debian 12). Not root, no
+   apt-get, or a failed install: exit code 3 with the reason (the tests skip on it).
+2. munge: creates ``/etc/munge/munge.key`` with ``mungekey --create`` when missing; starts ``munged`` as the
+   ``munge`` user unless a munged already answers (``munge -n | unmunge``). A munged it did not start is left alone.
+3. ``slurm.conf`` (in the folder): one node named as ``slurmd -C`` names this machine, with its CPUs, sockets,
+   cores and threads, and its memory less 10 % (at least 1 GiB) of headroom; controller and node on 127.0.0.1
+   (``SlurmctldHost=localhost(127.0.0.1)``, ``NodeAddr=127.0.0.1``), ports 26817/26818 (``--ports``) so a real
+   installation on 6817/6818 is not disturbed; ``SlurmUser=root``; no cgroups (``ProctrackType=proctrack/linuxproc``,
+   ``TaskPlugin=task/none``, and no ``cgroup.conf``); ``select/cons_tres`` with ``CR_Core_Memory`` and
+   ``DefMemPerCPU=1024`` (a job without ``--mem`` takes 1 GiB per CPU, not the whole node); accounting, job
+   accounting and job completion logging off; one partition ``debug``, the default. Daemons listen on every
+   interface (Slurm 22.05 has no bind-address setting) but every address the cluster uses is 127.0.0.1.
+   The same text goes to ``/etc/slurm/slurm.conf`` (where ``sinfo``, ``sbatch`` and submitit look by default)
+   when that file does not exist or was written by this script (its first line says so); a foreign one is never
+   touched, and then clients need ``SLURM_CONF=<dir>/etc/slurm.conf`` (``start`` and ``status`` print the line
+   to export; the daemons and this script always use it).
+4. ``slurmctld -c`` (an empty queue) and ``slurmd -N <node>``, then polls ``sinfo`` every 0.2 s until the node
+   is idle (``--timeout`` seconds, default 60); when a daemon exits or the time is up it prints both daemons' logs,
+   stops what it started and exits with code 4. Already up: says so and exits 0 (``start`` is idempotent).
+
+Requeue timing. A requeued job (``scontrol requeue``, or a job requeueing itself on the warning signal) is held
+until ``BeginTime = now + cred_expire + 1`` seconds: Slurm 22.05's ``batch_requeue_fini()`` (job_mgr.c) sets that
+so the new launch credential is newer than the revocation of the old one, and ``cred_expire`` is 120 s unless
+``AuthInfo=cred_expire=N`` (slurm_cred.c; at least 5) says otherwise. This cluster sets ``cred_expire=10``, so a
+requeued job restarts about 11 s later (``--cred-expire``); on any cluster ``scontrol update JobId=<id>
+StartTime=now`` releases a waiting job earlier. ``SchedulerParameters=sched_interval=2`` makes the scheduler look at the queue every 2 s
+(default 60), so a job whose BeginTime has passed starts within seconds. ``KillWait=30`` (Slurm's default): a job
+that is cancelled or requeued gets SIGTERM and 30 s to save before SIGKILL.
+
+Exit codes: 0 ok (status: up); 1 status: not up; 2 bad arguments; 3 SLURM cannot be
+installed or started here (not root, no apt-get, install failed); 4 the daemons did not come up (logs printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+MARKER = "# written by canonlm scripts/local_slurm.py"
+ETC_CONF = Path("/etc/slurm/slurm.conf")
+MUNGE_KEY = Path("/etc/munge/munge.key")
+SBIN = ("/usr/sbin", "/usr/local/sbin", "/sbin")
+EXIT_OK, EXIT_DOWN, EXIT_USAGE, EXIT_UNAVAILABLE, EXIT_FAILED = 0, 1, 2, 3, 4
+
+
+class Unavailable(Exception):
+    """SLURM cannot be installed or started on this machine (exit code 3)."""
+
+
+class StartFailed(Exception):
+    """The daemons were started but the cluster did not come up (exit code 4)."""
+
+
+def say(msg: str) -> None:
+    print(f"[local_slurm] {msg}", flush=True)
+
+
+def which(name: str) -> str | None:
+    """``shutil.which`` that also looks in the sbin folders (daemons live there; a non-root PATH may lack them)."""
+    return shutil.which(name) or shutil.which(name, path=os.pathsep.join(SBIN))
+
+
+class Cluster:
+    """Paths and commands of the cluster kept in ``root`` (see the module docstring)."""
+
+    def __init__(self, root: Path, ctld_port: int = 26817, slurmd_port: int = 26818, cred_expire: int = 10):
+        self.root = root.resolve()
+        self.conf = self.root / "etc" / "slurm.conf"
+        self.state = self.root / "state"
+        self.spool = self.root / "spool"
+        self.logs = self.root / "log"
+        self.ctld_pid = self.root / "slurmctld.pid"
+        self.slurmd_pid = self.root / "slurmd.pid"
+        self.munged_owned = self.root / "munged.started"   # pid of a munged this script started
+        self.etc_owned = self.root / "etc-slurm-conf.written"  # /etc/slurm/slurm.conf is this cluster's copy
+        self.ctld_port, self.slurmd_port, self.cred_expire = ctld_port, slurmd_port, cred_expire
+
+    # ---- environment -----------------------------------------------------------------------------------------
+    def env(self) -> dict[str, str]:
+        """The environment for Slurm commands and daemons: ``SLURM_CONF`` pointing at this cluster's file."""
+        path = os.environ.get("PATH", "")
+        extra = [d for d in SBIN if d not in path.split(os.pathsep)]
+        return {**os.environ, "SLURM_CONF": str(self.conf), "PATH": os.pathsep.join([path, *extra])}
+
+    def run(self, *cmd: str, timeout: float = 15) -> subprocess.CompletedProcess:
+        """Run a Slurm client command against this cluster; never raises for a non-zero exit or a timeout."""
+        try:
+            return subprocess.run(list(cmd), env=self.env(), capture_output=True, text=True, timeout=timeout,
+                                  stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            return subprocess.CompletedProcess(list(cmd), 124, "", f"timed out after {timeout} s")
+        except FileNotFoundError as e:
+            return subprocess.CompletedProcess(list(cmd), 127, "", str(e))
+
+    # ---- state -----------------------------------------------------------------------------------------------
+    @staticmethod
+    def _alive(pid_file: Path, comm: str) -> int | None:
+        """The pid in ``pid_file`` when that process runs and is ``comm`` (guards against a reused pid)."""
+        try:
+            pid = int(pid_file.read_text().split()[0])
+            if Path(f"/proc/{pid}/comm").read_text().strip() == comm and _running(pid):
+                return pid
+        except (OSError, ValueError, IndexError):
+            pass
+        return None
+
+    def node_state(self) -> str | None:
+        """``sinfo``'s state of the node (``idle``, ``mix``, ``alloc``, ``down*`` ...), or None when it does not
+        answer."""
+        if not self.conf.exists():
+            return None
+        r = self.run("sinfo", "-h", "-N", "-o", "%t", timeout=10)
+        lines = r.stdout.split()
+        return lines[0] if r.returncode == 0 and lines else None
+
+    def is_up(self) -> bool:
+        """Both daemons of this folder run and the node is usable (idle, mixed or allocated, and responding)."""
+        if not (self._alive(self.ctld_pid, "slurmctld") and self._alive(self.slurmd_pid, "slurmd")):
+            return False
+        st = self.node_state()
+        return st is not None and st.rstrip("~#%") in ("idle", "mix", "alloc")
+
+    def client_hint(self) -> str:
+        if self._etc_is_ours():
+            return f"clients find the config at {ETC_CONF} (SLURM_CONF={self.conf} works too)"
+        return f"clients need: export SLURM_CONF={self.conf}"
+
+    # ---- installation ----------------------------------------------------------------------------------------
+    @staticmethod
+    def ensure_installed() -> None:
+        """Install ``slurm-wlm`` and ``munge`` with apt-get when a command is missing; raises Unavailable."""
+        missing = [c for c in ("slurmctld", "slurmd", "sbatch", "sinfo", "munged", "munge") if not which(c)]
+        if not missing:
+            return
+        if os.geteuid() != 0:
+            raise Unavailable(f"SLURM is not installed (missing: {', '.join(missing)}) and installing it needs "
+                              f"root: run `apt-get install -y slurm-wlm munge` as root, or this script as root")
+        if not shutil.which("apt-get"):
+            raise Unavailable(f"SLURM is not installed (missing: {', '.join(missing)}) and there is no apt-get "
+                              f"to install it; install Slurm and munge with this system's package manager")
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        for cmd in (["apt-get", "update"], ["apt-get", "install", "-y", "slurm-wlm", "munge"]):
+            say("running " + " ".join(cmd))
+            r = subprocess.run(cmd, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+            if r.returncode != 0:
+                raise Unavailable(f"`{' '.join(cmd)}` failed (exit {r.returncode}):\n"
+                                  f"{(r.stdout + r.stderr)[-3000:]}")
+        still = [c for c in missing if not which(c)]
+        if still:
+            raise Unavailable(f"apt-get installed slurm-wlm and munge but these commands are still missing: "
+                              f"{', '.join(still)}")
+
+    # ---- munge -----------------------------------------------------------------------------------------------
+    def munge_works(self) -> bool:
+        try:
+            cred = subprocess.run([which("munge") or "munge", "-n"], capture_output=True, timeout=10,
+                                  stdin=subprocess.DEVNULL)
+            if cred.returncode != 0:
+                return False
+            r = subprocess.run([which("unmunge") or "unmunge"], input=cred.stdout, capture_output=True, timeout=10)
+            return r.returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+
+    def start_munge(self) -> None:
+        """Start munged as user ``munge`` unless one answers already; create the key first when it is missing."""
+        if self.munge_works():
+            say("munged already answers; using it")
+            return
+        import pwd
+
+        try:
+            pw = pwd.getpwnam("munge")
+        except KeyError:
+            raise Unavailable("there is no `munge` user (the munge package creates it): reinstall munge") from None
+        if not MUNGE_KEY.exists():
+            say(f"creating {MUNGE_KEY}")
+            tool = which("mungekey")
+            cmd = [tool, "--create", "--keyfile", str(MUNGE_KEY)] if tool else [which("create-munge-key") or
+                                                                                   "create-munge-key"]
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                raise StartFailed(f"could not create {MUNGE_KEY}: {r.stderr.strip()}")
+            os.chown(MUNGE_KEY, pw.pw_uid, pw.pw_gid)
+            MUNGE_KEY.chmod(0o600)
+        for d, mode in ((Path("/run/munge"), 0o755), (Path("/var/log/munge"), 0o700), (Path("/var/lib/munge"), 0o711)):
+            if not d.exists():
+                d.mkdir(parents=True, mode=mode)
+                os.chown(d, pw.pw_uid, pw.pw_gid)
+        stale = Path("/run/munge/munged.pid")
+        if stale.exists() and not self._alive(stale, "munged"):
+            stale.unlink()
+        r = subprocess.run([which("munged")], user=pw.pw_uid, group=pw.pw_gid, extra_groups=[],
+                           stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if r.returncode != 0:
+            raise StartFailed(f"munged did not start (exit {r.returncode}): {r.stdout.strip()}\n"
+                              f"{_tail(Path('/var/log/munge/munged.log'))}")
+        for _ in range(50):
+            if self.munge_works():
+                break
+            time.sleep(0.1)
+        else:
+            raise StartFailed("munged started but `munge -n | unmunge` fails\n"
+                              + _tail(Path("/var/log/munge/munged.log")))
+        pid = self._alive(stale, "munged")
+        self.munged_owned.write_text(f"{pid}\n" if pid else "\n")
+        say(f"munged started (pid {pid})")
+
+    # ---- configuration ---------------------------------------------------------------------------------------
+    def node_line(self) -> str:
+        """``slurmd -C``'s node line with the memory less headroom and the loopback address."""
+        r = subprocess.run([which("slurmd") or "slurmd", "-C"], capture_output=True, text=True, timeout=30,
+                           env={**os.environ, "SLURM_CONF": "/dev/null"})
+        first = next((ln for ln in r.stdout.splitlines() if ln.startswith("NodeName=")), None)
+        if r.returncode != 0 or first is None:
+            raise StartFailed(f"`slurmd -C` did not print a node line (exit {r.returncode}): {r.stdout}{r.stderr}")
+        fields = dict(tok.split("=", 1) for tok in first.split())
+        mem = int(fields.get("RealMemory", "2048"))
+        fields["RealMemory"] = str(max(mem - max(1024, mem // 10), 512))
+        keep = ("NodeName", "CPUs", "Boards", "SocketsPerBoard", "CoresPerSocket", "ThreadsPerCore", "RealMemory")
+        return " ".join(f"{k}={fields[k]}" for k in keep if k in fields) + " NodeAddr=127.0.0.1 State=UNKNOWN"
+
+    def render(self, node_line: str) -> str:
+        node = node_line.split()[0].split("=", 1)[1]
+        return f"""{MARKER} for the one-node test cluster in {self.root}
+# (`python3 scripts/local_slurm.py stop` removes this copy; a file without the first line is never overwritten)
+ClusterName=canonlm
+SlurmctldHost=localhost(127.0.0.1)
+SlurmctldPort={self.ctld_port}
+SlurmdPort={self.slurmd_port}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=cred_expire={self.cred_expire}
+StateSaveLocation={self.state}
+SlurmdSpoolDir={self.spool}
+SlurmctldPidFile={self.ctld_pid}
+SlurmdPidFile={self.slurmd_pid}
+SlurmctldLogFile={self.logs}/slurmctld.log
+SlurmdLogFile={self.logs}/slurmd.log
+SlurmctldDebug=info
+SlurmdDebug=info
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+MpiDefault=none
+SwitchType=switch/none
+SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=2,bf_interval=5
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core_Memory
+DefMemPerCPU=1024
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+JobCompType=jobcomp/none
+ReturnToService=2
+JobRequeue=1
+KillWait=30
+MinJobAge=600
+InactiveLimit=0
+{node_line}
+PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
+"""
+
+    def _etc_is_ours(self) -> bool:
+        try:
+            return ETC_CONF.read_text().startswith(MARKER)
+        except OSError:
+            return False
+
+    def write_config(self) -> str:
+        """Write ``etc/slurm.conf`` (and ``/etc/slurm/slurm.conf`` when it is absent or ours); return the node name."""
+        for d in (self.conf.parent, self.state, self.spool, self.logs):
+            d.mkdir(parents=True, exist_ok=True)
+        line = self.node_line()
+        text = self.render(line)
+        self.conf.write_text(text)
+        if not ETC_CONF.exists() or self._etc_is_ours():
+            try:
+                ETC_CONF.parent.mkdir(parents=True, exist_ok=True)
+                ETC_CONF.write_text(text)
+                self.etc_owned.write_text(f"{ETC_CONF}\n")
+            except OSError as e:
+                say(f"could not write {ETC_CONF} ({e}); clients need SLURM_CONF={self.conf}")
+        else:
+            say(f"{ETC_CONF} exists and was not written by this script: left as it is")
+        return line.split()[0].split("=", 1)[1]
+
+    # ---- start / stop ----------------------------------------------------------------------------------------
+    def start(self, timeout: float) -> None:
+        if self.is_up():
+            say(f"already up ({self.root}); node {self.node_state()}; {self.client_hint()}")
+            return
+        self.ensure_installed()
+        if os.geteuid() != 0:
+            raise Unavailable("starting slurmd/slurmctld needs root (SlurmUser=root; slurmd runs jobs as their "
+                              "users): run `python3 scripts/local_slurm.py start` as root")
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.stop(quiet=True)  # leftovers of a half-started cluster in this folder
+        self.start_munge()
+        node = self.write_config()
+        t0 = time.monotonic()
+        for cmd in ([which("slurmctld"), "-c"], [which("slurmd"), "-N", node]):
+            r = subprocess.run(cmd, env=self.env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, timeout=60)
+            if r.returncode != 0:
+                raise StartFailed(f"`{' '.join(cmd)}` exited with {r.returncode}: {r.stdout.strip()}")
+        deadline = time.monotonic() + timeout
+        st = None
+        while time.monotonic() < deadline:
+            if self.is_up():
+                say(f"up in {time.monotonic() - t0:.1f} s: node {node} {self.node_state()} "
+                    f"({self.root}); {self.client_hint()}")
+                return
+            for pid_file, comm in ((self.ctld_pid, "slurmctld"), (self.slurmd_pid, "slurmd")):
+                if pid_file.exists() and not self._alive(pid_file, comm) and time.monotonic() - t0 > 3:
+                    raise StartFailed(f"{comm} exited during start")
+            st = self.node_state()
+            time.sleep(0.2)
+        raise StartFailed(f"the node did not become idle within {timeout:.0f} s (sinfo state: {st})")
+
+    def _cancel_jobs(self) -> None:
+        r = self.run("squeue", "-h", "-o", "%i", timeout=10)
+        ids = r.stdout.split() if r.returncode == 0 else []
+        if not ids:
+            return
+        say(f"cancelling the cluster's jobs: {' '.join(ids)}")
+        self.run("scancel", *ids, timeout=15)
+        for _ in range(100):  # up to ~20 s for the steps to end (SIGTERM; KillWait later SIGKILL)
+            r = self.run("squeue", "-h", "-o", "%i", timeout=10)
+            if r.returncode != 0 or not r.stdout.split():
+                return
+            time.sleep(0.2)
+
+    def stop(self, quiet: bool = False) -> None:
+        """Cancel the cluster's jobs, then stop slurmd, slurmctld and (if this script started it) munged."""
+        if self._alive(self.ctld_pid, "slurmctld") and self._alive(self.slurmd_pid, "slurmd"):
+            self._cancel_jobs()
+        stopped = []
+        for pid_file, comm in ((self.slurmd_pid, "slurmd"), (self.ctld_pid, "slurmctld")):
+            if _terminate(self._alive(pid_file, comm)):
+                stopped.append(comm)
+            pid_file.unlink(missing_ok=True)
+        if self.munged_owned.exists():
+            pid = self._alive(Path("/run/munge/munged.pid"), "munged")
+            owned = self.munged_owned.read_text().strip()
+            if pid and owned.isdigit() and int(owned) == pid and _terminate(pid):
+                stopped.append("munged")
+            self.munged_owned.unlink()
+        if self.etc_owned.exists():
+            if self._etc_is_ours() and str(self.root) in ETC_CONF.read_text().splitlines()[0]:
+                ETC_CONF.unlink()
+            self.etc_owned.unlink()
+        if not quiet:
+            say(f"stopped {', '.join(stopped)}" if stopped else f"nothing of {self.root} was running")
+
+    def logs_text(self) -> str:
+        return "\n".join(f"--- {p} ---\n{_tail(p)}" for p in (self.logs / "slurmctld.log", self.logs / "slurmd.log"))
+
+
+def _tail(path: Path, n: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError as e:
+        return f"(cannot read {path}: {e.strerror})"
+
+
+def _running(pid: int) -> bool:
+    """``pid`` exists and is not a zombie. A daemon detaches from this script, so when it exits its parent is the
+    machine's init, which in some containers never reaps it: a zombie that ``kill(pid, 0)`` still finds."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def _terminate(pid: int | None, wait: float = 10.0) -> bool:
+    """SIGTERM ``pid``, SIGKILL after ``wait`` seconds; True when there was a process."""
+    if not pid:
+        return False
+    try:
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if not _running(pid):
+                return True
+            time.sleep(0.05)
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("action", choices=("start", "stop", "status"))
+    ap.add_argument("--dir", default=os.environ.get("CANONLM_SLURM_DIR", "/tmp/canonlm-slurm"),
+                    help="the cluster's folder (default: $CANONLM_SLURM_DIR or /tmp/canonlm-slurm)")
+    ap.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the node to become idle")
+    ap.add_argument("--ports", default="26817,26818", help="slurmctld,slurmd ports (default 26817,26818)")
+    ap.add_argument("--cred-expire", type=int, default=10,
+                    help="AuthInfo=cred_expire (seconds, >= 5); a requeued job waits this + 1 s (default 10)")
+    args = ap.parse_args(argv)
+    try:
+        ctld_port, slurmd_port = (int(p) for p in args.ports.split(","))
+    except ValueError:
+        print(f"local_slurm: error: --ports={args.ports!r}; allowed: two port numbers, e.g. 26817,26818",
+              file=sys.stderr)
+        return EXIT_USAGE
+    if args.cred_expire < 5:
+        print(f"local_slurm: error: --cred-expire={args.cred_expire}; allowed: an integer >= 5 (seconds; Slurm "
+              f"ignores smaller values)", file=sys.stderr)
+        return EXIT_USAGE
+    cl = Cluster(Path(args.dir), ctld_port, slurmd_port, args.cred_expire)
+    if args.action == "status":
+        if cl.is_up():
+            say(f"up: node {cl.node_state()} ({cl.root}); {cl.client_hint()}")
+            return EXIT_OK
+        ctld, slurmd = cl._alive(cl.ctld_pid, "slurmctld"), cl._alive(cl.slurmd_pid, "slurmd")
+        state = f", sinfo node state {cl.node_state()}" if ctld else ""  # sinfo retries for seconds without one
+        say(f"down ({cl.root}: slurmctld {'runs' if ctld else 'not running'}, "
+            f"slurmd {'runs' if slurmd else 'not running'}{state})")
+        return EXIT_DOWN
+    if args.action == "stop":
+        cl.stop()
+        return EXIT_OK
+    try:
+        cl.start(args.timeout)
+        return EXIT_OK
+    except Unavailable as e:
+        print(f"local_slurm: unavailable: {e}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    except (StartFailed, subprocess.TimeoutExpired) as e:
+        print(f"local_slurm: error: {e}\n{cl.logs_text()}", file=sys.stderr)
+        cl.stop(quiet=True)
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())
