@@ -1,17 +1,37 @@
-"""Sweep report: best run per (row, column) cell, cells as acc@K / acc@K/2 (tasks.md §1.4)."""
+"""Sweep report: best run over learning rates per (row, column) cell, one table per setting, unfinished runs listed."""
 
 import json
 
-from canonlm.train.report import load_runs, main, table
+import pytest
+
+from canonlm.train.report import load_runs, main, table, tables
+
+NAN = float("nan")
 
 
-def _run(root, name, N, size, lr, acc_hi, acc_lo, K=8):
+def _run(root, name, N, size, lr, acc_hi, acc_lo, K=8, canon="ABCD", pos="rope", hparams=True):
+    """A finished run directory as train.py leaves it: results.json (the layout of canonlm.train.run) and the
+    resolved config in hparams.json."""
     d = root / name
     d.mkdir(parents=True)
-    by = {str(K): {"acc": acc_hi, "answers": 10}, str(K // 2): {"acc": acc_lo, "answers": 10}}
-    (d / "results.json").write_text(json.dumps({"test": {"by_group": by}}))
-    (d / "hparams.json").write_text(json.dumps({"task": {"N": N, "K": K}, "model": {"size": size},
-                                                "optim": {"lr": lr}}))
+    by = {str(K // 2): {"answers": 10, "acc": acc_lo, "tokens": 20, "token_acc": 0.5},
+          str(K): {"answers": 10, "acc": acc_hi, "tokens": 20, "token_acc": 0.5}}
+    (d / "results.json").write_text(json.dumps({
+        "task": "depo1", "task_config": {"name": "depo1", "N": N, "K": K, "context": 256},
+        "model": {"arch": "llama", "size": size, "n_heads": 2, "canon": canon, "pos": pos, "qk_norm": "none"},
+        "steps": 100, "tokens_seen": 409600, "train_time_s": 1.0,
+        "test": {"loss": 2.0, "ppl": 7.4, "group_name": "k", "by_group": by,
+                 "overall": {"answers": 20, "acc": (acc_hi + acc_lo) / 2, "tokens": 40, "token_acc": 0.5}}}))
+    if hparams:
+        (d / "hparams.json").write_text(json.dumps({
+            "task": {"name": "depo1", "N": N, "K": K}, "model": {"size": size, "arch": "llama", "mlp": "gated",
+                                                              "qk_norm": "none"},
+            "canon": {"set": canon, "kernel": 4}, "pos": {"type": pos, "fraction": 1.0}, "optim": {"lr": lr},
+            "seed": 0}))
+    (d / ".hydra").mkdir()
+    (d / "checkpoints").mkdir()
+    (d / "metrics.jsonl").write_text('{"step": 100, "time": 1.0, "train/loss": 2.0}\n')
+    return d
 
 
 def test_best_lr_per_cell(tmp_path, capsys):
@@ -20,29 +40,149 @@ def test_best_lr_per_cell(tmp_path, capsys):
     _run(tmp_path, "2", 375, "8L512D", 1e-3, 0.10, 0.30)
     t = table(load_runs(tmp_path), "task.N", "model.size")
     assert t["225"]["8L512D"]["acc"] == (0.70, 0.80) and t["225"]["8L512D"]["dir"].endswith("/1")
+    assert t["225"]["8L512D"]["runs"] == 2
     assert t["375"]["8L512D"]["acc"] == (0.10, 0.30)
     assert main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "70.0/ 80.0" in out and "10.0/ 30.0" in out
+    assert out.splitlines()[:3] == [
+        "task.N \\ model.size |       8L512D",
+        "                225 |   70.0/ 80.0",
+        "                375 |   10.0/ 30.0",
+    ]
+    assert "unfinished" not in out
 
 
-def test_no_results_is_an_error(tmp_path, capsys):
-    assert main([str(tmp_path)]) == 2
-    assert "no results.json" in capsys.readouterr().err
+def test_no_runs_is_an_error_and_writes_nothing(tmp_path, capsys):
+    (tmp_path / "sweep" / "empty").mkdir(parents=True)
+    (tmp_path / "sweep" / "multirun.yaml").write_text("hydra: {}\n")
+    out_json = tmp_path / "t.json"
+    assert main([str(tmp_path / "sweep"), "--json", str(out_json)]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and cap.err.count("\n") == 1 and "no runs below" in cap.err
+    assert not out_json.exists()
+    assert main([str(tmp_path / "missing")]) == 2
+    assert "not a directory" in capsys.readouterr().err
 
 
-def test_cells_refuse_mixed_settings_and_nan_loses(tmp_path, capsys):
-    _run(tmp_path, "0", 225, "8L512D", 1e-3, 0.50, 0.90)
-    d = tmp_path / "1"  # same cell, but another Canon set: not a "best of lr" comparison
-    d.mkdir()
-    (d / "results.json").write_text(json.dumps({"test": {"by_group": {"8": {"acc": 0.9}, "4": {"acc": 0.9}}}}))
-    (d / "hparams.json").write_text(json.dumps({"task": {"N": 225, "K": 8}, "model": {"size": "8L512D"},
-                                                "optim": {"lr": 2e-3}, "canon": {"set": ""}}))
-    assert main([str(tmp_path)]) == 2
-    assert "canon.set" in capsys.readouterr().err
+def _sweep_2x2(root):
+    """The README's `python train.py -m canon=none,ABCD pos=rope,nope`, two learning rates each, plus one run killed
+    at step 30 (resumed once, torn last line), one that died before logging and one that ran without an evaluation."""
+    s = root / "multiruns" / "2026-01-01_00-00-00"
+    #                                              acc@8 acc@4        best of the cell (by hand)
+    _run(s, "0", 16, "2L64D", 1e-3, 0.10, 0.30, canon="", pos="rope")
+    _run(s, "1", 16, "2L64D", 2e-3, 0.12, 0.25, canon="", pos="rope")      # none/rope: 12.0/25.0 (higher acc@8)
+    _run(s, "2", 16, "2L64D", 1e-3, 0.05, 0.20, canon="", pos="nope")      # none/nope:  5.0/20.0
+    _run(s, "3", 16, "2L64D", 2e-3, NAN, NAN, canon="", pos="nope")        #   (diverged: never wins)
+    _run(s, "4", 16, "2L64D", 1e-3, 0.60, 0.90, canon="ABCD", pos="rope")
+    _run(s, "5", 16, "2L64D", 2e-3, 0.60, 0.95, canon="ABCD", pos="rope")  # ABCD/rope: 60.0/95.0 (tie: acc@4)
+    _run(s, "6", 16, "2L64D", 1e-3, 0.55, 0.85, canon="ABCD", pos="nope")  # ABCD/nope: 55.0/85.0
+    _run(s, "7", 16, "2L64D", 2e-3, 0.40, 0.99, canon="ABCD", pos="nope")
+    killed = s / "8"
+    (killed / ".hydra").mkdir(parents=True)
+    (killed / "checkpoints").mkdir()
+    (killed / "metrics.jsonl").write_text(
+        '{"step": 10, "time": 1.0, "train/loss": 3.0}\n'
+        '{"step": 20, "time": 2.0, "train/loss": 2.9}\n'
+        '{"step": 20, "time": 5.0, "train/loss": 2.8}\n'      # redone after the resume
+        '{"step": 30, "time": 6.0, "train/loss": "nan"}\n'
+        '{"step": 40, "time": 7.0, "tra')                      # killed mid-write: not a step
+    (s / "9").mkdir()
+    (s / "9" / "results.json").write_text(json.dumps({"task": "depo1", "steps": 0, "model": {"canon": "A"}}))
+    (s / "10" / "checkpoints").mkdir(parents=True)            # natural order: 8, 9, 10
+    return s
+
+
+EXPECTED_DEFAULT = """\
+canon.set=none pos.type=nope
+task.N \\ model.size |        2L64D
+                 16 |    5.0/ 20.0
+
+canon.set=none pos.type=rope
+task.N \\ model.size |        2L64D
+                 16 |   12.0/ 25.0
+
+canon.set=ABCD pos.type=nope
+task.N \\ model.size |        2L64D
+                 16 |   55.0/ 85.0
+
+canon.set=ABCD pos.type=rope
+task.N \\ model.size |        2L64D
+                 16 |   60.0/ 95.0
+
+cells: acc@K / acc@K/2 (%); the best run over learning rates and seeds (test split, else val)
+
+unfinished or failed: {s}/8 (last step 30 from metrics.jsonl)
+unfinished or failed: {s}/9 (results.json has no test or val result; no metrics.jsonl)
+unfinished or failed: {s}/10 (no metrics.jsonl)
+"""
+
+EXPECTED_CANON_BY_POS = """\
+canon.set \\ pos.type |         nope |         rope
+                none |    5.0/ 20.0 |   12.0/ 25.0
+                ABCD |   55.0/ 85.0 |   60.0/ 95.0
+"""
+
+
+def test_readme_sweep_one_table_per_setting_and_unfinished_runs(tmp_path, capsys):
+    s = _sweep_2x2(tmp_path)
+    assert main([str(s)]) == 0
+    assert capsys.readouterr().out == EXPECTED_DEFAULT.format(s=s)
+    # the same sweep as one 2 x 2 table: the empty Canon set is the row "none"
+    assert main([str(s), "--rows", "canon.set", "--cols", "pos.type"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(EXPECTED_CANON_BY_POS)
+    assert "canon.set=" not in out and "unfinished or failed: " + str(s / "8") in out
+
+
+def test_json_has_every_table(tmp_path, capsys):
+    s = _sweep_2x2(tmp_path)
+    j = tmp_path / "report.json"
+    assert main([str(s), "--json", str(j)]) == 0
+    capsys.readouterr()
+    doc = json.loads(j.read_text())
+    assert doc["rows"] == "task.N" and doc["cols"] == "model.size"
+    got = {t["title"]: (t["setting"], t["cells"]["16"]["2L64D"]) for t in doc["tables"]}
+    want = {("none", "nope"): ([0.05, 0.20], "2", 2), ("none", "rope"): ([0.12, 0.25], "1", 2),
+            ("ABCD", "nope"): ([0.55, 0.85], "6", 2), ("ABCD", "rope"): ([0.60, 0.95], "5", 2)}
+    assert [t["title"] for t in doc["tables"]] == [f"canon.set={c} pos.type={p}" for c, p in want]
+    for (c, p), (acc, name, n) in want.items():
+        setting, e = got[f"canon.set={c} pos.type={p}"]
+        assert setting == {"canon.set": c, "pos.type": p}
+        assert e["acc"] == pytest.approx(acc) and e["dir"] == str(s / name) and e["runs"] == n
+    assert doc["unfinished"] == [
+        {"dir": str(s / "8"), "last_step": 30, "reason": "no results.json"},
+        {"dir": str(s / "9"), "last_step": None, "reason": "results.json has no test or val result"},
+        {"dir": str(s / "10"), "last_step": None, "reason": "no results.json"}]
+
+
+def test_only_unfinished_runs(tmp_path, capsys):
+    (tmp_path / "0" / ".hydra").mkdir(parents=True)
+    (tmp_path / "0" / "metrics.jsonl").write_text('{"step": 5, "time": 1.0, "train/loss": 3.0}\n')
+    assert main([str(tmp_path)]) == 0
+    assert capsys.readouterr().out == f"no finished runs\n\nunfinished or failed: {tmp_path}/0 (last step 5 from " \
+                                      "metrics.jsonl)\n"
+
+
+def test_settings_without_hparams_and_nan_loses(tmp_path):
+    # no hparams.json: the identity keys come from results.json (model.canon, model.pos, task_config)
+    _run(tmp_path, "a", 225, "8L512D", 1e-3, 0.30, 0.50, canon="", pos="nope", hparams=False)
+    _run(tmp_path, "b", 225, "8L512D", 1e-3, 0.70, 0.90, canon="AC", pos="nope", hparams=False)
+    ts = tables(load_runs(tmp_path), "task.N", "model.size")
+    assert [(t["title"], t["cells"]["225"]["8L512D"]["acc"]) for t in ts] == [
+        ("canon.set=none", (0.30, 0.50)), ("canon.set=AC", (0.70, 0.90))]
+    # table() is one setting: runs of another Canon set in a cell are refused, naming the key
+    with pytest.raises(ValueError, match="canon.set=none vs AC"):
+        table(load_runs(tmp_path), "task.N", "model.size")
     # a diverged run (NaN) never wins its cell
     nan_root = tmp_path / "nan"
-    _run(nan_root, "a", 225, "8L512D", 1e-3, float("nan"), float("nan"))
+    _run(nan_root, "a", 225, "8L512D", 1e-3, NAN, NAN)
     _run(nan_root, "b", 225, "8L512D", 2e-3, 0.20, 0.40)
     t = table(load_runs(nan_root), "task.N", "model.size")
     assert t["225"]["8L512D"]["acc"] == (0.20, 0.40)
+
+
+def test_key_no_run_sets_is_noted(tmp_path, capsys):
+    _run(tmp_path, "0", 225, "8L512D", 1e-3, 0.50, 0.90)
+    assert main([str(tmp_path), "--rows", "task.n"]) == 0   # a typo: every run is in the row "None"
+    cap = capsys.readouterr()
+    assert "no run sets task.n" in cap.err and cap.out.splitlines()[1] == "               None |   50.0/ 90.0"

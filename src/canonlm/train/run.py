@@ -220,7 +220,8 @@ def resolve_ckpt(cfg: DictConfig, output_dir: str, check=None) -> str | None:
     if ck == "auto":
         info = find_resume_checkpoint(output_dir, check=check)
         if info is not None:
-            log.info("ckpt_path=auto: resuming from %s (step %d)", info.path, info.step)
+            if launch_rank() == 0:
+                log.info("ckpt_path=auto: resuming from %s (step %d)", info.path, info.step)
             return info.path
         return None
     if ck is None:
