@@ -104,10 +104,16 @@ def _unsafe_dir_reason(d: Path) -> Optional[str]:
         st = os.lstat(d)
     except OSError as e:
         return f"cannot be inspected ({e.strerror or e})"
+    return _stat_problem(st, stat.S_ISDIR, "a directory")
+
+
+def _stat_problem(st: os.stat_result, is_kind, kind: str) -> Optional[str]:
+    """Why an ``os.lstat`` result may not be trusted: a symlink, not of ``kind``, owned by another user, or
+    writable by group or others (None: trusted)."""
     if stat.S_ISLNK(st.st_mode):
         return "is a symlink"
-    if not stat.S_ISDIR(st.st_mode):
-        return "is not a directory"
+    if not is_kind(st.st_mode):
+        return f"is not {kind}"
     if st.st_uid != os.geteuid():
         return f"is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
     if st.st_mode & 0o022:
@@ -126,15 +132,7 @@ def _safe_to_load(path: Path) -> Optional[str]:
         st = os.lstat(path)
     except OSError as e:
         return f"cannot be inspected ({e.strerror or e})"
-    if stat.S_ISLNK(st.st_mode):
-        return "is a symlink"
-    if not stat.S_ISREG(st.st_mode):
-        return "is not a regular file"
-    if st.st_uid != os.geteuid():
-        return f"is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
-    if st.st_mode & 0o022:
-        return f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):#o})"
-    return None
+    return _stat_problem(st, stat.S_ISREG, "a regular file")
 
 
 def _warn_once(d: Path, why: str, instead: Path) -> None:
