@@ -110,11 +110,14 @@ def test_fused_ops_need_a_fast_canon_kernel():
     from canonlm.ops import canon as canon_ops
 
     cfg = tiny("AB", ops="fused")
+    model = LlamaCanon(cfg)  # never refused at construction: the request is decided where the model is placed
     if canon_ops.available_backends("cpu", torch.float32)["cpu"] is None:  # native CPU kernel builds here
-        assert LlamaCanon(cfg).backends == {"canon": "cpu", "attention": "sdpa"}
+        assert model.backends == {"canon": "cpu", "attention": "sdpa"} and not model.pending
+        assert model.place("cpu", torch.float32) == {"canon": "cpu", "attention": "sdpa"}
     else:
+        assert "canon" in model.pending
         with pytest.raises(ConfigError) as e:
-            LlamaCanon(cfg)
+            model.place("cpu", torch.float32)
         assert e.value.key == "model.ops"
 
 
@@ -204,8 +207,14 @@ def test_lingua_1b_canon_overhead():
 
 
 def test_flops_per_token():
+    """CanonLM.flops_per_token is canonlm.arch.flops' training total; for Llama it equals PaLM's 6·N + 12·L·d·T with
+    N the parameters that take part in products (no embedding lookup, no norm gains; Canon counts 2·K·C forward)."""
+    from canonlm.arch import flops
+
     model = meta_model("12L768D", "ABCD", vocab=1000)
-    N = model.num_params() - 1000 * 768  # the embedding lookup does no matmul
+    assert model.flops_per_token(2048) == flops.flops_per_token(model.cfg, 2048)["total"]
+    norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
+    N = model.num_params() - 1000 * 768 - norms
     assert model.flops_per_token(2048) == 6 * N + 12 * 12 * 768 * 2048
 
 

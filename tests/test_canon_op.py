@@ -434,3 +434,52 @@ def test_cuda_adapters_against_documented_contracts(monkeypatch, backend):
         assert torch.equal(state, keep)
         torch.testing.assert_close(s1, s2)
         torch.testing.assert_close(y1, y2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["contiguous", "slice_of_wider", "misaligned_slice"])
+def test_gpu_dao_on_strided_views_vs_reference(monkeypatch, dtype, layout):
+    """Dao causal_conv1d_fn on views of a wider tensor (the stride logic of _cuda.dao_forward on the real kernel):
+    forward, gradients and a decode step against the reference. The wrapper is counted (the library is not mocked);
+    fp32 needs no TF32 allowance (causal-conv1d is plain CUDA, fp32 FMA)."""
+    from _kernel_calls import count_calls
+
+    from canonlm.ops.canon import _cuda
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if _cuda.dao_functions()[0] is None:
+        pytest.skip(f"causal_conv1d unavailable: {_cuda.dao_functions()[1]}")
+    assert C.resolve_backend("dao", "cuda", dtype) == "dao"
+    calls = count_calls(monkeypatch, _cuda, "dao_forward")
+    B, T, Ch, K = 2, 37, 64, 4
+    g = torch.Generator().manual_seed(3)
+    wide = torch.randn(B, T, 3 * Ch, generator=g)
+    start = {"contiguous": None, "slice_of_wider": Ch, "misaligned_slice": Ch + 2}[layout]
+    x = (torch.randn(B, T, Ch, generator=g) if start is None else wide[..., start:start + Ch]).to(dtype)
+    w, b = torch.randn(Ch, K, generator=g) * 0.3, torch.randn(Ch, generator=g) * 0.1
+    h = torch.randn(B, Ch, K - 1, generator=g).to(dtype)
+    dy = torch.randn(B, T, Ch, generator=g).to(dtype)
+
+    def fwd_bwd(backend, dev):
+        xx = x.to(dev).requires_grad_(True) if start is None else \
+            wide.to(dtype).to(dev).requires_grad_(True)
+        xin = xx if start is None else xx[..., start:start + Ch]
+        ww, bb, hh = (t.to(dev).requires_grad_(True) for t in (w, b, h))
+        y = causal_conv1d(xin, ww, bb, residual=True, activation=True, backend=backend, initial_state=hh)
+        grads = torch.autograd.grad(y, (xx, ww, bb, hh), dy.to(dev))
+        return y, grads
+
+    y, grads = fwd_bwd("dao", "cuda")
+    assert len(calls) == 1 and y.dtype == dtype
+    yr, grads_r = fwd_bwd("reference", "cpu")
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(y.float().cpu(), yr.float(), **tol)
+    for a, r in zip(grads, grads_r):
+        torch.testing.assert_close(a.float().cpu(), r.float(), **tol)
+    state = causal_conv1d_state(x.cuda(), K, h.cuda())
+    with torch.no_grad():
+        y1, _ = causal_conv1d_step(x[:, 0].cuda(), state, w.cuda(), b.cuda(), residual=True, activation=True,
+                                   backend="dao")
+        y2, _ = causal_conv1d_step(x[:, 0], state.cpu(), w, b, residual=True, activation=True, backend="torch")
+    torch.testing.assert_close(y1.float().cpu(), y2.float(), **tol)

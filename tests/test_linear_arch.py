@@ -395,16 +395,19 @@ def test_bad_linear_config_is_one_clear_error(model, canon, key):
 
 @pytest.mark.parametrize("op, arch", [("gla", "gla"), ("gdn", "gdn"), ("ssd", "mamba2")])
 def test_fused_request_without_library_fails_early(op, arch):
-    """A fast path requested where it cannot run (CPU, no library) is a ConfigError at construction."""
-    cfg = build_model_config(dict(PRESETS[arch], size="2L64D"), canon={"set": "b"}, vocab_size=8,
-                             kernels={op: "fla" if op != "ssd" else "mamba_ssm"})
-    with pytest.raises(ConfigError) as e:
-        CanonLM(cfg)
-    assert e.value.key == f"model.kernels.{op}"
-    cfg = build_model_config(dict(PRESETS[arch], size="2L64D"), canon={"set": "b"}, vocab_size=8, ops="fused")
-    with pytest.raises(ConfigError) as e:
-        CanonLM(cfg)
-    assert e.value.key == "model.ops"
+    """A fast path requested where it cannot run (CPU, no library) is a ConfigError when the model is placed there
+    (CanonLM.place; training and evaluation place before the first step), and at a forward before placement --
+    not at construction, which may precede the move to a GPU."""
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    for kw, key in (({"kernels": {op: "fla" if op != "ssd" else "mamba_ssm"}}, f"model.kernels.{op}"),
+                    ({"ops": "fused"}, "model.ops")):
+        cfg = build_model_config(dict(PRESETS[arch], size="2L64D"), canon={"set": "b"}, vocab_size=8, **kw)
+        model = CanonLM(cfg)
+        assert op in model.pending
+        for call in (lambda: model.place("cpu", torch.float32), lambda: model(ids)):
+            with pytest.raises(ConfigError) as e:
+                call()
+            assert e.value.key == key
 
 
 def test_gla_canon_b_warns_once_but_builds():

@@ -81,10 +81,15 @@ def test_bad_pos_choices():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
-def test_flash_requested_on_cpu_fails_at_construction():
+def test_flash_requested_on_cpu_fails_at_placement():
+    """A pinned kernel is resolved where the model runs: construction on the CPU (before a move to the GPU) holds
+    the request; placing it on the CPU is the ConfigError (and so is a forward before any placement)."""
     cfg = build({"kernels": {"attention": "flash"}})
-    err = expect("model.kernels.attention", "flash", LlamaCanon, cfg)
+    model = LlamaCanon(cfg)
+    assert "attention" in model.pending
+    err = expect("model.kernels.attention", "flash", model.place, "cpu", torch.bfloat16)
     assert "sdpa" in err.allowed
+    expect("model.kernels.attention", "flash", model, torch.zeros(1, 4, dtype=torch.long))
 
 
 def test_unknown_attention_backend_fails_at_construction():

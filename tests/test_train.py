@@ -42,6 +42,9 @@ def test_train_py_end_to_end(tmp_path):
     losses = [r["train/loss"] for r in rows if "train/loss" in r]
     assert losses and all(math.isfinite(v) for v in losses)
     assert any("val/acc_k1" in r for r in rows) and any("perf/tokens_per_s" in r for r in rows)
+    perf = [r for r in rows if "perf/step_time_s" in r]
+    assert perf and all(0.0 <= r["perf/data_wait_s"] <= r["perf/step_time_s"] for r in perf)
+    assert all(r["perf/peak_mem_gb"] > 0.01 for r in perf)  # the process's peak RSS on the CPU
     assert (run / "checkpoints" / "last.ckpt").is_file()
     assert (run / "csv" / "version_0" / "metrics.csv").is_file()
     assert "accuracy by k" in p.stdout and "results:" in p.stdout

@@ -39,6 +39,7 @@ from canonlm.ops import ssd as ssd_ops
 # The sequence ops each architecture uses (besides Canon), and their modules (each has resolve_backend).
 MIXER_OP = {"llama": "attention", "gla": "gla", "gdn": "gdn", "mamba2": "ssd"}
 _LINEAR_OPS = {"gla": gla_ops, "gdn": gdn_ops, "ssd": ssd_ops}
+_FLA_CHUNK = 64  # fla's chunk_gla / chunk_gated_delta_rule use chunks of 64 positions whatever they are given
 
 
 def _fast_shape_reason(cfg: ModelConfig, op: str, backend: str) -> str | None:
@@ -48,17 +49,98 @@ def _fast_shape_reason(cfg: ModelConfig, op: str, backend: str) -> str | None:
     return None
 
 
+def _ops_of(cfg: ModelConfig) -> tuple[str, str]:
+    """The sequence ops the architecture uses: ``("canon", <mixer op>)``."""
+    return ("canon", MIXER_OP[cfg.arch])
+
+
+def _request(cfg: ModelConfig, op: str) -> tuple[str, str]:
+    """``(requested name, config key)`` of ``op``: a pin ``cfg.kernels[op]`` wins over ``cfg.ops``."""
+    if op in cfg.kernels:
+        return cfg.kernels[op], f"model.kernels.{op}"
+    return cfg.ops, "model.ops"
+
+
+def _names_of(op: str) -> tuple[str, ...]:
+    """Every name a request of ``op`` may use (the op's ``BACKENDS`` plus ``fused``)."""
+    if op == "attention":
+        return attention_ops.BACKENDS
+    mod = canon_ops if op == "canon" else _LINEAR_OPS[op]
+    return tuple(mod.BACKENDS) + ("fused",)
+
+
+def check_requests(cfg: ModelConfig) -> dict[str, str]:
+    """The requested backend name of every op the architecture uses, checked against the op's names only (no device,
+    dtype or library probe: this holds wherever the model will run).
+
+    Returns:
+        ``{"canon": name, <mixer op>: name}`` (``auto`` | ``reference`` | ``fused`` | a pinned kernel name).
+    Raises:
+        ConfigError("model.kernels.<op>" when pinned, else "model.ops", name, allowed names) for an unknown name.
+    """
+    out = {}
+    for op in _ops_of(cfg):
+        name, key = _request(cfg, op)
+        allowed = _names_of(op)
+        if name not in allowed:
+            raise ConfigError(key, name, "one of " + ", ".join(allowed))
+        out[op] = name
+    return out
+
+
+def _resolve_op(cfg: ModelConfig, op: str, device: torch.device, dtype: torch.dtype) -> str:
+    """Concrete backend of one op on (device, dtype) (see :func:`resolve_backends`); raises ConfigError."""
+    name, key = _request(cfg, op)
+    try:
+        if op == "attention":
+            return attention_ops.resolve_backend(name, device, dtype, head_dim=cfg.head_dim)
+        if device.type == "meta":  # nothing is probed: a concrete request stays itself, fused is decided later
+            return "auto" if name == "fused" else name
+        if op == "canon":
+            if name != "fused":
+                return canon_ops.resolve_backend(name, device, dtype)
+            got = canon_ops.resolve_backend("auto", device, dtype)
+            if got in ("torch", "reference"):
+                raise ConfigError(key, name, f"auto | reference (no fused Canon kernel for {device.type}/"
+                                             f"{dtype}: {canon_ops.available_backends(device, dtype)})")
+            return got
+        mod = _LINEAR_OPS[op]
+        got = mod.resolve_backend("auto" if name == "fused" else name, device, dtype)
+        if name == "fused" and got == "reference":
+            fast = [b for b in mod.BACKENDS if b not in ("auto", "reference")]
+            raise ConfigError(key, name, f"auto | reference (no fused {op} kernel for {device.type}/{dtype}: "
+                                         f"{' / '.join(fast)} need a CUDA device and the library)")
+        reason = _fast_shape_reason(cfg, op, got)
+        if reason is not None:
+            if name != "auto":
+                raise ConfigError(key, name, f"auto | reference ({reason})")
+            warnings.warn(f"canonlm: {reason}; using the reference {op} op", RuntimeWarning, stacklevel=3)
+            got = "reference"
+        if op == "ssd" and got == "mamba_ssm":  # the fully fused conv + scan: a pin must be able to fuse, auto warns
+            di = cfg.mamba_expand * cfg.d_model
+            ssd_ops.check_fused_split(name, device, dtype, cfg.conv_kernel, d_inner=di,
+                                      conv_dim=di + 2 * cfg.n_groups * cfg.ssm_state, nheads=cfg.n_heads, key=key)
+        return got
+    except ConfigError as e:
+        raise ConfigError(key, name, e.allowed) from None
+    except ValueError as e:
+        raise ConfigError(key, name, str(e)) from None
+
+
 def resolve_backends(cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> dict[str, str]:
-    """Concrete backend of every op the architecture uses for ``device`` and compute ``dtype`` (models.md §1.6;
-    engineering.md P7): ``canon`` always, plus ``attention`` (llama), ``gla``, ``gdn`` or ``ssd`` (Mamba2).
+    """Concrete backend of every op the architecture uses for ``device`` and compute ``dtype``: ``canon`` always,
+    plus ``attention`` (llama), ``gla``, ``gdn`` or ``ssd`` (Mamba2).
 
     The requested name of op ``o`` is ``cfg.kernels[o]`` if pinned (a pin wins over ``cfg.ops``), else ``cfg.ops``:
     ``auto`` (fast path when available), ``reference`` (pure-PyTorch oracles), ``fused`` (a fast kernel is
     required). Canon names go to ``canonlm.ops.canon.resolve_backend`` (``fused`` = its ``auto`` choice, refused
-    when that is a plain-torch path); attention names to :func:`canonlm.ops.attention.resolve_backend`
-    (``auto``/``fused`` = SDPA); GLA / GDN / SSD names to ``canonlm.ops.<op>.resolve_backend`` (``fused`` = their
-    ``auto`` choice, refused when that is the reference). On the ``meta`` device nothing is probed (``auto`` unless
-    ``reference``). Pins of ops the architecture does not use are ignored.
+    when that is a plain-torch path); attention names to :func:`canonlm.ops.attention.resolve_backend` with the
+    model's head dim (``auto``/``fused`` = SDPA); GLA / GDN / SSD names to ``canonlm.ops.<op>.resolve_backend``
+    (``fused`` = their ``auto`` choice, refused when that is the reference). On the ``meta`` device nothing is
+    probed: names are only checked, a pinned name stays itself and ``fused`` becomes ``auto`` (attention: ``sdpa``).
+    Pins of ops the architecture does not use are ignored. ``dtype`` is the dtype the kernels see:
+    ``torch.bfloat16`` under bf16 autocast or an FSDP2 bf16 ``param_dtype`` (:func:`compute_dtype_for`), else the
+    parameters' dtype.
 
     Returns:
         ``{"canon": name, <mixer op>: name}``.
@@ -67,42 +149,26 @@ def resolve_backends(cfg: ModelConfig, device: torch.device | str, dtype: torch.
         unknown or cannot run on (device, dtype) -- before any tensor work.
     """
     device = torch.device(device)
-    out = {}
-    for op in ("canon", MIXER_OP[cfg.arch]):
-        name = cfg.kernels.get(op, cfg.ops)
-        key = f"model.kernels.{op}" if op in cfg.kernels else "model.ops"
-        try:
-            if op == "attention":
-                out[op] = attention_ops.resolve_backend(name, device, dtype)
-            elif device.type == "meta":
-                out[op] = "reference" if name == "reference" else "auto"
-            elif op == "canon":
-                if name == "fused":
-                    out[op] = canon_ops.resolve_backend("auto", device, dtype)
-                    if out[op] in ("torch", "reference"):
-                        raise ConfigError(key, name, f"auto | reference (no fused Canon kernel for {device.type}/"
-                                                     f"{dtype}: {canon_ops.available_backends(device, dtype)})")
-                else:
-                    out[op] = canon_ops.resolve_backend(name, device, dtype)
-            else:
-                mod = _LINEAR_OPS[op]
-                out[op] = mod.resolve_backend("auto" if name == "fused" else name, device, dtype)
-                if name == "fused" and out[op] == "reference":
-                    fast = [b for b in mod.BACKENDS if b not in ("auto", "reference")]
-                    raise ConfigError(key, name, f"auto | reference (no fused {op} kernel for {device.type}/{dtype}: "
-                                                 f"{' / '.join(fast)} need a CUDA device and the library)")
-                reason = _fast_shape_reason(cfg, op, out[op])
-                if reason is not None:
-                    if name == "auto":
-                        warnings.warn(f"canonlm: {reason}; using the reference {op} op", RuntimeWarning, stacklevel=2)
-                        out[op] = "reference"
-                    else:
-                        raise ConfigError(key, name, f"auto | reference ({reason})")
-        except ConfigError as e:
-            raise ConfigError(key, name, e.allowed) from None
-        except ValueError as e:
-            raise ConfigError(key, name, str(e)) from None
-    return out
+    check_requests(cfg)
+    return {op: _resolve_op(cfg, op, device, dtype) for op in _ops_of(cfg)}
+
+
+def compute_dtype_for(precision: str | int | None, fsdp_param_dtype: str | None = None) -> torch.dtype:
+    """The dtype the model's kernels compute in for a Lightning ``trainer.precision`` and, under FSDP2, the
+    ``strategy.param_dtype`` (``bf16`` | ``fp32``; None when FSDP2 is not used).
+
+    Returns ``torch.bfloat16`` when the precision names bf16 (``bf16-mixed``, ``bf16-true``) or FSDP2 casts the
+    parameters to bf16; ``torch.float16`` for ``16-mixed`` / ``16-true``; ``torch.float64`` for ``64-true``;
+    else ``torch.float32``. Pure function, no Lightning import (used by ``prepare_run`` before Lightning loads).
+    """
+    prec = str(precision)
+    if "bf16" in prec or fsdp_param_dtype == "bf16":
+        return torch.bfloat16
+    if prec.startswith("16"):
+        return torch.float16
+    if prec.startswith("64"):
+        return torch.float64
+    return torch.float32
 
 
 def _module_backends(cfg: ModelConfig, resolved: dict[str, str]) -> dict[str, str]:
@@ -111,9 +177,13 @@ def _module_backends(cfg: ModelConfig, resolved: dict[str, str]) -> dict[str, st
     tensors' device."""
     out = dict(resolved)
     for op in resolved:
-        if op != "attention" and cfg.kernels.get(op, cfg.ops) == "auto":
+        if op != "attention" and _request(cfg, op)[0] == "auto":
             out[op] = "auto"
     return out
+
+
+# Module backend names that run on any device (the others are bound to the device they were resolved for).
+_PORTABLE = frozenset({"auto", "fused", "reference", "torch", "sdpa"})
 
 
 class Block(nn.Module):
@@ -159,15 +229,40 @@ class CanonLM(nn.Module):
     ``norm`` (final RMSNorm) · ``lm_head`` (d -> V, no bias; shares ``tok_emb.weight`` iff ``cfg.tie_embeddings``).
     Buffers (non-persistent, float32): ``rope_cos``/``rope_sin`` ``(max_seq_len, rope_dim/2)``, absent for NoPE.
 
-    Backends are resolved at construction for the current default device (``torch.empty(0).device``, so
-    ``with torch.device("meta")`` builds skip the checks) and fp32; call :meth:`check_backends` after moving
-    the model / choosing the compute dtype. Raises ConfigError (bad config or unavailable backend).
+    Backends: construction checks every requested name (``model.ops``, ``model.kernels.<op>``; an unknown name is
+    a ConfigError here) and resolves the requests for the current default device (``torch.empty(0).device``) and
+    dtype, without raising when a request cannot run *there* (e.g. ``kernels.attention=flash`` built on the CPU
+    before moving to a GPU): such requests stay pending. :meth:`place` resolves every op for the device and compute
+    dtype the model really runs on and sets each Canon / mixer module's backend; it raises the ConfigError of a
+    request that cannot be met. A forward with a pending request, or on another device type than the one the
+    modules' kernels were resolved for, raises that ConfigError instead of failing inside a kernel. Training
+    (``LMModule.configure_model``) and ``canonlm.eval.load.load_model`` call :meth:`place`. A ``meta``-device build
+    checks names only and is not placed (:attr:`placement` None).
+
+    Attributes: ``requests`` (``{"canon": name, <op>: name}`` as configured), ``backends`` (the concrete names for
+    :attr:`placement`; a pending op shows its unchecked request), ``placement`` (``(device, dtype)`` or None),
+    ``pending`` (``{op: (key, name, why)}``, the ConfigError of each request not met at the construction device).
+    Raises ConfigError (bad config or unknown backend name).
     """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = validate(cfg)
-        self.backends = resolve_backends(cfg, torch.empty(0).device, torch.get_default_dtype())
+        self.requests = check_requests(cfg)
+        self.placement: tuple[torch.device, torch.dtype] | None = None
+        self.pending: dict[str, tuple[str, str, str]] = {}  # plain tuples: the model stays picklable
+        self._bound_type: str | None = None
+        device, dtype = torch.empty(0).device, torch.get_default_dtype()
+        self.backends = {}
+        for op in _ops_of(cfg):
+            try:
+                self.backends[op] = _resolve_op(cfg, op, device, dtype)
+            except ConfigError as e:  # cannot run on the construction device: decided by place()
+                self.pending[op] = (e.key, e.value, e.allowed)
+                self.backends[op] = _resolve_op(cfg, op, torch.device("meta"), dtype)
+            if device.type == "meta" and op != "attention" and self.requests[op] == "fused":
+                name, key = _request(cfg, op)  # which fused kernel runs is only known where the model is placed
+                self.pending[op] = (key, name, f"a fused {op} kernel chosen by CanonLM.place")
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg, _module_backends(cfg, self.backends)) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -181,6 +276,8 @@ class CanonLM(nn.Module):
             self.rope_cos = self.rope_sin = None
         self.activation_checkpointing = False
         self.init_weights()
+        if device.type != "meta":
+            self._set_placement(device, dtype)
 
     def forward(self, input_ids: torch.Tensor, cache: DecodeCache | None = None) -> torch.Tensor:
         """``input_ids`` LongTensor (B, T) -> logits (B, T, V) in the compute dtype (fp32, or the autocast dtype).
@@ -189,9 +286,12 @@ class CanonLM(nn.Module):
         ``cache.seen .. cache.seen + T - 1``; the cache is updated in place (``seen += T``). Prefill, chunked
         prefill and one-token decode steps all give the logits of one full forward over the whole sequence.
         Raises ValueError on a bad rank, a cache of another batch size, or (Llama) positions beyond
-        ``cfg.max_seq_len``."""
+        ``cfg.max_seq_len``; ConfigError when a backend request was not met where the model was placed, or the
+        input is on another device type than the device-bound kernels were resolved for (see :meth:`place`)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids: shape {tuple(input_ids.shape)}, expected (B, T)")
+        if self.pending or self._bound_type is not None:
+            self._check_placed(input_ids)
         T = input_ids.shape[1]
         t0 = 0 if cache is None else cache.seen
         if cache is not None:
@@ -271,12 +371,39 @@ class CanonLM(nn.Module):
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
-    def check_backends(self, device: torch.device | str, dtype: torch.dtype) -> dict[str, str]:
-        """Re-resolve the op backends for ``device`` and compute ``dtype`` (e.g. ``torch.bfloat16`` under
-        autocast) and set them on every Canon and token-mixer module (an ``auto`` request of Canon or a linear op stays
-        ``auto`` in the modules, see :func:`_module_backends`). Returns the concrete ``{"canon": .., <op>: ..}``.
-        Raises ConfigError like :func:`resolve_backends`."""
+    def place(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> dict[str, str]:
+        """Resolve every op's backend for the device and compute dtype the model runs on, and set it on every Canon
+        layer (Canon-A/B/C/D and the mixers' short convs) and token-mixer module. Call it after moving the model
+        (it moves nothing), with the dtype the kernels will see: ``torch.bfloat16`` under bf16 autocast or FSDP2
+        with a bf16 ``param_dtype`` (:func:`compute_dtype_for`), else the parameters' dtype.
+
+        Args:
+            device: where the model runs (default: the device of its parameters).
+            dtype: compute dtype (default: ``torch.float32``).
+        Returns:
+            The concrete ``{"canon": name, <op>: name}`` (also :attr:`backends`). An ``auto`` request of Canon or a
+            linear op stays ``auto`` in the modules, so the op can still fall back per shape (:func:`_module_backends`).
+        Raises:
+            ConfigError("model.kernels.<op>" | "model.ops", name, allowed) like :func:`resolve_backends` when a
+            request cannot be met there; the modules are then left as they were.
+        """
+        if device is None:
+            p = next(self.parameters(), None)
+            device = p.device if p is not None else torch.device("cpu")
+        device = torch.device(device)
+        dtype = torch.float32 if dtype is None else dtype
         self.backends = resolve_backends(self.cfg, device, dtype)
+        self.requests = check_requests(self.cfg)
+        self.pending = {}
+        self._set_placement(device, dtype)
+        return dict(self.backends)
+
+    def check_backends(self, device: torch.device | str, dtype: torch.dtype) -> dict[str, str]:
+        """The same as :meth:`place` (the older name)."""
+        return self.place(device, dtype)
+
+    def _set_placement(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Hand the resolved names to the modules and remember where they hold (:attr:`placement`)."""
         names = _module_backends(self.cfg, self.backends)
         op = MIXER_OP[self.cfg.arch]
         for m in self.modules():
@@ -284,7 +411,24 @@ class CanonLM(nn.Module):
                 m.backend = names["canon"]
             elif isinstance(m, (Attention, GLA, GatedDeltaNet, Mamba2Mixer)):
                 m.backend = names[op]
-        return dict(self.backends)
+        self.placement = (device, dtype)
+        bound = any(names[o] not in _PORTABLE for o in names if o not in self.pending)
+        self._bound_type = device.type if bound else None
+
+    def _check_placed(self, input_ids: torch.Tensor) -> None:
+        """Raise the ConfigError of a request not met where the model was resolved, or when the input sits on another
+        device type than the device-bound kernels (e.g. the native CPU Canon kernel of ``ops=fused`` on CUDA)."""
+        if self.pending:
+            key, name, allowed = next(iter(self.pending.values()))
+            dev = "meta" if self.placement is None else self.placement[0]
+            raise ConfigError(key, name, f"{allowed} [not placed: the model was resolved for {dev}; call "
+                                         f"CanonLM.place(device, dtype) where it runs, before the first forward]")
+        if self._bound_type is not None and input_ids.device.type != self._bound_type:
+            op = next(o for o, n in _module_backends(self.cfg, self.backends).items() if n not in _PORTABLE)
+            name, key = _request(self.cfg, op)
+            raise ConfigError(key, name, f"backends resolved for {self._bound_type} ({op}: {self.backends[op]!r}), "
+                                         f"but the input is on {input_ids.device.type}; call CanonLM.place(device, "
+                                         f"dtype) after moving the model")
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Number of parameters (shared/tied tensors counted once; DTensors by global size). ``non_embedding``
@@ -294,22 +438,16 @@ class CanonLM(nn.Module):
             n -= self.tok_emb.weight.numel() + (0 if self.cfg.tie_embeddings else self.lm_head.weight.numel())
         return n
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token (forward + backward) for MFU: ``6·N + 12·L·d·T`` (PaLM App. B; lingua,
-        engineering.md P23). N = parameters taking part in matmuls/convs = all parameters minus the embedding
-        lookup table, plus the LM head when tied (it still does a d x V matmul). The attention term counts the
-        full T x T score and value products (no causal halving), as PaLM does. Linear mixers (GLA / GDN / Mamba2)
-        have no T x T term: their state update and read-out are counted as ``6 · 2 · L · H · d_k · d_v`` per token
-        (one outer-product update and one state read per token, forward + backward; the chunked form's intra-chunk
-        products are an implementation detail)."""
-        cfg = self.cfg
-        n = self.num_params() - self.tok_emb.weight.numel()
-        if cfg.tie_embeddings:
-            n += self.lm_head.weight.numel()
-        if cfg.arch == "llama":
-            return float(6 * n + 12 * cfg.n_layers * cfg.d_model * seq_len)
-        state = cfg.n_heads * cfg.head_k_dim * cfg.head_v_dim  # Mamba2: H · N · P
-        return float(6 * n + 12 * cfg.n_layers * state)
+    def flops_per_token(self, seq_len: int, convention: str = "dense") -> float:
+        """Training FLOPs per token (forward + backward = 3 x forward) of this model on windows of ``seq_len``
+        tokens, for MFU: the ``"total"`` of :func:`canonlm.arch.flops.flops_per_token` (every matmul, attention /
+        chunked-scan product and depthwise conv; ``convention`` ``dense`` | ``causal`` | ``reference``, see there).
+        The GLA / GDN chunk is the one the resolved kernel runs with (fla: 64, whatever ``cfg.chunk_size`` says).
+        Raises ValueError (bad ``seq_len`` or ``convention``)."""
+        from canonlm.arch import flops
+
+        chunk = _FLA_CHUNK if self.backends.get(MIXER_OP[self.cfg.arch]) == "fla" else None
+        return flops.flops_per_token(self.cfg, seq_len, training=True, chunk_size=chunk, convention=convention)["total"]
 
 
 LlamaCanon = CanonLM  # the Transformer is ``arch=llama``; kept as the name the paper and the release use

@@ -135,7 +135,9 @@ def load_model(run: str | Path, *, ckpt: str | Path | None = None, device: str =
         precision: ``fp32`` | ``bf16`` (autocast on CUDA).
     Returns a :class:`LoadedModel`.
     Raises FileNotFoundError (run / config / checkpoint missing), ConfigError (the run's config no longer builds,
-        e.g. a moved ``task.data_dir``), ValueError (bad device / precision, or weights that do not fit the model).
+        e.g. a moved ``task.data_dir``, or a pinned kernel / ``ops=fused`` that cannot run on the device in the
+        compute dtype: ``CanonLM.place`` after the move), ValueError (bad device / precision, or weights that do
+        not fit the model).
     """
     from canonlm.arch.model import CanonLM
     from canonlm.train.run import build_configs
@@ -163,14 +165,14 @@ def load_model(run: str | Path, *, ckpt: str | Path | None = None, device: str =
     state = _load_state(ck)
     sd = state.get("state_dict", state)
     sd = {k[len("model."):]: v for k, v in sd.items() if k.startswith("model.")} or dict(sd)
-    model = CanonLM(mcfg)
+    model = CanonLM(mcfg)  # backends are resolved below, for the device and dtype it runs in
     missing, unexpected = model.load_state_dict(sd, strict=False)
     if missing or unexpected:
         raise ValueError(f"checkpoint {ck} does not fit the run's model: missing {sorted(missing)[:5]}, "
                          f"unexpected {sorted(unexpected)[:5]}")
     model.eval().to(dev)
     dtype = torch.bfloat16 if precision == "bf16" and dev.type == "cuda" else torch.float32
-    model.check_backends(dev, dtype)
+    model.place(dev, dtype)  # ConfigError when a pinned kernel / ops=fused cannot run on (dev, dtype)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         ctx = (torch.autocast("cuda", dtype=torch.bfloat16) if dtype == torch.bfloat16

@@ -12,6 +12,7 @@ parameter) turns the tables into the task's headline numbers (spec tasks.md §3.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from typing import Any, Callable, Mapping
 
@@ -21,7 +22,7 @@ import torch.distributed as dist
 
 from canonlm.arch.config import ModelConfig
 from canonlm.arch.loss import lm_loss
-from canonlm.arch.model import CanonLM
+from canonlm.arch.model import CanonLM, compute_dtype_for
 import numpy as np
 import torch.nn.functional as F
 
@@ -29,18 +30,33 @@ from canonlm.data.lm import LanguageModel
 from canonlm.data.metrics import score_answers
 from canonlm.train.schedule import lr_multiplier
 
-# Dense bf16 peak FLOP/s per device, for MFU (torchtitan-style table; tokens/s is the primary metric, P23).
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "A10": 125e12, "L40": 181e12, "4090": 165e12}
+# Dense (no sparsity) bf16 peak FLOP/s per device, for MFU (NVIDIA data sheets, as torchtitan's get_peak_flops;
+# tokens/s is the primary metric). "H100" alone is the SXM part; PCIe and NVL parts are matched first.
+PEAK_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200": 989e12, "B200": 2.25e15,
+              "A100": 312e12, "A10": 125e12, "L40": 181e12, "4090": 165e12}
 
 
 def _peak_flops(device: torch.device) -> float | None:
+    """Dense bf16 peak FLOP/s of one CUDA device, from its name (:data:`PEAK_FLOPS`, first match), or None (CPU,
+    unknown device)."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
     for key, val in PEAK_FLOPS.items():
-        if key in name:
+        if all(part in name for part in key.split()):
             return val
     return None
+
+
+def _peak_mem_gb(device: torch.device) -> float:
+    """Peak memory of this process in GiB (2**30 bytes): ``torch.cuda.max_memory_allocated`` on CUDA, else the
+    peak resident set size (``resource.getrusage(RUSAGE_SELF).ru_maxrss``: KiB on Linux, bytes on macOS)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource  # POSIX only
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**30 if sys.platform == "darwin" else rss / 2**20
 
 
 class LMModule(L.LightningModule):
@@ -102,13 +118,34 @@ class LMModule(L.LightningModule):
         self._loss_sums: dict[str, torch.Tensor] = {}
         self._t_last: float | None = None
         self._step_last = 0
+        self._t_batch_end: float | None = None  # end of the previous on_train_batch_end (data-wait clock)
+        self._wait_sum = 0.0                    # seconds waited for batches since the last perf log
         self.tokens_per_step = 0  # set by the run from the data config (global windows x window length)
         self.results: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ model setup
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the model's kernels compute in: bf16 when the trainer precision says bf16 or FSDP2 casts the
+        parameters to bf16 (``strategy.param_dtype``), fp16 for ``16-mixed``, else fp32
+        (:func:`canonlm.arch.model.compute_dtype_for`, the rule ``prepare_run`` checks before the run)."""
+        prec = str(self.trainer.precision) if self._trainer is not None else "32-true"
+        fsdp_dtype = self.fsdp.get("param_dtype", "bf16") if self.fsdp is not None else None
+        return compute_dtype_for(prec, fsdp_dtype)
+
+    def place_model(self) -> dict[str, str]:
+        """Resolve the model's op backends for where Lightning runs it (the strategy's root device, which the model
+        is moved to right after :meth:`configure_model`) and :meth:`compute_dtype`: ``CanonLM.place``. Returns the
+        concrete backends; raises ConfigError (a pinned kernel or ``ops=fused`` that cannot run there) before any
+        training or evaluation step."""
+        device = self.trainer.strategy.root_device if self._trainer is not None else self.device
+        return self.model.place(device, self.compute_dtype())
+
     def configure_model(self) -> None:
+        """Place the model (:meth:`place_model`), then activation checkpointing, per-block ``compile()`` and FSDP2
+        ``fully_shard`` (torchtitan's order). Runs once per module (Lightning calls it for fit, validate and test)."""
         if self._configured:
             return
+        self.place_model()
         self._configured = True
         if self.activation_checkpointing:
             self.model.set_activation_checkpointing(True)
@@ -197,7 +234,15 @@ class LMModule(L.LightningModule):
         if gn is not None and step % max(self.trainer.log_every_n_steps, 1) == 0:
             self.log("train/grad_norm", gn)
 
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._t_batch_end is not None:  # time since the previous batch ended = waiting for this batch
+            self._wait_sum += time.perf_counter() - self._t_batch_end
+
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Every ``log_every_n_steps`` optimizer steps log ``perf/tokens_per_s``, ``perf/step_time_s`` (seconds per
+        step), ``perf/data_wait_s`` (seconds per step spent between the end of one batch and the start of the next,
+        i.e. waiting for data), ``perf/peak_mem_gb`` (GiB, :func:`_peak_mem_gb`), ``perf/tokens_seen`` and on
+        CUDA devices with a known peak ``perf/mfu``."""
         if self.stop_reason is not None:
             from canonlm.train.callbacks import last_checkpoint_path
 
@@ -215,18 +260,24 @@ class LMModule(L.LightningModule):
         every = max(self.trainer.log_every_n_steps, 1)
         if self._t_last is None:
             self._t_last, self._step_last = now, step
+            self._wait_sum = 0.0
+            self._t_batch_end = time.perf_counter()
             return
         if step - self._step_last >= every:
             dt = now - self._t_last
             tok_s = (step - self._step_last) * self.tokens_per_step / max(dt, 1e-9)
             self.log("perf/tokens_per_s", tok_s, prog_bar=True)
             self.log("perf/step_time_s", dt / (step - self._step_last))
+            self.log("perf/data_wait_s", self._wait_sum / (step - self._step_last))
+            self.log("perf/peak_mem_gb", _peak_mem_gb(self.device))
             self.log("perf/tokens_seen", float(step * self.tokens_per_step))
             peak = _peak_flops(self.device)
             if peak:
                 flops = self.model.flops_per_token(batch["tokens"].shape[1])
-                self.log("perf/mfu", tok_s * flops / (peak * self.trainer.world_size))
+                self.log("perf/mfu", tok_s * flops / (peak * self.trainer.world_size))  # tok_s: all ranks
             self._t_last, self._step_last = now, step
+            self._wait_sum = 0.0
+        self._t_batch_end = time.perf_counter()
 
     # ------------------------------------------------------------------ run state kept in checkpoints
     @property
@@ -385,6 +436,9 @@ class LMModule(L.LightningModule):
             res[k] = float(s_ / c_) if c_ > 0 else math.nan
             self.log(f"{split}/{k}", res[k], rank_zero_only=True)
         return res
+
+    def on_validation_start(self) -> None:
+        self._t_batch_end = None  # a validation pass between two training batches is not data wait
 
     def on_validation_epoch_end(self) -> None:
         self._eval_end("val")

@@ -303,9 +303,10 @@ def prepare_run(cfg: DictConfig) -> tuple[Any, ModelConfig, str | None]:
         resolve_max_steps(cfg, task)
         validate_training(cfg)
         device = _device_of(cfg)
-        from canonlm.arch.model import CanonLM, resolve_backends
+        from canonlm.arch.model import CanonLM, compute_dtype_for, resolve_backends
 
-        resolve_backends(mcfg, device, torch.bfloat16 if "bf16" in str(cfg.trainer.precision) else torch.float32)
+        resolve_backends(mcfg, device, compute_dtype_for(  # the dtype rule of LMModule.place_model
+            cfg.trainer.precision, cfg.strategy.get("param_dtype") if cfg.strategy.name == "fsdp2" else None))
         with torch.device("meta"):
             meta_model = CanonLM(mcfg)
         shapes = {k: tuple(v.shape) for k, v in meta_model.state_dict().items()}

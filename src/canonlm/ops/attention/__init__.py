@@ -9,9 +9,15 @@ Backends:
   the k/v heads repeated for GQA; the result is cast back to ``q.dtype``. O(T^2) memory; the CPU oracle.
 * ``"sdpa"``      -- ``torch.nn.functional.scaled_dot_product_attention(..., is_causal=causal, enable_gqa=...)``:
   the default on CPU and GPU (fused flash / memory-efficient / cuDNN / CPU-flash kernels chosen by PyTorch).
-* ``"flash"``     -- ``flash_attn.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal)`` (FA2; CUDA,
-  fp16/bf16 only, head dim <= 256; imported inside the call, never at package import). flash-attn >= 2.7 registers
-  its kernels as ``torch.library`` custom ops (``flash_attn::_flash_attn_forward``), so it traces under compile.
+* ``"flash"``     -- ``flash_attn.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal)`` (FA2; imported
+  inside the call, never at package import). flash-attn >= 2.7 registers its kernels as ``torch.library`` custom ops
+  (``flash_attn::_flash_attn_forward``), so it traces under compile. Limits (flash-attn 2.8,
+  ``csrc/flash_attn/flash_api.cpp`` ``mha_fwd`` / ``mha_bwd``): fp16/bf16 only ("FlashAttention only support fp16
+  and bf16 data type"), an Ampere or newer GPU (compute capability >= 8.0), head dim <= 256 ("FlashAttention
+  forward only supports head dimension at most 256"; backward the same), head dim a multiple of 8 -- which
+  ``FlashAttnFunc`` (``flash_attn_interface.py``) meets by zero-padding q/k/v to the next multiple of 8 (a copy),
+  so any head dim <= 256 runs -- and a unit stride on the last dim. :func:`flash_reason` checks these before any
+  work; :func:`resolve_backend` takes the head dim to refuse a pinned ``flash`` that cannot run.
 
 ``"auto"`` and ``"fused"`` both mean ``"sdpa"`` (always available; it *is* a fused kernel on every device).
 """
@@ -37,18 +43,54 @@ def flash_available() -> bool:
     return True
 
 
-def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype) -> str:
+FLASH_MAX_HEAD_DIM = 256      # flash-attn 2.8 mha_fwd / mha_bwd: "only supports head dimension at most 256"
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+FLASH_MIN_CAPABILITY = (8, 0)  # "FlashAttention only supports Ampere GPUs or newer."
+
+
+def flash_shape_reason(head_dim: int | None) -> str | None:
+    """None when flash-attn 2.8 takes this head dim (<= 256; not a multiple of 8 is padded by ``flash_attn_func``),
+    else why not. ``head_dim=None``: not checked."""
+    if head_dim is not None and not 1 <= int(head_dim) <= FLASH_MAX_HEAD_DIM:
+        return f"flash-attn supports head dim 1..{FLASH_MAX_HEAD_DIM} (got {head_dim})"
+    return None
+
+
+def flash_reason(device: torch.device | str, dtype: torch.dtype, head_dim: int | None = None) -> str | None:
+    """None when ``flash`` can run on ``device`` with compute ``dtype`` and ``head_dim``, else why not.
+
+    Checks a CUDA device, ``flash_attn`` importable, an Ampere or newer GPU, fp16/bf16 and :func:`flash_shape_reason`
+    (the rules of flash-attn 2.8's ``mha_fwd`` / ``mha_bwd``). The ``meta`` device is not checked (None)."""
+    device = torch.device(device)
+    if device.type == "meta":
+        return flash_shape_reason(head_dim)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return f"flash needs a CUDA device; got {device}"
+    if not flash_available():
+        return "flash_attn is not importable; see the GPU install"
+    cap = torch.cuda.get_device_capability(device)
+    if tuple(cap) < FLASH_MIN_CAPABILITY:
+        return f"flash-attn needs an Ampere or newer GPU (compute capability >= 8.0; this one: {cap[0]}.{cap[1]})"
+    if dtype not in FLASH_DTYPES:
+        return f"flash needs fp16/bf16 compute, got {dtype}; enable bf16 mixed precision"
+    return flash_shape_reason(head_dim)
+
+
+def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype, head_dim: int | None = None) -> str:
     """Concrete backend for ``name`` on ``device`` with compute dtype ``dtype``; call once, before any work.
 
     Args:
         name: one of ``auto | fused | reference | sdpa | flash``.
         device: device the model runs on (``meta`` skips availability checks of ``flash``).
         dtype: compute dtype of q/k/v (under autocast: the autocast dtype).
+        head_dim: the per-head dim D of q/k/v, or None (not checked). ``flash`` needs D <= 256.
     Returns:
-        ``"reference"``, ``"sdpa"`` or ``"flash"``.
+        ``"reference"``, ``"sdpa"`` or ``"flash"``. ``auto`` / ``fused`` are always ``"sdpa"`` (any head dim and
+        dtype; never flash, so nothing to fall back from).
     Raises:
         canonlm.arch.config.ConfigError("model.kernels.attention", name, ...): unknown name, or ``flash`` requested
-        without CUDA, without the ``flash_attn`` package, or with a dtype other than fp16/bf16.
+        where :func:`flash_reason` says it cannot run (no CUDA, no ``flash_attn``, a pre-Ampere GPU, a dtype other
+        than fp16/bf16, head dim > 256); the message carries the reason.
     """
     from canonlm.arch.config import ConfigError  # lazy: canonlm.arch imports this module
 
@@ -58,16 +100,9 @@ def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype) -
     if name in ("auto", "fused"):
         return "sdpa"
     if name == "flash":
-        device = torch.device(device)
-        if device.type == "meta":
-            return "flash"
-        if device.type != "cuda" or not torch.cuda.is_available():
-            raise ConfigError(key, name, f"auto | reference | sdpa (flash needs a CUDA device; got {device})")
-        if not flash_available():
-            raise ConfigError(key, name, "auto | reference | sdpa (flash_attn is not importable; see the GPU install)")
-        if dtype not in (torch.float16, torch.bfloat16):
-            raise ConfigError(key, name, f"auto | reference | sdpa (flash needs fp16/bf16 compute, got {dtype}; "
-                                         "enable bf16 mixed precision)")
+        why = flash_reason(device, dtype, head_dim)
+        if why is not None:
+            raise ConfigError(key, name, f"auto | reference | sdpa ({why})")
     return name
 
 
@@ -87,7 +122,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     Returns:
         ``(B, T, H, D)`` tensor of ``q.dtype``.
     Raises:
-        ValueError: bad ranks/shapes, ``H % H_kv != 0``, unknown backend, or ``flash`` on CPU / fp32 tensors.
+        ValueError: bad ranks/shapes, ``H % H_kv != 0``, unknown backend, or ``flash`` on CPU / fp32 tensors / head
+            dim > 256.
     """
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         raise ValueError(f"attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; expected "
@@ -108,8 +144,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     if backend == "reference":
         return attention_reference(q, k, v, causal=causal, scale=scale)
     if backend == "flash":
-        if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"attention backend='flash': needs fp16/bf16 CUDA tensors, got {q.dtype} on {q.device}")
+        if q.device.type != "cuda" or q.dtype not in FLASH_DTYPES or flash_shape_reason(D) is not None:
+            raise ValueError(f"attention backend='flash': needs fp16/bf16 CUDA tensors with head dim <= "
+                             f"{FLASH_MAX_HEAD_DIM}, got {q.dtype} on {q.device}, head dim {D}")
         from flash_attn import flash_attn_func
 
         return flash_attn_func(q, k, v, softmax_scale=scale, causal=causal)

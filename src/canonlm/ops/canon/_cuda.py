@@ -5,9 +5,14 @@ Both libraries are optional at run time and imported here lazily (inside functio
 weight (C, K), bias (C,) or None, initial_state (B, C, K-1) = the previous K-1 raw inputs.
 
 * ``dao``: ``causal_conv1d.causal_conv1d_fn(x (B, C, T), weight (C, K), bias, seq_idx=None, initial_states
-  (B, C, K-1), return_final_states=False, final_states_out=None, activation=None|"silu")`` (spec models.md §5.1;
-  causal_conv1d_interface.py). x is passed as the channel-last *view* ``x.transpose(1, 2)`` (stride(1) == 1), which
-  needs C % 8 == 0 and K in {2, 3, 4}; initial_states must be channel-last too and of x's dtype; the bias must have
+  (B, C, K-1), return_final_states=False, final_states_out=None, activation=None|"silu")``
+  (``causal_conv1d/causal_conv1d_interface.py``, causal-conv1d 1.4 - 1.6). x is passed as the channel-last *view*
+  ``x.transpose(1, 2)`` (stride(1) == 1): initial_states are only supported in that layout. The C++ op
+  (``csrc/causal_conv1d.cpp``) then needs C % 8 == 0, K in {2, 3, 4}, and x.stride(0), x.stride(2) of the view
+  (= the (B, T, C) tensor's stride(0) and stride(1)) multiples of 8; its channel-last kernel reads 16-byte vectors,
+  so the data pointer must be 16-byte aligned. x is copied only when it misses one of these
+  (:func:`dao_channel_last_ok`); views of a wider tensor whose strides qualify go in without a copy. initial_states
+  must be channel-last (stride(1) == 1), of x's dtype, with the same stride and alignment rules; the bias must have
   the weight's dtype. The residual is added outside. Decode: ``causal_conv1d_update(x (B, C), conv_state (B, C, K),
   weight, bias, activation)`` updates ``conv_state`` in place (roll left, write x as the last column).
 * ``fla``: ``causal_conv1d(x (B, T, D), weight (D, W), bias, residual (B, T, D), initial_state (N, D, W),
@@ -78,9 +83,38 @@ def dao_supports(x: Tensor, weight: Tensor) -> Optional[str]:
     return dao_supports_shape(weight.shape[0], weight.shape[1], x.dtype)
 
 
+_VEC_BYTES = 16  # causal-conv1d's channel-last kernel loads kNElts * sizeof(elt) = 16 bytes per thread
+
+
+def dao_channel_last_ok(t: Tensor) -> bool:
+    """True when ``t`` (B, L, C) -- time (or state column) before channels -- can be passed to causal-conv1d as the
+    channel-last (B, C, L) view ``t.transpose(1, 2)`` without a copy: unit channel stride, stride(0) and stride(1)
+    multiples of 8 (``TORCH_CHECK`` in ``causal_conv1d_fwd`` / ``_bwd``, causal-conv1d 1.4 - 1.6; checked for size-1
+    dims too), stride(1) > 1 (else the op does not see the channel-last layout) and a 16-byte aligned data pointer
+    (the kernel's vector loads). Strides are checked as they are, since ``Tensor.contiguous()`` returns a tensor
+    unchanged when only the strides of its size-1 dims are odd."""
+    s0, s1, s2 = t.stride()
+    return (s2 == 1 and s1 > 1 and s1 % 8 == 0 and s0 % 8 == 0
+            and (t.data_ptr() % _VEC_BYTES == 0 or t.numel() == 0))
+
+
+def _channel_last(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` (B, L, C) in ``dtype`` as it goes to causal-conv1d: itself when :func:`dao_channel_last_ok`, else a fresh
+    densely packed copy (new allocation: aligned, strides (L·C, C, 1))."""
+    if t.dtype == dtype and dao_channel_last_ok(t):
+        return t
+    out = torch.empty(t.shape, dtype=dtype, device=t.device)
+    return out.copy_(t)
+
+
 def dao_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: bool, activation: bool,
                 initial_state: Optional[Tensor]) -> Tensor:
-    """Canon via ``causal_conv1d_fn`` on the channel-last view of x; differentiable (the library's autograd)."""
+    """Canon via ``causal_conv1d_fn`` on the channel-last view of x; differentiable (the library's autograd).
+
+    Args: x (B, T, C) with C % 8 == 0, any strides (copied only when :func:`dao_channel_last_ok` fails); weight (C, K)
+    with K in {2, 3, 4}; bias (C,) or None (cast to the weight's dtype); initial_state (B, C, K-1) or None (passed as
+    a channel-last tensor of x's dtype, copied only when needed). Returns (B, T, C) in x.dtype.
+    Raises RuntimeError (causal_conv1d not importable) or ValueError (shape / dtype the kernel refuses)."""
     fns, err = dao_functions()
     if fns is None:
         raise RuntimeError(f"causal_conv1d unavailable: {err}")
@@ -88,13 +122,11 @@ def dao_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: boo
     reason = dao_supports(x, weight)
     if reason is not None:
         raise ValueError(f"backend 'dao' cannot run: {reason}")
-    x = x.contiguous()
-    xt = x.transpose(1, 2)  # (B, C, T) view, stride(1) == 1
+    xt = _channel_last(x, x.dtype).transpose(1, 2)         # (B, C, T) view, stride(1) == 1
     b = None if bias is None else bias.to(weight.dtype)
     init = None
     if initial_state is not None:
-        # channel-last (B, C, K-1): stride(1) == 1, same dtype as x
-        init = initial_state.to(x.dtype).transpose(1, 2).contiguous().transpose(1, 2)
+        init = _channel_last(initial_state.transpose(1, 2), x.dtype).transpose(1, 2)   # (B, C, K-1), stride(1) == 1
     y = fn(xt, weight, b, None, init, False, None, "silu" if activation else None).transpose(1, 2)
     return x + y if residual else y
 

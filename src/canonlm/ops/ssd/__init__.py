@@ -12,6 +12,10 @@ Public API (the Mamba2 mixer calls only these names)::
     gated_rmsnorm(y, z, weight, eps, ngroups, norm_before_gate=False)   (the mixer's gated RMSNorm, plain torch)
     resolve_backend(name, device, dtype) -> str
     available_backends(device, dtype) -> dict[str, str | None]
+    use_fused_split(backend, device, dtype, conv_width, d_inner=None, conv_dim=None, nheads=None) -> bool
+    check_fused_split(name, device, dtype, conv_kernel, *, d_inner, conv_dim, nheads, key=CONFIG_KEY) -> bool
+    fused_split_reason(device, dtype, conv_kernel, *, d_inner=None, conv_dim=None, nheads=None) -> str | None
+    split_shape_reason(d_inner, conv_dim, nheads, stride_fix=True) -> str | None
     BACKENDS, CONFIG_KEY
 
 Math, per batch row and head h (group g = h // (H // G) supplies B and C)::
@@ -40,11 +44,26 @@ Backends (``model.kernels.ssd`` in the config and in errors):
   one-token step without autograd ``selective_state_update`` (see ``_mamba.py``).
 * ``auto``      -- ``mamba_ssm`` on CUDA when ``mamba_ssm.ops.triton.ssd_combined`` imports (and dtype is not
   float64), else ``reference``.
+
+The Mamba2 mixer's fused path (``mamba_split_conv1d_scan_combined``: conv + scan + gated norm + out-proj) is chosen on
+top of ``mamba_ssm`` by :func:`use_fused_split` only when :func:`fused_split_reason` finds nothing against it: conv
+kernel width 2-4, the causal-conv1d entry points the installed mamba-ssm calls present with the arguments it passes
+(mamba-ssm 2.2.0-2.2.4 need causal-conv1d <= 1.5.0.post8, mamba-ssm >= 2.2.5 need causal-conv1d >= 1.5.1), and xBC
+channels laid out as causal-conv1d's channel-last kernel needs (:func:`split_shape_reason`). Otherwise ``auto`` warns
+once and runs the conv and ``mamba_chunk_scan_combined`` separately; a pinned ``mamba_ssm`` is refused by
+:func:`check_fused_split` with a ConfigError naming ``model.kernels.ssd``.
+
+State dtypes: the prefill final state of ``mamba_chunk_scan_combined`` is float32 for every input dtype (mamba-ssm
+2.2.0-2.3.x ``_state_passing_fwd`` allocates ``final_states`` as float32 and accumulates in float32; chunk states use
+``states_in_fp32=True``); the decode state is kept float32 here and ``selective_state_update`` computes in float32 and
+stores in the state's dtype. Only the per-chunk states fed back into the output (``out_dtype=C.dtype``) and the
+backward's recomputed states (``states_dtype=x.dtype``) are in the activations' dtype.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Optional, Sequence
 
 import torch
@@ -61,11 +80,15 @@ __all__ = [
     "BACKENDS",
     "CONFIG_KEY",
     "available_backends",
+    "check_fused_split",
+    "fused_split_reason",
     "gated_rmsnorm",
     "resolve_backend",
     "split_conv1d_scan_combined",
     "split_conv1d_scan_reference",
+    "split_shape_reason",
     "ssd_scan",
+    "use_fused_split",
     "ssd_scan_reference",
 ]
 
@@ -296,14 +319,117 @@ def resolve_backend(name: str, device, dtype: torch.dtype) -> str:
 _select = make_selector(resolve_backend)
 
 
+def split_shape_reason(d_inner: int, conv_dim: int, nheads: int, stride_fix: bool = True) -> Optional[str]:
+    """None when causal-conv1d's channel-last kernel takes the xBC slice ``zxbcdt[..., d_inner:d_inner + conv_dim]``
+    that ``mamba_split_conv1d_scan_combined`` convolves, else why not.
+
+    The slice reaches ``causal_conv1d_fwd`` / ``causal_conv1d_bwd`` (``csrc/causal_conv1d.cpp``, causal-conv1d
+    1.4 - 1.6) as the (B, conv_dim, T) view with stride(1) == 1, i.e. the channel-last layout, which needs
+    ``conv_dim % 8 == 0`` ("causal_conv1d only supports channel dimension divisible by 8") and strides
+    (row = ``d_in_proj = 2·d_inner + 2GN + H``, batch = T·d_in_proj) that are multiples of 8; mamba-ssm >= 2.3.0
+    asserts ``conv_dim % 8 == 0`` itself (``ensure_stride``). mamba-ssm >= 2.2.5 copies xBC when the row stride is
+    not a multiple of 8 (``stride_fix``); older releases pass the view as is. When the view is passed uncopied, its
+    first element sits ``d_inner`` elements into each row, and the kernel's 16-byte vector loads need
+    ``d_inner % 8 == 0``.
+
+    Args: d_inner = H·P; conv_dim = d_inner + 2·G·N (the conv's channels); nheads = H; stride_fix: see above.
+    """
+    d_in_proj = d_inner + conv_dim + nheads
+    if conv_dim % 8:
+        return (f"the conv's channels d_inner + 2*G*N = {conv_dim} are not a multiple of 8 (causal_conv1d's "
+                f"channel-last kernel)")
+    if d_in_proj % 8 == 0 or not stride_fix:
+        if d_in_proj % 8:
+            return (f"in_proj's width 2*d_inner + 2*G*N + H = {d_in_proj} is not a multiple of 8 (the xBC row stride "
+                    f"causal_conv1d's channel-last kernel needs; this mamba-ssm (< 2.2.5) does not copy)")
+        if d_inner % 8:
+            return (f"d_inner = {d_inner} is not a multiple of 8 (xBC starts d_inner elements into each zxbcdt row; "
+                    f"causal_conv1d's 16-byte vector loads need it aligned)")
+    return None
+
+
+def fused_split_reason(device, dtype: torch.dtype, conv_kernel: int, *, d_inner: Optional[int] = None,
+                       conv_dim: Optional[int] = None, nheads: Optional[int] = None) -> Optional[str]:
+    """None when the fused ``mamba_split_conv1d_scan_combined`` can run the Mamba2 mixer here, else why not.
+
+    Checks, in order: the ``mamba_ssm`` backend runs on (device, dtype) (CUDA, fp32/fp16/bf16, ssd_combined imports);
+    the conv kernel width is 2, 3 or 4 (causal-conv1d: "only supports width between 2 and 4"); the causal-conv1d
+    entry points the installed ssd_combined calls exist with the arguments it passes
+    (:func:`canonlm.ops.ssd._mamba.causal_conv1d_compat_reason`); and, when ``d_inner``, ``conv_dim`` and ``nheads``
+    are given, the channel layout (:func:`split_shape_reason`). Imports the libraries only on a CUDA device."""
+    device = torch.device(device)
+    why = _unavailable_reason("mamba_ssm", device, dtype)
+    if why is not None:
+        return f"mamba_ssm {why}"
+    if conv_kernel not in DAO_WIDTHS:
+        return f"conv kernel width {conv_kernel}; causal_conv1d supports {DAO_WIDTHS}"
+    info, err = _mamba.split_info()
+    if info is None:
+        return err
+    if d_inner is not None and conv_dim is not None and nheads is not None:
+        return split_shape_reason(int(d_inner), int(conv_dim), int(nheads), info.stride_fix)
+    return None
+
+
+_split_cache: dict = {}
+_split_warned: set = set()
+
+
 @assume_constant
-def use_fused_split(backend: str, device: str, dtype: torch.dtype, conv_width: int) -> bool:
-    """True when ``backend`` resolves to ``mamba_ssm`` for (device, dtype), the fused
-    ``mamba_split_conv1d_scan_combined`` path imports (it also needs the causal-conv1d CUDA extension, which
-    mamba-ssm does not depend on) and that extension takes the conv width (2, 3 or 4). Constant under
-    torch.compile."""
-    return (conv_width in DAO_WIDTHS and _select(backend, device, dtype) == "mamba_ssm"
-            and _mamba.split_function()[0] is not None)
+def use_fused_split(backend: str, device: str, dtype: torch.dtype, conv_width: int, d_inner: Optional[int] = None,
+                    conv_dim: Optional[int] = None, nheads: Optional[int] = None) -> bool:
+    """True when the Mamba2 mixer should call the fused ``mamba_split_conv1d_scan_combined``.
+
+    ``backend`` is the resolved SSD backend (``auto`` / ``mamba_ssm`` / ``reference``); only ``mamba_ssm`` (or an
+    ``auto`` that resolves to it) can be fused. When it resolves to ``mamba_ssm`` but :func:`fused_split_reason` says
+    the fused path cannot run (conv width, the causal-conv1d entry points the installed mamba-ssm calls, the channel
+    layout when ``d_inner``/``conv_dim``/``nheads`` are given), the result is False and a RuntimeWarning (once per
+    reason and process) says why; the mixer then runs its conv and ``mamba_chunk_scan_combined`` separately. Memoised per arguments;
+    constant under torch.compile. A pinned request that must not fall back is checked by :func:`check_fused_split`
+    at model build time."""
+    key = (backend, device, dtype, conv_width, d_inner, conv_dim, nheads)
+    hit = _split_cache.get(key)
+    if hit is not None:
+        return hit
+    use = False
+    if _select(backend, device, dtype) == "mamba_ssm":
+        why = fused_split_reason(device, dtype, conv_width, d_inner=d_inner, conv_dim=conv_dim, nheads=nheads)
+        use = why is None
+        if not use and why not in _split_warned:
+            _split_warned.add(why)
+            warnings.warn(f"canonlm: Mamba2's fused mamba_split_conv1d_scan_combined path cannot run ({why}); "
+                          f"running the conv and mamba_chunk_scan_combined separately", RuntimeWarning, stacklevel=2)
+    _split_cache[key] = use
+    return use
+
+
+def check_fused_split(name: str, device, dtype: torch.dtype, conv_kernel: int, *, d_inner: int, conv_dim: int,
+                      nheads: int, key: str = CONFIG_KEY) -> bool:
+    """Model-build check of the fused Mamba2 path for the *requested* SSD backend ``name``.
+
+    Returns whether the fused path will run. ``reference`` -> False. ``auto`` / ``fused`` -> as
+    :func:`use_fused_split` (False with a warning when it cannot run; the unfused mamba_ssm path is used).
+    ``mamba_ssm`` (pinned) -> True, or raises.
+
+    Raises:
+        canonlm.errors.ConfigError(key, name, allowed): ``name == "mamba_ssm"`` and the fused path cannot run here
+        (``allowed`` carries :func:`fused_split_reason`); unknown names and a mamba_ssm that cannot run at all are
+        refused by :func:`resolve_backend` first. Nothing is checked on the ``meta`` device.
+    """
+    from canonlm.errors import ConfigError
+
+    device = torch.device(device)
+    be = resolve_fast_or_reference("auto" if name == "fused" else name, device, dtype, key=key, fast="mamba_ssm",
+                                   reason=lambda dev, dt: _unavailable_reason("mamba_ssm", dev, dt))
+    if device.type == "meta" or be != "mamba_ssm":
+        return False
+    if name == "mamba_ssm":
+        why = fused_split_reason(device, dtype, conv_kernel, d_inner=d_inner, conv_dim=conv_dim, nheads=nheads)
+        if why is not None:
+            raise ConfigError(key, name, f"auto | reference (the fused Mamba2 path mamba_split_conv1d_scan_combined "
+                                         f"cannot run: {why})")
+        return True
+    return use_fused_split("auto", str(device), dtype, int(conv_kernel), int(d_inner), int(conv_dim), int(nheads))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -488,15 +614,23 @@ def split_conv1d_scan_combined(zxbcdt: Tensor, conv_weight: Tensor, conv_bias: O
     the norm in float32. ``D=None`` / ``dt_bias=None`` are passed to the kernel as zeros (it requires both).
 
     Raises:
-        ConfigError("model.kernels.ssd", "mamba_ssm", ...): not on CUDA, mamba_ssm not importable, or float64.
-        RuntimeError: causal_conv1d (needed by the fused kernel) not importable.
+        ConfigError("model.kernels.ssd", "mamba_ssm", ...): not on CUDA, mamba_ssm not importable, float64, or
+            the fused path cannot run (:func:`fused_split_reason`: conv width not 2-4, the causal-conv1d entry points
+            the installed mamba-ssm calls missing or with other arguments, channels not aligned for causal-conv1d).
         ValueError: inconsistent shapes, unknown activation, bad chunk_size / dt_limit.
     """
+    from canonlm.errors import ConfigError
+
     H, P, G, N, conv_dim = _split_dims(zxbcdt, conv_weight, conv_bias, dt_bias, A, D, headdim, ngroups, activation,
                                        rmsnorm_weight, outproj_weight)
     Q = _check_chunk(chunk_size)
     lim = _check_limit(dt_limit)
     resolve_backend("mamba_ssm", zxbcdt.device, zxbcdt.dtype)
+    why = fused_split_reason(zxbcdt.device, zxbcdt.dtype, int(conv_weight.shape[1]), d_inner=H * P,
+                             conv_dim=conv_dim, nheads=H)
+    if why is not None:
+        raise ConfigError(CONFIG_KEY, "mamba_ssm", f"auto | reference (the fused Mamba2 path "
+                                                   f"mamba_split_conv1d_scan_combined cannot run: {why})")
     if D is None:
         D = torch.zeros(H, device=zxbcdt.device, dtype=torch.float32)
     if dt_bias is None:

@@ -19,13 +19,28 @@ A (H,), B/C (B, T, G, N), D (H,) or (H, P), dt_bias (H,), state (B, H, P, N).
   here in float32 (softplus, clamp) and passed as ``dt`` with a zero ``dt_bias`` and ``dt_softplus=False``.
 * fused mixer: ``mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight (C, W), conv1d_bias, dt_bias, A, D,
   chunk_size, initial_states=None, seq_idx=None, dt_limit, return_final_states=False, activation, rmsnorm_weight,
-  rmsnorm_eps, outproj_weight, outproj_bias, headdim, ngroups, norm_before_gate)`` (calls the causal-conv1d CUDA
-  extension internally, so it needs that package too).
+  rmsnorm_eps, outproj_weight, outproj_bias, headdim, ngroups, norm_before_gate)``. It runs the causal-conv1d C++ op
+  on the xBC slice of zxbcdt, and which entry point it calls depends on the mamba-ssm release
+  (``mamba_ssm/ops/triton/ssd_combined.py``, module-level ``try: ... except ImportError`` that leaves ``None``):
+
+  - mamba-ssm 2.2.0 - 2.2.4: ``import causal_conv1d_cuda``; ``causal_conv1d_cuda.causal_conv1d_fwd(x, weight, bias,
+    seq_idx, None, None, silu)`` (7 arguments) and ``causal_conv1d_bwd(...)`` (10). causal-conv1d <= 1.5.0.post8
+    has exactly these; from 1.5.1 the C++ ops take a preallocated ``out`` (fwd: 8 arguments, bwd: 12,
+    ``csrc/causal_conv1d.cpp``), so this pair fails with a pybind TypeError in the first forward.
+  - mamba-ssm >= 2.2.5: ``from causal_conv1d.cpp_functions import causal_conv1d_fwd_function,
+    causal_conv1d_bwd_function, causal_conv1d_update_function`` (7 / 10 arguments). ``cpp_functions`` exists from
+    causal-conv1d 1.5.1; with 1.5.0.x the import fails, the names stay ``None`` and the first forward fails with
+    "'NoneType' object is not callable".
+
+  :func:`split_function` therefore checks the names the installed ssd_combined really calls, and their arity, before
+  the fused path is chosen (:func:`causal_conv1d_compat_reason`).
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
@@ -46,10 +61,125 @@ def _load_state_update():
     return mod.selective_state_update
 
 
+def positional_arities(fn) -> Optional[set]:
+    """The numbers of positional arguments ``fn`` accepts, or None when they cannot be read.
+
+    Python functions: from :func:`inspect.signature` (``{n}`` up to the optional ones; ``*args`` gives None = any).
+    pybind11 functions (the causal-conv1d C++ ops; ``inspect.signature`` raises on them): from the signature line
+    pybind11 writes into ``__doc__``, ``name(arg0: torch.Tensor, arg1: ..., argN: bool) -> ...`` (one line per
+    overload)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        sig = None
+    if sig is not None:
+        lo = hi = 0
+        for p in sig.parameters.values():
+            if p.kind is p.VAR_POSITIONAL:
+                return None
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+                hi += 1
+                if p.default is p.empty:
+                    lo += 1
+        return set(range(lo, hi + 1))
+    name = getattr(fn, "__name__", None)
+    doc = getattr(fn, "__doc__", None) or ""
+    out = set()
+    for line in doc.splitlines():
+        line = line.strip()
+        if line[:1].isdigit() and ". " in line:             # pybind11 overloads: "1. name(...) -> ..."
+            line = line.split(". ", 1)[1]
+        if not name or not line.startswith(name + "("):
+            continue
+        depth, args, cur = 0, 0, ""
+        for ch in line[len(name) + 1:]:
+            if ch == ")" and depth == 0:
+                break
+            if ch in "[(":
+                depth += 1
+            elif ch in "])":
+                depth -= 1
+            if ch == "," and depth == 0:
+                args, cur = args + 1, ""
+            else:
+                cur += ch
+        out.add(args + (1 if cur.strip() else 0))
+    return out or None
+
+
+# What mamba_split_conv1d_scan_combined passes to the causal-conv1d ops (forward, backward), by mamba-ssm release.
+_CONV_CALL_ARGS = (7, 10)
+
+
+def _installed_causal_conv1d() -> str:
+    """``causal_conv1d <version>`` or why it does not import (for messages)."""
+    try:
+        mod = importlib.import_module("causal_conv1d")
+    except Exception as e:  # noqa: BLE001
+        return f"causal_conv1d not importable ({type(e).__name__}: {e})"
+    return f"causal_conv1d {getattr(mod, '__version__', '(unknown version)')}"
+
+
+def causal_conv1d_compat_reason(mod) -> Optional[str]:
+    """None when the causal-conv1d entry points that ``mod`` (an imported ``mamba_ssm.ops.triton.ssd_combined``)
+    calls from ``mamba_split_conv1d_scan_combined`` exist and take the arguments it passes; else why not.
+
+    Reads the module globals ssd_combined binds at import: ``causal_conv1d_fwd_function`` /
+    ``causal_conv1d_bwd_function`` (mamba-ssm >= 2.2.5, from ``causal_conv1d.cpp_functions``, causal-conv1d >= 1.5.1)
+    or ``causal_conv1d_cuda`` (mamba-ssm 2.2.0 - 2.2.4, whose ``causal_conv1d_fwd`` / ``causal_conv1d_bwd`` must take
+    7 / 10 arguments, i.e. causal-conv1d <= 1.5.0.post8)."""
+    g = vars(mod)
+    want_f, want_b = _CONV_CALL_ARGS
+    if "causal_conv1d_fwd_function" in g:                   # mamba-ssm >= 2.2.5
+        fwd, bwd = g.get("causal_conv1d_fwd_function"), g.get("causal_conv1d_bwd_function")
+        if fwd is None or bwd is None:
+            try:
+                importlib.import_module("causal_conv1d.cpp_functions")
+                why = "it did not import when mamba_ssm was imported"
+            except Exception as e:  # noqa: BLE001
+                why = f"{type(e).__name__}: {e}"
+            return (f"mamba_ssm's fused Mamba2 path calls causal_conv1d.cpp_functions (mamba-ssm >= 2.2.5), which is "
+                    f"unavailable ({why}; installed: {_installed_causal_conv1d()}; cpp_functions exists from "
+                    f"causal-conv1d 1.5.1)")
+        for fn, want, what in ((fwd, want_f, "causal_conv1d_fwd_function"), (bwd, want_b, "causal_conv1d_bwd_function")):
+            ar = positional_arities(fn)
+            if ar is not None and want not in ar:
+                return (f"mamba_ssm calls causal_conv1d.cpp_functions.{what} with {want} arguments; the installed "
+                        f"one takes {sorted(ar)} ({_installed_causal_conv1d()})")
+        return None
+    if "causal_conv1d_cuda" in g:                           # mamba-ssm 2.2.0 - 2.2.4
+        ext = g.get("causal_conv1d_cuda")
+        if ext is None:
+            return (f"mamba_ssm's fused Mamba2 path calls the causal_conv1d_cuda extension, which did not import "
+                    f"({_installed_causal_conv1d()})")
+        for name, want in (("causal_conv1d_fwd", want_f), ("causal_conv1d_bwd", want_b)):
+            fn = getattr(ext, name, None)
+            if fn is None:
+                return f"causal_conv1d_cuda has no {name} ({_installed_causal_conv1d()})"
+            ar = positional_arities(fn)
+            if ar is not None and want not in ar:
+                return (f"mamba_ssm (<= 2.2.4) calls causal_conv1d_cuda.{name} with {want} arguments, the installed "
+                        f"C++ op takes {sorted(ar)} (causal-conv1d >= 1.5.1 added an `out` argument; "
+                        f"{_installed_causal_conv1d()}); install mamba-ssm >= 2.2.5 (or causal-conv1d < 1.5.1)")
+        return None
+    return ("mamba_ssm.ops.triton.ssd_combined binds neither causal_conv1d_fwd_function nor causal_conv1d_cuda "
+            "(an unknown mamba-ssm layout)")
+
+
+def has_stride_fix(mod) -> bool:
+    """True when ``mod`` (ssd_combined) copies xBC when its row stride is not a multiple of 8 before the
+    channel-last conv: ``rearrange_and_update_stride`` (mamba-ssm 2.2.5 - 2.2.6) or ``ensure_stride`` (>= 2.3.0).
+    Older releases pass the strided xBC view of zxbcdt as is."""
+    return callable(getattr(mod, "ensure_stride", None)) or callable(getattr(mod, "rearrange_and_update_stride", None))
+
+
 def _load_split():
-    importlib.import_module("causal_conv1d")  # the fused path calls the causal-conv1d CUDA extension
     mod = importlib.import_module("mamba_ssm.ops.triton.ssd_combined")
-    return mod.mamba_split_conv1d_scan_combined
+    fn = mod.mamba_split_conv1d_scan_combined
+    reason = causal_conv1d_compat_reason(mod)
+    if reason is not None:
+        raise ImportError(reason)
+    return SimpleNamespace(fn=fn, stride_fix=has_stride_fix(mod))
 
 
 def chunk_scan_function():
@@ -62,9 +192,18 @@ def state_update_function():
     return probe("ssd.state_update", _load_state_update)
 
 
-def split_function():
-    """(mamba_split_conv1d_scan_combined or None, import error message or None); needs causal_conv1d as well."""
+def split_info():
+    """(namespace(fn=mamba_split_conv1d_scan_combined, stride_fix=bool) or None, reason or None).
+
+    None with the reason when ssd_combined does not import or the causal-conv1d entry points it calls are missing or
+    take other arguments (:func:`causal_conv1d_compat_reason`). Probed once per process."""
     return probe("ssd.split", _load_split)
+
+
+def split_function():
+    """(mamba_split_conv1d_scan_combined or None, reason or None); see :func:`split_info`."""
+    info, err = split_info()
+    return (None, err) if info is None else (info.fn, None)
 
 
 def _need(fn_err, what: str):
