@@ -13,6 +13,19 @@ SHARED = ROOT.parent / "shared" / "data" / "physicslm4"
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 
+# Hydra arch presets as plain dicts (the same keys as conf/arch/*.yaml; test_configs checks the YAMLs compose).
+ARCH_PRESETS = {
+    "llama": dict(arch="llama"),
+    "gla": dict(arch="gla", expand_k=0.5, expand_v=1.0),
+    "gla5": dict(arch="gla", expand_k=1.0, expand_v=2.0, output_gate_rank=16, ffn_ratio=2.0, init="linear_0.02_split",
+                 key_head_dim=128),
+    "gdn": dict(arch="gdn", expand_k=0.75, expand_v=1.5, ffn_ratio=2.0),
+    "gdn2": dict(arch="gdn", expand_k=1.0, expand_v=2.0, output_gate_rank=16, ffn_ratio=2.0, init="linear_0.02_split",
+                 key_head_dim=128),
+    "mamba2": dict(arch="mamba2", ffn_ratio=2.0, init="mamba2_default", norm_eps=1e-5),
+    "mamba2_nomlp": dict(arch="mamba2", mlp="none", n_layers_factor=2, init="mamba2_default", norm_eps=1e-5),
+}
+
 
 def compose(overrides: list[str] | None = None, output_dir: str | os.PathLike | None = None):
     """Compose conf/train.yaml with overrides (as `python train.py <overrides>` would) and return the DictConfig.

@@ -23,20 +23,10 @@ from canonlm.arch import CanonLM, build_model_config
 from canonlm.arch.flops import COMPONENTS, _gdn_scan, flops_per_token, mfu
 from canonlm.arch.modules import GatedRMSNorm, RMSNorm
 from canonlm.ops.canon import causal_conv1d_reference, causal_conv1d_torch
+from conftest import ARCH_PRESETS
 
-# The Hydra arch presets as plain dicts (the keys of conf/arch/*.yaml, as tests/test_linear_arch.py builds them).
-PRESETS = {
-    "llama": dict(arch="llama"),
-    "llama_gqa_std": dict(arch="llama", n_kv_heads=1, mlp="standard", tie_embeddings=True),
-    "gla": dict(arch="gla", expand_k=0.5, expand_v=1.0),
-    "gla5": dict(arch="gla", expand_k=1.0, expand_v=2.0, output_gate_rank=16, ffn_ratio=2.0, init="linear_0.02_split",
-                 key_head_dim=128),
-    "gdn": dict(arch="gdn", expand_k=0.75, expand_v=1.5, ffn_ratio=2.0),
-    "gdn2": dict(arch="gdn", expand_k=1.0, expand_v=2.0, output_gate_rank=16, ffn_ratio=2.0, init="linear_0.02_split",
-                 key_head_dim=128),
-    "mamba2": dict(arch="mamba2", ffn_ratio=2.0, init="mamba2_default", norm_eps=1e-5),
-    "mamba2_nomlp": dict(arch="mamba2", mlp="none", n_layers_factor=2, init="mamba2_default", norm_eps=1e-5),
-}
+# The Hydra arch presets as plain dicts, plus a GQA / standard-MLP / tied-head Llama.
+PRESETS = {**ARCH_PRESETS, "llama_gqa_std": dict(arch="llama", n_kv_heads=1, mlp="standard", tie_embeddings=True)}
 LINEAR_CANONS = ("", "b", "AbCD", "AbBCD")
 CASES = ([("llama", ""), ("llama", "ABCD"), ("llama_gqa_std", "ABCD")]
          + [(p, c) for p in ("gla", "gla5", "gdn", "gdn2", "mamba2") for c in LINEAR_CANONS]

@@ -727,22 +727,10 @@ def check_model_decode(arch: str, device: str, size: str = "2L256D") -> tuple[st
 # ----------------------------------------------------------------------------------------------------------------
 
 def _canon_loop(x, w, b=None, residual=True, activation=False, init=None):
-    """``y_t = [x_t +] act(b + sum_i w[:, i] x_{t-K+1+i})`` by a plain loop over time and taps."""
-    import torch
+    """The plain-loop Canon oracle (:func:`canonlm.ops.canon.naive.canon_loop`)."""
+    from canonlm.ops.canon.naive import canon_loop
 
-    B, T, C = x.shape
-    K = w.shape[1]
-    hist = [init[:, :, j] for j in range(K - 1)] if init is not None else [x.new_zeros(B, C)] * (K - 1)
-    seq = hist + [x[:, t] for t in range(T)]
-    out = []
-    for t in range(T):
-        z = b.expand(B, C) if b is not None else x.new_zeros(B, C)
-        for i in range(K):
-            z = z + w[:, i] * seq[t + i]
-        if activation:
-            z = z * torch.sigmoid(z)
-        out.append(x[:, t] + z if residual else z)
-    return torch.stack(out, dim=1)
+    return canon_loop(x, w, b, residual, activation, init)
 
 
 def _gla_loop(q, k, v, g, h0):
