@@ -30,4 +30,18 @@ python -c "import torch; print('[setup] torch', torch.__version__, '| CUDA avail
 
 extras=${1:-}
 pip install -e ".${extras:+[$extras]}"
+# --- Hugging Face interop tests (tests/test_interop.py, marker `interop`) ---------------------------------------
+# With `dev` among the extras and the official PhysicsLM4 release files in ../shared/data/physicslm4/huggingface,
+# side-install the transformers those official LlamaCanon classes were written for (4.51.3) into .cache/hf451; the
+# tests run the official classes in a subprocess with that directory first on PYTHONPATH (the venv keeps its own
+# transformers). Idempotent (skipped when present); a failure only prints a warning.
+if [[ ",${extras}," == *",dev,"* ]] && [ -d ../shared/data/physicslm4/huggingface ]; then
+  if [ -f .cache/hf451/transformers/__init__.py ]; then
+    echo "[setup] .cache/hf451 (transformers 4.51.3 for the interop tests) already present"
+  elif pip install --no-deps --target .cache/hf451 transformers==4.51.3 "tokenizers>=0.21,<0.22" "huggingface_hub<1.0"; then
+    echo "[setup] side-installed transformers 4.51.3 into .cache/hf451 (interop tests)"
+  else
+    echo "[setup] WARNING: could not side-install transformers 4.51.3 into .cache/hf451; tests/test_interop.py will skip" >&2
+  fi
+fi
 echo "[setup] done: $(python -c 'import canonlm; print("canonlm", canonlm.__version__)')"

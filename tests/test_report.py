@@ -3,15 +3,30 @@
 import json
 
 import pytest
+import yaml
 
 from canonlm.train.report import load_runs, main, table, tables
 
 NAN = float("nan")
 
 
-def _run(root, name, N, size, lr, acc_hi, acc_lo, K=8, canon="ABCD", pos="rope", hparams=True):
-    """A finished run directory as train.py leaves it: results.json (the layout of canonlm.train.run) and the
-    resolved config in hparams.json."""
+def _config(N, size, lr, K=8, canon="ABCD", pos="rope"):
+    """The identity keys of a run's resolved config (hparams.json; Hydra's .hydra/config.yaml has the same keys)."""
+    return {"task": {"name": "depo1", "N": N, "K": K}, "model": {"size": size, "arch": "llama", "mlp": "gated",
+                                                                 "qk_norm": "none"},
+            "canon": {"set": canon, "kernel": 4}, "pos": {"type": pos, "fraction": 1.0}, "optim": {"lr": lr},
+            "seed": 0}
+
+
+def _val_rows(curve):
+    """metrics.jsonl lines of validation passes: curve = [(step, {k: acc}), ...] -> ``val/acc_k<k>`` keys."""
+    return "".join(json.dumps({"step": st, "time": 1.0 + st, "val/loss": 2.0,
+                               **{f"val/acc_k{k}": a for k, a in accs.items()}}) + "\n" for st, accs in curve)
+
+
+def _run(root, name, N, size, lr, acc_hi, acc_lo, K=8, canon="ABCD", pos="rope", hparams=True, curve=()):
+    """A finished run directory as train.py leaves it: results.json (the layout of canonlm.train.run), the resolved
+    config in hparams.json and .hydra/config.yaml, metrics.jsonl (a training line, then ``curve``'s val lines)."""
     d = root / name
     d.mkdir(parents=True)
     by = {str(K // 2): {"answers": 10, "acc": acc_lo, "tokens": 20, "token_acc": 0.5},
@@ -23,14 +38,13 @@ def _run(root, name, N, size, lr, acc_hi, acc_lo, K=8, canon="ABCD", pos="rope",
         "test": {"loss": 2.0, "ppl": 7.4, "group_name": "k", "by_group": by,
                  "overall": {"answers": 20, "acc": (acc_hi + acc_lo) / 2, "tokens": 40, "token_acc": 0.5}}}))
     if hparams:
-        (d / "hparams.json").write_text(json.dumps({
-            "task": {"name": "depo1", "N": N, "K": K}, "model": {"size": size, "arch": "llama", "mlp": "gated",
-                                                              "qk_norm": "none"},
-            "canon": {"set": canon, "kernel": 4}, "pos": {"type": pos, "fraction": 1.0}, "optim": {"lr": lr},
-            "seed": 0}))
-    (d / ".hydra").mkdir()
+        (d / "hparams.json").write_text(json.dumps(_config(N, size, lr, K, canon, pos)))
+        (d / ".hydra").mkdir()
+        (d / ".hydra" / "config.yaml").write_text(yaml.safe_dump(_config(N, size, lr, K, canon, pos)))
+    else:
+        (d / ".hydra").mkdir()
     (d / "checkpoints").mkdir()
-    (d / "metrics.jsonl").write_text('{"step": 100, "time": 1.0, "train/loss": 2.0}\n')
+    (d / "metrics.jsonl").write_text('{"step": 100, "time": 1.0, "train/loss": 2.0}\n' + _val_rows(curve))
     return d
 
 

@@ -144,3 +144,19 @@ def test_generative_eval_on_two_processes(strategy, samples, tmp_path):
     assert {k: v["samples"] for k, v in dist["by_group"].items()} == \
         {k: v["samples"] for k, v in single["by_group"].items()}
     assert dist["acc"] == pytest.approx(single["acc"]) and "set_correct" in dist
+
+
+def test_init_from_loads_weights_only(tmp_path):
+    """``init_from=<checkpoint>`` starts from those weights: testing the loaded model without training gives the
+    source run's test loss exactly; a checkpoint of another model is refused before anything is written."""
+    _train([*TINY, "run_name=src", "trainer.max_steps=10", "trainer.val_check_interval=10"], tmp_path)
+    ck = tmp_path / "logs" / "train" / "runs" / "src" / "checkpoints" / "last.ckpt"
+    _train([*TINY, "run_name=dst", f"init_from={ck}", "train=false"], tmp_path)
+    runs = tmp_path / "logs" / "train" / "runs"
+    src, dst = (json.loads((runs / n / "results.json").read_text()) for n in ("src", "dst"))
+    assert dst["test"]["loss"] == src["test"]["loss"] and dst["steps"] == 0
+    cmd = [sys.executable, str(ROOT / "train.py"), *TINY, "run_name=bad", f"init_from={ck}", "canon=AC",
+           f"paths.log_dir={tmp_path}/logs"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert p.returncode == 2 and "init_from=" in p.stderr and "canon.set" in p.stderr, p.stderr[-2000:]
+    assert not (runs / "bad").exists()

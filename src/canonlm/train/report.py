@@ -1,7 +1,7 @@
-"""Paper-style tables from a sweep: ``python -m canonlm.train.report <sweep dir> [--rows task.N] [--cols model.size]
-[--json out.json]``.
+"""Paper-style tables and figures from a sweep: ``python -m canonlm.train.report <sweep or run dirs...> [--rows task.N]
+[--cols model.size] [--json out.json] [--out DIR [--force]]``.
 
-Reads every run below the folder: its ``results.json`` (written by ``train.py`` when the run ends) and the resolved
+Reads every run below the folders: its ``results.json`` (written by ``train.py`` when the run ends) and the resolved
 config ``hparams.json`` beside it. Runs are put in cells by the values of the ``--rows`` and ``--cols`` config keys,
 and a cell shows its best run over the learning rates and seeds it holds: the paper reports, for each cell, the best
 of the learning rates it tried (Allen-Zhu, 2025, Physics of Language Models Part 4.1). A run whose metric is NaN
@@ -20,7 +20,19 @@ copy).
 
 Run directories without a usable ``results.json`` (still running, killed or failed: they hold ``.hydra/``,
 ``metrics.jsonl`` or ``checkpoints/``) are listed under the tables as ``unfinished or failed: <dir> (last step N from
-metrics.jsonl)``. ``--json`` writes every table and that list. A folder without any run is an error (exit 2).
+metrics.jsonl)``. ``--json`` writes every table and that list. Several folders are read as one sweep (a run found
+twice counts once); a folder without any run is an error (exit 2, nothing written).
+
+``--out DIR`` also writes, besides printing the tables: ``table.md`` (every table in markdown),
+``table[-<setting>].csv`` (one per setting, the paper's layout: rows x columns, ``acc@K/acc@K/2`` or one number per
+cell), the heat maps of the paper's Fig. 7 (``heatmap[-<setting>].png``: the number in each cell, colour = accuracy;
+``heatmaps[-...].png``: the settings that differ in Canon set or positions side by side on one colour scale), learning
+curves of validation accuracy by k over steps from ``metrics.jsonl`` (``curves[-<setting>].png``, each cell's best run)
+and ``report.json`` (tables, unfinished runs, what each figure drew; see ``canonlm.train.figures``). In these files the
+unfinished or failed runs are put in their cells (their config from ``hparams.json`` or ``.hydra/config.yaml``): a cell
+without a finished run is ``n/a (unfinished | failed | diverged | missing)`` in the tables and grey and hatched in the
+figures, and a finished cell that also has an unfinished run is marked ``*``. Nothing is overwritten: when DIR already
+holds a file of one of these names the report stops with one error (exit 2) and writes nothing, unless ``--force``.
 """
 
 from __future__ import annotations
@@ -269,23 +281,325 @@ def _finite(x: float) -> float | None:
     return x if isinstance(x, (int, float)) and math.isfinite(x) else None
 
 
+# ---------------------------------------------------------------------------------------------- report files (--out)
+
+# What a cell that has no number shows: (markdown text, figure text).
+STATUS_TEXT = {"unfinished": "unfinished", "failed": "failed", "missing": "missing", "diverged": "diverged"}
+_REASON_STATUS = {"no results.json": "unfinished", "results.json has no test or val result": "failed",
+                  "unreadable results.json": "failed"}
+# Keys a side-by-side panel figure varies (one panel per value); the other keys of a setting pick the figure.
+PANEL_KEYS = ("canon.set", "pos.type", "pos.fraction")
+# Named in every figure title, varying or not (with the task): the paper's (arch, canon, pos) setting.
+_TITLE_KEYS = {"model.arch": "arch", "canon.set": "canon", "pos.type": "pos"}
+
+
+def _run_config(d: Path) -> dict[str, Any] | None:
+    """The resolved config of a run directory: ``hparams.json`` (written when training starts), else Hydra's
+    ``.hydra/config.yaml`` (written before anything is built); None if neither is readable."""
+    try:
+        cfg = json.loads((d / "hparams.json").read_text())
+        if isinstance(cfg, dict) and cfg:
+            return cfg
+    except (OSError, ValueError):
+        pass
+    try:
+        import yaml
+
+        cfg = yaml.safe_load((d / ".hydra" / "config.yaml").read_text())
+        return cfg if isinstance(cfg, dict) and cfg else None
+    except Exception:  # OSError, yaml.YAMLError
+        return None
+
+
+def place_unfinished(unfinished: list[dict[str, Any]], runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Run-like dicts (``config``, ``dir``, ``status``, ``last_step``, ``reason``) for the unfinished or failed runs,
+    so they can be put in their cells; ``config`` is None when the directory holds no config (it is then listed
+    but placed in no table). ``status``: ``unfinished`` (no results.json) or ``failed``."""
+    by_dir = {r["dir"]: r for r in runs}
+    out = []
+    for u in unfinished:
+        d = Path(u["dir"])
+        r = dict(by_dir.get(u["dir"], {}))
+        if not r.get("config"):
+            r["config"] = _run_config(d)
+        r.update(dir=u["dir"], last_step=u["last_step"], reason=u["reason"],
+                 status=_REASON_STATUS.get(u["reason"], "failed"))
+        out.append(r)
+    return out
+
+
+def _cell_text(acc: tuple[float, float], bits: bool, sep: str = " / ") -> str:
+    hi, lo = acc
+    if lo != lo:
+        return f"{hi:.3f}" if bits else f"{100 * hi:.1f}"
+    return f"{100 * hi:.1f}{sep}{100 * lo:.1f}"
+
+
+def _slug(setting: dict[str, str]) -> str:
+    return re.sub(r"[^A-Za-z0-9._=-]+", "-", "_".join(f"{k}={v}" for k, v in setting.items())).replace("=", "-")
+
+
+def layout(runs: list[dict[str, Any]], placed: list[dict[str, Any]], rows: str, cols: str) -> list[dict[str, Any]]:
+    """The paper's tables with nothing dropped: like ``tables`` (one per setting, best run over the learning rates
+    per cell, Fig. 7 of Allen-Zhu 2025 reports the best of four), but the settings, row values and column values
+    also come from the unfinished or failed runs (``place_unfinished``), and every (row, column) pair of a task is a
+    cell of each of its settings. Each item: ``setting`` / ``title`` (the keys that vary), ``name`` (task and
+    (arch, canon, pos) always named; ``named`` the same as a dict), ``slug``, ``group`` (the setting without
+    ``PANEL_KEYS``), ``row_values``,
+    ``col_values``, ``kind``, ``bits`` and ``cells[r][c]`` = ``{"status": ok | diverged | unfinished | failed |
+    missing, "acc": (acc@K, acc@K/2) or None, "value": colour value (percent, or bits) or None, "text", "dir"
+    (best run), "runs" (finished runs), "unfinished": [dirs of this cell's unfinished or failed runs]}``."""
+    keys = [k for k in IDENTITY if k not in (rows, cols)]
+    evaluated = [r for r in runs if cell(r) is not None]
+    others = [u for u in placed if u.get("config")]
+    every = evaluated + others
+    sigs = [{k: label(k, _value(r, k)) for k in keys} for r in every]
+    varying = [k for k in keys if len({s[k] for s in sigs}) > 1]
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for i, s in enumerate(sigs):
+        groups.setdefault(tuple(s[k] for k in varying), []).append(i)
+    # row / column values per task: a setting that lacks a (row, col) pair its task has elsewhere shows it missing
+    task_of = [label("task.name", _value(r, "task.name")) for r in every]
+    rv_task: dict[str, set[str]] = {}
+    cv_task: dict[str, set[str]] = {}
+    for r, t in zip(every, task_of):
+        rv_task.setdefault(t, set()).add(label(rows, _value(r, rows)))
+        cv_task.setdefault(t, set()).add(label(cols, _value(r, cols)))
+    out = []
+    for g in sorted(groups, key=lambda t: tuple(_order(x) for x in t)):
+        idx = groups[g]
+        setting = dict(zip(varying, g))
+        fin = [every[i] for i in idx if i < len(evaluated)]
+        unf = [every[i] for i in idx if i >= len(evaluated)]
+        first = every[idx[0]]
+        task = task_of[idx[0]]
+        best = table(fin, rows, cols) if fin else {}
+        rvals = sorted(rv_task[task], key=_order)
+        cvals = sorted(cv_task[task], key=_order)
+        kinds = {_kind(r) for r in fin}
+        kind = kinds.pop() if len(kinds) == 1 else ("mixed" if kinds else "answer accuracy (%)")
+        bits = kind == "bits per parameter"
+        cells: dict[str, dict[str, dict[str, Any]]] = {}
+        for rv in rvals:
+            for cv in cvals:
+                mine = [u["dir"] for u in unf if (label(rows, _value(u, rows)), label(cols, _value(u, cols)))
+                        == (rv, cv)]
+                e = best.get(rv, {}).get(cv)
+                if e is not None and e["acc"][0] == e["acc"][0]:
+                    v = e["acc"][0] if e["bits"] else 100 * e["acc"][0]
+                    text = _cell_text(e["acc"], e["bits"]) + ("*" if mine else "")
+                    c = {"status": "ok", "acc": e["acc"], "value": v, "text": text, "dir": e["dir"],
+                         "runs": e["runs"]}
+                else:
+                    if e is not None:
+                        status = "diverged"
+                    elif mine:
+                        st = {u["status"] for u in unf if u["dir"] in mine}
+                        status = "unfinished" if "unfinished" in st else "failed"
+                    else:
+                        status = "missing"
+                    c = {"status": status, "acc": None, "value": None, "text": "n/a (" + STATUS_TEXT[status] + ")",
+                         "dir": e["dir"] if e else None, "runs": e["runs"] if e else 0}
+                c["unfinished"] = mine
+                c["last_step"] = max([u["last_step"] for u in unf if u["dir"] in mine and u["last_step"] is not None],
+                                     default=None)
+                cells.setdefault(rv, {})[cv] = c
+        named = {"task.name": task}
+        named.update({k: label(k, _value(first, k)) for k in _TITLE_KEYS})
+        if named.get("pos.type") == "partial_rope":
+            named["pos.fraction"] = label("pos.fraction", _value(first, "pos.fraction"))
+        named.update(setting)
+        named = {_TITLE_KEYS.get(k, k): v for k, v in named.items() if k not in ("task.name", rows, cols)}
+        name = f"{task}: " + " ".join(f"{k}={v}" for k, v in named.items())
+        out.append({"setting": setting, "title": " ".join(f"{k}={v}" for k, v in setting.items()), "name": name,
+                    "named": named, "slug": _slug(setting),
+                    "group": {k: v for k, v in setting.items() if k not in PANEL_KEYS},
+                    "task": task, "row_values": rvals, "col_values": cvals, "kind": kind, "bits": bits,
+                    "cells": cells})
+    return out
+
+
+def markdown(lay: list[dict[str, Any]], rows: str, cols: str, roots: list[Path], placed: list[dict[str, Any]],
+             figures: dict[str, list[str]]) -> str:
+    """The tables as markdown: one per setting, rows ``rows`` values, columns ``cols`` values, each cell the best
+    run over the learning rates (``n/a (unfinished)`` etc. where there is none), then the unfinished runs."""
+    lines = ["# Sweep report", "", "Runs below: " + ", ".join(f"`{r}`" for r in roots), ""]
+    for t in lay:
+        lines += [f"## {t['name']}", "", f"Cells: {t['kind']}, the best run over learning rates and seeds "
+                  "(test split, else val).", ""]
+        lines.append(f"| {rows} \\ {cols} | " + " | ".join(t["col_values"]) + " |")
+        lines.append("|---|" + "---:|" * len(t["col_values"]))
+        for rv in t["row_values"]:
+            lines.append(f"| {rv} | " + " | ".join(t["cells"][rv][cv]["text"] for cv in t["col_values"]) + " |")
+        lines.append("")
+        figs = figures.get(t["slug"], [])
+        if figs:
+            lines += [" ".join(f"![{f}]({f})" for f in figs), ""]
+    if any(c["unfinished"] and c["status"] == "ok" for t in lay for row in t["cells"].values() for c in row.values()):
+        lines += ["`*`: another run of this cell is unfinished or failed; the cell is the best of the finished ones.",
+                  ""]
+    if placed:
+        lines += ["## Unfinished or failed runs", ""]
+        for u in placed:
+            where = "" if u.get("config") else " (no hparams.json or .hydra/config.yaml: in no table)"
+            lines.append(f"- {_unfinished_line(u)}{where}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def csv_table(t: dict[str, Any], rows: str, cols: str) -> str:
+    """One setting's table as CSV in the paper's layout: a corner ``rows \\ cols``, the column values, then one line
+    per row value; a cell is ``acc@K/acc@K/2`` (Depo) or one number, ``n/a`` where no finished run has one."""
+    import csv
+    import io
+
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow([f"{rows} \\ {cols}"] + t["col_values"])
+    for rv in t["row_values"]:
+        w.writerow([rv] + [_cell_text(c["acc"], t["bits"], "/") if c["status"] == "ok" else "n/a"
+                           for c in (t["cells"][rv][cv] for cv in t["col_values"])])
+    return buf.getvalue()
+
+
+def _json_cell(c: dict[str, Any]) -> dict[str, Any]:
+    return {"status": c["status"], "acc": None if c["acc"] is None else [_finite(x) for x in c["acc"]],
+            "text": c["text"], "dir": c["dir"], "runs": c["runs"], "unfinished": c["unfinished"],
+            "last_step": c["last_step"]}
+
+
+def build_outputs(roots: list[Path], runs: list[dict[str, Any]], unfinished: list[dict[str, Any]], rows: str,
+                  cols: str) -> dict[str, bytes]:
+    """Every file of ``--out``, by name, rendered in memory (nothing is written here): ``table.md``, one CSV per
+    setting, one Fig. 7-style heat map per setting, side-by-side panels for the settings that differ only in Canon
+    set or positions, learning curves per setting, and ``report.json`` (tables, unfinished runs, figure geometry)."""
+    from canonlm.train import figures
+
+    placed = place_unfinished(unfinished, runs)
+    lay = layout(runs, placed, rows, cols)
+    files: dict[str, bytes] = {}
+    figs: list[dict[str, Any]] = []
+    per_setting: dict[str, list[str]] = {}
+    unplaced = [u["dir"] for u in placed if not u.get("config")]
+    for i, t in enumerate(lay):
+        sfx = f"-{t['slug']}" if t["slug"] else ""
+        files[f"table{sfx}.csv"] = csv_table(t, rows, cols).encode()
+        name = f"heatmap{sfx}.png"
+        png, info = figures.heatmap([t], rows=rows, cols=cols, title=t["name"], unplaced=unplaced)
+        files[name] = png
+        figs.append({"file": name, "type": "heatmap", "tables": [i], **info})
+        cname = f"curves{sfx}.png"
+        png, info = figures.curves(t, rows=rows, cols=cols, title=t["name"])
+        files[cname] = png
+        figs.append({"file": cname, "type": "curves", "tables": [i], **info})
+        per_setting[t["slug"]] = [name, cname]
+    # side-by-side panels (shared colour scale): settings of one task and group that differ in canon / pos only
+    pgroups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(lay):
+        if any(k in PANEL_KEYS for k in t["setting"]):
+            pgroups.setdefault((t["task"], tuple(t["group"].items()), t["kind"]), []).append(i)
+    for (task, group, _), idx in pgroups.items():
+        if len(idx) < 2:
+            continue
+        gs = _slug(dict(group))
+        name = f"heatmaps{'-' + gs if gs else ''}.png"
+        ts = [lay[i] for i in idx]
+        # the title names what all panels share: the task, the (arch, canon, pos) keys that do not vary, the group
+        varied = {_TITLE_KEYS.get(k, k) for k in ts[0]["setting"] if k in PANEL_KEYS}
+        title = f"{task}: " + " ".join(f"{k}={v}" for k, v in ts[0]["named"].items() if k not in varied)
+        # canon x pos (two panel keys, every combination present): panels in a grid, one line per Canon set
+        vary = [k for k in PANEL_KEYS if k in ts[0]["setting"]]
+        ncols = None
+        if len(vary) == 2:
+            second = sorted({t["setting"][vary[1]] for t in ts}, key=_order)
+            if len(ts) == len({t["setting"][vary[0]] for t in ts}) * len(second):
+                ncols = len(second)
+        png, info = figures.heatmap(ts, rows=rows, cols=cols, title=title, unplaced=unplaced, ncols=ncols)
+        files[name] = png
+        figs.append({"file": name, "type": "panels", "tables": idx, **info})
+        for i in idx:
+            per_setting[lay[i]["slug"]].append(name)
+    files["table.md"] = markdown(lay, rows, cols, roots, placed, per_setting).encode()
+    doc = {"roots": [str(r) for r in roots], "rows": rows, "cols": cols,
+           "tables": [{"setting": t["setting"], "title": t["title"], "name": t["name"], "kind": t["kind"],
+                       "row_values": t["row_values"], "col_values": t["col_values"],
+                       "csv": f"table{'-' + t['slug'] if t['slug'] else ''}.csv",
+                       "cells": {r: {c: _json_cell(e) for c, e in row.items()} for r, row in t["cells"].items()}}
+                      for t in lay],
+           "unfinished": [{"dir": u["dir"], "last_step": u["last_step"], "reason": u["reason"], "status": u["status"],
+                           "placed": bool(u.get("config"))} for u in placed],
+           "figures": figs}
+    files["report.json"] = json.dumps(doc, indent=1).encode()
+    return files
+
+
+def write_outputs(out: Path, files: dict[str, bytes], force: bool) -> str | None:
+    """Write ``files`` into ``out`` (created if needed); None, or the error message (nothing written) when ``out``
+    is not a directory or already holds a file of the same name and ``force`` is off."""
+    if out.exists() and not out.is_dir():
+        return f"--out {out} exists and is not a directory"
+    clash = sorted(n for n in files if (out / n).exists())
+    if clash and not force:
+        return (f"--out {out} already holds {', '.join(clash)}; nothing written (another --out, or --force to "
+                "replace these files)")
+    bad = [n for n in clash if not (out / n).is_file()]
+    if bad:
+        return f"--out {out}: {', '.join(bad)} exist and are not files; nothing written"
+    out.mkdir(parents=True, exist_ok=True)
+    for n, data in files.items():
+        tmp = out / f".{n}.tmp"
+        tmp.write_bytes(data)
+        tmp.replace(out / n)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m canonlm.train.report", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("root", type=Path, help="a sweep (multirun) folder, or any folder holding run directories")
+    ap.add_argument("roots", type=Path, nargs="+", metavar="dir",
+                    help="sweep (multirun) folders, run directories, or any folders holding run directories")
     ap.add_argument("--rows", default="task.N", help="config key of the rows (default: task.N)")
     ap.add_argument("--cols", default="model.size", help="config key of the columns (default: model.size)")
     ap.add_argument("--json", type=Path, help="also write every table and the unfinished runs to this file")
+    ap.add_argument("--out", type=Path, help="write table.md, CSV tables, PNG figures and report.json here")
+    ap.add_argument("--force", action="store_true", help="with --out: replace files of the same names")
     args = ap.parse_args(argv)
-    if not args.root.is_dir():
-        print(f"report: error: {args.root} is not a directory", file=sys.stderr)
+    bad = [str(r) for r in args.roots if not r.is_dir()]
+    if bad:
+        print(f"report: error: {', '.join(bad)} {'is' if len(bad) == 1 else 'are'} not a directory", file=sys.stderr)
         return 2
-    runs = load_runs(args.root)
-    unfinished = find_unfinished(args.root, runs)
-    if not runs and not unfinished:
-        print(f"report: error: no runs below {args.root} (no results.json, metrics.jsonl, checkpoints/ or .hydra/)",
-              file=sys.stderr)
+    runs: list[dict[str, Any]] = []
+    unfinished: list[dict[str, Any]] = []
+    empty = []
+    seen: set[str] = set()
+    seen_u: set[str] = set()
+    for root in args.roots:
+        rr = load_runs(root)
+        uu = find_unfinished(root, rr)
+        if not rr and not uu:
+            empty.append(str(root))
+        for r in rr:
+            if str(Path(r["dir"]).resolve()) not in seen:
+                seen.add(str(Path(r["dir"]).resolve()))
+                runs.append(r)
+        for u in uu:
+            if str(Path(u["dir"]).resolve()) not in seen_u:
+                seen_u.add(str(Path(u["dir"]).resolve()))
+                unfinished.append(u)
+    if empty:
+        print(f"report: error: no runs below {', '.join(empty)} (no results.json, metrics.jsonl, checkpoints/ or "
+              ".hydra/)", file=sys.stderr)
         return 2
+    # a finished run counted in two roots is one run; an unfinished one found again as finished stays finished
+    done = {r["dir"] for r in runs if cell(r) is not None}
+    unfinished = [u for u in unfinished if u["dir"] not in done]
+    files = None
+    if args.out is not None:
+        files = build_outputs(list(args.roots), runs, unfinished, args.rows, args.cols)
+        err = write_outputs(args.out, files, args.force)
+        if err:
+            print(f"report: error: {err}", file=sys.stderr)
+            return 2
     ts = tables(runs, args.rows, args.cols)
     for key in (args.rows, args.cols):
         if ts and all(_value(r, key) is None for r in runs if cell(r) is not None):
@@ -313,6 +627,8 @@ def main(argv: list[str] | None = None) -> int:
                                      for r, row in t["cells"].items()}} for t in ts],
                "unfinished": unfinished}
         args.json.write_text(json.dumps(doc, indent=1))
+    if files is not None:
+        print(f"\nwrote {len(files)} files to {args.out}: {', '.join(sorted(files))}")
     return 0
 
 

@@ -289,6 +289,25 @@ def _save_hydra_files(cfg: DictConfig, output_dir: str) -> None:
     atomic_write_text(d / "overrides.yaml", OmegaConf.to_yaml(hc.overrides.task))
 
 
+def _check_init_from(path: str, mcfg: ModelConfig) -> None:
+    """``init_from``: the weights exist, can be read without unpickling and compute the configured model's function
+    (:func:`canonlm.hf.io.read_weights`, :func:`canonlm.hf.mapping.structural_differences`); raises ConfigError."""
+    from canonlm.hf.io import read_weights
+    from canonlm.hf.mapping import InteropError, structural_differences
+
+    if not Path(path).expanduser().exists():
+        raise ConfigError("init_from", path, "null or an existing canonlm checkpoint, run directory or Hugging Face "
+                                             "directory")
+    try:
+        src_cfg, _ = read_weights(path)
+    except InteropError as e:
+        raise ConfigError("init_from", path, f"weights canonlm can read ({e})") from None
+    diff = structural_differences(src_cfg, mcfg)
+    if diff:
+        raise ConfigError("init_from", path, "weights of the configured model; they differ in "
+                          + "; ".join(diff[:6]) + " (value there vs here)")
+
+
 def prepare_run(cfg: DictConfig) -> tuple[Any, ModelConfig, str | None]:
     """Every check that needs no Lightning, in order (module docstring, steps 1-3): returns (task, model config,
     checkpoint to resume or None). Raises ConfigError (CheckpointError) with one message; on a refusal the run
@@ -317,6 +336,9 @@ def prepare_run(cfg: DictConfig) -> tuple[Any, ModelConfig, str | None]:
                 log.warning("%s", line)
         task_cfg = _container(cfg.task)
         ckpt = resolve_ckpt(cfg, str(output_dir), check=lambda info: check_compatible(info, mcfg, task_cfg, shapes))
+        init = cfg.get("init_from")
+        if init is not None and ckpt is None:
+            _check_init_from(str(init), mcfg)
         if cfg.get("train", True) and cfg.get("callbacks") and (cfg.callbacks.get("checkpoint") is not None
                                                                 or cfg.callbacks.get("preemption") is not None):
             check_run_dir(output_dir, estimate_checkpoint_bytes(n_params))
@@ -415,6 +437,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                       activation_checkpointing=bool(cfg.get("activation_checkpointing", False)), fsdp=fsdp,
                       task=task, gen_eval=_container(cfg.data.get("gen_eval")) or {}, task_cfg=task_cfg,
                       max_nonfinite_steps=int(cfg.get("max_nonfinite_steps", 5)))
+    if cfg.get("init_from") is not None and ckpt is None:  # weights only; a resumed checkpoint restores its own
+        from canonlm.hf.io import load_init_weights
+
+        load_init_weights(str(cfg.init_from), module.model)
+        if trainer.is_global_zero:
+            log.info("init_from=%s: weights loaded (fresh optimizer and schedule)", cfg.init_from)
     module.tokens_per_step = int(cfg.data.batch_size) * int(task_cfg["context"])
 
     n_params = module.model.num_params()

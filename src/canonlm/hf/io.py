@@ -1,0 +1,342 @@
+"""Reading and writing: canonlm run directories / checkpoints <-> Hugging Face directories (``config.json`` +
+safetensors). The conversions themselves are in :mod:`canonlm.hf.mapping`.
+
+Nothing here unpickles: Hugging Face weights are read with ``safetensors`` only (a ``pytorch_model.bin`` is refused),
+canonlm checkpoints with ``torch.load(weights_only=True)``. Every output is written atomically (a hidden temporary
+sibling, then one rename) and never over something that exists: an existing non-empty output directory or an
+existing output file is refused before anything is read. Errors are :class:`~canonlm.hf.mapping.InteropError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from canonlm.arch.config import ModelConfig
+from canonlm.hf.mapping import (InteropError, from_hf_config, from_hf_state_dict, hf_format, model_config_from_dict,
+                                structural_differences, to_hf_config, to_hf_state_dict)
+
+CKPT_IN_RUN = Path("checkpoints") / "last.ckpt"
+SAFETENSORS = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+IMPORTED_TASK = "hf_import"  # checkpoint["canonlm"]["task"]["name"] of an imported model
+
+
+# ============================================================================================ reading
+def read_hf_dir(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """``(config dict, {name: tensor})`` of a Hugging Face model directory: ``config.json`` and ``model.safetensors``
+    or a sharded ``model.safetensors.index.json`` (its ``weight_map`` names the shard of every tensor). Tensors keep
+    their stored dtype, on the CPU. Raises InteropError (no directory, no / bad config.json, only pickled
+    ``*.bin`` weights, a missing shard or a tensor the index names that its shard lacks)."""
+    d = Path(path).expanduser()
+    if not d.is_dir():
+        raise InteropError(f"{d}: not a directory (expected a Hugging Face model directory with config.json)")
+    try:
+        cfg = json.loads((d / "config.json").read_text())
+    except FileNotFoundError:
+        raise InteropError(f"{d} has no config.json (not a Hugging Face model directory)") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise InteropError(f"{d / 'config.json'} cannot be read: {e}") from None
+    if not isinstance(cfg, dict):
+        raise InteropError(f"{d / 'config.json'}: expected a JSON object")
+    from safetensors import safe_open
+
+    if (d / SAFETENSORS_INDEX).is_file():
+        try:
+            wmap = json.loads((d / SAFETENSORS_INDEX).read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise InteropError(f"{d / SAFETENSORS_INDEX} cannot be read ({type(e).__name__}: {e})") from None
+        files: dict[str, list[str]] = {}
+        for name, shard in wmap.items():
+            files.setdefault(shard, []).append(name)
+    elif (d / SAFETENSORS).is_file():
+        files = {SAFETENSORS: None}  # type: ignore[dict-item]
+    else:
+        pickled = sorted(p.name for p in d.glob("*.bin")) + sorted(p.name for p in d.glob("*.pth"))
+        raise InteropError(f"{d} has no {SAFETENSORS} or {SAFETENSORS_INDEX}"
+                           + (f" (only pickled weights: {', '.join(pickled[:3])}; canonlm reads safetensors only -- "
+                              "convert with transformers' save_pretrained(safe_serialization=True))" if pickled else ""))
+    sd: dict[str, torch.Tensor] = {}
+    for shard, names in files.items():
+        f = d / shard
+        if not f.is_file():
+            raise InteropError(f"{d}: shard {shard} named by {SAFETENSORS_INDEX} is missing")
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as fh:
+                keys = set(fh.keys())
+                for name in (sorted(keys) if names is None else names):
+                    if name not in keys:
+                        raise InteropError(f"{f}: tensor {name} named by {SAFETENSORS_INDEX} is not in the shard")
+                    sd[name] = fh.get_tensor(name)
+        except InteropError:
+            raise
+        except Exception as e:  # noqa: BLE001 -- safetensors raises its own error types
+            raise InteropError(f"{f} cannot be read as safetensors: {type(e).__name__}: {e}") from None
+    return cfg, sd
+
+
+def _load_ckpt(path: Path) -> dict[str, Any]:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise InteropError(f"checkpoint {path} cannot be read with torch.load(weights_only=True): {first}") from None
+    if not isinstance(state, dict):
+        raise InteropError(f"checkpoint {path}: expected a dict, found {type(state).__name__}")
+    return state
+
+
+def read_canonlm(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
+    """``(ModelConfig, CanonLM state dict, checkpoint["canonlm"] meta)`` of a canonlm run directory (its
+    ``checkpoints/last.ckpt``) or a checkpoint file. The config comes from ``checkpoint["canonlm"]["model"]``; a
+    checkpoint without it falls back to the run's ``.hydra/config.yaml`` (as ``canonlm.eval.load`` does). Raises
+    InteropError (nothing there, unreadable file, a distributed FSDP2 checkpoint directory, no config found)."""
+    p = Path(path).expanduser()
+    if p.is_dir() and (p / CKPT_IN_RUN).exists():
+        ck, run_dir = p / CKPT_IN_RUN, p
+    elif p.is_file():
+        ck = p
+        run_dir = p.parent.parent if p.parent.name == "checkpoints" else p.parent
+    elif p.is_dir() and (p / ".metadata").is_file():
+        raise InteropError(f"{p} is a distributed FSDP2 checkpoint directory; consolidate it to one file first "
+                           "(lightning.pytorch.utilities.consolidate_checkpoint)")
+    elif p.is_dir():
+        raise InteropError(f"{p} has no {CKPT_IN_RUN} (not a canonlm run directory)")
+    else:
+        raise InteropError(f"{p}: no such run directory or checkpoint file")
+    if ck.is_dir():
+        raise InteropError(f"{ck} is a distributed FSDP2 checkpoint directory; consolidate it to one file first "
+                           "(lightning.pytorch.utilities.consolidate_checkpoint)")
+    state = _load_ckpt(ck)
+    meta = state.get("canonlm") or {}
+    sd = state.get("state_dict", state)
+    sd = {k[len("model."):]: v for k, v in sd.items() if isinstance(k, str) and k.startswith("model.")
+          and isinstance(v, torch.Tensor)}
+    if not sd:
+        raise InteropError(f"checkpoint {ck} holds no model tensors (state_dict keys 'model.<name>')")
+    if isinstance(meta.get("model"), Mapping):
+        cfg = model_config_from_dict(meta["model"])
+    elif (run_dir / ".hydra" / "config.yaml").is_file():
+        from canonlm.eval.load import load_run_config
+        from canonlm.train.run import build_configs
+
+        try:
+            _, cfg = build_configs(load_run_config(run_dir))
+        except Exception as e:  # noqa: BLE001 -- ConfigError and friends, reported as one line
+            raise InteropError(f"{run_dir}: the run's config does not build: {e}") from None
+        from omegaconf import OmegaConf
+
+        meta = {"task": OmegaConf.to_container(load_run_config(run_dir).task, resolve=True)}
+    else:
+        raise InteropError(f"checkpoint {ck} records no model config (checkpoint['canonlm']['model']) and has no run "
+                           "directory with .hydra/config.yaml beside it")
+    return cfg, sd, dict(meta)
+
+
+# ============================================================================================ writing
+def _check_out_dir(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise InteropError(f"{out} exists and is not an empty directory; refusing to write into it (nothing is "
+                           "overwritten) -- choose a new path")
+    if not out.parent.is_dir():
+        raise InteropError(f"{out.parent} does not exist (the parent of the output directory must exist)")
+
+
+def _commit_dir(tmp: Path, out: Path) -> None:
+    """Rename the filled temporary directory onto ``out`` (absent or empty): one atomic step."""
+    try:
+        os.replace(tmp, out)
+    except OSError as e:
+        raise InteropError(f"cannot move the output into {out}: {e} (was something written there meanwhile?)") \
+            from None
+
+
+def _tmp_dir(out: Path) -> Path:
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    return tmp
+
+
+def _tokenizer_files(meta: Mapping[str, Any]) -> list[Path]:
+    """``tokenizer.json`` (+ ``tokenizer_config.json`` / ``special_tokens_map.json`` beside it) of a ``text`` run's
+    prepared data (its meta.json), or [] (synthetic tasks have their own id space and no tokenizer file)."""
+    task = meta.get("task") or {}
+    if not isinstance(task, Mapping) or task.get("name") != "text":
+        return []
+    from canonlm.eval.load import run_tokenizer
+
+    tok, _ = run_tokenizer(dict(task))
+    if not tok:
+        return []
+    p = Path(tok)
+    if p.is_dir():
+        p = p / "tokenizer.json"
+    if not p.is_file() or p.suffix != ".json":
+        return []
+    extra = [p.parent / n for n in ("tokenizer_config.json", "special_tokens_map.json") if (p.parent / n).is_file()]
+    return [p, *extra]
+
+
+def export_model(src: str | os.PathLike, out: str | os.PathLike) -> dict[str, Any]:
+    """Write a canonlm model (run directory or checkpoint file) as a Hugging Face directory ``out``.
+
+    ``out`` gets ``config.json`` (see :func:`canonlm.hf.mapping.to_hf_config`), ``model.safetensors`` (float32,
+    ``metadata={"format": "pt"}``) and, for a ``text`` run, the tokenizer files it recorded. A Llama without Canon,
+    QK-norm or partial RoPE becomes transformers ``LlamaForCausalLM`` (``model_type: "llama"``); otherwise the
+    official ``LlamaCanonForCausalLM`` format (``model_type: "LlamaCanon"`` with ``auto_map``), whose two class files
+    ``configuration_llama_canon.py`` / ``modeling_llama_canon.py`` (and ``canon_helper.py``) the user copies from the
+    official release -- the exporter does not ship them. Returns a summary dict (format, class, paths, tensors).
+    Raises InteropError (unexpressible model, bad source, ``out`` exists and is not empty); nothing is written then."""
+    out = Path(out).expanduser().absolute()
+    _check_out_dir(out)
+    cfg, sd, meta = read_canonlm(src)
+    fmt = hf_format(cfg)
+    hcfg = to_hf_config(cfg)
+    tensors = to_hf_state_dict(cfg, sd)
+    toks = _tokenizer_files(meta)
+    from safetensors.torch import save_file
+
+    tmp = _tmp_dir(out)
+    try:
+        (tmp / "config.json").write_text(json.dumps(hcfg, indent=2, sort_keys=True) + "\n")
+        save_file(tensors, str(tmp / SAFETENSORS), metadata={"format": "pt"})
+        for f in toks:
+            shutil.copyfile(f, tmp / f.name)
+        _commit_dir(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return {"out": str(out), "format": fmt, "class": hcfg["architectures"][0], "model_type": hcfg["model_type"],
+            "tensors": len(tensors), "tokenizer": [f.name for f in toks] or None}
+
+
+def hf_to_canonlm(src: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
+    """``(ModelConfig, CanonLM state dict (float32), hf config dict)`` of a Hugging Face directory (official
+    LlamaCanon or native Llama). Raises InteropError (see :func:`read_hf_dir`, :func:`~canonlm.hf.mapping.from_hf_config`,
+    :func:`~canonlm.hf.mapping.from_hf_state_dict`)."""
+    hcfg, hsd = read_hf_dir(src)
+    cfg = from_hf_config(hcfg)
+    return cfg, from_hf_state_dict(cfg, hsd, source=f"{src}"), hcfg
+
+
+def checkpoint_dict(cfg: ModelConfig, sd: Mapping[str, torch.Tensor], source: Mapping[str, Any]) -> dict[str, Any]:
+    """A checkpoint dict in the layout training writes (``state_dict`` keys ``model.<CanonLM key>``, the
+    ``canonlm`` block of :meth:`canonlm.train.module.LMModule.on_save_checkpoint`), without optimizer state: it
+    serves ``init_from`` and evaluation, not resuming. ``canonlm.task`` is ``{"name": "hf_import", "context":
+    max_seq_len, ...source}``; tied embeddings stay one shared tensor."""
+    state = {f"model.{k}": v for k, v in sd.items()}
+    if cfg.tie_embeddings:
+        state["model.lm_head.weight"] = state["model.tok_emb.weight"]
+    return {"state_dict": state, "global_step": 0, "epoch": 0,
+            "canonlm": {"format": 1, "model": dataclasses.asdict(cfg),
+                        "task": {"name": IMPORTED_TASK, "context": int(cfg.max_seq_len), **dict(source)},
+                        "train_time_s": 0.0, "attempts": 0, "nonfinite_steps": 0}}
+
+
+def import_hf(src: str | os.PathLike, out: str | os.PathLike) -> dict[str, Any]:
+    """Convert a Hugging Face directory (official LlamaCanon or native Llama; sharded or not) into a canonlm
+    checkpoint. ``out`` ending in ``.ckpt`` is that file; anything else is a run directory that gets
+    ``checkpoints/last.ckpt``. Returns a summary dict. Raises InteropError (unmappable config, missing / unexpected /
+    mis-shaped tensors, ``out`` exists); nothing is written then."""
+    out = Path(out).expanduser().absolute()
+    as_file = out.suffix == ".ckpt"
+    if as_file:
+        if out.exists():
+            raise InteropError(f"{out} exists; refusing to overwrite it -- choose a new path")
+        if not out.parent.is_dir():
+            raise InteropError(f"{out.parent} does not exist (the parent of the output file must exist)")
+    else:
+        _check_out_dir(out)
+    cfg, sd, hcfg = hf_to_canonlm(src)
+    source = {"source": str(Path(src).expanduser().absolute()), "model_type": hcfg.get("model_type")}
+    ck = checkpoint_dict(cfg, sd, source)
+    if as_file:
+        tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+        try:
+            torch.save(ck, tmp)
+            try:
+                os.link(tmp, out)  # fails if out appeared meanwhile: never overwrites
+            except FileExistsError:
+                raise InteropError(f"{out} appeared while converting; refusing to overwrite it") from None
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+        path = out
+    else:
+        tmp = _tmp_dir(out)
+        try:
+            (tmp / "checkpoints").mkdir()
+            torch.save(ck, tmp / CKPT_IN_RUN)
+            _commit_dir(tmp, out)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        path = out / CKPT_IN_RUN
+    c = cfg
+    return {"out": str(path), "model_type": hcfg.get("model_type"), "tensors": len(sd),
+            "model": f"{c.n_layers}L{c.d_model}D heads {c.n_heads}/{c.kv_heads} canon={c.canon.set or 'none'} "
+                     f"pos={c.pos.type}({c.pos.pairing}, rope_dim {c.rope_dim}) qk_norm={c.qk_norm}"}
+
+
+# ============================================================================================ training / eval
+def read_weights(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """``(ModelConfig, CanonLM state dict)`` of a canonlm checkpoint / run directory, or of a Hugging Face directory
+    (a directory with ``config.json``), converted in memory. Raises InteropError."""
+    p = Path(path).expanduser()
+    if p.is_dir() and (p / "config.json").is_file() and not (p / CKPT_IN_RUN).exists():
+        cfg, sd, _ = hf_to_canonlm(p)
+        return cfg, sd
+    cfg, sd, _ = read_canonlm(p)
+    return cfg, sd
+
+
+def load_init_weights(path: str | os.PathLike, model: torch.nn.Module) -> None:
+    """Copy the weights of ``path`` into ``model`` (a :class:`~canonlm.arch.model.CanonLM`) in place: training's
+    ``init_from=<path>`` (weights only; optimizer, step and schedule start fresh).
+
+    ``path``: a canonlm checkpoint file (e.g. one written by ``python -m canonlm.export --from-hf``), a run directory
+    (its ``checkpoints/last.ckpt``), or a Hugging Face directory (official LlamaCanon / native Llama, converted in
+    memory). Call it on the materialised, unsharded model (after ``to_empty`` + ``init_weights`` on a meta build,
+    before ``fully_shard``). Tensors are cast to each parameter's dtype / device.
+    Raises InteropError when the source cannot be read, or when its model differs from ``model.cfg`` in anything
+    that changes the function (shapes, Canon set / kernel / residual / activation / bias, RoPE width / pairing /
+    theta, norms, activation, tying); ``max_seq_len``, backends and inits may differ."""
+    cfg, sd = read_weights(path)
+    mine = getattr(model, "cfg", None)
+    if mine is not None:
+        diff = structural_differences(cfg, mine)
+        if diff:
+            raise InteropError(f"init_from={path}: its model differs from the configured one (value there vs "
+                               f"here): {'; '.join(diff[:6])}")
+    own = model.state_dict()
+    missing, unexpected = sorted(set(own) - set(sd)), sorted(set(sd) - set(own))
+    bad = [k for k in sorted(set(own) & set(sd)) if tuple(own[k].shape) != tuple(sd[k].shape)]
+    if missing or unexpected or bad:
+        raise InteropError(f"init_from={path} does not fit the model: missing {missing[:5]}, unexpected "
+                           f"{unexpected[:5]}, shape mismatches "
+                           f"{[(k, tuple(sd[k].shape), tuple(own[k].shape)) for k in bad[:3]]}")
+    with torch.no_grad():
+        for k, t in own.items():
+            t.copy_(sd[k].to(dtype=t.dtype, device=t.device))
+
+
+def load_canonlm_checkpoint(path: str | os.PathLike, *, device: str | torch.device = "cpu"):
+    """``(CanonLM in eval mode, placed on device in fp32, checkpoint["canonlm"] meta)`` of a checkpoint file or run
+    directory, built from the config the checkpoint records (no ``.hydra`` needed; what an evaluator needs for an
+    imported model). Raises InteropError."""
+    from canonlm.arch.model import CanonLM
+
+    cfg, sd, meta = read_canonlm(path)
+    model = CanonLM(cfg)
+    model.load_state_dict(sd, strict=True)
+    model.eval().to(device)
+    model.place(torch.device(device), torch.float32)
+    return model, meta
