@@ -198,7 +198,7 @@ def curves(t: dict[str, Any], *, rows: str, cols: str, title: str) -> tuple[byte
     grey and hatched."""
     rv, cv = t["row_values"], t["col_values"]
     nr, nc = len(rv), len(cv)
-    fig = Figure(figsize=(nc * 2.8 + 0.6, nr * 2.1 + 1.0), dpi=DPI, layout="constrained")
+    fig = Figure(figsize=(max(nc * 2.8 + 0.6, 4.6), nr * 2.1 + 1.2), dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(nr, nc, squeeze=False, sharey=True)
     data: dict[tuple[str, str], tuple[str, dict]] = {}
@@ -250,7 +250,9 @@ def curves(t: dict[str, Any], *, rows: str, cols: str, title: str) -> tuple[byte
     if handles:
         fig.legend([handles[g] for g in sorted(handles)], [handles[g].get_label() for g in sorted(handles)],
                    loc="outside lower center", ncols=min(len(handles), 8), fontsize=8)
-    fig.suptitle(f"{title} -- learning curves (best run per cell)", fontsize=10)
+    # a narrow figure (one or two cells) gets the title over two lines instead of cutting it off
+    sep = "\n" if nc < 3 else " -- "
+    fig.suptitle(f"{title}{sep}learning curves (best run per cell)", fontsize=10)
     fig.canvas.draw()
     png = _png(fig)
     return png, {"size_px": [int(round(fig.bbox.width)), int(round(fig.bbox.height))], "dpi": DPI, "cells": cells}
