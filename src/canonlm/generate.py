@@ -183,6 +183,8 @@ def make_codec(task_cfg: dict[str, Any] | None, vocab_size: int) -> Codec:
     """
     if not task_cfg:
         return ids_codec(vocab_size, "the model has no task")
+    if task_cfg.get("name") == "hf_import":  # python -m canonlm.export --from-hf records no task vocabulary
+        return ids_codec(vocab_size, "imported from Hugging Face (no task vocabulary)")
     from canonlm.data.tasks import build_task
 
     try:

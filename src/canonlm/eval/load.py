@@ -5,7 +5,13 @@ A training run (``python train.py ...``) lives in ``logs/<task_name>/runs/<run_n
 working directory) and ``checkpoints/last.ckpt`` (Lightning; model weights under ``state_dict`` with keys prefixed
 ``model.``). :func:`load_model` rebuilds the model config exactly as training did
 (:func:`canonlm.train.run.build_configs`), builds :class:`canonlm.arch.model.CanonLM`, loads the weights, switches
-to eval mode and wraps it in :class:`canonlm.data.lm.LanguageModel`.
+to eval mode and wraps it in :class:`canonlm.data.lm.LanguageModel` (through a forward object that offers the
+model's ``new_cache()``, so generation decodes with caches instead of re-running every prefix).
+
+A checkpoint without a run's ``.hydra/config.yaml`` beside it (``python -m canonlm.export --from-hf`` output, or a
+training checkpoint copied out of its run directory) loads too when it records its model:
+``checkpoint["canonlm"]["model"]`` (a ``ModelConfig`` as a dict) gives the model config and
+``checkpoint["canonlm"]["task"]`` the task (``{"name": "hf_import", "context": ...}`` for an imported model).
 
 The model may be rebuilt with a longer ``max_seq_len`` than it was trained with (RoPE tables are computed, not
 stored), so length-generalisation evaluations (multi-hop L = 5k / 6k after 4k training) can run.
@@ -31,10 +37,13 @@ CHECKPOINT = Path("checkpoints") / "last.ckpt"
 class LoadedModel:
     """A trained model ready for evaluation.
 
-    model: ``CanonLM`` in eval mode on ``device``. lm: the :class:`LanguageModel` around it (greedy generation /
-    log-probabilities; ``max_len`` = ``model_cfg.max_seq_len``). cfg: the run's composed config (DictConfig).
-    task_cfg: the resolved ``task`` node (dict). model_cfg: the rebuilt ``ModelConfig``. run_dir / ckpt: where it was
-    loaded from. step: the checkpoint's global step (None if not recorded). trained_context: ``task.context``.
+    model: ``CanonLM`` in eval mode on ``device``. lm: the :class:`LanguageModel` around it (greedy generation with
+    decode caches / log-probabilities; ``max_len`` = ``model_cfg.max_seq_len``). cfg: the run's composed config
+    (DictConfig), or None for a checkpoint loaded from its recorded metadata (no ``.hydra/config.yaml``). task_cfg:
+    the resolved ``task`` node (dict; ``checkpoint["canonlm"]["task"]`` without a run config). model_cfg: the rebuilt
+    ``ModelConfig``. run_dir / ckpt: where it was loaded from (run_dir = the checkpoint's folder, or the run above
+    ``checkpoints/``). step: the checkpoint's global step (None if not recorded). trained_context: ``task.context``
+    (the recorded ``max_seq_len`` when the task has none).
     """
 
     model: Any
@@ -57,10 +66,27 @@ class LoadedModel:
                     params=int(self.model.num_params()), task=self.task_cfg.get("name"))
 
 
+def has_run_config(run_dir: str | Path) -> bool:
+    """Whether ``run_dir`` holds a training run's ``.hydra/config.yaml``."""
+    return (Path(run_dir) / ".hydra" / "config.yaml").is_file()
+
+
+def recorded_meta(ck: str | Path) -> dict[str, Any] | None:
+    """``checkpoint["canonlm"]`` of ``ck`` when it records the model config (``["model"]`` a dict), else None.
+    Reads with ``torch.load(weights_only=True)`` (memory-mapped when the file allows it, so tensors are not read).
+    Raises ValueError when the file cannot be read that way."""
+    state = _load_state(Path(ck), mmap=True)
+    meta = state.get("canonlm") if isinstance(state, dict) else None
+    return dict(meta) if isinstance(meta, dict) and isinstance(meta.get("model"), dict) else None
+
+
 def resolve_run(run: str | Path, ckpt: str | Path | None = None) -> tuple[Path, Path]:
-    """(run directory, checkpoint file) for ``run`` = a run directory or a ``.ckpt`` file inside
-    ``<run>/checkpoints/``. ``ckpt`` overrides the checkpoint (default ``<run>/checkpoints/last.ckpt``).
-    Raises FileNotFoundError naming what is missing."""
+    """(run directory, checkpoint file) for ``run`` = a run directory or a ``.ckpt`` file (inside
+    ``<run>/checkpoints/``, or anywhere when it records its model: ``checkpoint["canonlm"]["model"]``). ``ckpt``
+    overrides the checkpoint (default ``<run>/checkpoints/last.ckpt``). Without ``.hydra/config.yaml`` the run
+    directory is the checkpoint's folder (the one above ``checkpoints/``).
+    Raises FileNotFoundError naming what is missing (a directory that is neither a run nor holds a checkpoint that
+    records its model), ValueError (a checkpoint without a run config that cannot be read)."""
     p = Path(run).expanduser()
     if p.is_file():
         ck = p
@@ -72,14 +98,30 @@ def resolve_run(run: str | Path, ckpt: str | Path | None = None) -> tuple[Path, 
         raise FileNotFoundError(f"--run {run}: no such run directory or checkpoint file")
     if ckpt is not None:
         ck = Path(ckpt).expanduser()
-    if not (run_dir / ".hydra" / "config.yaml").is_file():
-        raise FileNotFoundError(f"{run_dir} has no .hydra/config.yaml (not a run directory written by train.py)")
+    no_cfg = f"{run_dir} has no .hydra/config.yaml (not a run directory written by train.py)"
+    hydra = has_run_config(run_dir)
+    if not hydra and not ck.exists():
+        raise FileNotFoundError(no_cfg)
     if ck.is_dir():
         raise FileNotFoundError(f"{ck} is a directory (a distributed FSDP2 checkpoint); consolidate it to a single "
                                 "file first (lightning.pytorch.utilities.consolidate_checkpoint)")
     if not ck.is_file():
         raise FileNotFoundError(f"checkpoint {ck} does not exist")
+    if not hydra and recorded_meta(ck) is None:
+        raise FileNotFoundError(f"{no_cfg}, and checkpoint {ck} records no model config "
+                                "(checkpoint['canonlm']['model'])")
     return run_dir.resolve(), ck.resolve()
+
+
+def task_config(run_dir: str | Path, ck: str | Path) -> dict[str, Any]:
+    """The resolved ``task`` node of a run (``.hydra/config.yaml``), else the checkpoint's recorded
+    ``checkpoint["canonlm"]["task"]`` (``{}`` if none), as :func:`load_model` sets ``LoadedModel.task_cfg``."""
+    if has_run_config(run_dir):
+        from omegaconf import OmegaConf
+
+        return OmegaConf.to_container(load_run_config(run_dir).task, resolve=True)
+    meta = recorded_meta(ck) or {}
+    return dict(meta.get("task") or {})
 
 
 def load_run_config(run_dir: str | Path):
@@ -110,11 +152,17 @@ def load_run_config(run_dir: str | Path):
     return cfg
 
 
-def _load_state(ck: Path) -> dict[str, Any]:
+def _load_state(ck: Path, mmap: bool = False) -> dict[str, Any]:
     """The checkpoint dict, read with ``torch.load(weights_only=True)`` (no pickled code runs; canonlm's own
-    checkpoints hold only tensors and plain values). Raises ValueError naming the file when it cannot be read that
-    way (damaged, or a foreign file that pickles objects)."""
+    checkpoints hold only tensors and plain values); ``mmap``: memory-map the tensors when the file format allows it
+    (for reading only the metadata). Raises ValueError naming the file when it cannot be read that way (damaged, or
+    a foreign file that pickles objects)."""
     try:
+        if mmap:
+            try:
+                return torch.load(ck, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError:  # not a zip-format file: read it whole below
+                pass
         return torch.load(ck, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 -- reported with the reader's first line
         first = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". ")[0]
@@ -127,17 +175,19 @@ def load_model(run: str | Path, *, ckpt: str | Path | None = None, device: str =
     """Rebuild and load a trained model.
 
     Args:
-        run: run directory, or a checkpoint file inside ``<run>/checkpoints/``.
+        run: run directory, or a checkpoint file inside ``<run>/checkpoints/``; or, without ``.hydra/config.yaml``,
+            a checkpoint file / directory with ``checkpoints/last.ckpt`` whose ``checkpoint["canonlm"]`` records the
+            model (module docstring).
         ckpt: checkpoint file (default ``<run>/checkpoints/last.ckpt``).
         device: ``auto`` (cuda if available) | ``cpu`` | ``cuda`` | ``cuda:N``.
         max_seq_len: positions the rebuilt model accepts (default: the trained context); may exceed it.
         batch_size: prompts per forward pass of the returned :class:`LanguageModel`.
         precision: ``fp32`` | ``bf16`` (autocast on CUDA).
     Returns a :class:`LoadedModel`.
-    Raises FileNotFoundError (run / config / checkpoint missing), ConfigError (the run's config no longer builds,
-        e.g. a moved ``task.data_dir``, or a pinned kernel / ``ops=fused`` that cannot run on the device in the
-        compute dtype: ``CanonLM.place`` after the move), ValueError (bad device / precision, or weights that do
-        not fit the model).
+    Raises FileNotFoundError (run / config / checkpoint missing), ConfigError (the run's or the recorded config no
+        longer builds, e.g. a moved ``task.data_dir``, or a pinned kernel / ``ops=fused`` that cannot run on the
+        device in the compute dtype: ``CanonLM.place`` after the move), ValueError (bad device / precision, an
+        unreadable checkpoint, or weights that do not fit the model).
     """
     from canonlm.arch.model import CanonLM
     from canonlm.train.run import build_configs
@@ -145,12 +195,25 @@ def load_model(run: str | Path, *, ckpt: str | Path | None = None, device: str =
     if precision not in ("fp32", "bf16"):
         raise ValueError(f"precision={precision!r} is not allowed; allowed: fp32 | bf16")
     run_dir, ck = resolve_run(run, ckpt)
-    cfg = load_run_config(run_dir)
-    _, mcfg = build_configs(cfg)
-    from omegaconf import OmegaConf
+    state = _load_state(ck)
+    if has_run_config(run_dir):
+        cfg = load_run_config(run_dir)
+        _, mcfg = build_configs(cfg)
+        from omegaconf import OmegaConf
 
-    task_cfg = OmegaConf.to_container(cfg.task, resolve=True)
-    trained = int(task_cfg["context"])
+        task_cfg = OmegaConf.to_container(cfg.task, resolve=True)
+    else:  # resolve_run checked that the checkpoint records its model
+        from canonlm.arch.config import build_model_config
+
+        meta = state["canonlm"]
+        cfg, md = None, dict(meta["model"])
+        canon, pos = md.pop("canon", None), md.pop("pos", None)
+        try:
+            mcfg = build_model_config(md, canon, pos)
+        except TypeError as e:  # an unknown field: ConfigError itself propagates
+            raise ValueError(f"checkpoint {ck}: its recorded model config does not build: {e}") from None
+        task_cfg = dict(meta.get("task") or {})
+    trained = int(task_cfg.get("context") or mcfg.max_seq_len)
     if max_seq_len is not None:
         if int(max_seq_len) < 1:
             raise ValueError(f"max_seq_len={max_seq_len!r} is not allowed; allowed: an integer >= 1")
@@ -174,17 +237,33 @@ def load_model(run: str | Path, *, ckpt: str | Path | None = None, device: str =
     dtype = torch.bfloat16 if precision == "bf16" and dev.type == "cuda" else torch.float32
     model.place(dev, dtype)  # ConfigError when a pinned kernel / ops=fused cannot run on (dev, dtype)
 
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        ctx = (torch.autocast("cuda", dtype=torch.bfloat16) if dtype == torch.bfloat16
-               else contextlib.nullcontext())
-        with ctx:
-            return model(x)
-
+    forward = ModelForward(model, autocast=torch.bfloat16 if dtype == torch.bfloat16 else None)
     lm = LanguageModel(forward, vocab_size=mcfg.vocab_size, device=dev, batch_size=batch_size,
                        max_len=mcfg.max_seq_len)
     step = state.get("global_step") if isinstance(state, dict) else None
     return LoadedModel(model=model, lm=lm, cfg=cfg, task_cfg=task_cfg, model_cfg=mcfg, run_dir=run_dir, ckpt=ck,
                        device=dev, step=None if step is None else int(step), trained_context=trained)
+
+
+class ModelForward:
+    """The forward object :func:`load_model` hands to :class:`LanguageModel`: ``__call__(ids, cache=None)`` runs the
+    model (under CUDA autocast when ``autocast`` is a dtype) and, when the model has ``new_cache()``, so does this
+    object -- ``LanguageModel`` then generates with decode caches (O(T) token-forwards instead of re-running every
+    prefix). Same role as :class:`canonlm.generate.CachedForward`, without its top-k truncation."""
+
+    def __init__(self, model: Any, autocast: torch.dtype | None = None):
+        self.model = model
+        self.autocast = autocast
+        if callable(getattr(model, "new_cache", None)):
+            self.new_cache = self._new_cache
+
+    def _new_cache(self) -> Any:
+        return self.model.new_cache()
+
+    def __call__(self, ids: torch.Tensor, cache: Any = None) -> torch.Tensor:
+        ctx = torch.autocast("cuda", dtype=self.autocast) if self.autocast is not None else contextlib.nullcontext()
+        with ctx:
+            return self.model(ids) if cache is None else self.model(ids, cache)
 
 
 def run_tokenizer(task_cfg: dict[str, Any]) -> tuple[str | None, str | None]:
@@ -200,4 +279,5 @@ def run_tokenizer(task_cfg: dict[str, Any]) -> tuple[str | None, str | None]:
     return t.get("path"), t.get("eos_token")
 
 
-__all__ = ["LoadedModel", "load_model", "resolve_run", "load_run_config", "run_tokenizer", "CHECKPOINT"]
+__all__ = ["LoadedModel", "ModelForward", "load_model", "resolve_run", "load_run_config", "task_config",
+           "has_run_config", "recorded_meta", "run_tokenizer", "CHECKPOINT"]

@@ -19,6 +19,9 @@
   {"instruction": ..., "examples": ..., "post_prompt": ...}, ...}``, e.g. the Babilong authors' Apache-2.0 prompts);
   the file path and its sha256 are recorded in the results (``settings.prompts``).
 
+``--run`` may also be a checkpoint without a run directory that records its model (``python -m canonlm.export
+--from-hf`` output: an imported Hugging Face model); ``--tokenizer`` is then required.
+
 The tokenizer defaults to the one recorded by the run's ``text`` task (its prepared data's meta.json). Prompts are
 built (and tokenized) before the model is loaded, which is then rebuilt with room for the longest prompt. The table
 is printed and the results (accuracy per cell, counts, every sample's decoded output) are written atomically to
@@ -125,10 +128,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m canonlm.eval.reallife",
                                  description="Multi-hop birth-year / Babilong accuracy of a trained run.",
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--run", required=True, help="run directory (logs/<task_name>/runs/<run_name>) or a .ckpt file")
+    ap.add_argument("--run", required=True, help="run directory (logs/<task_name>/runs/<run_name>) or a .ckpt file "
+                                                 "(also one imported with python -m canonlm.export --from-hf)")
     ap.add_argument("--task", required=True, choices=("multihop", "babilong"))
     ap.add_argument("--ckpt", default=None, help="checkpoint file (default <run>/checkpoints/last.ckpt)")
-    ap.add_argument("--tokenizer", default=None, help="tokenizer.json / local HF tokenizer dir (default: the run's)")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer.json / local HF tokenizer dir (default: the run's; "
+                                                      "required for imported models)")
     ap.add_argument("--eos-token", default=None, help="EOS token string (stops generation)")
     ap.add_argument("--background", default=None, help="multihop: local background text / JSONL file")
     ap.add_argument("--names-dir", default=None, help="multihop: folder with first/middle/last_names.txt "
@@ -172,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(a: argparse.Namespace) -> int:
     from canonlm.data.reallife import as_decoder, as_encoder
     from canonlm.data.text import load_tokenizer
-    from canonlm.eval.load import load_model, load_run_config, resolve_run, run_tokenizer
+    from canonlm.eval.load import load_model, resolve_run, run_tokenizer, task_config
 
     t0 = time.perf_counter()
     log = (lambda s: None) if a.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
@@ -183,15 +188,20 @@ def _main(a: argparse.Namespace) -> int:
     if out.exists() and not a.force:
         raise EvalError(f"--out {out} exists; pass --force to replace it")
 
-    # tokenizer: explicit, else the run's text task
-    from omegaconf import OmegaConf
-
-    task_cfg = OmegaConf.to_container(load_run_config(run_dir).task, resolve=True)
+    # tokenizer: explicit, else the run's text task (the task as load_model gives it: the run's config, or the
+    # checkpoint's recorded task for a checkpoint without one, e.g. an imported Hugging Face model)
+    task_cfg = task_config(run_dir, ck)
     tok_path, eos_tok = a.tokenizer, a.eos_token
     if tok_path is None:
         tok_path, rec_eos = run_tokenizer(task_cfg)
         eos_tok = eos_tok or rec_eos
         if tok_path is None:
+            if task_cfg.get("name") == "hf_import":
+                src = task_cfg.get("source")
+                hint = (f" (e.g. {Path(src) / 'tokenizer.json'})"
+                        if src and (Path(src) / "tokenizer.json").is_file() else "")
+                raise EvalError(f"--tokenizer is required: {ck} is a model imported from Hugging Face "
+                                f"({src}) and records no tokenizer; pass --tokenizer PATH{hint}")
             raise EvalError(f"--tokenizer is required: the run's task {task_cfg.get('name')!r} records no tokenizer")
     tok = load_tokenizer(tok_path, eos_token=eos_tok)
     encode, decode = _memo(as_encoder(tok)), as_decoder(tok)
@@ -243,7 +253,7 @@ def _main(a: argparse.Namespace) -> int:
                         metric="babilong compare_answers: target is the only task label in the first sentence")
 
     need = longest + max_new
-    msl = a.max_seq_len or max(int(task_cfg["context"]), need)
+    msl = a.max_seq_len or max(int(task_cfg.get("context") or 0), need)
     lm_run = load_model(run_dir, ckpt=ck, device=a.device, batch_size=a.batch_size, precision=a.precision,
                         max_seq_len=msl)
     if tok.vocab_size > lm_run.model_cfg.vocab_size:

@@ -563,7 +563,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="also write every table and the unfinished runs to this file")
     ap.add_argument("--out", type=Path, help="write table.md, CSV tables, PNG figures and report.json here")
     ap.add_argument("--force", action="store_true", help="with --out: replace files of the same names")
+    ap.add_argument("--wandb", action="store_true", help="with --out: also log the figures and tables as one wandb "
+                    "run (job_type report, the sweep's group; offline unless WANDB_MODE is set)")
     args = ap.parse_args(argv)
+    if args.wandb and args.out is None:
+        ap.error("--wandb needs --out (the figures it logs are the files written there)")
     bad = [str(r) for r in args.roots if not r.is_dir()]
     if bad:
         print(f"report: error: {', '.join(bad)} {'is' if len(bad) == 1 else 'are'} not a directory", file=sys.stderr)
@@ -600,6 +604,10 @@ def main(argv: list[str] | None = None) -> int:
         if err:
             print(f"report: error: {err}", file=sys.stderr)
             return 2
+        if args.wandb:
+            from canonlm.train.wandb_utils import log_report
+
+            print(f"wandb: report logged in {log_report(args.out, files, list(args.roots), runs)}", file=sys.stderr)
     ts = tables(runs, args.rows, args.cols)
     for key in (args.rows, args.cols):
         if ts and all(_value(r, key) is None for r in runs if cell(r) is not None):

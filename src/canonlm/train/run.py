@@ -19,7 +19,6 @@ them, so a bad value is reported in seconds):
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -407,8 +406,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     for name, lg in (cfg.get("logger") or {}).items():
         if lg is None:
             continue
-        if name == "wandb" and lg.get("id") is None:  # stable across resumes, distinct across multirun jobs
-            lg = OmegaConf.merge(lg, {"id": f"{cfg.get('run_name')}-{hashlib.sha1(output_dir.encode()).hexdigest()[:8]}"})
+        if name == "wandb":  # stable id (a resume continues its run), sweep group, arch/canon/pos/task tags
+            from canonlm.train.wandb_utils import logger_config
+
+            lg = logger_config(lg, cfg, output_dir, rank0=launch_rank() == 0)
         loggers.append(instantiate(lg))
     loggers.append(JSONLLogger(output_dir))
     trainer_kwargs = _container(cfg.trainer)
