@@ -22,8 +22,7 @@ register_resolvers()
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig):
-    from canonlm.errors import ConfigError
-    from canonlm.train.run import RunStopped
+    from canonlm.errors import ConfigError, RunStopped
     from canonlm.train.run import main as run_main
 
     try:

@@ -87,7 +87,7 @@ def test_greedy_generation_uses_the_decode_cache(imported, monkeypatch):
     prompts = [torch.randint(0, V, (n,), generator=g).numpy() for n in (3, 7, 5, 1)]
     out = lm.lm.generate(prompts, max_new_tokens=6)
     assert len(calls) == 2  # one cache per batch (4 prompts, batch size 3)
-    for p, o in zip(prompts, out):
+    for p, o in zip(prompts, out, strict=True):
         seq = torch.tensor(p).unsqueeze(0)
         want = []
         with torch.no_grad():

@@ -219,8 +219,7 @@ def test_unwritable_checkpoint_dir_fails_before_training(tmp_path):
 
 
 def test_run_dir_check_against_the_file_system(tmp_path):
-    """``check_run_dir`` against what the OS says: a non-root user cannot write a root-owned 0755 folder, and the
-    free space is statvfs's."""
+    """``check_run_dir``'s free-space test against statvfs."""
     from canonlm.errors import ConfigError
     from canonlm.train.checkpoint import check_run_dir
 
@@ -229,9 +228,15 @@ def test_run_dir_check_against_the_file_system(tmp_path):
     check_run_dir(tmp_path / "ok", need_bytes=1)
     with pytest.raises(ConfigError, match="room for one checkpoint"):
         check_run_dir(tmp_path / "ok", need_bytes=free + 2**30)
-    if os.geteuid() != 0:
-        pytest.skip("the permission half needs root (to run the check as another user)")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (to run the check as another user)")
+def test_run_dir_check_refuses_a_folder_the_user_cannot_write(tmp_path):
+    """A non-root user cannot write a root-owned 0755 folder: the kernel's permission rules, not a mock."""
     import pwd
+
+    from canonlm.errors import ConfigError
+    from canonlm.train.checkpoint import check_run_dir
 
     nobody = pwd.getpwnam("nobody")
     locked = tmp_path / "locked"

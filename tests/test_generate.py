@@ -73,7 +73,7 @@ def test_greedy_equals_full_forward_argmax(runs, arch):
     finally:
         h.remove()
     assert all(c for _, c in calls) and sum(t == 1 for t, _ in calls) >= 7  # prefill + one-token cached steps
-    for p, o in zip(ids, out):
+    for p, o in zip(ids, out, strict=True):
         assert o.dtype == np.int64 and o.shape == (8,)
         assert o.tolist() == _greedy_full_forward(g.model, p, 8)
 
@@ -93,6 +93,7 @@ def test_trained_run_from_train_py(tmp_path):
     rd = tmp_path / "logs" / "train" / "runs" / "g"
     recs = run([str(rd), "--prompt", PROMPTS[0], "--prompt", PROMPTS[2], "--max-new-tokens", "8"], out=io.StringIO())
     model = load_model(rd, device="cpu").model
+    assert len(recs) == 2
     for r in recs:
         assert r["continuation_ids"] == _greedy_full_forward(model, np.array(r["prompt_ids"]), 8)
 
@@ -113,7 +114,8 @@ def test_sampling_seed_batch_and_top_k(runs):
     assert [x.tolist() for x in top1] == [x.tolist() for x in greedy]
     top3 = g.generate(ids, 10, temperature=2.0, top_k=3, seed=5)
     with torch.no_grad():  # every sampled token is among the 3 largest logits of a full forward at its position
-        for p, o in zip(ids, top3):
+        for p, o in zip(ids, top3, strict=True):
+            assert len(o) == 10
             logits = g.model(torch.tensor([np.concatenate([p, o]).tolist()]))[0, len(p) - 1:-1]
             top = torch.topk(logits, 3, dim=-1).indices
             assert all(int(t) in top[j].tolist() for j, t in enumerate(o))

@@ -18,6 +18,8 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m canonlm.export``: export a run / checkpoint to a Hugging Face directory, or import one with
+    ``--from-hf``. Prints a JSON summary on success; returns 0, or 2 after one error line (nothing written)."""
     ap = argparse.ArgumentParser(prog="python -m canonlm.export",
                                  description="Export a canonlm Llama to a Hugging Face directory, or import one "
                                              "(--from-hf) into a canonlm checkpoint.")

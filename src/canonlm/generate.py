@@ -7,7 +7,7 @@
 The model is rebuilt by :func:`canonlm.eval.load.load_model` (run directory, or a ``.ckpt`` inside
 ``<run>/checkpoints/``), or, when ``canonlm.hf`` is present, from an exported Hugging Face directory
 (``config.json`` and no ``.hydra/``: :func:`canonlm.hf.hf_to_canonlm`) or a checkpoint that records its model config
-without a run directory (``python -m canonlm.export --from-hf``: :func:`canonlm.hf.load_canonlm_checkpoint`). It is
+without a run directory (``python -m canonlm.export --from-hf``: :func:`canonlm.eval.load.load_model`). It is
 decoded by :meth:`canonlm.data.lm.LanguageModel.generate` around a forward object that
 offers :meth:`canonlm.arch.model.CanonLM.new_cache`, so every architecture (llama, gla, gdn, mamba2) prefills the
 prompts once and then runs one position per forward call on its decode cache (KV, Canon, short-conv and recurrent
@@ -40,7 +40,6 @@ a prompt plus ``--max-new-tokens`` beyond the model's context, ``--temperature``
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 from dataclasses import dataclass
@@ -49,6 +48,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
+
+from canonlm.eval.load import ModelForward
 
 PROG = "canonlm.generate"
 DEFAULT_MAX_NEW = 32
@@ -200,10 +201,9 @@ def make_codec(task_cfg: dict[str, Any] | None, vocab_size: int) -> Codec:
 
 
 # ============================================================================================== model
-class CachedForward:
-    """The forward object handed to :class:`~canonlm.data.lm.LanguageModel`: ``__call__(ids, cache=None)`` and
-    ``new_cache()`` of a :class:`~canonlm.arch.model.CanonLM` (so ``LanguageModel`` takes its decode-cache path),
-    under bf16 autocast when asked, with top-k truncation of the logits.
+class CachedForward(ModelForward):
+    """:class:`canonlm.eval.load.ModelForward` (``__call__(ids, cache=None)``, ``new_cache()`` of a
+    :class:`~canonlm.arch.model.CanonLM`, bf16 CUDA autocast when asked) with top-k truncation of the logits.
 
     Args: model: module ``model(ids (B, T) int64[, cache]) -> logits (B, T, V)`` (``new_cache`` optional: without
         it ``LanguageModel`` re-runs prefixes). top_k: keep the k largest logits of every position (the others
@@ -213,17 +213,11 @@ class CachedForward:
     """
 
     def __init__(self, model: Any, top_k: int | None = None, autocast: torch.dtype | None = None):
-        self.model = model
+        super().__init__(model, autocast)
         self.top_k = top_k
-        self.autocast = autocast
-        if callable(getattr(model, "new_cache", None)):
-            self.new_cache = model.new_cache
 
     def __call__(self, ids: torch.Tensor, cache: Any = None) -> torch.Tensor:
-        ctx = torch.autocast("cuda", dtype=self.autocast) if self.autocast is not None else contextlib.nullcontext()
-        with ctx:
-            logits = self.model(ids) if cache is None else self.model(ids, cache)
-        return top_k_mask(logits, self.top_k)
+        return top_k_mask(super().__call__(ids, cache), self.top_k)
 
 
 def top_k_mask(logits: torch.Tensor, k: int | None) -> torch.Tensor:
@@ -318,8 +312,9 @@ def is_exported_dir(p: Path) -> bool:
 
 def load_generator(path: str | Path, *, device: str = "auto", precision: str = "fp32") -> Generator:
     """A :class:`Generator` for a run directory, a checkpoint file inside ``<run>/checkpoints/`` (both through
-    :func:`canonlm.eval.load.load_model`), or (with ``canonlm.hf``) an exported directory (:func:`_load_exported`)
-    or a checkpoint recording its model without ``.hydra/`` (:func:`_load_recorded`).
+    :func:`canonlm.eval.load.load_model`, which also reads a checkpoint recording its own model without ``.hydra/``,
+    e.g. one imported with ``python -m canonlm.export --from-hf``), or (with ``canonlm.hf``) an exported directory
+    (:func:`_load_exported`).
 
     Args: path: as above. device: ``auto`` | ``cpu`` | ``cuda`` | ``cuda:N``. precision: ``fp32`` | ``bf16``
         (CUDA autocast; fp32 on the CPU).
@@ -343,10 +338,7 @@ def load_generator(path: str | Path, *, device: str = "auto", precision: str = "
 
     try:
         loaded = load_model(p, device=device, precision=precision)
-    except FileNotFoundError as e:
-        g = _load_recorded(p, device, precision) if ".hydra" in str(e) else None
-        if g is not None:
-            return g
+    except FileNotFoundError as e:  # (checkpoints recording their own model are load_model's too)
         raise GenerateError("PATH", str(path), what, f"({e})") from None
     except (ConfigError, ValueError) as e:
         raise GenerateError("PATH", str(path), "a run whose config and checkpoint load", f"({e})") from None
@@ -371,18 +363,18 @@ def _hf() -> Any:
     return hf
 
 
-def _placed(cfg: Any, sd: dict[str, torch.Tensor] | None, model: Any, dev: torch.device, precision: str,
+def _placed(cfg: Any, sd: dict[str, torch.Tensor], dev: torch.device, precision: str,
             path: Path) -> tuple[Any, torch.dtype | None]:
-    """Build (when ``model`` is None) / move and place a CanonLM for ``dev``; returns (model, autocast dtype)."""
+    """Build a CanonLM from ``cfg`` and the state dict ``sd``, move it to ``dev`` and place its backends for the
+    compute dtype (bf16 under CUDA autocast, else fp32); returns (model, autocast dtype or None).
+    Raises :class:`GenerateError` when it does not load or place on ``dev``."""
+    from canonlm.arch.model import CanonLM
     from canonlm.errors import ConfigError
 
     autocast = torch.bfloat16 if precision == "bf16" and dev.type == "cuda" else None
     try:
-        if model is None:
-            from canonlm.arch.model import CanonLM
-
-            model = CanonLM(cfg)
-            model.load_state_dict(sd, strict=True)
+        model = CanonLM(cfg)
+        model.load_state_dict(sd, strict=True)
         model.eval().to(dev)
         model.place(dev, autocast or torch.float32)
     except (ConfigError, RuntimeError) as e:
@@ -405,7 +397,8 @@ def _load_exported(p: Path, device: str, precision: str) -> Generator:
     except hf.InteropError as e:
         raise GenerateError("PATH", str(p), "an exported directory that canonlm.hf reads (config.json + "
                             "model.safetensors of a LlamaCanon / Llama model)", f"({e})") from None
-    model, autocast = _placed(cfg, sd, None, _device(device), precision, p)
+    dev = _device(device)
+    model, autocast = _placed(cfg, sd, dev, precision, p)
     V = int(cfg.vocab_size)
     codec = ids_codec(V, "the exported directory has no tokenizer.json")
     if (p / "tokenizer.json").is_file():
@@ -419,30 +412,8 @@ def _load_exported(p: Path, device: str, precision: str) -> Generator:
             codec = ids_codec(V, f"its tokenizer.json does not load ({type(e).__name__}: {e})")
     info = dict(path=str(p.resolve()), arch=cfg.arch, size=f"{cfg.n_layers}L{cfg.d_model}D", vocab_size=V,
                 max_seq_len=int(cfg.max_seq_len), model_type=hcfg.get("model_type"), canon=cfg.canon.set)
-    return Generator(model=model, vocab_size=V, max_len=int(cfg.max_seq_len), device=_device(device),
+    return Generator(model=model, vocab_size=V, max_len=int(cfg.max_seq_len), device=dev,
                      autocast=autocast, codec=codec, info=info)
-
-
-def _load_recorded(p: Path, device: str, precision: str) -> Generator | None:
-    """A checkpoint (or run directory) without ``.hydra/`` whose ``checkpoint["canonlm"]["model"]`` records the
-    model (e.g. ``python -m canonlm.export --from-hf``), by :func:`canonlm.hf.load_canonlm_checkpoint`; None when
-    ``canonlm.hf`` is missing or the checkpoint records no model."""
-    hf = _hf()
-    if hf is None:
-        return None
-    try:
-        model, meta = hf.load_canonlm_checkpoint(p, device="cpu")
-    except hf.InteropError:
-        return None
-    model, autocast = _placed(None, None, model, _device(device), precision, p)
-    V, L = int(model.cfg.vocab_size), int(model.cfg.max_seq_len)
-    task = meta.get("task") if isinstance(meta.get("task"), dict) else None
-    codec = (ids_codec(V, "the checkpoint was imported from Hugging Face (no task vocabulary)")
-             if (task or {}).get("name") == "hf_import" else make_codec(task, V))
-    info = dict(path=str(p.resolve()), arch=model.cfg.arch, vocab_size=V, max_seq_len=L,
-                task=(task or {}).get("name"))
-    return Generator(model=model, vocab_size=V, max_len=L, device=_device(device), autocast=autocast,
-                     codec=codec, info=info)
 
 
 # ============================================================================================== CLI

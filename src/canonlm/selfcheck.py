@@ -726,13 +726,6 @@ def check_model_decode(arch: str, device: str, size: str = "2L256D") -> tuple[st
 # CPU checks: what runs here, against independent loops
 # ----------------------------------------------------------------------------------------------------------------
 
-def _canon_loop(x, w, b=None, residual=True, activation=False, init=None):
-    """The plain-loop Canon oracle (:func:`canonlm.ops.canon.naive.canon_loop`)."""
-    from canonlm.ops.canon.naive import canon_loop
-
-    return canon_loop(x, w, b, residual, activation, init)
-
-
 def _gla_loop(q, k, v, g, h0):
     """GLA step by step: ``S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T``, ``o_t = S_t^T (q_t / sqrt(K))``."""
     import torch
@@ -811,7 +804,9 @@ def check_cpu_canon_reference_loop() -> tuple[str, str]:
     errors: dict[str, float] = {}
     got = _fwd_bwd(lambda x, w, b, h: (causal_conv1d_reference(x, w, b, activation=True, initial_state=h),),
                    [x, w, b, h0])
-    ref = _fwd_bwd(lambda x, w, b, h: (_canon_loop(x, w, b, True, True, h),), [x, w, b, h0])
+    from canonlm.ops.canon.naive import canon_loop
+
+    ref = _fwd_bwd(lambda x, w, b, h: (canon_loop(x, w, b, True, True, h),), [x, w, b, h0])
     _compare(["y"], ["x", "w", "b", "init"], got, ref, errors)
     state = torch.cat([torch.zeros(2, 16, 1, dtype=torch.float64), h0], -1)
     ys = []

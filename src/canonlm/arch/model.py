@@ -392,8 +392,7 @@ class CanonLM(nn.Module):
             device = p.device if p is not None else torch.device("cpu")
         device = torch.device(device)
         dtype = torch.float32 if dtype is None else dtype
-        self.backends = resolve_backends(self.cfg, device, dtype)
-        self.requests = check_requests(self.cfg)
+        self.backends = resolve_backends(self.cfg, device, dtype)  # checks the requests' names too
         self.pending = {}
         self._set_placement(device, dtype)
         return dict(self.backends)

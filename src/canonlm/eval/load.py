@@ -225,7 +225,6 @@ def load_model(run: str | Path, *, ckpt: str | Path | None = None, device: str =
             dev = torch.device(device)
         except RuntimeError:
             raise ValueError(f"device={device!r} is not allowed; allowed: auto | cpu | cuda | cuda:N") from None
-    state = _load_state(ck)
     sd = state.get("state_dict", state)
     sd = {k[len("model."):]: v for k, v in sd.items() if k.startswith("model.")} or dict(sd)
     model = CanonLM(mcfg)  # backends are resolved below, for the device and dtype it runs in

@@ -300,7 +300,10 @@ class LMModule(L.LightningModule):
         steps (plain Python values, so the file loads with ``torch.load(weights_only=True)``)."""
         import dataclasses
 
-        checkpoint["canonlm"] = {"format": 1, "model": dataclasses.asdict(self.model.cfg), "task": self.task_cfg,
+        from canonlm.train.checkpoint import CKPT_FORMAT
+
+        checkpoint["canonlm"] = {"format": CKPT_FORMAT, "model": dataclasses.asdict(self.model.cfg),
+                                 "task": self.task_cfg,
                                  "train_time_s": float(self.train_time_s), "attempts": int(self.attempts),
                                  "nonfinite_steps": int(self.nonfinite_steps)}
 

@@ -45,6 +45,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from canonlm.utils.io import atomic_write_bytes, atomic_write_text
+
 from canonlm.train.metrics_file import read_metrics
 
 
@@ -545,11 +547,8 @@ def write_outputs(out: Path, files: dict[str, bytes], force: bool) -> str | None
     bad = [n for n in clash if not (out / n).is_file()]
     if bad:
         return f"--out {out}: {', '.join(bad)} exist and are not files; nothing written"
-    out.mkdir(parents=True, exist_ok=True)
     for n, data in files.items():
-        tmp = out / f".{n}.tmp"
-        tmp.write_bytes(data)
-        tmp.replace(out / n)
+        atomic_write_bytes(out / n, data)
     return None
 
 
@@ -634,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
                                              "runs": e["runs"]} for c, e in row.items()}
                                      for r, row in t["cells"].items()}} for t in ts],
                "unfinished": unfinished}
-        args.json.write_text(json.dumps(doc, indent=1))
+        atomic_write_text(args.json, json.dumps(doc, indent=1))
     if files is not None:
         print(f"\nwrote {len(files)} files to {args.out}: {', '.join(sorted(files))}")
     return 0

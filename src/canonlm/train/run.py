@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from canonlm.arch.config import ModelConfig, build_model_config
 from canonlm.data.tasks import build_task
-from canonlm.errors import ConfigError, RunStopped  # noqa: F401 -- RunStopped re-exported for train.py
+from canonlm.errors import ConfigError
 from canonlm.train.resolvers import register_resolvers
 from canonlm.utils.io import atomic_write_text
 
@@ -184,13 +184,9 @@ def _strategy(cfg: DictConfig):
 
 def _is_multirun() -> bool:
     """True inside a Hydra multirun job (basic or submitit launcher)."""
-    try:
-        from hydra.core.hydra_config import HydraConfig
-        from hydra.types import RunMode
+    from canonlm.train.wandb_utils import multirun_sweep_dir
 
-        return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
-    except Exception:  # noqa: BLE001 -- not under Hydra (tests, eval): a plain run
-        return False
+    return multirun_sweep_dir() is not None
 
 
 def launch_rank() -> int:

@@ -7,18 +7,13 @@ import tempfile
 from pathlib import Path
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` (UTF-8) to ``path`` through a temporary file in the same folder and ``os.replace``.
-
-    Creates missing parent folders; removes the temporary file on any failure. Returns the path.
-    Raises OSError if the folder cannot be created or written.
-    """
+def _atomic_write(path: str | os.PathLike, data: str | bytes, mode: str) -> Path:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=str(p.parent))
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, mode, **({"encoding": "utf-8"} if mode == "w" else {})) as f:
+            f.write(data)
         os.replace(tmp, p)
     except BaseException:
         if os.path.exists(tmp):
@@ -27,4 +22,18 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     return p
 
 
-__all__ = ["atomic_write_text"]
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` through a temporary file in the same folder and ``os.replace``.
+
+    Creates missing parent folders; removes the temporary file on any failure. Returns the path.
+    Raises OSError if the folder cannot be created or written.
+    """
+    return _atomic_write(path, text, "w")
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """:func:`atomic_write_text` for ``bytes`` (images, binary files). Returns the path; raises OSError."""
+    return _atomic_write(path, data, "wb")
+
+
+__all__ = ["atomic_write_bytes", "atomic_write_text"]
