@@ -60,6 +60,11 @@ def test_two_by_two_sweep_from_the_command_line(where, tmp_path):
                    for k, r in jobs.items())
         assert sorted(d.name for d in sweeps[0].iterdir() if d.is_dir()) == ["0", "1", "2", "3"]
         assert "Launching 4 jobs locally" in p.stdout + p.stderr
+        # the sweep ends with its tables and the report command (canonlm.train.sweep_callbacks.ReportCommand)
+        assert "canon.set=none" in p.stdout and "canon.set=ABCD" in p.stdout
+        assert p.stdout.strip().splitlines()[-1] == (
+            "report (tables, heat maps, learning curves): python -m canonlm.train.report "
+            f"{sweeps[0]} --rows task.N --cols model.size --out {sweeps[0] / 'report'}")
         r = subprocess.run([sys.executable, "-m", "canonlm.train.report", str(sweeps[0])], capture_output=True,
                            text=True, cwd=cwd, env=ENV, timeout=120)
         assert r.returncode == 0, r.stderr

@@ -200,3 +200,60 @@ def test_key_no_run_sets_is_noted(tmp_path, capsys):
     assert main([str(tmp_path), "--rows", "task.n"]) == 0   # a typo: every run is in the row "None"
     cap = capsys.readouterr()
     assert "no run sets task.n" in cap.err and cap.out.splitlines()[1] == "               None |   50.0/ 90.0"
+
+
+def _by_k_run(root, name, canon, accs, task="depo1", K=4, token_acc=None):
+    """A finished run evaluated at several k (``accs`` = {k: acc}), or a full-copy run (``task="fullcopy"``: one
+    group, whole-copy acc and per-token acc)."""
+    d = root / name
+    d.mkdir(parents=True)
+    if task == "fullcopy":
+        by = {"1": {"answers": 8, "acc": accs[1], "tokens": 512, "token_acc": token_acc}}
+        overall = {"answers": 8, "acc": accs[1], "tokens": 512, "token_acc": token_acc}
+        tcfg = {"name": "fullcopy", "n_tokens": 64}
+    else:
+        by = {str(k): {"answers": 10, "acc": a, "tokens": 20, "token_acc": a} for k, a in accs.items()}
+        overall = {"answers": 10 * len(accs), "acc": sum(accs.values()) / len(accs)}
+        tcfg = {"name": task, "N": 16, "K": K}
+    (d / "results.json").write_text(json.dumps({
+        "task": task, "task_config": tcfg, "model": {"arch": "llama", "size": "4L128D", "canon": canon, "pos": "rope"},
+        "steps": 10, "test": {"loss": 1.0, "by_group": by, "overall": overall}}))
+    (d / "hparams.json").write_text(json.dumps({"task": tcfg, "model": {"size": "4L128D", "arch": "llama"},
+                                                "canon": {"set": canon}, "pos": {"type": "rope"}}))
+    return d
+
+
+def test_k_option_shows_the_requested_hop_counts_and_ranks_by_the_first(tmp_path, capsys):
+    _by_k_run(tmp_path, "0", "", {1: 0.05, 2: 0.04, 4: 0.30})
+    _by_k_run(tmp_path, "1", "ABCD", {1: 0.55, 2: 0.07, 4: 0.06})
+    _by_k_run(tmp_path, "2", "ABCD", {1: 0.45, 2: 0.09, 4: 0.08})   # same cell, lower acc@1: loses under --k 1,2
+    assert main([str(tmp_path), "--rows", "canon.set", "--cols", "pos.type"]) == 0
+    out = capsys.readouterr().out
+    assert " none |   30.0/  4.0" in out and " ABCD |    8.0/  9.0" in out and "acc@K / acc@K/2 (%)" in out
+    assert main([str(tmp_path), "--rows", "canon.set", "--cols", "pos.type", "--k", "1,2"]) == 0
+    out = capsys.readouterr().out
+    assert " none |    5.0/  4.0" in out and " ABCD |   55.0/  7.0" in out and "acc@1 / acc@2 (%)" in out
+    out_dir = tmp_path / "rep"
+    assert main([str(tmp_path), "--rows", "canon.set", "--cols", "pos.type", "--k", "1,2", "--out", str(out_dir)]) == 0
+    assert "Cells: acc@1 / acc@2 (%)" in (out_dir / "table.md").read_text()
+    assert (out_dir / "table.csv").read_text().splitlines()[1:] == ["none,5.0/4.0", "ABCD,55.0/7.0"]
+
+
+@pytest.mark.parametrize("k, needle", [("1", "two positive hop counts"), ("0,1", "two positive hop counts"),
+                                       ("a,b", "two positive hop counts"), ("3,1", "no Depo run has an accuracy at k=3")])
+def test_bad_k_is_one_error_and_nothing_written(tmp_path, capsys, k, needle):
+    _by_k_run(tmp_path / "runs", "0", "", {1: 0.05, 2: 0.04, 4: 0.30})
+    out_dir = tmp_path / "rep"
+    assert main([str(tmp_path / "runs"), "--k", k, "--out", str(out_dir)]) == 2
+    cap = capsys.readouterr()
+    assert needle in cap.err and cap.err.count("\n") == 1 and cap.out == ""
+    assert not out_dir.exists()
+
+
+def test_fullcopy_cell_is_whole_copy_and_per_token_accuracy(tmp_path, capsys):
+    _by_k_run(tmp_path, "0", "", {1: 0.0}, task="fullcopy", token_acc=0.187)
+    _by_k_run(tmp_path, "1", "ABCD", {1: 1.0}, task="fullcopy", token_acc=1.0)
+    assert main([str(tmp_path), "--rows", "canon.set", "--cols", "pos.type"]) == 0
+    out = capsys.readouterr().out
+    assert " none |    0.0/ 18.7" in out and " ABCD |  100.0/100.0" in out
+    assert "whole-copy acc / per-token acc (%)" in out

@@ -41,7 +41,7 @@ NA_HATCH = (0.62, 0.62, 0.62, 1.0)  # ... hatched in a darker grey
 NA_HATCH_PATTERN = "//"
 CELL_W, CELL_H = 1.2, 0.6           # inches per heat-map cell
 PROBE = 0.14                        # probe pixel: this fraction of a cell below its top edge, centred
-_LEGEND = ("Each cell: the best run over the learning rates; grey hatched: no finished run (n/a); "
+_LEGEND = ("Each cell: the best run over the learning rates and seeds; grey hatched: no finished run (n/a); "
            "*: another run of the cell is unfinished")
 
 
@@ -54,7 +54,8 @@ def scale(tables: list[dict[str, Any]]) -> tuple[float, float, str]:
         return 0.0, max([2.0] + vals), "bits per parameter"
     hi = max([100.0] + vals)
     kind = kinds.pop() if len(kinds) == 1 else "accuracy (%)"
-    return 0.0, hi, ("acc@K (%)" if kind.startswith("acc@K") else kind)
+    # a two-number cell ("acc@K / acc@K/2 (%)", "whole-copy acc / per-token acc (%)"): the colour is the first
+    return 0.0, hi, (kind.split(" / ")[0] + " (%)" if " / " in kind else kind)
 
 
 def cell_color(value: float, vmin: float, vmax: float) -> tuple[float, float, float, float]:
@@ -134,8 +135,9 @@ def heatmap(tables: list[dict[str, Any]], *, rows: str, cols: str, title: str,
     fig.colorbar(ScalarMappable(norm=norm, cmap=CMAP), ax=used, label=slabel, shrink=0.9,
                  aspect=max(8, 12 * R * nr / 3))
     fig.suptitle(title, fontsize=11)
-    if slabel.startswith("acc@K"):
-        note = "cells: acc@K / acc@K/2 (%), colour: acc@K; " + note[0].lower() + note[1:]
+    kinds = {t["kind"] for t in tables}
+    if len(kinds) == 1 and " / " in next(iter(kinds)):
+        note = f"cells: {next(iter(kinds))}, colour: {slabel[:-4]}; " + note[0].lower() + note[1:]
     if unplaced:
         n_u = len(unplaced)
         note += f"; {n_u} unfinished run{'s' if n_u > 1 else ''} without a config, in no cell (see table.md)"

@@ -1,5 +1,5 @@
 """Paper-style tables and figures from a sweep: ``python -m canonlm.train.report <sweep or run dirs...> [--rows task.N]
-[--cols model.size] [--json out.json] [--out DIR [--force]]``.
+[--cols model.size] [--k K1,K2] [--json out.json] [--out DIR [--force]]``.
 
 Reads every run below the folders: its ``results.json`` (written by ``train.py`` when the run ends) and the resolved
 config ``hparams.json`` beside it. Runs are put in cells by the values of the ``--rows`` and ``--cols`` config keys,
@@ -14,9 +14,10 @@ cell. The README's 2 x 2 sweep ``python train.py -m canon=none,ABCD pos=rope,nop
 by default, or one 2 x 2 table with ``--rows canon.set --cols pos.type``. An empty Canon set is labelled ``none``.
 
 A cell is the test split's (else the validation split's) number: Depo ``acc@K / acc@K/2`` in percent (whole-answer
-exact match, K = task.K); Brevo and Lano the generation accuracy (validator-accepted samples) in percent; Capo bits
-per parameter; every other task the overall answer accuracy in percent (Mano: answer token at l = L; fullcopy: whole
-copy).
+exact match, K = task.K; ``--k 1,2`` shows ``acc@1 / acc@2`` instead, what CPU-budget runs learn); full copy
+``whole-copy / per-token`` accuracy in percent; Brevo and Lano the generation accuracy (validator-accepted samples) in
+percent; Capo bits per parameter; every other task the overall answer accuracy in percent (Mano: answer token at
+l = L). A cell ranks its runs by the first number.
 
 Run directories without a usable ``results.json`` (still running, killed or failed: they hold ``.hydra/``,
 ``metrics.jsonl`` or ``checkpoints/``) are listed under the tables as ``unfinished or failed: <dir> (last step N from
@@ -122,8 +123,18 @@ def find_unfinished(root: Path, runs: list[dict[str, Any]] | None = None) -> lis
     return out
 
 
+def _depo_ks(run: dict[str, Any]) -> tuple[int, int] | None:
+    """The two hop counts a Depo cell shows: ``run["report_k"]`` (``--k``), else (K, K/2); None for other tasks."""
+    K = _get(run["config"], "task.K") or run.get("task_config", {}).get("K")
+    if not K or not str(run.get("task", "depo")).startswith("depo"):
+        return None
+    return tuple(run["report_k"]) if run.get("report_k") else (int(K), int(K) // 2)
+
+
 def cell(run: dict[str, Any]) -> tuple[float, float] | None:
-    """(acc at k=K, acc at k=K/2) of a run's test (else val) split, or None if absent."""
+    """The two numbers of a run's cell from its test (else val) split, or None if absent: Depo (acc at k=K, acc at
+    k=K/2), or at the hop counts of ``--k`` (``run["report_k"]``); full copy (whole-copy, per-token accuracy);
+    otherwise one number and NaN (generation accuracy, bits per parameter, answer accuracy)."""
     split = run.get("test") or run.get("val")
     if not split:
         return None
@@ -132,27 +143,34 @@ def cell(run: dict[str, Any]) -> tuple[float, float] | None:
         return split["generate"]["acc"], nan
     if "bits_per_param" in (split.get("task_metrics") or {}):
         return split["task_metrics"]["bits_per_param"], nan
-    K = _get(run["config"], "task.K") or run.get("task_config", {}).get("K")
-    if not K or not str(run.get("task", "depo")).startswith("depo"):
-        acc = (split.get("overall") or {}).get("acc")
-        return None if acc is None else (acc, nan)
+    ks = _depo_ks(run)
+    if ks is None:
+        o = split.get("overall") or {}
+        if o.get("acc") is None:
+            return None
+        if str(run.get("task")) == "fullcopy" and o.get("token_acc") is not None:
+            return o["acc"], o["token_acc"]
+        return o["acc"], nan
     by = split.get("by_group") or {}
-    hi, lo = by.get(str(K)), by.get(str(K // 2))
+    hi, lo = by.get(str(ks[0])), by.get(str(ks[1]))
     if hi is None:
         return None
     return hi["acc"], (lo["acc"] if lo else float("nan"))
 
 
 def _kind(run: dict[str, Any]) -> str:
-    """What a run's cell shows (the legend under the tables); the same cases as ``cell``."""
+    """What a run's cell shows (the legend under the tables); the same cases as ``cell``. Two numbers are named
+    ``first / second (%)``; the colour of a figure cell is the first."""
     split = run.get("test") or run.get("val") or {}
     if "generate" in split:
         return "generation accuracy (%)"
     if "bits_per_param" in (split.get("task_metrics") or {}):
         return "bits per parameter"
-    K = _get(run["config"], "task.K") or run.get("task_config", {}).get("K")
-    if K and str(run.get("task", "depo")).startswith("depo"):
-        return "acc@K / acc@K/2 (%)"
+    ks = _depo_ks(run)
+    if ks is not None:
+        return "acc@K / acc@K/2 (%)" if not run.get("report_k") else f"acc@{ks[0]} / acc@{ks[1]} (%)"
+    if str(run.get("task")) == "fullcopy":
+        return "whole-copy acc / per-token acc (%)"
     return "answer accuracy (%)"
 
 
@@ -559,6 +577,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="sweep (multirun) folders, run directories, or any folders holding run directories")
     ap.add_argument("--rows", default="task.N", help="config key of the rows (default: task.N)")
     ap.add_argument("--cols", default="model.size", help="config key of the columns (default: model.size)")
+    ap.add_argument("--k", metavar="K1,K2", help="Depo cells: accuracy at these two hop counts, e.g. 1,2 (default: K "
+                    "and K/2, the paper's layout; at CPU budgets only k=1 is learnt)")
     ap.add_argument("--json", type=Path, help="also write every table and the unfinished runs to this file")
     ap.add_argument("--out", type=Path, help="write table.md, CSV tables, PNG figures and report.json here")
     ap.add_argument("--force", action="store_true", help="with --out: replace files of the same names")
@@ -567,6 +587,16 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.wandb and args.out is None:
         ap.error("--wandb needs --out (the figures it logs are the files written there)")
+    ks = None
+    if args.k is not None:
+        try:
+            ks = tuple(int(x) for x in args.k.split(","))
+        except ValueError:
+            ks = ()
+        if len(ks) != 2 or min(ks) < 1:
+            print(f"report: error: --k {args.k!r}: two positive hop counts are allowed, e.g. --k 1,2",
+                  file=sys.stderr)
+            return 2
     bad = [str(r) for r in args.roots if not r.is_dir()]
     if bad:
         print(f"report: error: {', '.join(bad)} {'is' if len(bad) == 1 else 'are'} not a directory", file=sys.stderr)
@@ -589,6 +619,15 @@ def main(argv: list[str] | None = None) -> int:
             if str(Path(u["dir"]).resolve()) not in seen_u:
                 seen_u.add(str(Path(u["dir"]).resolve()))
                 unfinished.append(u)
+    if ks is not None:
+        for r in runs:
+            r["report_k"] = ks
+        depo = [r for r in runs if _depo_ks(r) is not None]
+        evaluated = {g for r in depo for g in ((r.get("test") or r.get("val") or {}).get("by_group") or {})}
+        if depo and str(ks[0]) not in evaluated:
+            print(f"report: error: --k {args.k}: no Depo run has an accuracy at k={ks[0]} (evaluated at k in "
+                  f"{{{', '.join(sorted(evaluated, key=_natural))}}})", file=sys.stderr)
+            return 2
     if empty:
         print(f"report: error: no runs below {', '.join(empty)} (no results.json, metrics.jsonl, checkpoints/ or "
               ".hydra/)", file=sys.stderr)

@@ -1,0 +1,192 @@
+"""The ``experiment=mini/*`` CPU reproductions: each preset is a Hydra multirun whose grid is what the issue and the
+paper's figure ask for (checked against those, not against the preset's own text), every job of the grid composes
+and builds, the sweep prints its report and the report command at the end, and that command writes the figures."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from conftest import CONF, ROOT, compose
+
+PRESETS = sorted(p.stem for p in (CONF / "experiment" / "mini").glob("*.yaml"))
+ENV = {**os.environ, "WANDB_MODE": "disabled"}
+
+
+def _hydra_cfg(overrides: list[str]):
+    """The composed config with its ``hydra`` node (mode, sweeper params, callbacks), as ``train.py -m`` sees it."""
+    from hydra import compose as hcompose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from canonlm.train.resolvers import register_resolvers
+
+    register_resolvers()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            return hcompose(config_name="train", overrides=overrides, return_hydra_config=True)
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def _grid(preset: str) -> list[list[str]]:
+    """The job overrides of a preset's sweep: the cartesian product of ``hydra.sweeper.params`` (what Hydra's basic
+    sweeper launches), each job with ``experiment=mini/<preset>`` in front."""
+    params = _hydra_cfg([f"experiment=mini/{preset}"]).hydra.sweeper.params
+    axes = [[f"{k}={v.strip()}" for v in str(vals).split(",")] for k, vals in params.items()]
+    return [[f"experiment=mini/{preset}", *job] for job in itertools.product(*axes)]
+
+
+def test_the_three_presets_exist():
+    assert {"canon_effect", "copy", "linear"} <= set(PRESETS)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_preset_is_a_multirun_whose_every_job_builds(preset, tmp_path):
+    import torch
+
+    from canonlm.arch.model import LlamaCanon
+    from canonlm.train.run import build_configs, validate_training
+
+    from hydra.types import RunMode
+
+    h = _hydra_cfg([f"experiment=mini/{preset}"]).hydra
+    assert h.mode == RunMode.MULTIRUN  # `python train.py experiment=mini/<name>` sweeps even without -m
+    assert h.callbacks.report._target_ == "canonlm.train.sweep_callbacks.ReportCommand"
+    for job in _grid(preset):
+        cfg = compose(job, output_dir=tmp_path)
+        OmegaConf.resolve(cfg)
+        task, mcfg = build_configs(cfg)
+        validate_training(cfg)
+        with torch.device("meta"):
+            assert LlamaCanon(mcfg).num_params() > 0
+
+
+def _jobs(preset, tmp_path):
+    out = []
+    for job in _grid(preset):
+        cfg = compose(job, output_dir=tmp_path)
+        OmegaConf.resolve(cfg)
+        out.append(cfg)
+    return out
+
+
+def test_canon_effect_is_the_default_depo_rope_nope_times_canon_none_abcd_two_seeds(tmp_path):
+    """The issue: Depo as in the default run, {RoPE, NoPE} x {no Canon, Canon-ABCD}, 2 seeds."""
+    default = compose([], output_dir=tmp_path)
+    jobs = _jobs("canon_effect", tmp_path)
+    assert len(jobs) == 8
+    assert {(c.pos.type, c.canon.set, c.seed) for c in jobs} == set(
+        itertools.product(["rope", "nope"], ["", "ABCD"], [1, 2]))
+    for c in jobs:  # same task, data stream, model and optimizer as `python train.py`; only the budget differs
+        assert c.task == default.task and c.model.arch == "llama" and c.model.size == default.model.size
+        assert c.optim == default.optim and c.data.batch_size == default.data.batch_size
+        assert c.canon.kernel == 4 and c.canon.residual is True
+        assert 0 < c.trainer.max_steps <= default.trainer.max_steps
+
+
+def test_copy_is_one_layer_d16_rope_copy_length_64_with_and_without_canon(tmp_path):
+    """The issue's probe setting (Fig. 5 at small scale): 1 layer, d_model=16, RoPE, copy length 64."""
+    jobs = _jobs("copy", tmp_path)
+    assert {c.canon.set for c in jobs} == {"", "ABCD"}
+    lrs = {c.optim.lr for c in jobs}
+    for c in jobs:
+        from canonlm.train.run import build_configs
+
+        task, m = build_configs(c)
+        assert c.task.name == "fullcopy" and c.task.n_tokens == 64 and c.task.context >= 2 * 64 + 2
+        assert (m.n_layers, m.d_model, c.pos.type) == (1, 16, "rope")
+    # every (canon, lr) pair is run, so each cell's best-of-lr compares like with like
+    assert len(jobs) == 2 * len(lrs)
+
+
+def test_linear_is_gla_without_conv_with_short_conv_and_canon_abcd_on_depo(tmp_path):
+    default = compose([], output_dir=tmp_path)
+    jobs = _jobs("linear", tmp_path)
+    assert {c.canon.set for c in jobs} == {"", "b", "AbCD"}
+    for c in jobs:
+        assert c.model.arch == "gla" and c.task == default.task and c.optim == default.optim
+
+
+# ------------------------------------------------------------------------------------ the report at the end
+
+
+def _depo_run(d: Path, canon: str, pos: str, seed: int, acc: dict[int, float]):
+    """A finished Depo run directory (the layout ``canonlm.train.run`` writes) with accuracy ``acc`` by k."""
+    d.mkdir(parents=True)
+    by = {str(k): {"answers": 10, "acc": a, "tokens": 20, "token_acc": a} for k, a in acc.items()}
+    cfg = {"task": {"name": "depo1", "N": 16, "K": 4}, "model": {"size": "4L128D", "arch": "llama", "mlp": "gated",
+                                                                "qk_norm": "none"},
+           "canon": {"set": canon}, "pos": {"type": pos, "fraction": 1.0}, "optim": {"lr": 2e-3}, "seed": seed}
+    (d / "results.json").write_text(json.dumps({
+        "task": "depo1", "task_config": {"name": "depo1", "N": 16, "K": 4},
+        "model": {"arch": "llama", "size": "4L128D", "canon": canon, "pos": pos, "qk_norm": "none"},
+        "steps": 800, "test": {"loss": 1.0, "group_name": "k", "by_group": by, "overall": {"acc": 0.1}}}))
+    (d / "hparams.json").write_text(json.dumps(cfg))
+    (d / "metrics.jsonl").write_text(json.dumps({"step": 800, "time": 1.0, "val/acc_k1": acc[1]}) + "\n")
+
+
+def test_report_callback_prints_the_tables_and_a_command_that_writes_the_figures(tmp_path, capsys):
+    from canonlm.train.sweep_callbacks import ReportCommand
+
+    sweep = tmp_path / "multiruns" / "t"
+    accs = {("", "rope"): 0.05, ("ABCD", "rope"): 0.50, ("", "nope"): 0.04, ("ABCD", "nope"): 0.30}
+    for i, ((canon, pos), a1) in enumerate(accs.items()):
+        _depo_run(sweep / str(i), canon, pos, 1, {1: a1, 2: 0.06, 4: 0.07})
+    cb = ReportCommand(rows="canon.set", cols="pos.type", k="1,2")
+    cb.on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}}))
+    out = capsys.readouterr().out
+    # acc@1 / acc@2 (not the default acc@K / acc@K/2 = k=4 / k=2), rows Canon set, columns positions
+    assert "canon.set \\ pos.type |         nope |         rope" in out
+    assert " none |    4.0/  6.0 |    5.0/  6.0" in out and " ABCD |   30.0/  6.0 |   50.0/  6.0" in out
+    assert "acc@1 / acc@2 (%)" in out
+    cmd = [line for line in out.splitlines() if line.startswith("report (tables")]
+    assert len(cmd) == 1
+    argv = shlex.split(cmd[0].split(": ", 1)[1])
+    assert argv[:3] == ["python", "-m", "canonlm.train.report"] and argv[-2:] == ["--out", str(sweep / "report")]
+    r = subprocess.run([sys.executable, *argv[1:]], capture_output=True, text=True, env=ENV, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    written = {p.name for p in (sweep / "report").iterdir()}
+    # canon x pos are the rows x columns: one table, one heat map with the four cells, its learning curves
+    assert {"table.md", "report.json", "table.csv", "heatmap.png", "curves.png"} <= written
+    import matplotlib.image
+
+    assert matplotlib.image.imread(sweep / "report" / "heatmap.png").shape[0] > 100
+    md = (sweep / "report" / "table.md").read_text()
+    assert "| ABCD | 30.0 / 6.0 | 50.0 / 6.0 |" in md
+
+
+def test_report_callback_survives_a_failing_report(tmp_path, capsys):
+    from canonlm.train.sweep_callbacks import ReportCommand
+
+    sweep = tmp_path / "empty"
+    sweep.mkdir()
+    ReportCommand().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}}))
+    cap = capsys.readouterr()
+    assert "no runs below" in cap.err and "report (tables" in cap.out
+
+
+@pytest.mark.slow
+def test_canon_effect_preset_end_to_end_at_toy_size(tmp_path):
+    """``python train.py -m experiment=mini/canon_effect`` as a user runs it (shrunk by overrides to seconds): eight
+    jobs, the report at the end with acc@1 / acc@2 per (Canon set, positions), and the report command."""
+    tiny = ["model.size=2L64D", "trainer.max_steps=2", "trainer.val_check_interval=2", "data.val_windows=8",
+            "data.test_windows=8", "data.batch_size=4", "callbacks.progress.force=lines"]
+    p = subprocess.run([sys.executable, str(ROOT / "train.py"), "-m", "experiment=mini/canon_effect", *tiny],
+                       capture_output=True, text=True, timeout=900, cwd=tmp_path, env=ENV)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "Launching 8 jobs locally" in p.stdout + p.stderr
+    sweeps = list((tmp_path / "logs" / "mini_canon_effect" / "multiruns").iterdir())
+    assert len(sweeps) == 1 and len(list(sweeps[0].rglob("results.json"))) == 8
+    assert "canon.set \\ pos.type |" in p.stdout and "acc@1 / acc@2 (%)" in p.stdout
+    last = p.stdout.strip().splitlines()[-1]
+    assert last.startswith("report (tables") and f"{sweeps[0]} --rows canon.set --cols pos.type --k 1,2" in last
