@@ -202,7 +202,7 @@ def test_key_no_run_sets_is_noted(tmp_path, capsys):
     assert "no run sets task.n" in cap.err and cap.out.splitlines()[1] == "               None |   50.0/ 90.0"
 
 
-def _by_k_run(root, name, canon, accs, task="depo1", K=4, token_acc=None):
+def _by_k_run(root, name, canon, accs, task="depo1", K=4, token_acc=None, arch="llama"):
     """A finished run evaluated at several k (``accs`` = {k: acc}), or a full-copy run (``task="fullcopy"``: one
     group, whole-copy acc and per-token acc)."""
     d = root / name
@@ -216,9 +216,9 @@ def _by_k_run(root, name, canon, accs, task="depo1", K=4, token_acc=None):
         overall = {"answers": 10 * len(accs), "acc": sum(accs.values()) / len(accs)}
         tcfg = {"name": task, "N": 16, "K": K}
     (d / "results.json").write_text(json.dumps({
-        "task": task, "task_config": tcfg, "model": {"arch": "llama", "size": "4L128D", "canon": canon, "pos": "rope"},
+        "task": task, "task_config": tcfg, "model": {"arch": arch, "size": "4L128D", "canon": canon, "pos": "rope"},
         "steps": 10, "test": {"loss": 1.0, "by_group": by, "overall": overall}}))
-    (d / "hparams.json").write_text(json.dumps({"task": tcfg, "model": {"size": "4L128D", "arch": "llama"},
+    (d / "hparams.json").write_text(json.dumps({"task": tcfg, "model": {"size": "4L128D", "arch": arch},
                                                 "canon": {"set": canon}, "pos": {"type": "rope"}}))
     return d
 
@@ -257,3 +257,26 @@ def test_fullcopy_cell_is_whole_copy_and_per_token_accuracy(tmp_path, capsys):
     out = capsys.readouterr().out
     assert " none |    0.0/ 18.7" in out and " ABCD |  100.0/100.0" in out
     assert "whole-copy acc / per-token acc (%)" in out
+
+
+def test_linear_models_have_no_position_encoding_in_tables_and_titles(tmp_path, capsys):
+    # train.py composes the default pos group (rope) for every arch, but GLA / GDN / Mamba2 use no positions: the
+    # report puts a GLA run under pos.type "none" (as train.py's log line says), a Llama keeps its RoPE
+    _by_k_run(tmp_path / "a", "0", "", {1: 0.05, 2: 0.04}, arch="gla")
+    _by_k_run(tmp_path / "a", "1", "AbCD", {1: 0.35, 2: 0.07}, arch="gla")
+    _by_k_run(tmp_path / "b", "2", "ABCD", {1: 0.31, 2: 0.06})
+    out_dir = tmp_path / "rep"
+    assert main([str(tmp_path), "--rows", "canon.set", "--cols", "pos.type", "--k", "1,2", "--out", str(out_dir)]) == 0
+    filled = {}
+    for t in json.loads((out_dir / "report.json").read_text())["tables"]:
+        for row, cells in t["cells"].items():
+            for col, c in cells.items():
+                if c.get("acc") is not None:
+                    filled[(t["setting"]["model.arch"], row, col)] = c["acc"]
+    assert filled == {("gla", "none", "none"): [0.05, 0.04], ("gla", "AbCD", "none"): [0.35, 0.07],
+                      ("llama", "ABCD", "rope"): [0.31, 0.06]}, filled
+    # a GLA-only sweep (the mini/linear layout): the title names no RoPE
+    assert main([str(tmp_path / "a"), "--rows", "canon.set", "--cols", "model.arch", "--k", "1,2",
+                 "--out", str(tmp_path / "rep_gla")]) == 0
+    names = [t["name"] for t in json.loads((tmp_path / "rep_gla" / "report.json").read_text())["tables"]]
+    assert names == ["depo1: pos=none"], names

@@ -184,6 +184,14 @@ _FROM_RESULTS = {"task.name": ("task",), "model.arch": ("model", "arch"), "canon
 
 
 def _value(run: dict[str, Any], key: str) -> Any:
+    """A run's value of ``key``; ``pos.*`` of a linear model (GLA, GDN, Mamba2: no positional encoding, whatever
+    the ``pos`` group says) is ``none`` / None, as train.py logs it."""
+    if key.startswith("pos.") and _raw_value(run, "model.arch") not in (None, "llama"):
+        return "none" if key == "pos.type" else None
+    return _raw_value(run, key)
+
+
+def _raw_value(run: dict[str, Any], key: str) -> Any:
     if key == "model.size" and run.get("model", {}).get("size"):  # the built size (n_layers / d_model overrides)
         return run["model"]["size"]
     if run.get("config"):
