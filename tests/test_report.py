@@ -280,3 +280,14 @@ def test_linear_models_have_no_position_encoding_in_tables_and_titles(tmp_path, 
                  "--out", str(tmp_path / "rep_gla")]) == 0
     names = [t["name"] for t in json.loads((tmp_path / "rep_gla" / "report.json").read_text())["tables"]]
     assert names == ["depo1: pos=none"], names
+
+
+def test_report_position_rule_is_the_models():
+    # the report restates canonlm.arch.config.position_encoding (it stays torch-free): both must agree on every arch
+    from canonlm.arch.config import ARCHS, position_encoding
+    from canonlm.train.report import _value
+
+    for arch in ARCHS:
+        run = {"config": {"model": {"arch": arch}, "pos": {"type": "rope", "fraction": 1.0}}}
+        assert _value(run, "pos.type") == position_encoding(arch, "rope"), arch
+        assert (_value(run, "pos.fraction") is None) == (position_encoding(arch, "rope") == "none"), arch

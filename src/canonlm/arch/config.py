@@ -36,6 +36,13 @@ LINEAR_CANON_LETTERS = "AbBCD"  # GLA / GDN / Mamba2: 'b' = the mixer's own shor
 # Token-mixer families (models.md §2, §3). The Hydra `arch` presets (gla5, gdn2, mamba2_mlp, ...) are settings of these.
 ARCHS = ("llama", "gla", "gdn", "mamba2")
 LINEAR_ARCHS = ("gla", "gdn", "mamba2")
+
+
+def position_encoding(arch: str, pos_type: str) -> str:
+    """The positional encoding a model of ``arch`` applies: ``pos_type`` (``rope`` | ``partial_rope`` | ``nope``,
+    the ``pos`` group) for Llama, ``"none"`` for the linear mixers (GLA, GDN, Mamba2), which take no positions
+    whatever the composed ``pos`` group says."""
+    return "none" if arch in LINEAR_ARCHS else pos_type
 INITS = ("hf_normal", "lingua", "linear_0.02_split", "mamba2_default")
 
 
@@ -208,7 +215,7 @@ class ModelConfig:
     @property
     def rope_dim(self) -> int:
         """Rotated channels per head (0 for NoPE and for the linear mixers, which have no positional encoding)."""
-        if self.pos.type == "nope" or self.arch != "llama":
+        if position_encoding(self.arch, self.pos.type) in ("nope", "none"):
             return 0
         if self.pos.type == "rope":
             return self.head_dim

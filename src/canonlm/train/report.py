@@ -185,8 +185,10 @@ _FROM_RESULTS = {"task.name": ("task",), "model.arch": ("model", "arch"), "canon
 
 def _value(run: dict[str, Any], key: str) -> Any:
     """A run's value of ``key``; ``pos.*`` of a linear model (GLA, GDN, Mamba2: no positional encoding, whatever
-    the ``pos`` group says) is ``none`` / None, as train.py logs it."""
-    if key.startswith("pos.") and _raw_value(run, "model.arch") not in (None, "llama"):
+    the ``pos`` group says) is ``none`` / None, as train.py logs it. The rule is
+    ``canonlm.arch.config.position_encoding``'s, restated here because importing ``canonlm.arch`` loads torch (2 s)
+    and the report reads JSON only."""
+    if key.startswith("pos.") and _raw_value(run, "model.arch") in ("gla", "gdn", "mamba2"):
         return "none" if key == "pos.type" else None
     return _raw_value(run, key)
 

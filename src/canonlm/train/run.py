@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from canonlm.arch.config import ModelConfig, build_model_config
+from canonlm.arch.config import ModelConfig, build_model_config, position_encoding
 from canonlm.data.tasks import build_task
 from canonlm.errors import ConfigError
 from canonlm.train.resolvers import register_resolvers
@@ -443,7 +443,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     module.tokens_per_step = int(cfg.data.batch_size) * int(task_cfg["context"])
 
     n_params = module.model.num_params()
-    pos_type = mcfg.pos.type if mcfg.arch == "llama" else "none"  # linear mixers have no positional encoding
+    pos_type = position_encoding(mcfg.arch, mcfg.pos.type)
     if trainer.is_global_zero:
         log.info("task %s | vocab %d | context %d | model %s %dL %dD %dH canon=%r pos=%s | %.2fM params | "
                  "world size %d", task.name, task.vocab_size, task_cfg["context"], mcfg.arch, mcfg.n_layers,

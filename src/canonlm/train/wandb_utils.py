@@ -63,9 +63,11 @@ def multirun_sweep_dir() -> str | None:
 def run_tags(cfg: DictConfig) -> list[str]:
     """``arch:<arch>``, ``canon:<set or none>``, ``pos:<type>`` (``none`` for linear models, which have no
     positional encoding), ``task:<name>``."""
+    from canonlm.arch.config import position_encoding  # torch comes with canonlm.arch: only when a run logs
+
     arch = str(OmegaConf.select(cfg, "model.arch", default="llama"))
     canon = OmegaConf.select(cfg, "canon.set", default="")
-    pos = OmegaConf.select(cfg, "pos.type", default="none") if arch == "llama" else "none"
+    pos = position_encoding(arch, OmegaConf.select(cfg, "pos.type", default="none"))
     task = OmegaConf.select(cfg, "task.name", default="unknown")
     return [f"arch:{arch}", f"canon:{canon or 'none'}", f"pos:{pos}", f"task:{task}"]
 
