@@ -241,6 +241,6 @@ def test_load_model_places_after_the_move(tmp_path, monkeypatch):
     cfg2 = compose(["model.size=2L64D"], output_dir=run)
     OmegaConf.save(cfg2, run / ".hydra" / "config.yaml")
     calls.clear()
-    lm = load_model(run, device="cpu", precision="bf16")  # bf16 autocast is CUDA-only in load_model: fp32 on CPU
-    assert calls == [(torch.device("cpu"), torch.float32)]
-    assert lm.model.placement == (torch.device("cpu"), torch.float32)
+    lm = load_model(run, device="cpu", precision="bf16")  # bf16 = bf16-mixed: CPU bf16 autocast, as Lightning runs it
+    assert calls == [(torch.device("cpu"), torch.bfloat16)]
+    assert lm.model.placement == (torch.device("cpu"), torch.bfloat16)

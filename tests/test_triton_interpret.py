@@ -369,19 +369,39 @@ def interp_results():
     return json.loads(lines[-1][len("RESULT "):])
 
 
+def problems(name: str, r: dict) -> list:
+    """What is wrong with case ``name``'s result ``r`` (empty when it passes): an exception, no launch, an expected
+    kernel that did not launch or a forbidden one that did, an error above the dtype's tolerance (NaN included)."""
+    if "error" in r:
+        return [f"raised:\n{r['error']}"]
+    launched, out = r["launches"], []
+    if sum(launched.values()) == 0:
+        out.append("no Triton kernel launched (fell back to a reference?)")
+    out += [f"kernel {k} did not launch; launched: {launched}" for k in r["expect"] if launched.get(k, 0) == 0]
+    out += [f"kernel {k} launched on this path; launched: {launched}" for k in r["forbid"] if launched.get(k, 0)]
+    tol = TOL[name.rsplit("-", 1)[1]]
+    bad = {k: v for k, v in r["err"].items() if not (v <= tol)}
+    if bad or not r["err"]:
+        out.append(f"relative error above {tol}: {bad} (all: {r['err']})")
+    return out
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_triton_call_site(interp_results, name):
-    r = interp_results["cases"][name]
-    assert "error" not in r, f"{name} (triton {interp_results['triton']}) raised:\n{r['error']}"
-    launched = r["launches"]
-    assert sum(launched.values()) > 0, f"{name}: no Triton kernel launched (fell back to a reference?)"
-    for k in r["expect"]:
-        assert launched.get(k, 0) > 0, f"{name}: kernel {k} did not launch; launched: {launched}"
-    for k in r["forbid"]:
-        assert launched.get(k, 0) == 0, f"{name}: kernel {k} launched on this path; launched: {launched}"
-    tol = TOL[name.rsplit("-", 1)[1]]
-    bad = {k: v for k, v in r["err"].items() if not (v <= tol)}      # NaN fails too
-    assert r["err"] and not bad, f"{name}: relative error above {tol}: {bad} (all: {r['err']})"
+    bad = problems(name, interp_results["cases"][name])
+    assert not bad, f"{name} (triton {interp_results['triton']}): " + "; ".join(bad)
+
+
+def test_mutation_lines_still_exist():
+    """scripts/interp_mutations.py (the tier's mutation check) mutates exact lines of the fast-path wrappers; each must
+    still be in its file exactly once, or the mutation table would silently test nothing."""
+    sys.path.insert(0, str(HERE.parent / "scripts"))
+    import interp_mutations
+
+    src = HERE.parent / "src" / "canonlm"
+    missing = [name for name, (path, old, *_rest) in interp_mutations.MUTATIONS.items()
+               if (src / path).read_text().count(old) != 1]
+    assert len(interp_mutations.MUTATIONS) >= 5 and not missing, missing
 
 
 if __name__ == "__main__":      # python tests/test_triton_interpret.py [case ...]: print the table of cases

@@ -2,7 +2,7 @@
 
     python -m canonlm.generate <run dir | checkpoint | exported dir> --prompt TEXT [--prompt TEXT ...]
         [--prompt-file FILE] [--max-new-tokens N] [--temperature T] [--top-k K] [--seed S] [--batch-size B]
-        [--ids] [--json] [--device auto|cpu|cuda|cuda:N] [--precision fp32|bf16]
+        [--ids] [--json] [--device auto|cpu|cuda|cuda:N] [--precision auto|32-true|bf16-mixed|bf16-true|...]
 
 The model is rebuilt by :func:`canonlm.eval.load.load_model` (run directory, or a ``.ckpt`` inside
 ``<run>/checkpoints/``), or, when ``canonlm.hf`` is present, from an exported Hugging Face directory
@@ -12,6 +12,12 @@ decoded by :meth:`canonlm.data.lm.LanguageModel.generate` around a forward objec
 offers :meth:`canonlm.arch.model.CanonLM.new_cache`, so every architecture (llama, gla, gdn, mamba2) prefills the
 prompts once and then runs one position per forward call on its decode cache (KV, Canon, short-conv and recurrent
 states). Greedy output (``--temperature 0``, the default) equals an argmax loop over full forward passes.
+
+``--precision auto`` (the default) runs the model as its training run computed (the run's ``trainer.precision``:
+bf16 autocast for ``bf16-mixed``, also on the CPU; bf16 parameters for ``bf16-true``; see
+:func:`canonlm.eval.load.eval_precision`), so a run that pinned a bf16-only kernel (``model.kernels.attention=flash``)
+loads on the GPU; an exported directory or an imported checkpoint records no training precision and runs in the
+dtype of its weights (float32). A ``trainer.precision`` name (or ``fp32`` / ``bf16``) overrides it.
 
 Prompts and outputs are text in the run's task vocabulary (:func:`make_codec`):
 
@@ -49,7 +55,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from canonlm.eval.load import ModelForward
+from canonlm.errors import ConfigError
+from canonlm.eval.load import EvalPrecision, ModelForward, check_precision, eval_precision
 
 PROG = "canonlm.generate"
 DEFAULT_MAX_NEW = 32
@@ -203,17 +210,18 @@ def make_codec(task_cfg: dict[str, Any] | None, vocab_size: int) -> Codec:
 # ============================================================================================== model
 class CachedForward(ModelForward):
     """:class:`canonlm.eval.load.ModelForward` (``__call__(ids, cache=None)``, ``new_cache()`` of a
-    :class:`~canonlm.arch.model.CanonLM`, bf16 CUDA autocast when asked) with top-k truncation of the logits.
+    :class:`~canonlm.arch.model.CanonLM`, every forward inside ``context()``) with top-k truncation of the logits.
 
     Args: model: module ``model(ids (B, T) int64[, cache]) -> logits (B, T, V)`` (``new_cache`` optional: without
         it ``LanguageModel`` re-runs prefixes). top_k: keep the k largest logits of every position (the others
-        become -inf; ties with the k-th value are kept); None or >= V = no truncation. autocast: None or
-        ``torch.bfloat16`` (CUDA autocast).
-    Returns (call): float logits (B, T, V).
+        become -inf; ties with the k-th value are kept); None or >= V = no truncation. context: None or a callable
+        returning a context manager (:meth:`canonlm.eval.load.EvalPrecision.context`: a mixed precision's
+        autocast).
+    Returns (call): logits (B, T, V) in the compute dtype.
     """
 
-    def __init__(self, model: Any, top_k: int | None = None, autocast: torch.dtype | None = None):
-        super().__init__(model, autocast)
+    def __init__(self, model: Any, top_k: int | None = None, context: Callable[[], Any] | None = None):
+        super().__init__(model, context)
         self.top_k = top_k
 
     def __call__(self, ids: torch.Tensor, cache: Any = None) -> torch.Tensor:
@@ -234,15 +242,16 @@ class Generator:
     """A loaded model with what generation needs.
 
     model: the module (eval mode, on ``device``). vocab_size: V. max_len: positions it accepts (prompt +
-    generation; the trained context). device: torch.device. autocast: None or torch.bfloat16. codec:
-    :class:`Codec`. info: JSON-able description (``LoadedModel.describe()`` for runs).
+    generation; the trained context). device: torch.device. precision: how it computes
+    (:class:`canonlm.eval.load.EvalPrecision`). codec: :class:`Codec`. info: JSON-able description
+    (``LoadedModel.describe()`` for runs).
     """
 
     model: Any
     vocab_size: int
     max_len: int
     device: torch.device
-    autocast: torch.dtype | None
+    precision: EvalPrecision
     codec: Codec
     info: dict[str, Any]
 
@@ -252,7 +261,7 @@ class Generator:
         ``max_new_tokens`` tokens (no stop token). See :func:`generate_ids`."""
         return generate_ids(self.model, prompts, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
                             batch_size=batch_size, vocab_size=self.vocab_size, max_len=self.max_len,
-                            device=self.device, autocast=self.autocast)
+                            device=self.device, context=self.precision.context)
 
 
 def sampling_keys(seed: int, n: int) -> np.ndarray:
@@ -267,7 +276,7 @@ def sampling_keys(seed: int, n: int) -> np.ndarray:
 def generate_ids(model: Any, prompts: Sequence[np.ndarray], max_new_tokens: int, *, temperature: float = 0.0,
                  top_k: int | None = None, seed: int = 0, batch_size: int = 8, vocab_size: int | None = None,
                  max_len: int | None = None, device: torch.device | str = "cpu",
-                 autocast: torch.dtype | None = None) -> list[np.ndarray]:
+                 context: Callable[[], Any] | None = None) -> list[np.ndarray]:
     """Generate ``max_new_tokens`` tokens after every prompt with
     :meth:`canonlm.data.lm.LanguageModel.generate` (decode caches when ``model`` has ``new_cache``).
 
@@ -281,7 +290,8 @@ def generate_ids(model: Any, prompts: Sequence[np.ndarray], max_new_tokens: int,
             only, not on ``batch_size`` or the other prompts.
         batch_size: prompts per forward pass. vocab_size: V (default ``model.cfg.vocab_size``). max_len: longest
             prompt + generation the model accepts (default ``model.cfg.max_seq_len``). device: where ids go.
-        autocast: None or ``torch.bfloat16`` (CUDA autocast around every forward).
+        context: None or a callable returning the context manager of every forward
+            (:meth:`canonlm.eval.load.EvalPrecision.context`).
     Returns: list of n int64 arrays (max_new_tokens,).
     Raises ValueError (from ``LanguageModel``) for an empty prompt, max_new_tokens < 1, temperature < 0, or a
     prompt that leaves no room under ``max_len``; :class:`GenerateError` when a prompt plus ``max_new_tokens``
@@ -299,7 +309,7 @@ def generate_ids(model: Any, prompts: Sequence[np.ndarray], max_new_tokens: int,
             raise GenerateError("--max-new-tokens", int(max_new_tokens),
                                 f"an integer in [1, {int(L) - longest}] (context {int(L)} minus the longest prompt, "
                                 f"{longest} tokens)")
-    fwd = CachedForward(model, top_k=top_k if temperature > 0 else None, autocast=autocast)
+    fwd = CachedForward(model, top_k=top_k if temperature > 0 else None, context=context)
     lm = LanguageModel(fwd, vocab_size=V, device=device, batch_size=batch_size, max_len=L)
     keys = sampling_keys(seed, len(prompts)) if temperature > 0 else None
     return lm.generate(prompts, int(max_new_tokens), temperature=float(temperature), keys=keys)
@@ -310,14 +320,15 @@ def is_exported_dir(p: Path) -> bool:
     return p.is_dir() and (p / "config.json").is_file() and not (p / ".hydra").is_dir()
 
 
-def load_generator(path: str | Path, *, device: str = "auto", precision: str = "fp32") -> Generator:
+def load_generator(path: str | Path, *, device: str = "auto", precision: str = "auto") -> Generator:
     """A :class:`Generator` for a run directory, a checkpoint file inside ``<run>/checkpoints/`` (both through
     :func:`canonlm.eval.load.load_model`, which also reads a checkpoint recording its own model without ``.hydra/``,
     e.g. one imported with ``python -m canonlm.export --from-hf``), or (with ``canonlm.hf``) an exported directory
     (:func:`_load_exported`).
 
-    Args: path: as above. device: ``auto`` | ``cpu`` | ``cuda`` | ``cuda:N``. precision: ``fp32`` | ``bf16``
-        (CUDA autocast; fp32 on the CPU).
+    Args: path: as above. device: ``auto`` | ``cpu`` | ``cuda`` | ``cuda:N``. precision: ``auto`` (the run's
+        training precision; the weights' dtype for an exported directory or an imported checkpoint) or a
+        ``trainer.precision`` name / ``fp32`` / ``bf16`` (:func:`canonlm.eval.load.eval_precision`).
     Raises :class:`GenerateError` (missing path, an exported dir without ``canonlm.hf``, a bad device / precision,
     a run that does not load: the loader's FileNotFoundError / ConfigError / ValueError, reworded).
     """
@@ -329,11 +340,12 @@ def load_generator(path: str | Path, *, device: str = "auto", precision: str = "
         raise GenerateError("--device", device, "auto | cpu | cuda | cuda:N")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise GenerateError("--device", device, "auto | cpu", "(no CUDA device is available)")
-    if precision not in ("fp32", "bf16"):
-        raise GenerateError("--precision", precision, "fp32 | bf16")
+    try:
+        check_precision(precision, "--precision")
+    except ConfigError as e:
+        raise GenerateError("--precision", precision, e.allowed) from None
     if is_exported_dir(p):
         return _load_exported(p, device, precision)
-    from canonlm.errors import ConfigError
     from canonlm.eval.load import load_model
 
     try:
@@ -343,11 +355,9 @@ def load_generator(path: str | Path, *, device: str = "auto", precision: str = "
     except (ConfigError, ValueError) as e:
         raise GenerateError("PATH", str(path), "a run whose config and checkpoint load", f"({e})") from None
     mcfg = loaded.model_cfg
-    dev = loaded.device
-    autocast = torch.bfloat16 if precision == "bf16" and dev.type == "cuda" else None  # as load_model's forward
-    return Generator(model=loaded.model, vocab_size=int(mcfg.vocab_size), max_len=int(mcfg.max_seq_len), device=dev,
-                     autocast=autocast, codec=make_codec(loaded.task_cfg, int(mcfg.vocab_size)),
-                     info=loaded.describe())
+    return Generator(model=loaded.model, vocab_size=int(mcfg.vocab_size), max_len=int(mcfg.max_seq_len),
+                     device=loaded.device, precision=loaded.precision,
+                     codec=make_codec(loaded.task_cfg, int(mcfg.vocab_size)), info=loaded.describe())
 
 
 def _device(device: str) -> torch.device:
@@ -364,23 +374,23 @@ def _hf() -> Any:
 
 
 def _placed(cfg: Any, sd: dict[str, torch.Tensor], dev: torch.device, precision: str,
-            path: Path) -> tuple[Any, torch.dtype | None]:
-    """Build a CanonLM from ``cfg`` and the state dict ``sd``, move it to ``dev`` and place its backends for the
-    compute dtype (bf16 under CUDA autocast, else fp32); returns (model, autocast dtype or None).
-    Raises :class:`GenerateError` when it does not load or place on ``dev``."""
+            path: Path) -> tuple[Any, EvalPrecision]:
+    """Build a CanonLM from ``cfg`` and the state dict ``sd``, move it to ``dev`` in the parameter dtype of
+    ``precision`` and place its backends for its compute dtype (:func:`canonlm.eval.load.eval_precision`; ``auto``
+    = the dtype of ``sd``); returns (model, the precision). Raises :class:`GenerateError` when it does not load or
+    place on ``dev``."""
     from canonlm.arch.model import CanonLM
-    from canonlm.errors import ConfigError
 
-    autocast = torch.bfloat16 if precision == "bf16" and dev.type == "cuda" else None
+    prec = eval_precision(precision, dev, state_dict=sd)
     try:
         model = CanonLM(cfg)
         model.load_state_dict(sd, strict=True)
-        model.eval().to(dev)
-        model.place(dev, autocast or torch.float32)
+        model.eval().to(dev, dtype=prec.param_dtype)
+        model.place(dev, prec.compute_dtype)
     except (ConfigError, RuntimeError) as e:
         raise GenerateError("PATH", str(path), "a model that loads on this device",
                             f"({type(e).__name__}: {str(e).splitlines()[0][:300]})") from None
-    return model, autocast
+    return model, prec
 
 
 def _load_exported(p: Path, device: str, precision: str) -> Generator:
@@ -398,7 +408,7 @@ def _load_exported(p: Path, device: str, precision: str) -> Generator:
         raise GenerateError("PATH", str(p), "an exported directory that canonlm.hf reads (config.json + "
                             "model.safetensors of a LlamaCanon / Llama model)", f"({e})") from None
     dev = _device(device)
-    model, autocast = _placed(cfg, sd, dev, precision, p)
+    model, prec = _placed(cfg, sd, dev, precision, p)
     V = int(cfg.vocab_size)
     codec = ids_codec(V, "the exported directory has no tokenizer.json")
     if (p / "tokenizer.json").is_file():
@@ -411,9 +421,10 @@ def _load_exported(p: Path, device: str, precision: str) -> Generator:
         except Exception as e:  # noqa: BLE001 -- fall back to ids, say why
             codec = ids_codec(V, f"its tokenizer.json does not load ({type(e).__name__}: {e})")
     info = dict(path=str(p.resolve()), arch=cfg.arch, size=f"{cfg.n_layers}L{cfg.d_model}D", vocab_size=V,
-                max_seq_len=int(cfg.max_seq_len), model_type=hcfg.get("model_type"), canon=cfg.canon.set)
-    return Generator(model=model, vocab_size=V, max_len=int(cfg.max_seq_len), device=dev,
-                     autocast=autocast, codec=codec, info=info)
+                max_seq_len=int(cfg.max_seq_len), model_type=hcfg.get("model_type"), canon=cfg.canon.set,
+                precision=prec.describe())
+    return Generator(model=model, vocab_size=V, max_len=int(cfg.max_seq_len), device=dev, precision=prec,
+                     codec=codec, info=info)
 
 
 # ============================================================================================== CLI
@@ -441,7 +452,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--ids", action="store_true", help="prompts and outputs as space-separated token ids")
     ap.add_argument("--json", action="store_true", help="print one JSON list instead of lines")
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto)")
-    ap.add_argument("--precision", default="fp32", help="fp32 | bf16 (bf16 autocast on CUDA only; default fp32)")
+    ap.add_argument("--precision", default="auto",
+                    help="auto (default: the run's training precision, trainer.precision) | 32-true | bf16-mixed | "
+                         "bf16-true | 16-mixed | 64-true | fp32 (= 32-true) | bf16 (= bf16-mixed)")
     return ap
 
 

@@ -3,7 +3,7 @@
     python -m canonlm.eval.reallife --run <run dir | .ckpt> --task multihop|babilong [--tokenizer PATH]
         [--background FILE] [--babilong-dir DIR] [--lengths 0,1000,...] [--num-prompts 100] [--out results.json]
         [--force] [--hops 1,2] [--qa qa1,...,qa5] [--prompts FILE.json] [--question-cut verbatim|any_case]
-        [--newline boundary|space] [--device auto] [--batch-size 8] ...
+        [--newline boundary|space] [--device auto] [--precision auto] [--batch-size 8] ...
 
 * multihop: 1-hop / 2-hop birth-year prompts (:mod:`canonlm.data.reallife.multihop`) with background sentences from
   ``--background`` (a local text / JSONL file; e.g. a Wikipedia validation dump), names from canonlm's Capo lists,
@@ -18,6 +18,11 @@
   examples / post-prompt texts with your own set (same structure as ``babilong.PROMPTS``: ``{"qa1":
   {"instruction": ..., "examples": ..., "post_prompt": ...}, ...}``, e.g. the Babilong authors' Apache-2.0 prompts);
   the file path and its sha256 are recorded in the results (``settings.prompts``).
+
+``--precision auto`` (the default) evaluates the model in the precision it was trained in (the run's
+``trainer.precision``, reproduced as Lightning runs it: :func:`canonlm.eval.load.eval_precision`); a
+``trainer.precision`` name (or ``fp32`` / ``bf16``) overrides it. The choice is recorded in the results
+(``model.precision``).
 
 ``--run`` may also be a checkpoint without a run directory that records its model (``python -m canonlm.export
 --from-hf`` output: an imported Hugging Face model); ``--tokenizer`` is then required.
@@ -159,7 +164,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="babilong: your own prompt set {qa: {instruction, examples, post_prompt}} (default: "
                          "canonlm's own texts)")
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
+    ap.add_argument("--precision", default="auto",
+                    help="auto = the run's training precision (trainer.precision); or 32-true | bf16-mixed | "
+                         "bf16-true | 16-mixed | 64-true | fp32 (= 32-true) | bf16 (= bf16-mixed)")
     ap.add_argument("--batch-size", type=int, default=8, help="prompts per forward pass")
     ap.add_argument("--max-seq-len", type=int, default=None, help="positions of the rebuilt model (default: enough "
                                                                   "for the longest prompt)")
@@ -177,10 +184,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(a: argparse.Namespace) -> int:
     from canonlm.data.reallife import as_decoder, as_encoder
     from canonlm.data.text import load_tokenizer
-    from canonlm.eval.load import load_model, resolve_run, run_tokenizer, task_config
+    from canonlm.eval.load import check_precision, load_model, resolve_run, run_tokenizer, task_config
 
     t0 = time.perf_counter()
     log = (lambda s: None) if a.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
+    check_precision(a.precision, "--precision")
     if a.num_prompts < 1:
         raise EvalError(f"--num-prompts {a.num_prompts}: must be >= 1")
     run_dir, ck = resolve_run(a.run, a.ckpt)

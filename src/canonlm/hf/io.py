@@ -331,7 +331,10 @@ def load_init_weights(path: str | os.PathLike, model: torch.nn.Module) -> None:
 def load_canonlm_checkpoint(path: str | os.PathLike, *, device: str | torch.device = "cpu"):
     """``(CanonLM in eval mode, placed on device in fp32, checkpoint["canonlm"] meta)`` of a checkpoint file or run
     directory, built from the config the checkpoint records (no ``.hydra`` needed; what an evaluator needs for an
-    imported model). Raises InteropError."""
+    imported model, which is float32 and pins no kernel). Raises InteropError; ConfigError (``CanonLM.place``) for
+    a recorded kernel pin that cannot run there in fp32 -- e.g. ``model.kernels.attention=flash`` (fp16/bf16 only)
+    on CUDA: load such a trained run with :func:`canonlm.eval.load.load_model`, which runs it in its training
+    precision."""
     from canonlm.arch.model import CanonLM
 
     cfg, sd, meta = read_canonlm(path)
