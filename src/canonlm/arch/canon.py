@@ -25,8 +25,9 @@ class Canon(nn.Module):
     Args:
         channels: C, the width of the hidden vectors it mixes (models.md §1.2 table: d, (H+2H_kv)·d_head, 2·d_ff).
         cfg: :class:`~canonlm.arch.config.CanonConfig` (kernel K, residual, activation, bias, trainable, init).
-        backend: backend name passed to ``canonlm.ops.canon.causal_conv1d`` (``"auto"``, ``"reference"`` or a
-            name returned by ``canonlm.ops.canon.resolve_backend``); the model sets it in ``check_backends``.
+        backend: backend name passed to ``canonlm.ops.canon.causal_conv1d`` / ``causal_conv1d_step`` (``"auto"``,
+            ``"reference"`` or a name returned by ``canonlm.ops.canon.resolve_backend``); ``CanonLM.place`` sets it
+            per layer, resolved for this layer's C and K (so a layer Dao's kernel cannot take gets fla or is refused).
 
     Parameters:
         weight: ``nn.Parameter`` of shape **(C, K)** (the kernels' layout; ``nn.Conv1d`` stores (C, 1, K)).

@@ -88,8 +88,10 @@ def check_requests(cfg: ModelConfig) -> dict[str, str]:
     return out
 
 
-def _resolve_op(cfg: ModelConfig, op: str, device: torch.device, dtype: torch.dtype) -> str:
-    """Concrete backend of one op on (device, dtype) (see :func:`resolve_backends`); raises ConfigError."""
+def _resolve_op(cfg: ModelConfig, op: str, device: torch.device, dtype: torch.dtype,
+                canon_shape: tuple[int, int] | None = None) -> str:
+    """Concrete backend of one op on (device, dtype) (see :func:`resolve_backends`); for Canon, of a layer of
+    ``canon_shape`` = (C, K) when given (see :func:`resolve_canon_layers`). Raises ConfigError."""
     name, key = _request(cfg, op)
     try:
         if op == "attention":
@@ -97,12 +99,13 @@ def _resolve_op(cfg: ModelConfig, op: str, device: torch.device, dtype: torch.dt
         if device.type == "meta":  # nothing is probed: a concrete request stays itself, fused is decided later
             return "auto" if name == "fused" else name
         if op == "canon":
+            C, K = canon_shape or (None, None)
             if name != "fused":
-                return canon_ops.resolve_backend(name, device, dtype)
-            got = canon_ops.resolve_backend("auto", device, dtype)
+                return canon_ops.resolve_backend(name, device, dtype, C, K)
+            got = canon_ops.resolve_backend("auto", device, dtype, C, K)
             if got in ("torch", "reference"):
                 raise ConfigError(key, name, f"auto | reference (no fused Canon kernel for {device.type}/"
-                                             f"{dtype}: {canon_ops.available_backends(device, dtype)})")
+                                             f"{dtype}: {canon_ops.available_backends(device, dtype, C, K)})")
             return got
         mod = _LINEAR_OPS[op]
         got = mod.resolve_backend("auto" if name == "fused" else name, device, dtype)
@@ -151,6 +154,40 @@ def resolve_backends(cfg: ModelConfig, device: torch.device | str, dtype: torch.
     device = torch.device(device)
     check_requests(cfg)
     return {op: _resolve_op(cfg, op, device, dtype) for op in _ops_of(cfg)}
+
+
+def resolve_canon_layers(cfg: ModelConfig, shapes: dict[str, tuple[int, int]], device: torch.device | str,
+                         dtype: torch.dtype) -> dict[str, str]:
+    """Concrete backend of every Canon layer (Canon-A/B/C/D and the linear mixers' short convs ``b``) on ``device``
+    with compute ``dtype``, by its shape: ``shapes`` maps a layer's module name to ``(C, K)`` (channels, taps).
+
+    The request (``model.kernels.canon``, else ``model.ops``) goes to ``canonlm.ops.canon.resolve_backend`` with the
+    layer's C and K: ``auto`` / ``fused`` pick the first fast kernel that takes the shape (CUDA: Dao's
+    ``causal_conv1d_fn`` needs K in {2, 3, 4} and C % 8 == 0, else fla's Triton ``causal_conv1d``, which has no such
+    limit); ``fused`` is refused where that leaves a plain-torch path; a pinned name must take every layer's shape.
+    On the ``meta`` device nothing is probed (as :func:`resolve_backends`).
+
+    Returns:
+        ``{module name: backend}``.
+    Raises:
+        ConfigError("model.kernels.canon" when pinned, else "model.ops", name, allowed) for the first layer whose
+        shape the request cannot take here; ``allowed`` names that layer, its C and K, what runs there and why the
+        request does not.
+    """
+    device = torch.device(device)
+    out = {}
+    for where, (C, K) in shapes.items():
+        try:
+            out[where] = _resolve_op(cfg, "canon", device, dtype, (C, K))
+        except ConfigError as e:
+            raise ConfigError(e.key, e.value, f"{e.allowed} [Canon layer {where}: C={C}, K={K}]") from None
+    return out
+
+
+def _canon_report(layers: dict[str, str], op_level: str) -> str:
+    """``backends["canon"]``: the backend every Canon layer runs, ``"+"``-joined names (sorted) when their shapes need
+    different kernels (e.g. ``"dao+fla"``), or the op-level choice when the model has no Canon layer."""
+    return "+".join(sorted(set(layers.values()))) or op_level
 
 
 def compute_dtype_for(precision: str | int | None, fsdp_param_dtype: str | None = None) -> torch.dtype:
@@ -240,7 +277,10 @@ class CanonLM(nn.Module):
     checks names only and is not placed (:attr:`placement` None).
 
     Attributes: ``requests`` (``{"canon": name, <op>: name}`` as configured), ``backends`` (the concrete names for
-    :attr:`placement`; a pending op shows its unchecked request), ``placement`` (``(device, dtype)`` or None),
+    :attr:`placement`; a pending op shows its unchecked request; ``"canon"`` is what the Canon layers run, names joined
+    by ``"+"`` when their shapes need different kernels), ``canon_backends`` (``{module name: backend}`` of every Canon
+    layer, resolved by its shape: e.g. fla where Dao's kernel cannot take C or K; empty when not placed),
+    ``placement`` (``(device, dtype)`` or None),
     ``pending`` (``{op: (key, name, why)}``, the ConfigError of each request not met at the construction device).
     Raises ConfigError (bad config or unknown backend name).
     """
@@ -276,7 +316,14 @@ class CanonLM(nn.Module):
             self.rope_cos = self.rope_sin = None
         self.activation_checkpointing = False
         self.init_weights()
+        self.canon_backends: dict[str, str] = {}
         if device.type != "meta":
+            if "canon" not in self.pending:
+                try:
+                    self.canon_backends = resolve_canon_layers(cfg, self._canon_shapes(), device, dtype)
+                    self.backends["canon"] = _canon_report(self.canon_backends, self.backends["canon"])
+                except ConfigError as e:  # a Canon shape the request cannot take on this device: decided by place()
+                    self.pending["canon"] = (e.key, e.value, e.allowed)
             self._set_placement(device, dtype)
 
     def forward(self, input_ids: torch.Tensor, cache: DecodeCache | None = None) -> torch.Tensor:
@@ -377,23 +424,32 @@ class CanonLM(nn.Module):
         (it moves nothing), with the dtype the kernels will see: ``torch.bfloat16`` under bf16 autocast or FSDP2
         with a bf16 ``param_dtype`` (:func:`compute_dtype_for`), else the parameters' dtype.
 
+        Canon is resolved per layer, by its channels C and taps K (:func:`resolve_canon_layers`, recorded in
+        :attr:`canon_backends`): ``ops=fused`` gives a layer Dao's kernel where it takes (C, K) and fla's Triton kernel
+        elsewhere, and a pinned ``model.kernels.canon`` that cannot take some layer's shape is refused here, so the
+        forward and the decode steps run what was resolved.
+
         Args:
             device: where the model runs (default: the device of its parameters).
             dtype: compute dtype (default: ``torch.float32``).
         Returns:
-            The concrete ``{"canon": name, <op>: name}`` (also :attr:`backends`). An ``auto`` request of Canon or a
+            The concrete ``{"canon": name, <op>: name}`` (also :attr:`backends`; ``"canon"`` joins the layers' names
+            with ``"+"`` when they differ, e.g. ``"dao+fla"``). An ``auto`` request of Canon or a
             linear op stays ``auto`` in the modules, so the op can still fall back per shape (:func:`_module_backends`).
         Raises:
-            ConfigError("model.kernels.<op>" | "model.ops", name, allowed) like :func:`resolve_backends` when a
-            request cannot be met there; the modules are then left as they were.
+            ConfigError("model.kernels.<op>" | "model.ops", name, allowed) like :func:`resolve_backends` and
+            :func:`resolve_canon_layers` when a request cannot be met there (for one Canon layer's shape: the layer,
+            its C and K are named); the modules are then left as they were.
         """
         if device is None:
             p = next(self.parameters(), None)
             device = p.device if p is not None else torch.device("cpu")
         device = torch.device(device)
         dtype = torch.float32 if dtype is None else dtype
-        self.backends = resolve_backends(self.cfg, device, dtype)  # checks the requests' names too
-        self.pending = {}
+        backends = resolve_backends(self.cfg, device, dtype)  # checks the requests' names too
+        layers = resolve_canon_layers(self.cfg, self._canon_shapes(), device, dtype)
+        backends["canon"] = _canon_report(layers, backends["canon"])
+        self.backends, self.canon_backends, self.pending = backends, layers, {}
         self._set_placement(device, dtype)
         return dict(self.backends)
 
@@ -401,13 +457,19 @@ class CanonLM(nn.Module):
         """The same as :meth:`place` (the older name)."""
         return self.place(device, dtype)
 
+    def _canon_shapes(self) -> dict[str, tuple[int, int]]:
+        """``{module name: (channels C, taps K)}`` of every Canon layer."""
+        return {n: (m.channels, m.kernel) for n, m in self.named_modules() if isinstance(m, Canon)}
+
     def _set_placement(self, device: torch.device, dtype: torch.dtype) -> None:
-        """Hand the resolved names to the modules and remember where they hold (:attr:`placement`)."""
+        """Hand the resolved names to the modules (each Canon layer its own, unless the request is ``auto``) and
+        remember where they hold (:attr:`placement`)."""
         names = _module_backends(self.cfg, self.backends)
         op = MIXER_OP[self.cfg.arch]
-        for m in self.modules():
+        for where, m in self.named_modules():
             if isinstance(m, Canon):
-                m.backend = names["canon"]
+                own = self.canon_backends.get(where, names["canon"])
+                m.backend = "auto" if names["canon"] == "auto" else own
             elif isinstance(m, (Attention, GLA, GatedDeltaNet, Mamba2Mixer)):
                 m.backend = names[op]
         self.placement = (device, dtype)

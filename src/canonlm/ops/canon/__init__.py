@@ -6,8 +6,8 @@ Public API (the model calls only these names)::
     causal_conv1d_reference(x, weight, bias=None, *, residual=True, activation=False, initial_state=None)
     causal_conv1d_step(x_t, state, weight, bias=None, *, residual=True, activation=False, backend="auto")
     causal_conv1d_state(x, kernel_size, initial_state=None)
-    resolve_backend(name, device, dtype) -> str
-    available_backends(device, dtype) -> dict[str, str | None]
+    resolve_backend(name, device, dtype, channels=None, kernel=None) -> str
+    available_backends(device, dtype, channels=None, kernel=None) -> dict[str, str | None]
     BACKENDS
 
 Math, per channel c (x channel-last (B, T, C); weight (C, K); weight[:, K-1] multiplies the current token,
@@ -26,6 +26,11 @@ Backends (``kernels.canon`` in the Hydra config; ``model.kernels.canon`` in erro
 * ``dao``       -- Dao-AILab ``causal_conv1d_fn`` on the channel-last view (CUDA; K in {2,3,4}, C % 8 == 0).
 * ``auto``      -- dao, else fla on CUDA when importable; on CPU the native kernel when it builds (fp32/bf16),
   else ``torch`` (one warning if the compiler is missing).
+
+The choice is made per Canon shape (C channels, K taps) by :func:`resolve_backend`: ``auto`` skips a kernel that
+cannot take the shape, an explicitly requested one is refused with a ConfigError. ``CanonLM.place`` resolves every
+Canon layer with it, and the forward / decode dispatch (:func:`causal_conv1d`, :func:`causal_conv1d_step`) applies
+the same function to the tensors it gets.
 
 All backends are differentiable w.r.t. x, weight, bias and initial_state, and return x.dtype.
 """
@@ -152,8 +157,10 @@ def causal_conv1d_torch(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None
 # backend selection
 # ----------------------------------------------------------------------------------------------------------------
 
-def _unavailable_reason(name: str, device: torch.device, dtype: torch.dtype) -> Optional[str]:
-    """None if backend ``name`` can run on (device, dtype), else why not."""
+def _unavailable_reason(name: str, device: torch.device, dtype: torch.dtype, C: Optional[int] = None,
+                        K: Optional[int] = None) -> Optional[str]:
+    """None if backend ``name`` can run on (device, dtype) for C channels and kernel size K (None: not checked), else
+    why not."""
     if name in ("reference", "torch", "auto"):
         return None
     if name == "cpu":
@@ -163,64 +170,77 @@ def _unavailable_reason(name: str, device: torch.device, dtype: torch.dtype) -> 
             return f"supports float32 and bfloat16 (got {dtype})"
         if not _native.available():
             return f"native kernel does not build: {_native.unavailable_reason()}"
+        if K is not None and K > _native.KMAX:
+            return f"supports kernel size K <= {_native.KMAX} (got K={K})"
         return None
     reason = cuda_reason(device)
     if reason is not None:
         return reason
     if name == "dao":
         fns, err = _cuda.dao_functions()
-        return None if fns is not None else f"causal_conv1d is not importable ({err})"
+        return _cuda.dao_supports_shape(C, K, dtype) if fns is not None else f"causal_conv1d is not importable ({err})"
     if name == "fla":
         fns, err = _cuda.fla_functions()
         return None if fns is not None else f"fla causal_conv1d is not importable ({err})"
     raise AssertionError(name)
 
 
-def available_backends(device, dtype: torch.dtype = torch.float32) -> dict:
-    """Map every concrete backend name to None (runs here) or the reason it cannot run on (device, dtype).
+def available_backends(device, dtype: torch.dtype = torch.float32, channels: Optional[int] = None,
+                       kernel: Optional[int] = None) -> dict:
+    """Map every concrete backend name to None (runs here) or the reason it cannot run on (device, dtype) for a Canon
+    layer of ``channels`` C and ``kernel`` K taps (None: any shape; see :func:`resolve_backend`).
 
     Probes lazily: ``cpu`` compiles the native kernel on first use; ``dao``/``fla`` are imported only for a
     CUDA device with CUDA available.
     """
     device = torch.device(device)
-    return {n: _unavailable_reason(n, device, dtype) for n in BACKENDS if n != "auto"}
+    return {n: _unavailable_reason(n, device, dtype, channels, kernel) for n in BACKENDS if n != "auto"}
 
 
-def resolve_backend(name: str, device, dtype: torch.dtype) -> str:
-    """Concrete Canon backend for tensors on ``device`` with ``dtype``.
+def resolve_backend(name: str, device, dtype: torch.dtype, channels: Optional[int] = None,
+                    kernel: Optional[int] = None) -> str:
+    """Concrete Canon backend for a layer of ``channels`` C and ``kernel`` K taps on ``device`` with ``dtype`` -- the
+    one rule behind ``CanonLM.place`` (per Canon layer) and the forward / decode dispatch (per call).
 
-    ``"auto"``: ``dao`` or ``fla`` on CUDA when importable (dao first), else ``torch``; on CPU the native kernel
-    (``cpu``) when it builds and dtype is float32/bfloat16, else ``torch`` (a one-time warning if the compiler is
-    missing). Any other name is returned as is when it can run here.
+    ``"auto"``: ``dao`` or ``fla`` on CUDA when importable and able to take the shape (dao first), else ``torch``; on
+    CPU the native kernel (``cpu``) when it builds, dtype is float32/bfloat16 and K <= 64, else ``torch`` (a one-time
+    warning if the compiler is missing). Any other name is returned as is when it can run here.
+
+    Shape limits (a None size is not checked): ``dao`` needs K in {2, 3, 4} and C % 8 == 0 on float32 / float16 /
+    bfloat16 (``causal_conv1d_fwd``: ``TORCH_CHECK(width >= 2 && width <= 4)``, ``TORCH_CHECK(dim % 8 == 0)`` on the
+    channel-last layout, ``csrc/causal_conv1d.cpp``); ``cpu`` needs K <= 64 (``CANON_KMAX``); fla's Triton
+    ``causal_conv1d`` (fla-core 0.6) and the torch paths take any shape.
 
     Raises:
         ConfigError("model.kernels.canon", name, allowed): unknown name, or an explicitly requested backend that
-        cannot run here (library missing, no CUDA, no C compiler, unsupported dtype) -- raised before any work;
-        ``allowed`` lists the backends available here and why the requested one is not.
+        cannot run here (library missing, no CUDA, no C compiler, unsupported dtype or shape) -- raised before any
+        work; ``allowed`` lists the backends available here for this shape and why the requested one is not.
     """
     global _warned_native
     if name not in BACKENDS:
         raise ConfigError(CONFIG_KEY, name, "one of " + ", ".join(BACKENDS))
     device = torch.device(device)
+    C, K = channels, kernel
     if name == "auto":
         if device.type == "cuda" and torch.cuda.is_available():
             for cand in ("dao", "fla"):
-                if _unavailable_reason(cand, device, dtype) is None:
+                if _unavailable_reason(cand, device, dtype, C, K) is None:
                     return cand
             return "torch"
         if device.type == "cpu" and dtype in _native.SUPPORTED_DTYPES:
             if _native.available():
-                return "cpu"
+                return "cpu" if K is None or K <= _native.KMAX else "torch"
             if not _warned_native:
                 _warned_native = True
                 warnings.warn(f"canonlm: native CPU Canon kernel unavailable ({_native.unavailable_reason()}); "
                               f"using the slower 'torch' backend", RuntimeWarning, stacklevel=2)
         return "torch"
-    reason = _unavailable_reason(name, device, dtype)
+    reason = _unavailable_reason(name, device, dtype, C, K)
     if reason is not None:
-        here = [n for n, r in available_backends(device, dtype).items() if r is None]
+        here = [n for n, r in available_backends(device, dtype, C, K).items() if r is None]
+        shape = "".join(f", {k}={v}" for k, v in (("C", C), ("K", K)) if v is not None)
         raise ConfigError(CONFIG_KEY, name,
-                          f"backends available here ({device.type}, {dtype}): auto, {', '.join(here)} "
+                          f"backends available here ({device.type}, {dtype}{shape}): auto, {', '.join(here)} "
                           f"['{name}' {reason}]")
     return name
 
@@ -231,25 +251,13 @@ def resolve_backend(name: str, device, dtype: torch.dtype) -> str:
 
 @assume_constant
 def _select(backend: str, device: str, dtype: torch.dtype, C: int, K: int) -> str:
-    """Backend for these tensors, with shape fallbacks for ``auto``. Constant under torch.compile (no tracing into
-    the import probes / kernel build). Successful choices are memoised."""
+    """``resolve_backend(backend, device, dtype, C, K)`` for the tensors of one call, memoised per argument tuple
+    (successful choices only) and constant under torch.compile (no tracing into the import probes / kernel build)."""
     key = (backend, device, dtype, C, K)
     hit = _select_cache.get(key)
-    if hit is not None:
-        return hit
-    be = resolve_backend(backend, torch.device(device), dtype)
-    if be == "dao":
-        reason = _cuda.dao_supports_shape(C, K, dtype)
-        if reason is not None:
-            if backend != "auto":
-                raise ValueError(f"causal_conv1d: backend 'dao' cannot run: {reason}")
-            be = "fla" if _unavailable_reason("fla", torch.device(device), dtype) is None else "torch"
-    if be == "cpu" and K > _native.KMAX:
-        if backend != "auto":
-            raise ValueError(f"causal_conv1d: backend 'cpu' supports K <= {_native.KMAX}; got K={K}")
-        be = "torch"
-    _select_cache[key] = be
-    return be
+    if hit is None:
+        hit = _select_cache[key] = resolve_backend(backend, torch.device(device), dtype, C, K)
+    return hit
 
 
 _select_cache: dict = {}
@@ -265,8 +273,9 @@ def causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, r
         bias: (C,) or None.
         residual: add x to the output (paper default True).
         activation: SiLU after the convolution (paper default False).
-        backend: one of :data:`BACKENDS` (see :func:`resolve_backend`). With ``"auto"``, shapes a fast path does
-            not support (Dao: K not in {2,3,4} or C % 8 != 0; native: K > 64) fall back to the next backend.
+        backend: one of :data:`BACKENDS`, resolved for this call's device, dtype, C and K by
+            :func:`resolve_backend`: with ``"auto"``, shapes a fast path does not support (Dao: K not in {2,3,4} or
+            C % 8 != 0; native: K > 64) fall back to the next backend; an explicit name that cannot take them raises.
         initial_state: (B, C, K-1) = the K-1 raw inputs before x (chunked prefill), or None for zeros.
 
     Returns:
@@ -274,8 +283,9 @@ def causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, r
         ``reference``, which computes in ``promote_types(x.dtype, weight.dtype)``).
 
     Raises:
-        ValueError: bad shapes/devices/dtypes, or a shape the explicitly requested backend cannot handle.
-        ConfigError: unknown or unavailable backend (see :func:`resolve_backend`).
+        ValueError: bad shapes/devices/dtypes.
+        ConfigError: unknown or unavailable backend, or a shape the explicitly requested backend cannot take (see
+            :func:`resolve_backend`).
     """
     _validate(x, weight, bias, initial_state)
     be = _select(backend, str(x.device), x.dtype, int(weight.shape[0]), int(weight.shape[1]))
@@ -322,18 +332,15 @@ def causal_conv1d_state(x: Tensor, kernel_size: int, initial_state: Optional[Ten
 
 
 @assume_constant
-def _select_step(backend: str, device: str, dtype: torch.dtype, K: int) -> str:
-    """Decode backend: ``dao``/``fla`` when resolved and usable for K, else ``torch`` (constant under compile)."""
-    be = resolve_backend(backend, torch.device(device), dtype)
-    if be == "dao" and K in _cuda.DAO_WIDTHS:
-        return "dao"
-    if backend == "dao":
-        raise ValueError(f"causal_conv1d_step: backend 'dao' supports K in {_cuda.DAO_WIDTHS}; got K={K}")
-    if be in ("dao", "fla"):
+def _select_step(backend: str, device: str, dtype: torch.dtype, C: int, K: int) -> str:
+    """Decode backend of a layer: the kernel family :func:`_select` picks for its multi-token calls (the same rule,
+    :func:`resolve_backend` for C and K), i.e. ``dao`` -> ``causal_conv1d_update``, ``fla`` -> fla's
+    ``causal_conv1d_update`` when this fla exports it, anything else -> the torch formula (constant under compile)."""
+    be = _select(backend, device, dtype, C, K)
+    if be == "fla":
         fns, _ = _cuda.fla_functions()
-        if fns is not None and fns[1] is not None:
-            return "fla"
-    return "torch"
+        return "fla" if fns is not None and fns[1] is not None else "torch"
+    return "dao" if be == "dao" else "torch"
 
 
 def causal_conv1d_step(x_t: Tensor, state: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *,
@@ -344,8 +351,9 @@ def causal_conv1d_step(x_t: Tensor, state: Tensor, weight: Tensor, bias: Optiona
     Args:
         x_t: (B, C) new input; state: (B, C, K) the last K raw inputs (column K-1 newest); weight (C, K);
         bias (C,) or None.
-        backend: ``auto`` (dao, else fla on CUDA when importable, else torch math), ``dao``, ``fla``, or
-            ``torch``/``reference``/``cpu`` (all three: the plain torch formula).
+        backend: ``auto`` (dao, else fla on CUDA when importable and able to take C and K, else torch math),
+            ``dao``, ``fla``, or ``torch``/``reference``/``cpu`` (all three: the plain torch formula); resolved by
+            :func:`resolve_backend` for C and K like the layer's multi-token calls.
 
     Returns:
         (y_t (B, C) in x_t.dtype, new_state (B, C, K) in state.dtype) with new_state = roll-left(state) and x_t as
@@ -353,7 +361,7 @@ def causal_conv1d_step(x_t: Tensor, state: Tensor, weight: Tensor, bias: Optiona
         modified.
 
     Raises:
-        ValueError: bad shapes. ConfigError: unknown or unavailable backend.
+        ValueError: bad shapes. ConfigError: unknown or unavailable backend, or a shape it cannot take.
     """
     if x_t.dim() != 2 or state.dim() != 3 or state.shape[:2] != x_t.shape or weight.dim() != 2 \
             or weight.shape[0] != x_t.shape[1] or state.shape[2] != weight.shape[1]:
@@ -361,7 +369,7 @@ def causal_conv1d_step(x_t: Tensor, state: Tensor, weight: Tensor, bias: Optiona
                          f"{tuple(weight.shape)}; allowed: x_t (B, C), state (B, C, K), weight (C, K)")
     if bias is not None and tuple(bias.shape) != (x_t.shape[1],):
         raise ValueError(f"causal_conv1d_step: bias.shape={tuple(bias.shape)}; allowed: ({x_t.shape[1]},) or None")
-    be = _select_step(backend, str(x_t.device), x_t.dtype, int(weight.shape[1]))
+    be = _select_step(backend, str(x_t.device), x_t.dtype, int(weight.shape[0]), int(weight.shape[1]))
     if be == "dao":
         return _cuda.dao_step(x_t, state, weight, bias, residual, activation)
     if be == "fla":

@@ -17,9 +17,11 @@ weight (C, K), bias (C,) or None, initial_state (B, C, K-1) = the previous K-1 r
   weight, bias, activation)`` updates ``conv_state`` in place (roll left, write x as the last column).
 * ``fla``: ``causal_conv1d(x (B, T, D), weight (D, W), bias, residual (B, T, D), initial_state (N, D, W),
   output_final_state, activation) -> (y, final_state)`` (fla-core 0.6, ``fla/modules/causal_conv1d/ops.py``; older
-  releases: ``fla.modules.convolution``). fla's state is K wide with column 0 unused, so the (B, C, K-1) history is
-  left-padded by one zero column and the gradient of that column is dropped. Decode: ``causal_conv1d_update(x,
-  cache (N, D, W), residual, weight, bias, activation) -> (y, cache)`` (in place).
+  releases: ``fla.modules.convolution``). fla-core 0.6.0 checks neither D nor W on these paths (its Triton tiles
+  are ``BD`` channels by ``triton.next_power_of_2(W)`` taps, masked), so it takes the shapes dao refuses. fla's
+  state is K wide with column 0 unused, so the (B, C, K-1) history is left-padded by one zero column and the
+  gradient of that column is dropped. Decode: ``causal_conv1d_update(x, cache (N, D, W), residual, weight, bias,
+  activation) -> (y, cache)`` (in place).
 """
 
 from __future__ import annotations
@@ -33,8 +35,7 @@ from torch import Tensor
 
 from canonlm.ops._dispatch import probe
 
-DAO_WIDTHS = (2, 3, 4)
-
+DAO_WIDTHS = (2, 3, 4)  # causal_conv1d_fwd / _bwd / _update: TORCH_CHECK(width >= 2 && width <= 4)
 
 
 def _load_dao():
@@ -67,14 +68,17 @@ def fla_functions():
     return probe("canon.fla", _load_fla)
 
 
-def dao_supports_shape(C: int, K: int, dtype: torch.dtype) -> Optional[str]:
-    """None if Dao's channel-last kernel accepts C channels, kernel size K and x dtype, else the reason."""
-    if K not in DAO_WIDTHS:
-        return f"kernel size K={K}; causal_conv1d supports K in {DAO_WIDTHS}"
-    if C % 8 != 0:
-        return f"channels C={C}; causal_conv1d's channel-last path needs C % 8 == 0"
+def dao_supports_shape(C: Optional[int], K: Optional[int], dtype: torch.dtype) -> Optional[str]:
+    """None if Dao's channel-last kernel accepts C channels, kernel size K and x dtype, else the reason (a None size is
+    not checked). The limits of ``causal_conv1d_fwd`` / ``_bwd`` (``csrc/causal_conv1d.cpp``, causal-conv1d 1.5.1 -
+    1.6): ``TORCH_CHECK(width >= 2 && width <= 4)``, and on the channel-last layout ``TORCH_CHECK(dim % 8 == 0)``; the
+    input and weight dtypes must be float32, float16 or bfloat16."""
+    if K is not None and K not in DAO_WIDTHS:
+        return f"supports kernel size K in {DAO_WIDTHS} (got K={K})"
+    if C is not None and C % 8 != 0:
+        return f"needs channels C % 8 == 0 on its channel-last path (got C={C})"
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        return f"dtype {dtype}; causal_conv1d supports float32, float16, bfloat16"
+        return f"supports float32, float16, bfloat16 (got {dtype})"
     return None
 
 
@@ -121,7 +125,7 @@ def dao_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: boo
     fn = fns[0]
     reason = dao_supports(x, weight)
     if reason is not None:
-        raise ValueError(f"backend 'dao' cannot run: {reason}")
+        raise ValueError(f"causal_conv1d: backend 'dao' {reason}")
     xt = _channel_last(x, x.dtype).transpose(1, 2)         # (B, C, T) view, stride(1) == 1
     b = None if bias is None else bias.to(weight.dtype)
     init = None
