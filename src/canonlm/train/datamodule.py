@@ -49,7 +49,9 @@ class SyntheticDataModule(L.LightningDataModule):
         task: a task from :func:`canonlm.data.tasks.build_task`.
         task_cfg: the task config (``context``, ``tail``, ``seed`` are read).
         batch_size: global windows per optimizer step. val_windows / test_windows: windows per evaluation pass.
-        num_workers: DataLoader workers per rank (the stream does not depend on it).
+        num_workers: DataLoader workers per rank (the stream does not depend on it: each worker builds every
+            n-th step, :class:`canonlm.data.stream.StepStream`); the val loader keeps its workers between passes
+            (``persistent_workers``). Batches are put in pinned memory when the trainer runs on CUDA.
     Raises ConfigError (``data.batch_size``) when the batch does not split evenly over ranks x accumulation.
     """
 
@@ -88,8 +90,10 @@ class SyntheticDataModule(L.LightningDataModule):
         else:
             ds = SyntheticStream(self.task, split, **kw)
         pin = trainer is not None and trainer.strategy.root_device.type == "cuda"
+        # every validation pass iterates the same val loader again: keep its workers (the training stream is one
+        # infinite pass, the test one pass)
         return DataLoader(ds, batch_size=None, num_workers=self.num_workers, pin_memory=pin,
-                          persistent_workers=False)
+                          persistent_workers=self.num_workers > 0 and split == "val")
 
     def train_dataloader(self) -> StepGroups:
         """The training stream from micro-batch ``global_step * accumulate_grad_batches`` (exact resume), in

@@ -30,22 +30,36 @@ from canonlm.data.lm import LanguageModel
 from canonlm.data.metrics import score_answers
 from canonlm.train.schedule import lr_multiplier
 
-# Dense (no sparsity) bf16 peak FLOP/s per device, for MFU (NVIDIA data sheets, as torchtitan's get_peak_flops;
-# tokens/s is the primary metric). "H100" alone is the SXM part; PCIe and NVL parts are matched first.
-PEAK_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200": 989e12, "B200": 2.25e15,
-              "A100": 312e12, "A10": 125e12, "L40": 181e12, "4090": 165e12}
+# Dense (no 2:4 sparsity) bf16 tensor-core peak FLOP/s of one device, for MFU (tokens/s is the primary metric), keyed
+# by the exact name torch.cuda.get_device_name reports. Values: torchtitan's get_peak_flops (torchtitan/tools/utils.py)
+# and NVIDIA's data sheets, which quote the sparse figure (twice these); docs/mfu.md lists the sources. Names are
+# matched exactly, never as substrings: "NVIDIA L40" is a prefix of "NVIDIA L40S" (twice the peak) and "NVIDIA H200"
+# of "NVIDIA H200 NVL" (835, not 989 TFLOP/s); a MIG slice ("... MIG 1g.10gb") or an unlisted part gets no MFU.
+PEAK_FLOPS = {
+    "NVIDIA A100-SXM4-40GB": 312e12, "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA A100-PCIE-40GB": 312e12, "NVIDIA A100 80GB PCIe": 312e12,
+    "NVIDIA H100 80GB HBM3": 989e12,  # H100 SXM5
+    "NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12,
+    "NVIDIA H200": 989e12,  # H200 SXM
+    "NVIDIA H200 NVL": 835e12, "NVIDIA GH200 480GB": 989e12,
+    "NVIDIA B200": 2.25e15,
+    "NVIDIA L40S": 362e12, "NVIDIA L40": 181e12, "NVIDIA A10": 125e12,
+    "NVIDIA GeForce RTX 4090": 165e12,  # with fp32 accumulation (what PyTorch's bf16 matmuls use)
+}
+
+
+def peak_flops(name: str) -> float | None:
+    """Dense bf16 peak FLOP/s (FLOP per second) of the CUDA device called ``name``, exactly as
+    ``torch.cuda.get_device_name`` reports it (e.g. ``"NVIDIA H100 80GB HBM3"``), from :data:`PEAK_FLOPS`; None for
+    a name that is not in the table (no MFU rather than a wrong one)."""
+    return PEAK_FLOPS.get(name.strip())
 
 
 def _peak_flops(device: torch.device) -> float | None:
-    """Dense bf16 peak FLOP/s of one CUDA device, from its name (:data:`PEAK_FLOPS`, first match), or None (CPU,
-    unknown device)."""
+    """:func:`peak_flops` of a torch device's name, or None (CPU, unknown device)."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    for key, val in PEAK_FLOPS.items():
-        if all(part in name for part in key.split()):
-            return val
-    return None
+    return peak_flops(torch.cuda.get_device_name(device))
 
 
 def _peak_mem_gb(device: torch.device) -> float:
@@ -78,7 +92,13 @@ class LMModule(L.LightningModule):
             with another task or model is refused (:func:`canonlm.train.checkpoint.check_compatible`).
         max_nonfinite_steps: a step whose loss or gradient norm is not finite is skipped (no parameter or
             optimizer-state update) and counted (``train/nonfinite_steps``); this many in a row stop the run with
-            ``last.ckpt`` saved (:class:`canonlm.errors.RunStopped`, exit code 3).
+            ``last.ckpt`` saved (:class:`canonlm.errors.RunStopped`, exit code 3). The decision stays on the device
+            (:meth:`configure_gradient_clipping`), so a run of skipped steps is noticed at the next logging step.
+    Host syncs: the training step keeps its loss, gradient norm and skip flags on the device; they are read in one
+    copy every ``trainer.log_every_n_steps`` optimizer steps (and at the last step, a checkpoint and the end of
+    ``fit``), where the ``train/*`` and ``perf/*`` metrics are logged. With an optimizer that skips a step on the
+    device (torch's ``found_inf``: ``torch.optim.AdamW``, ``Adam`` or ``SGD`` with ``fused=True``) nothing else waits
+    for the device between logging steps; any other optimizer needs one host sync per step to skip one.
     Training time (``train_time_s``), attempts (fit starts) and the skipped-step count are kept in the checkpoint
     and accumulate across resumes.
     Batches are dicts of (B, T) tensors: ``tokens`` int64, ``loss_mask`` bool, ``answer_id`` int32, ``group`` int32.
@@ -93,9 +113,13 @@ class LMModule(L.LightningModule):
         super().__init__()
         self.task_cfg = dict(task_cfg or {})
         self.max_nonfinite_steps = int(max_nonfinite_steps)
-        self.nonfinite_steps = 0        # skipped steps, whole run (all attempts)
-        self._nonfinite_run = 0         # skipped steps in a row
-        self._micro_nonfinite = False   # a micro-batch loss of the current step was not finite
+        self.nonfinite_steps = 0        # skipped steps, whole run (all attempts), as of the last read
+        self._nonfinite_run = 0         # skipped steps in a row, as of the last read
+        self._loss_bad: torch.Tensor | None = None  # device bool: a micro-batch loss of this step was not finite
+        self._pending: list[tuple[int, torch.Tensor]] = []  # (step, device bool "skipped") not read yet
+        self._step_stats: torch.Tensor | None = None  # device (3,): last micro-batch's loss, nll, loss tokens
+        self._grad_norm: torch.Tensor | None = None   # device 0-d: last step's gradient norm before clipping
+        self._seq_len = 0
         self.stop_reason: str | None = None
         self.train_time_prior = 0.0     # seconds of training in earlier attempts (from the checkpoint)
         self.attempts = 0
@@ -186,7 +210,8 @@ class LMModule(L.LightningModule):
         ``sum over micro-batches and ranks of loss_sum / (loss tokens of the whole step on all ranks)``:
         Lightning divides by ``accumulate_grad_batches`` and DDP/FSDP average over ranks, so the returned value is
         ``loss_sum * world * accumulate / n_step`` with ``n_step`` = all-reduced ``batch["step_loss_tokens"]``
-        (engineering.md P25). Logs ``train/loss`` (this micro-batch's mean over its loss tokens, all ranks)."""
+        (engineering.md P25). Keeps on the device (read at logging steps, :meth:`_read_device`) this micro-batch's
+        mean loss / nll over its loss tokens (all ranks), its loss-token count, and whether the loss is finite."""
         _, out = self._loss(batch)
         world, accumulate = self.trainer.world_size, self.trainer.accumulate_grad_batches
         n_local = batch.get("step_loss_tokens", out["n_tokens"]).to(self.device, torch.float32)
@@ -195,54 +220,132 @@ class LMModule(L.LightningModule):
                                              out["nll_sum"].detach().float(), out["loss_sum"].detach().float()]))
         n_step, n_micro = sums[0].clamp_min(1.0), sums[1].clamp_min(1.0)
         loss = out["loss_sum"] * (world * accumulate / n_step)
-        nll, loss_global = sums[2] / n_micro, sums[3] / n_micro
-        if not bool(torch.isfinite(loss_global)):  # all-reduced: every rank takes the same decision
-            self._micro_nonfinite = True
-        self.log("train/loss", loss_global, prog_bar=True)
-        self.log("train/nll", nll, prog_bar=False)
-        self.log("train/loss_tokens", n_micro)
+        bad = ~torch.isfinite(sums[3])  # all-reduced: every rank takes the same decision
+        self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
+        self._step_stats = torch.stack([sums[3] / n_micro, sums[2] / n_micro, n_micro])
+        self._seq_len = int(batch["tokens"].shape[1])
         return loss
 
-    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """After backward, before clipping and the optimizer step (Lightning ``Precision._after_closure``): the
-        global gradient norm (a DTensor's ``full_tensor`` under FSDP2; DDP gradients are already averaged, so every
-        rank decides alike). A non-finite loss or norm skips the step: every gradient is set to ``None``, which
-        ``torch.optim`` steps skip entirely (no moment, weight-decay or step-count update)."""
-        step = self.trainer.global_step
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        gn = None
-        if grads:
-            norms = torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads])
-            gn = torch.linalg.vector_norm(norms)
-            if hasattr(gn, "full_tensor"):
-                gn = gn.full_tensor()
-        bad = self._micro_nonfinite or (gn is not None and not bool(torch.isfinite(gn)))
-        self._micro_nonfinite = False
-        if bad:
-            for p in self.parameters():
-                p.grad = None
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:
+        """Once per optimizer step, after backward and ``on_before_optimizer_step`` (Lightning calls this hook instead
+        of clipping itself, ``Precision._clip_gradients``), without waiting for the device:
+
+        1. clipping to ``trainer.gradient_clip_val`` with ``torch.nn.utils.clip_grad_norm_`` over the optimizer's
+           gradients; its returned total norm (before clipping) is the step's only gradient norm (a DTensor's
+           ``full_tensor`` under FSDP2; DDP gradients are already averaged, so every rank decides alike). Without
+           norm clipping (``gradient_clip_val`` null or 0, or ``gradient_clip_algorithm=value``, which then clips
+           with ``clip_grad_value_``) the same call with ``max_norm=inf`` measures the norm. Under ``16-mixed`` with
+           an optimizer that unscales itself the gradients are unscaled first (``GradScaler.unscale_``; Lightning
+           leaves it to the optimizer);
+        2. a step whose norm or micro-batch loss is not finite is skipped: the flag goes to the optimizer as
+           torch's ``found_inf`` (``fused=True`` AdamW / Adam / SGD then leave parameters, moments and step count
+           untouched on the device; under a GradScaler its own ``found_inf``, set from the same non-finite
+           gradients, decides);
+           other optimizers get their gradients set to None, which needs the flag on the host (one sync);
+        3. the flag is queued for :meth:`_read_device`; at a logging step (every ``log_every_n_steps`` and the last
+           step) the queued values are read and logged (:meth:`_log_interval`)."""
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        skips_on_device = getattr(optimizer, "_step_supports_amp_scaling", False)
+        if scaler is not None and skips_on_device:
+            scaler.unscale_(optimizer)  # MixedPrecision.optimizer_step leaves it to such optimizers
+        by_value = gradient_clip_algorithm == "value"
+        max_norm = gradient_clip_val if gradient_clip_val and not by_value else math.inf  # inf: the norm only
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)  # the total norm of the clipping itself
+        if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor of the shards' partial norms
+            norm = norm.full_tensor()
+        if gradient_clip_val and by_value:
+            torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
+        bad = ~torch.isfinite(norm)
+        if self._loss_bad is not None:
+            bad = bad | self._loss_bad
+        self._loss_bad = None
+        if not skips_on_device:
+            if bool(bad):  # host sync: these optimizers skip a parameter only when its gradient is None
+                for p in params:
+                    p.grad = None
+        elif scaler is None:
+            optimizer.found_inf = bad.float()  # read by the optimizer step that follows (0-d, as GradScaler's)
+        step = self.trainer.global_step + 1  # the step being completed
+        self._pending.append((step, bad))
+        self._grad_norm = norm
+        max_steps = self.trainer.max_steps
+        if step % max(self.trainer.log_every_n_steps, 1) == 0 or 0 < max_steps <= step:
+            self._log_interval(step)
+
+    def _read_device(self) -> dict[str, float]:
+        """The one host sync of a logging interval: reads, in one copy, the last micro-batch's ``train/loss``,
+        ``train/nll``, ``train/loss_tokens``, the last ``train/grad_norm`` and the queued skip flags, which are
+        folded into :attr:`nonfinite_steps` (and :attr:`stop_reason` once ``max_nonfinite_steps`` were skipped in a
+        row). Returns the train metrics (Python floats)."""
+        names = (["train/loss", "train/nll", "train/loss_tokens"] if self._step_stats is not None else []) + \
+            (["train/grad_norm"] if self._grad_norm is not None else [])
+        parts = [t.detach().double().reshape(-1) for t in (self._step_stats, self._grad_norm) if t is not None]
+        parts += [flag.double().reshape(1) for _, flag in self._pending]
+        if not parts:
+            return {}
+        values = torch.cat(parts).tolist()
+        for (step, _), skipped in zip(self._pending, values[len(names):]):
+            if not skipped:
+                self._nonfinite_run = 0
+                continue
             self.nonfinite_steps += 1
             self._nonfinite_run += 1
-            self.log("train/nonfinite_steps", float(self.nonfinite_steps))
-            if self._nonfinite_run >= self.max_nonfinite_steps:
-                self.stop_reason = (f"{self._nonfinite_run} optimizer steps in a row (steps {step - self._nonfinite_run + 2}"
-                                    f"-{step + 1}) had a non-finite loss or gradient norm and were skipped "
-                                    f"(max_nonfinite_steps={self.max_nonfinite_steps}); lower optim.lr, raise "
-                                    "sched.warmup_steps or use trainer.precision=32-true")
-            return
-        self._nonfinite_run = 0
-        if gn is not None and step % max(self.trainer.log_every_n_steps, 1) == 0:
-            self.log("train/grad_norm", gn)
+            if self._nonfinite_run == self.max_nonfinite_steps and self.stop_reason is None:
+                self.stop_reason = (f"{self._nonfinite_run} optimizer steps in a row (steps "
+                                    f"{step - self._nonfinite_run + 1}-{step}) had a non-finite loss or gradient "
+                                    f"norm and were skipped (max_nonfinite_steps={self.max_nonfinite_steps}); lower "
+                                    "optim.lr, raise sched.warmup_steps or use trainer.precision=32-true")
+        self._pending = []
+        return dict(zip(names, values))
+
+    def _log_host(self, name: str, value: float, prog_bar: bool = False) -> None:
+        """``self.log`` of a host number as a float64 CPU tensor: Lightning would put a Python number on the module's
+        device (a blocking copy on CUDA), and it reads every progress-bar value back at each batch end
+        (``_ResultCollection.metrics``), which for a CUDA tensor is a host sync per step."""
+        self.log(name, torch.tensor(value, dtype=torch.float64), prog_bar=prog_bar)
+
+    def _log_interval(self, step: int) -> None:
+        """Logging step ``step`` (the optimizer step being completed, after its backward): :meth:`_read_device`,
+        then ``train/loss`` (progress bar), ``train/nll``, ``train/loss_tokens``, ``train/grad_norm`` (NaN or inf
+        for a skipped step), ``train/nonfinite_steps`` (when any), and since the previous logging step
+        ``perf/tokens_per_s`` (progress bar; all ranks), ``perf/step_time_s`` (seconds per step),
+        ``perf/data_wait_s`` (seconds per step spent between the end of one batch and the start of the next, i.e.
+        waiting for data), ``perf/peak_mem_gb`` (GiB, :func:`_peak_mem_gb`), ``perf/tokens_seen`` and, on CUDA
+        devices in :data:`PEAK_FLOPS`, ``perf/mfu`` (:func:`canonlm.arch.flops.mfu`). The read waits for this
+        step's backward, so the time between two logging steps is the device time of the steps in between."""
+        from canonlm.arch.flops import mfu
+
+        for name, value in self._read_device().items():
+            self._log_host(name, value, prog_bar=name == "train/loss")
+        if self.nonfinite_steps:
+            self._log_host("train/nonfinite_steps", float(self.nonfinite_steps))
+        now = time.perf_counter()
+        if self._t_last is not None and step > self._step_last:
+            n = step - self._step_last
+            dt = now - self._t_last
+            tok_s = n * self.tokens_per_step / max(dt, 1e-9)
+            self._log_host("perf/tokens_per_s", tok_s, prog_bar=True)
+            self._log_host("perf/step_time_s", dt / n)
+            self._log_host("perf/data_wait_s", self._wait_sum / n)
+            self._log_host("perf/peak_mem_gb", _peak_mem_gb(self.device))
+            self._log_host("perf/tokens_seen", float(step * self.tokens_per_step))
+            peak = _peak_flops(self.device)
+            if peak is not None:
+                self._log_host("perf/mfu", mfu(tok_s, self.model.flops_per_token(self._seq_len), peak,
+                                               self.trainer.world_size))
+        self._t_last, self._step_last = now, step
+        self._wait_sum = 0.0
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self._t_batch_end is not None:  # time since the previous batch ended = waiting for this batch
             self._wait_sum += time.perf_counter() - self._t_batch_end
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        """Every ``log_every_n_steps`` optimizer steps log ``perf/tokens_per_s``, ``perf/step_time_s`` (seconds per
-        step), ``perf/data_wait_s`` (seconds per step spent between the end of one batch and the start of the next,
-        i.e. waiting for data), ``perf/peak_mem_gb`` (GiB, :func:`_peak_mem_gb`), ``perf/tokens_seen`` and on
-        CUDA devices with a known peak ``perf/mfu``."""
+        """Stop the run once a read (:meth:`_read_device`) found ``max_nonfinite_steps`` skipped steps in a row:
+        ``last.ckpt`` is saved at this step and :class:`canonlm.errors.RunStopped` (exit code 3) is raised. Starts
+        the perf clock and the data-wait clock."""
         if self.stop_reason is not None:
             from canonlm.train.callbacks import last_checkpoint_path
 
@@ -255,28 +358,8 @@ class LMModule(L.LightningModule):
             from canonlm.errors import RunStopped
 
             raise RunStopped(f"training stopped: {self.stop_reason}", 3)
-        step = self.trainer.global_step
-        now = time.perf_counter()
-        every = max(self.trainer.log_every_n_steps, 1)
-        if self._t_last is None:
-            self._t_last, self._step_last = now, step
-            self._wait_sum = 0.0
-            self._t_batch_end = time.perf_counter()
-            return
-        if step - self._step_last >= every:
-            dt = now - self._t_last
-            tok_s = (step - self._step_last) * self.tokens_per_step / max(dt, 1e-9)
-            self.log("perf/tokens_per_s", tok_s, prog_bar=True)
-            self.log("perf/step_time_s", dt / (step - self._step_last))
-            self.log("perf/data_wait_s", self._wait_sum / (step - self._step_last))
-            self.log("perf/peak_mem_gb", _peak_mem_gb(self.device))
-            self.log("perf/tokens_seen", float(step * self.tokens_per_step))
-            peak = _peak_flops(self.device)
-            if peak:
-                flops = self.model.flops_per_token(batch["tokens"].shape[1])
-                self.log("perf/mfu", tok_s * flops / (peak * self.trainer.world_size))  # tok_s: all ranks
-            self._t_last, self._step_last = now, step
-            self._wait_sum = 0.0
+        if self._t_last is None:  # the perf clock starts at the end of the first batch of this fit (after warm-up)
+            self._t_last, self._step_last = time.perf_counter(), self.trainer.global_step
         self._t_batch_end = time.perf_counter()
 
     # ------------------------------------------------------------------ run state kept in checkpoints
@@ -291,6 +374,7 @@ class LMModule(L.LightningModule):
         self._fit_t0 = time.perf_counter()
 
     def on_train_end(self) -> None:
+        self._read_device()  # the skip flags queued since the last logging step: nonfinite_steps for the results
         if self._fit_t0 is not None:
             self._fit_time += time.perf_counter() - self._fit_t0
             self._fit_t0 = None
@@ -302,6 +386,7 @@ class LMModule(L.LightningModule):
 
         from canonlm.train.checkpoint import CKPT_FORMAT
 
+        self._read_device()  # the skip flags queued since the last logging step
         checkpoint["canonlm"] = {"format": CKPT_FORMAT, "model": dataclasses.asdict(self.model.cfg),
                                  "task": self.task_cfg,
                                  "train_time_s": float(self.train_time_s), "attempts": int(self.attempts),
