@@ -6,20 +6,17 @@ site runs here through canonlm's *public* op with the fast backend pinned (``bac
 forward and backward where the op has one, in float32 and bfloat16, at tiny shapes, and is compared with canonlm's
 reference op computed in float64 on the same inputs (the same bf16-rounded values for bf16 cases):
 
-========================================  =================================================  ==========================
-call site (library function)              canonlm entry point                                case
-========================================  =================================================  ==========================
-fla ``chunk_gla``                         ``ops.gla.chunk_gla`` (grad on)                    ``gla_chunk``
-fla ``fused_recurrent_gla``               ``ops.gla.chunk_gla`` (no grad, T <= 64: decode)   ``gla_decode``
-fla ``chunk_gated_delta_rule``            ``ops.gdn.chunk_gated_delta_rule`` (grad on)       ``gdn_chunk``
-fla ``fused_recurrent_gated_delta_rule``  ``ops.gdn.chunk_gated_delta_rule`` (no grad)       ``gdn_decode``
-fla ``causal_conv1d`` (Canon)             ``ops.canon.causal_conv1d``                        ``canon_*``
-fla ``causal_conv1d_update``              ``ops.canon.causal_conv1d_step``                   ``canon_step``
-mamba-ssm ``mamba_chunk_scan_combined``   ``ops.ssd.ssd_scan`` (grad on)                     ``ssd_chunk``
-mamba-ssm ``selective_state_update``      ``ops.ssd.ssd_scan`` (no grad, T == 1)             ``ssd_decode``
-mamba-ssm ``mamba_split_conv1d_scan_``    ``ops.ssd.split_conv1d_scan_combined``             ``ssd_split``
-``combined``
-========================================  =================================================  ==========================
+* fla ``chunk_gla`` -- ``ops.gla.chunk_gla`` with grad on (case ``gla_chunk``);
+* fla ``fused_recurrent_gla`` -- ``ops.gla.chunk_gla`` without grad, T <= 64: the decode path (``gla_decode``);
+* fla ``chunk_gated_delta_rule`` -- ``ops.gdn.chunk_gated_delta_rule`` with grad on (``gdn_chunk``);
+* fla ``fused_recurrent_gated_delta_rule`` -- the same op without grad, T <= 64 (``gdn_decode``);
+* fla ``causal_conv1d`` (Canon) -- ``ops.canon.causal_conv1d``: residual + bias + initial state, SiLU without
+  residual, a strided slice and a transposed tensor as input (``canon_*``);
+* fla ``causal_conv1d_update`` -- ``ops.canon.causal_conv1d_step`` (``canon_step``);
+* mamba-ssm ``mamba_chunk_scan_combined`` -- ``ops.ssd.ssd_scan`` with grad on, 4 heads in 2 groups (``ssd_chunk``);
+* mamba-ssm ``selective_state_update`` -- ``ops.ssd.ssd_scan`` without grad, T == 1 (``ssd_decode``);
+* mamba-ssm ``mamba_split_conv1d_scan_combined`` -- ``ops.ssd.split_conv1d_scan_combined`` (``ssd_split``; its
+  causal-conv1d C++ op is a plain-torch stand-in written from ``csrc/causal_conv1d.cpp``, see ``_triton_interp.py``).
 
 Each case counts the Triton kernel launches (it fails if the expected kernels did not launch, so a silent fallback
 to the reference cannot pass) and checks every output and every gradient, initial states included: relative error
@@ -44,7 +41,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import os
 import subprocess
 import sys
@@ -128,14 +124,18 @@ def compare(fast_fn, ref_fn, inputs: dict, grad: bool, seed: int = 1) -> dict:
     return err
 
 
-def _gla_inputs(dt, T, B=1, H=2, K=16, V=32, seed=0):
+def _linear_inputs(dt, T, op, B=1, H=2, K=16, V=32, seed=0):
+    """q, k (B, T, H, K) and v (B, T, H, V) in the case's dtype, a float32 log-decay g ((B, T, H, K) per key channel
+    for GLA, (B, T, H) per head for GDN, with GDN's beta (B, T, H)) and a float32 initial state (B, H, K, V)."""
     torch = _torch()
     F = torch.nn.functional
     g = torch.Generator().manual_seed(seed)
     lo = _dtype(dt)
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
-    return dict(q=r(B, T, H, K).to(lo), k=r(B, T, H, K).to(lo), v=r(B, T, H, V).to(lo),
-                g=F.logsigmoid(r(B, T, H, K)) / 8, initial_state=r(B, H, K, V))
+    out = dict(q=r(B, T, H, K).to(lo), k=r(B, T, H, K).to(lo), v=r(B, T, H, V).to(lo))
+    if op == "gla":
+        return dict(out, g=F.logsigmoid(r(B, T, H, K)) / 8, initial_state=r(B, H, K, V))
+    return dict(out, g=F.logsigmoid(r(B, T, H)) / 4, beta=torch.sigmoid(r(B, T, H)), initial_state=r(B, H, K, V) / 4)
 
 
 @case("gla_chunk")
@@ -143,7 +143,7 @@ def gla_chunk(dt):
     from canonlm.ops import gla
     err = compare(lambda **a: gla.chunk_gla(**a, output_final_state=True, backend="fla"),
                   lambda **a: gla.chunk_gla_reference(**a, output_final_state=True),
-                  _gla_inputs(dt, T=100), grad=True)
+                  _linear_inputs(dt, 100, "gla"), grad=True)
     return {"err": err, "expect": ["chunk_fwd_kernel_h", "chunk_gla_fwd_kernel_o", "chunk_bwd_kernel_dh",
                                    "chunk_gla_bwd_kernel_inter"], "forbid": ["fused_recurrent_fwd_kernel"]}
 
@@ -155,19 +155,9 @@ def gla_decode(dt):
     for T in (1, 20):   # one decode step, and a short no-grad prefill
         e = compare(lambda **a: gla.chunk_gla(**a, output_final_state=True, backend="fla"),
                     lambda **a: gla.chunk_gla_reference(**a, output_final_state=True),
-                    _gla_inputs(dt, T=T, seed=T), grad=False)
+                    _linear_inputs(dt, T, "gla", seed=T), grad=False)
         err.update({f"T{T}.{k}": v for k, v in e.items()})
     return {"err": err, "expect": ["fused_recurrent_fwd_kernel"], "forbid": ["chunk_fwd_kernel_h"]}
-
-
-def _gdn_inputs(dt, T, B=1, H=2, K=16, V=32, seed=0):
-    torch = _torch()
-    F = torch.nn.functional
-    g = torch.Generator().manual_seed(seed)
-    lo = _dtype(dt)
-    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
-    return dict(q=r(B, T, H, K).to(lo), k=r(B, T, H, K).to(lo), v=r(B, T, H, V).to(lo),
-                g=F.logsigmoid(r(B, T, H)) / 4, beta=torch.sigmoid(r(B, T, H)), initial_state=r(B, H, K, V) / 4)
 
 
 @case("gdn_chunk")
@@ -175,7 +165,7 @@ def gdn_chunk(dt):
     from canonlm.ops import gdn
     err = compare(lambda **a: gdn.chunk_gated_delta_rule(**a, output_final_state=True, backend="fla"),
                   lambda **a: gdn.chunk_gated_delta_rule_reference(**a, output_final_state=True),
-                  _gdn_inputs(dt, T=100), grad=True)
+                  _linear_inputs(dt, 100, "gdn"), grad=True)
     return {"err": err, "expect": ["l2norm_fwd_kernel", "chunk_gated_delta_rule_fwd_kernel_h_blockdim64",
                                    "chunk_fwd_kernel_o", "chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64"],
             "forbid": ["fused_recurrent_gated_delta_rule_fwd_kernel"]}
@@ -188,7 +178,7 @@ def gdn_decode(dt):
     for T in (1, 20):
         e = compare(lambda **a: gdn.chunk_gated_delta_rule(**a, output_final_state=True, backend="fla"),
                     lambda **a: gdn.chunk_gated_delta_rule_reference(**a, output_final_state=True),
-                    _gdn_inputs(dt, T=T, seed=T), grad=False)
+                    _linear_inputs(dt, T, "gdn", seed=T), grad=False)
         err.update({f"T{T}.{k}": v for k, v in e.items()})
     return {"err": err, "expect": ["fused_recurrent_gated_delta_rule_fwd_kernel"],
             "forbid": ["chunk_gated_delta_rule_fwd_kernel_h_blockdim64"]}
