@@ -34,8 +34,8 @@ launches = _triton_interp.enable()
 from canonlm import selfcheck as sc
 
 # the self-check's GPU shapes, shrunk for the interpreter (same code paths)
-small = {"_canon_case": dict(B=1, T=48, C=16), "_gla_case": dict(B=1, T=80, H=2, K=16, V=16),
-         "_gdn_case": dict(B=1, T=80, H=2, K=16, V=16), "_ssd_case": dict(B=1, T=80, H=2, P=16, G=1, N=16)}
+small = {"_canon_case": dict(B=1, T=40, C=16), "_gla_case": dict(B=1, T=40, H=2, K=16, V=16),
+         "_gdn_case": dict(B=1, T=40, H=2, K=16, V=16), "_ssd_case": dict(B=1, T=40, H=2, P=16, G=1, N=16)}
 for name, kw in small.items():
     setattr(sc, name, functools.partial(getattr(sc, name), **kw))
 # Canon's `auto` on a CPU device picks the native C kernel; resolve it as on CUDA (fla: Dao's C++ op is not Triton)

@@ -280,9 +280,9 @@ def _ssd_inputs(dt, T, B=1, H=4, P=16, G=2, N=16, seed=0):
 @case("ssd_chunk")
 def ssd_chunk(dt):
     from canonlm.ops import ssd
-    err = compare(lambda **a: ssd.ssd_scan(**a, chunk_size=32, output_final_state=True, backend="mamba_ssm"),
-                  lambda **a: ssd.ssd_scan_reference(**a, chunk_size=32, output_final_state=True),
-                  _ssd_inputs(dt, T=70), grad=True)
+    err = compare(lambda **a: ssd.ssd_scan(**a, chunk_size=16, output_final_state=True, backend="mamba_ssm"),
+                  lambda **a: ssd.ssd_scan_reference(**a, chunk_size=16, output_final_state=True),
+                  _ssd_inputs(dt, T=40), grad=True)          # 3 chunks, the last one partial
     return {"err": err, "expect": ["_chunk_cumsum_fwd_kernel", "_state_passing_fwd_kernel", "_chunk_scan_fwd_kernel",
                                    "_chunk_scan_chunk_state_bwd_dx_kernel", "_state_passing_bwd_kernel"],
             "forbid": ["_selective_scan_update_kernel"]}
