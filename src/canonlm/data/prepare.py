@@ -546,21 +546,6 @@ def _run(files: list[Path], kinds: list[str], tok: TextTokenizer, root: Path, *,
                 shard_tokens=shard_tokens, splits=splits)
 
 
-def load_documents(data_dir: str | os.PathLike, split: str) -> dict[int, np.ndarray]:
-    """All documents of a split of a prepared directory: {document index: int64 token ids} (EOS included if it was
-    appended). For inspection and tests; loads the whole split."""
-    d = Path(data_dir)
-    meta = json.loads((d / META).read_text())
-    out: dict[int, np.ndarray] = {}
-    for sh in meta["splits"][split]["shards"]:
-        toks = np.fromfile(d / sh["file"], dtype=meta["dtype"]).astype(np.int64)
-        idx = np.load(d / sh["index"])
-        ends = np.append(idx[1:, 1], toks.shape[0])
-        for (i, s), e in zip(idx, ends):
-            out[int(i)] = toks[int(s):int(e)]
-    return out
-
-
 # ============================================================================================== CLI
 def main(argv: list[str] | None = None) -> int:
     """Command line ``python -m canonlm.data.prepare`` (flags and rules in the module docstring; ``--help``).

@@ -313,14 +313,6 @@ class DepoTask:
         tab_tok, tab_len = self._build_table(code)
         return tab_tok, tab_len, np.arange(code.shape[0], dtype=np.int64), code.shape[0]
 
-    def name_tokens(self, code: Any) -> list[list[int]]:
-        """Token ids of the names with the given codes (for inspection and tests); ValueError for a bad code."""
-        code = np.asarray(code, dtype=np.int64).reshape(-1)
-        if code.size and (code.min() < 0 or code.max() >= self._total_names):
-            raise ValueError(f"name codes must lie in [0, {self._total_names})")
-        tab_tok, tab_len = self._build_table(code)
-        return [[self._map(int(x)) for x in tab_tok[r, :tab_len[r]]] for r in range(code.shape[0])]
-
     def generate(self, split: str, w: Any, i: Any, seed: int | None = None) -> InstanceBatch:
         """Generate instances ``(w[r], i[r])`` of ``split`` (vectorised over all of them).
 
