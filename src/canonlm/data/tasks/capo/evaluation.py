@@ -1,10 +1,11 @@
 """Capo evaluation windows (one job: which renderings val/test score, packed into windows, each scored once).
 
-tasks.md §4.4 (Part 3.3 measures knowledge on the training population). Fresh renderings of the training
-population (``eval_renderings_per_person`` each, own namespaces): test = people 0..N-1, val = a seeded subset of
-``val_people`` (default min(N, 1000)) people; biographies are packed greedily into windows that start with
-``<EOS>`` and hold whole biographies (the rest of a window is the beginning of the next biography, loss on, not
-scored; windows past the end are all pad, loss off), so every evaluated rendering is scored exactly once.
+Part 3.3 Def. 4.3 measures knowledge on the training population itself; which renderings are scored is not stated by the
+papers. canonlm scores fresh renderings of the training population (``eval_renderings_per_person`` each, own
+namespaces): test = people 0..N-1, val = a seeded subset of ``val_people`` (default min(N, 1000)) people; biographies
+are packed greedily into windows that start with ``<EOS>`` and hold whole biographies (the rest of a window is the
+beginning of the next biography, loss on, not scored; windows past the end are all pad, loss off), so every evaluated
+rendering is scored exactly once.
 """
 
 from __future__ import annotations

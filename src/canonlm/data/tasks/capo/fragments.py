@@ -1,16 +1,17 @@
 """Capo fragments and compact vocabulary (one job: every piece of text a biography is made of, tokenised once).
 
-tasks.md §4.3. Every template fragment (the text between subject and value, and after the value) and every
-attribute value is tokenised ONCE; a biography is the concatenation of cached id arrays
-(:meth:`canonlm.data.tasks.capo.render.Renderer.tokens`). This equals tokenising the whole text because every
-fragment boundary is a pre-token boundary of the GPT-2 regex: values carry their leading space, start and end with a
-letter or digit, templates never end with a space and put punctuation or a space after the value; this is verified
-on a sample of biographies whenever a task is built (:meth:`Renderer.first_misaligned`) and in the tests on
-thousands. Templates are prefix-free at the token level (:meth:`Fragments.prefix_conflicts`), so once a template's
-prefix is read the next token is certainly the value of that attribute.
+Every template fragment (the text between subject and value, and after the value) and every attribute value is tokenised
+ONCE; a biography is the concatenation of cached id arrays (:meth:`canonlm.data.tasks.capo.render.Renderer.tokens`).
+This equals tokenising the whole text because every fragment boundary is a pre-token boundary of the GPT-2 regex: values
+carry their leading space, start and end with a letter or digit, templates never end with a space and put punctuation or
+a space after the value; this is verified on a sample of biographies whenever a task is built
+(:meth:`Renderer.first_misaligned`) and in the tests on thousands. Templates are prefix-free at the token level
+(:meth:`Fragments.prefix_conflicts`), so once a template's prefix is read the next token is certainly the value of that
+attribute.
 
-Vocabulary: compact (tasks.md §1.5): the token ids occurring in any fragment, in increasing original id, become
-1..V; ``<EOS>`` = V + 1 (it separates biographies); 0 = pad. ``vocab_size = V + 2``.
+Vocabulary: compact (as the paper restricts the embedding to the GPT-2 ids that occur, Part 4.1 App. A.3): the token ids
+occurring in any fragment, in increasing original id, become 1..V; ``<EOS>`` = V + 1 (it separates biographies); 0 =
+pad. ``vocab_size = V + 2``.
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ class Fragments:
         """Pairs (template, other template) of the pools in use whose prefix tokens (the text between the subject
         and the value) are equal to or a proper prefix of the other's. Empty for the shipped templates with the
         tokenizers tested: then, once a template's prefix has been read, the next token starts that attribute's
-        value for certain, so the value's cross-entropy measures knowledge only (tasks.md §4.4)."""
+        value for certain, so the value's cross-entropy measures knowledge only (Part 3.3 Def. 4.3)."""
         fb, T = self.fbase, self.T_tmpl
         seqs = []
         for a in ATTRIBUTES:

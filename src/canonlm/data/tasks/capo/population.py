@@ -1,12 +1,11 @@
 """Capo population: the N people of bioS(N) and their facts (one job: who exists, as list indices).
 
-Part 3.3 §2 / tasks.md §4.2 item 1. N people with unique full names (first x middle x last from the three name
-lists, :mod:`canonlm.data.tasks.capo.assets`), and independent uniform attributes: birth date (12 months x days 1-28
-x the years of ``birth_years``), birth city, university, major, employer (the work city is the employer's
-headquarters city, so it carries no extra information) and gender (``gender: random``, paper; or ``id_parity``:
-person id % 2, the release's choice; 0 = "He", 1 = "She"). Person i is a pure function of (seed, birth_years,
-gender, i): names are the first N distinct names of a counter-based stream of draws, so the population of a larger
-N extends the smaller one.
+Part 3.3 §2 (bioS(N)); Part 4.1 §5. N people with unique full names (first x middle x last from the three name lists,
+:mod:`canonlm.data.tasks.capo.assets`), and independent uniform attributes: birth date (12 months x days 1-28 x the
+years of ``birth_years``), birth city, university, major, employer (the work city is the employer's headquarters city,
+so it carries no extra information) and gender (``gender: random``, paper; or ``id_parity``: person id % 2, the
+release's choice; 0 = "He", 1 = "She"). Person i is a pure function of (seed, birth_years, gender, i): names are the
+first N distinct names of a counter-based stream of draws, so the population of a larger N extends the smaller one.
 """
 
 from __future__ import annotations

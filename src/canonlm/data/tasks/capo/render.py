@@ -1,17 +1,17 @@
 """Capo rendering: person facts -> biography text and token ids (one job: what one exposure of a person reads).
 
-Part 3.3 §2 (bioS) / tasks.md §4.2 item 2. One biography = six sentences, one per attribute (birth date, birth city,
-university, major, employer, work city), each from the first ``templates_per_attribute`` templates of the
-attribute's pool (``capo_assets/templates.json``). The first sentence has the full name as its subject, the others
-"He"/"She". ``permute_sentences: true`` (paper, bioS(N)): a fresh sentence order on every exposure, the full name
-always in the first sentence of the new order; ``false``: the fixed attribute order above. Templates are
-gender-neutral (no his/her), so the first He/She is the only token that reveals the gender. Every random choice of
-exposure ``r`` (training pass, or evaluation rendering) of person ``i`` is a pure function of (seed, N, generative
-parameters, split, r, i) (:meth:`Renderer.namespace`, :mod:`canonlm.data.seeding`).
+Part 3.3 §2 (bioS); Part 4.1 §5. One biography = six sentences, one per attribute (birth date, birth city, university,
+major, employer, work city), each from the first ``templates_per_attribute`` templates of the attribute's pool
+(``capo_assets/templates.json``). The first sentence has the full name as its subject, the others "He"/"She".
+``permute_sentences: true`` (paper, bioS(N)): a fresh sentence order on every exposure, the full name always in the
+first sentence of the new order; ``false``: the fixed attribute order above. Templates are gender-neutral (no his/her),
+so the first He/She is the only token that reveals the gender. Every random choice of exposure ``r`` (training pass, or
+evaluation rendering) of person ``i`` is a pure function of (seed, N, generative parameters, split, r, i)
+(:meth:`Renderer.namespace`, :mod:`canonlm.data.seeding`).
 
 Token ids are concatenations of the cached fragment ids of :class:`canonlm.data.tasks.capo.fragments.Fragments`
-(vectorised over many renderings); the text path (:meth:`Renderer.texts`) makes the same choices in plain Python
-and is the oracle the fragment path is checked against (:meth:`Renderer.first_misaligned`).
+(vectorised over many renderings); the text path (:meth:`Renderer.texts`) makes the same choices in plain Python and is
+the oracle the fragment path is checked against (:meth:`Renderer.first_misaligned`).
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """Capo training stream: passes over the population cut into windows (one job: which tokens training step s reads).
 
-Exposure schedule (tasks.md §4.3 [gap]; Part 3.3 trains on bioS(N) for a number of exposures per person). Pass
-p = 0, 1, 2, ... is a fresh random permutation of the population, every person re-rendered; the biographies of
-pass 0, pass 1, ... each followed by ``<EOS>``, form one infinite token stream. ``window: consecutive``: window w =
-stream tokens [w T, (w+1) T); ``random_offset``: [w T + o_w, w T + o_w + T) with o_w uniform in [0, T)
-(counter-based; windows may overlap or skip up to T - 1 tokens). Window w is a pure function of its index: per-pass
-total lengths and within-pass cumulative lengths come cheaply from cached fragment lengths, and the pass and
-biography holding a token offset are found by binary search. Loss on every token (except position 0 of a window,
-never a target); answers cut by a window end (or starting at position 0) are not scored.
+Exposure schedule (not stated by the papers; Part 3.3 §2.3 concatenates biographies, cuts 512-token windows and counts
+exposures per person). Pass p = 0, 1, 2, ... is a fresh random permutation of the population, every person re-rendered;
+the biographies of pass 0, pass 1, ... each followed by ``<EOS>``, form one infinite token stream. ``window:
+consecutive``: window w = stream tokens [w T, (w+1) T); ``random_offset``: [w T + o_w, w T + o_w + T) with o_w uniform
+in [0, T) (counter-based; windows may overlap or skip up to T - 1 tokens). Window w is a pure function of its index:
+per-pass total lengths and within-pass cumulative lengths come cheaply from cached fragment lengths, and the pass and
+biography holding a token offset are found by binary search. Loss on every token (except position 0 of a window, never a
+target); answers cut by a window end (or starting at position 0) are not scored.
 
 :class:`CapoStream` is the DataLoader-facing stream of per-rank batches, for training and evaluation windows.
 """

@@ -1,14 +1,13 @@
 """The Capo task object (one job: validate the config, compose the parts, answer the task protocol, score bits).
 
-:class:`CapoTask` composes :mod:`.assets` (lists, templates), :mod:`.tokenizer` (the BPE), :mod:`.fragments`
-(token ids, compact vocabulary), :mod:`.population` (the people), :mod:`.render` (biographies), :mod:`.stream`
-(training windows) and :mod:`.evaluation` (val/test windows), and implements the protocol of
-:mod:`canonlm.data.tasks` on top of them.
+:class:`CapoTask` composes :mod:`.assets` (lists, templates), :mod:`.tokenizer` (the BPE), :mod:`.fragments` (token ids,
+compact vocabulary), :mod:`.population` (the people), :mod:`.render` (biographies), :mod:`.stream` (training windows)
+and :mod:`.evaluation` (val/test windows), and implements the protocol of :mod:`canonlm.data.tasks` on top of them.
 
-Scoring (tasks.md §4.4; Part 3.3 §2 and Def. 4.3). Per biography seven answers (spans of tokens): group 1 = the full
-name at its start, 2 = birth-date value, 3 = birth city, 4 = university, 5 = major, 6 = employer (work city is
-excluded), 7 = the first He/She token (gender). ``num_groups = 8`` (group 0 unused). :meth:`CapoTask.finalize_metrics`
-turns the teacher-forced per-group NLL sums into bits and bits per parameter.
+Scoring (Part 3.3 Def. 4.3; Part 4.1 §5). Per biography seven answers (spans of tokens): group 1 = the full name at its
+start, 2 = birth-date value, 3 = birth city, 4 = university, 5 = major, 6 = employer (work city is excluded), 7 = the
+first He/She token (gender). ``num_groups = 8`` (group 0 unused). :meth:`CapoTask.finalize_metrics` turns the
+teacher-forced per-group NLL sums into bits and bits per parameter.
 """
 
 from __future__ import annotations
@@ -49,7 +48,7 @@ def _int(key: str, v: Any, lo: int, hi: int | None = None) -> int:
 
 
 class CapoTask:
-    """Capo / bioS(N) task (tasks.md §4). Build with :func:`canonlm.data.tasks.build_task` (``"capo"``).
+    """Capo / bioS(N) task (Part 4.1 §5; Part 3.3 §2). Build with :func:`canonlm.data.tasks.build_task` (``"capo"``).
 
     Attributes:
         cfg: validated config (every key of ``KEYS``). N, exposures, T_tmpl (templates_per_attribute), years
@@ -390,7 +389,7 @@ class CapoTask:
         return {"tie_embeddings": True}
 
     def params_counted(self, model_info: Mapping[str, Any]) -> int:
-        """P of tasks.md §4.4: ``num_params`` minus the embedding rows of ids that never occur (the pad row, and
+        """P of Part 3.3 Def. 4.3: ``num_params`` minus the embedding rows of ids that never occur (the pad row, and
         rows beyond the compact vocabulary if the model's vocabulary is larger), counted once with tied embeddings
         and twice (input + output) without. ``model_info``: ``num_params``, ``d_model``, ``tie_embeddings``,
         optional ``vocab_size`` (default: the task's). KeyError/ValueError for missing/invalid entries."""
@@ -405,7 +404,7 @@ class CapoTask:
         return P - unused * d * (1 if tied else 2)
 
     def finalize_metrics(self, split: str, table: Mapping[str, Any], model_info: Mapping[str, Any]) -> dict[str, float]:
-        """Bits of knowledge and bits per parameter (tasks.md §4.4; Part 3.3 Def. 4.3).
+        """Bits of knowledge and bits per parameter (Part 3.3 Def. 4.3).
 
         Args:
             table: ``{"by_group": {g: {"answers": int, "acc", "tokens", "token_acc", "nll_sum": float}}, ...}``

@@ -1,12 +1,13 @@
 """Capo's tokenizer: train, cache and load the byte-level BPE (one job: the ``tokenizers.Tokenizer`` a task uses).
 
-tasks.md §4.3. A byte-level BPE (``tokenizers``: ByteLevel pre-tokenizer with the GPT-2 regex, BPE model,
-``bpe_vocab_size``) trained on ``bpe_train_bios`` biographies of a fixed random sample (:func:`bpe_training_texts`)
-and cached as ``<cache_dir>/capo/bpe-<hash>.json`` (:func:`bpe_key`: hash of the lists, templates, vocabulary size,
-sample size and the ``tokenizers`` version; written atomically). ``cache_dir: null`` means ``$CANONLM_CACHE``, else
-``$XDG_CACHE_HOME/canonlm``, else ``~/.cache/canonlm`` (:func:`default_cache_dir`). ``tokenizer: <path>`` uses a
-local tokenizer instead (:func:`load_tokenizer`: ``tokenizer.json``, or a directory holding ``tokenizer.json`` or
-GPT-2's ``vocab.json`` + ``merges.txt``; the paper's models use GPT-2's tokenizer).
+The paper uses GPT-2's tokenizer (Part 4.1 App. A.3); by default canonlm uses its own byte-level BPE (``tokenizers``:
+ByteLevel pre-tokenizer with the GPT-2 regex, BPE model, ``bpe_vocab_size``) trained on ``bpe_train_bios`` biographies
+of a fixed random sample (:func:`bpe_training_texts`) and cached as ``<cache_dir>/capo/bpe-<hash>.json``
+(:func:`bpe_key`: hash of the lists, templates, vocabulary size, sample size and the ``tokenizers`` version; written
+atomically). ``cache_dir: null`` means ``$CANONLM_CACHE``, else ``$XDG_CACHE_HOME/canonlm``, else ``~/.cache/canonlm``
+(:func:`default_cache_dir`). ``tokenizer: <path>`` uses a local tokenizer instead (:func:`load_tokenizer`:
+``tokenizer.json``, or a directory holding ``tokenizer.json`` or GPT-2's ``vocab.json`` + ``merges.txt``; the paper's
+models use GPT-2's tokenizer).
 """
 
 from __future__ import annotations
