@@ -335,8 +335,8 @@ class Cluster:
         if stale.exists() and not self._alive(stale, "munged"):
             stale.unlink()
         proc = subprocess.Popen([which("munged"), "--foreground"], user=pw.pw_uid, group=pw.pw_gid,
-                                extra_groups=[], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
+                                extra_groups=[], env=self.env(), stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         _write(self.munged_pid, f"{proc.pid}\n")
         for _ in range(50):
             if self.munge_works():

@@ -132,7 +132,7 @@ def test_existing_name_is_not_reused(tmp_path, capsys):
 
 @pytest.fixture(scope="session")
 def slurm_cluster():
-    """The cluster of scripts/local_slurm.py (``$CANONLM_SLURM_DIR``, default /tmp/canonlm-slurm): used when it is
+    """The cluster of scripts/local_slurm.py (``$CANONLM_SLURM_DIR``, default /run/canonlm-slurm): used when it is
     up, else started (installing SLURM when missing, as root) and stopped at the end. ``SLURM_CONF`` points at
     its config for the session, so sbatch, scontrol and the jobs (sbatch exports the environment) find it."""
     up = local_slurm("status", timeout=60)
