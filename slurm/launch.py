@@ -33,6 +33,13 @@ error is printed and everything this invocation created is removed (never what e
 command can be run again. For grids of short runs use Hydra's submitit launcher instead:
 ``python train.py -m hydra/launcher=slurm ...`` (conf/hydra/launcher/slurm.yaml, slurm_cpu.yaml; docs/slurm.md).
 
+Nothing is injected into the batch script: every value written into it is checked as a whole before anything is
+written (``--partition``, ``--account``, ``--qos``: letters, digits, ``_ - .``; ``--name``: also ``+``; ``--mem``,
+``--time``, ``--signal`` and the integers in sbatch's grammar; ``--log-dir`` and ``--python``: letters, digits,
+spaces and ``/ _ . - + @ :``, no space at the end; overrides: no control characters). The output paths are
+double-quoted in ``#SBATCH --output="..."`` (sbatch's own parser groups quoted characters; ``%`` would start a
+file name pattern, hence refused), and the ``cd`` and ``srun`` lines are shell-quoted (``shlex.quote``).
+
 Exit codes: 0 submitted (or printed); 2 a bad flag or an existing name (the message names the flag, the value and
 what is allowed); otherwise sbatch's exit code.
 """
