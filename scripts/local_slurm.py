@@ -25,8 +25,8 @@ What ``start`` does, in order:
    apt-get, or a failed install: exit code 3 with the reason (the tests skip on it).
 2. munge: creates ``/etc/munge/munge.key`` with ``mungekey --create`` when missing (the munge package's install
    normally made it); starts ``munged --foreground`` as the ``munge`` user, detached, unless a munged already
-   answers (``munge -n | unmunge``), and records its pid in ``munged.pid`` at once; when it does not answer
-   within 5 s it is stopped again. A munged it did not start is left alone.
+   answers (``munge -n | unmunge``), and records its pid in ``munged.pid`` at once (output in ``log/munged.out``);
+   when it does not answer within 5 s it is stopped again. A munged it did not start is left alone.
 3. ``slurm.conf`` (in the folder): one node named as ``slurmd -C`` names this machine, with its CPUs, sockets,
    cores and threads, and its memory less 10 % (at least 1 GiB) of headroom; controller and node on 127.0.0.1
    (``SlurmctldHost=localhost(127.0.0.1)``, ``NodeAddr=127.0.0.1``), ports 26817/26818 (``--ports``) so a real
@@ -42,7 +42,8 @@ What ``start`` does, in order:
    cluster, is never touched, and then clients need ``SLURM_CONF=<dir>/etc/slurm.conf`` (``start`` and
    ``status`` print the line to export; the daemons and this script always use it; only the folder's owner can
    read it).
-4. ``slurmctld -c`` (an empty queue) and ``slurmd -N <node>``, then polls ``sinfo`` every 0.2 s until the node
+4. ``slurmctld -D -c`` (an empty queue) and ``slurmd -D -N <node>``, in the foreground and detached (their pids
+   recorded as they start; their stdout and stderr in ``log/slurmctld.out`` and ``log/slurmd.out``), then polls ``sinfo`` every 0.2 s until the node
    is idle (``--timeout`` seconds, default 60); when a daemon exits or the time is up it prints both daemons' logs,
    stops every daemon it started (munged included) and exits with code 4. Already up: says so and exits 0
    (``start`` is idempotent).
@@ -334,10 +335,8 @@ class Cluster:
         stale = Path("/run/munge/munged.pid")
         if stale.exists() and not self._alive(stale, "munged"):
             stale.unlink()
-        proc = subprocess.Popen([which("munged"), "--foreground"], user=pw.pw_uid, group=pw.pw_gid,
-                                extra_groups=[], env=self.env(), stdin=subprocess.DEVNULL,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        _write(self.munged_pid, f"{proc.pid}\n")
+        proc = self._spawn([which("munged"), "--foreground"], self.munged_pid, user=pw.pw_uid, group=pw.pw_gid,
+                           extra_groups=[])
         for _ in range(50):
             if self.munge_works():
                 say(f"munged started (pid {proc.pid})")
@@ -472,15 +471,27 @@ PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
             self.stop(quiet=True)
             raise
 
+    def _spawn(self, cmd: list[str], pid_file: Path, **kw) -> subprocess.Popen:
+        """Start the daemon ``cmd`` in the foreground, detached (its own session; stdout and stderr to
+        ``log/<name>.out``, no pipe to this script), and record its pid in ``pid_file`` at once, before anything
+        can fail: a daemon that forks itself would write its pid file only later, leaving a gap in which a
+        failed start could not find it."""
+        out = os.open(self.logs / f"{Path(cmd[0]).name}.out", os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW,
+                      0o600)
+        try:
+            proc = subprocess.Popen(cmd, env=self.env(), stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True, **kw)
+        finally:
+            os.close(out)
+        _write(pid_file, f"{proc.pid}\n")
+        return proc
+
     def _start_daemons(self, timeout: float) -> None:
         self.start_munge()
         node = self.write_config()
         t0 = time.monotonic()
-        for cmd in ([which("slurmctld"), "-c"], [which("slurmd"), "-N", node]):
-            r = subprocess.run(cmd, env=self.env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, timeout=60)
-            if r.returncode != 0:
-                raise StartFailed(f"`{' '.join(cmd)}` exited with {r.returncode}: {r.stdout.strip()}")
+        procs = {"slurmctld": self._spawn([which("slurmctld"), "-D", "-c"], self.ctld_pid),
+                 "slurmd": self._spawn([which("slurmd"), "-D", "-N", node], self.slurmd_pid)}
         deadline = time.monotonic() + timeout
         st = None
         while time.monotonic() < deadline:
@@ -488,9 +499,10 @@ PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
                 say(f"up in {time.monotonic() - t0:.1f} s: node {node} {self.node_state()} "
                     f"({self.root}); {self.client_hint()}")
                 return
-            for pid_file, comm in ((self.ctld_pid, "slurmctld"), (self.slurmd_pid, "slurmd")):
-                if pid_file.exists() and not self._alive(pid_file, comm) and time.monotonic() - t0 > 3:
-                    raise StartFailed(f"{comm} exited during start")
+            for comm, proc in procs.items():
+                if proc.poll() is not None:
+                    raise StartFailed(f"{comm} exited during start (exit {proc.returncode}):\n"
+                                      + _tail(self.logs / f"{comm}.out"))
             st = self.node_state()
             time.sleep(0.2)
         raise StartFailed(f"the node did not become idle within {timeout:.0f} s (sinfo state: {st})")

@@ -44,8 +44,10 @@ def etc_conf() -> str | None:
 
 def assert_refused(folder: Path, names: Path, what: str, top: Path) -> None:
     """Every action refuses ``folder`` with exit code 2 and one line naming ``--dir``, the offending path
-    ``names`` and ``what`` is wrong; nothing under ``top`` and no /etc/slurm/slurm.conf changes."""
-    before, etc = snapshot(top), etc_conf()
+    ``names`` and ``what`` is wrong, and prints nothing else; nothing under ``top`` changes. (/etc/slurm/slurm.conf
+    is not compared here: the session cluster of tests/test_slurm.py may start or stop meanwhile in another
+    worker; the start/stop tests below, in the ``slurm`` group, compare it.)"""
+    before = snapshot(top)
     for action in ("start", "status", "stop"):
         r = local_slurm(action, "--ports", PORTS, folder=folder, timeout=60)
         err = r.stderr.strip()
@@ -53,7 +55,7 @@ def assert_refused(folder: Path, names: Path, what: str, top: Path) -> None:
         assert len(err.splitlines()) == 1 and err.startswith(f"local_slurm: error: --dir={str(folder)!r}: "), err
         assert f"{names} {what}" in err and "allowed:" in err, err
         assert r.stdout == "", r.stdout
-    assert snapshot(top) == before and etc_conf() == etc
+    assert snapshot(top) == before
 
 
 @as_root
