@@ -7,8 +7,8 @@
 
 Folder: ``--dir`` or ``$CANONLM_SLURM_DIR`` (default ``/run/canonlm-slurm``, in a folder only root can write to)
 holds everything the cluster writes: ``etc/slurm.conf``, ``state/`` (slurmctld), ``spool/`` (slurmd),
-``log/slurmctld.log``, ``log/slurmd.log`` and the pid files of every daemon it started (``slurmctld.pid``,
-``slurmd.pid``, ``munged.pid``). Needs only the Python standard library (run it with the system ``python3``).
+``log/slurmctld.log``, ``log/slurmd.log``, the daemons' output (``log/*.out``) and the pid files of every daemon
+it started (``slurmctld.pid``, ``slurmd.pid``, ``munged.pid``). Needs only the Python standard library (run it with the system ``python3``).
 
 The folder is private (root runs daemons that read its config; whoever could write there could run code as root).
 Every action (``start``, ``stop``, ``status``) first checks it and refuses it, with exit code 2 and one message
