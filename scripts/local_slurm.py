@@ -5,17 +5,28 @@
     python3 scripts/local_slurm.py status    # exit 0 when sinfo answers and the node is up, 1 otherwise
     python3 scripts/local_slurm.py stop      # cancel its jobs, stop exactly the daemons `start` started
 
-Folder: ``--dir`` or ``$CANONLM_SLURM_DIR`` (default ``/tmp/canonlm-slurm``) holds everything the cluster writes:
-``etc/slurm.conf``, ``state/`` (slurmctld), ``spool/`` (slurmd), ``log/slurmctld.log``, ``log/slurmd.log`` and
-the daemons' pid files. Needs only the Python standard library (run it with the system ``python3``).
+Folder: ``--dir`` or ``$CANONLM_SLURM_DIR`` (default ``/run/canonlm-slurm``, in a folder only root can write to)
+holds everything the cluster writes: ``etc/slurm.conf``, ``state/`` (slurmctld), ``spool/`` (slurmd),
+``log/slurmctld.log``, ``log/slurmd.log``, the daemons' output (``log/*.out``) and the pid files of every daemon
+it started (``slurmctld.pid``, ``slurmd.pid``, ``munged.pid``). Needs only the Python standard library (run it with the system ``python3``).
+
+The folder is private (root runs daemons that read its config; whoever could write there could run code as root).
+Every action (``start``, ``stop``, ``status``) first checks it and refuses it, with exit code 2 and one message
+naming the path and what is wrong, before it writes anything or starts any daemon, when: the folder or one of the
+folders on its path is a symbolic link (none is followed); the folder is not owned by the user running the script,
+or its mode lets group or others in (anything but ``0700``); a folder on its path is owned by another user than
+root or that user, or is writable by others without the sticky bit (they could swap the folder); or anything
+inside it is a symbolic link. ``start`` creates what is missing with mode ``0700`` (and checks it again).
 
 What ``start`` does, in order:
 
 1. SLURM and munge: when ``slurmctld``, ``slurmd``, ``sbatch`` or ``munged`` is missing, ``apt-get update`` then
    ``apt-get install -y slurm-wlm munge`` (Debian/Ubuntu packages; Slurm 22.05 on Debian 12). Not root, no
    apt-get, or a failed install: exit code 3 with the reason (the tests skip on it).
-2. munge: creates ``/etc/munge/munge.key`` with ``mungekey --create`` when missing; starts ``munged`` as the
-   ``munge`` user unless a munged already answers (``munge -n | unmunge``). A munged it did not start is left alone.
+2. munge: creates ``/etc/munge/munge.key`` with ``mungekey --create`` when missing (the munge package's install
+   normally made it); starts ``munged --foreground`` as the ``munge`` user, detached, unless a munged already
+   answers (``munge -n | unmunge``), and records its pid in ``munged.pid`` at once (output in ``log/munged.out``);
+   when it does not answer within 5 s it is stopped again. A munged it did not start is left alone.
 3. ``slurm.conf`` (in the folder): one node named as ``slurmd -C`` names this machine, with its CPUs, sockets,
    cores and threads, and its memory less 10 % (at least 1 GiB) of headroom; controller and node on 127.0.0.1
    (``SlurmctldHost=localhost(127.0.0.1)``, ``NodeAddr=127.0.0.1``), ports 26817/26818 (``--ports``) so a real
@@ -23,14 +34,19 @@ What ``start`` does, in order:
    ``TaskPlugin=task/none``, and no ``cgroup.conf``); ``select/cons_tres`` with ``CR_Core_Memory`` and
    ``DefMemPerCPU=1024`` (a job without ``--mem`` takes 1 GiB per CPU, not the whole node); accounting, job
    accounting and job completion logging off; one partition ``debug``, the default. Daemons listen on every
-   interface (Slurm 22.05 has no bind-address setting) but every address the cluster uses is 127.0.0.1.
-   The same text goes to ``/etc/slurm/slurm.conf`` (where ``sinfo``, ``sbatch`` and submitit look by default)
-   when that file does not exist or was written by this script (its first line says so); a foreign one is never
-   touched, and then clients need ``SLURM_CONF=<dir>/etc/slurm.conf`` (``start`` and ``status`` print the line
-   to export; the daemons and this script always use it).
-4. ``slurmctld -c`` (an empty queue) and ``slurmd -N <node>``, then polls ``sinfo`` every 0.2 s until the node
+   interface (Slurm 22.05 has no bind-address setting) but every address the cluster uses is 127.0.0.1; a port
+   already in use (another cluster, e.g. one kept in another folder) is refused (exit code 2) before anything is
+   written. The same text goes to ``/etc/slurm/slurm.conf`` (where ``sinfo``, ``sbatch`` and submitit look by
+   default, mode 0644) when that file does not exist, or was written by this script (its first line says so) for
+   this folder or for a cluster whose port no daemon listens on; a foreign one, or the copy of another running
+   cluster, is never touched, and then clients need ``SLURM_CONF=<dir>/etc/slurm.conf`` (``start`` and
+   ``status`` print the line to export; the daemons and this script always use it; only the folder's owner can
+   read it).
+4. ``slurmctld -D -c`` (an empty queue) and ``slurmd -D -N <node>``, in the foreground and detached (their pids
+   recorded as they start; their stdout and stderr in ``log/slurmctld.out`` and ``log/slurmd.out``), then polls ``sinfo`` every 0.2 s until the node
    is idle (``--timeout`` seconds, default 60); when a daemon exits or the time is up it prints both daemons' logs,
-   stops what it started and exits with code 4. Already up: says so and exits 0 (``start`` is idempotent).
+   stops every daemon it started (munged included) and exits with code 4. Already up: says so and exits 0
+   (``start`` is idempotent).
 
 Requeue timing. A requeued job (``scontrol requeue``, or a job requeueing itself on the warning signal) is held
 until ``BeginTime = now + cred_expire + 1`` seconds: Slurm 22.05's ``batch_requeue_fini()`` (job_mgr.c) sets that
@@ -41,16 +57,24 @@ StartTime=now`` releases a waiting job earlier. ``SchedulerParameters=sched_inte
 (default 60), so a job whose BeginTime has passed starts within seconds. ``KillWait=30`` (Slurm's default): a job
 that is cancelled or requeued gets SIGTERM and 30 s to save before SIGKILL.
 
-Exit codes: 0 ok (status: up); 1 status: not up; 2 bad arguments; 3 SLURM cannot be
-installed or started here (not root, no apt-get, install failed); 4 the daemons did not come up (logs printed).
+``stop`` cancels the cluster's jobs, stops the daemons recorded in the folder's pid files (slurmd, slurmctld and
+munged when this script started it; each checked by its process name, so a reused pid is never signalled) and
+removes its ``/etc/slurm/slurm.conf`` copy. The folder, the installed packages and the munge key stay.
+
+Exit codes: 0 ok (status: up); 1 status: not up; 2 bad arguments (an unsafe folder, a port in use); 3 SLURM cannot
+be installed or started here (not root, no apt-get, install failed); 4 the daemons did not come up (logs printed).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import pwd
 import shutil
 import signal
+import socket
+import stat
 import subprocess
 import sys
 import time
@@ -59,6 +83,7 @@ from pathlib import Path
 MARKER = "# written by canonlm scripts/local_slurm.py"
 ETC_CONF = Path("/etc/slurm/slurm.conf")
 MUNGE_KEY = Path("/etc/munge/munge.key")
+DEFAULT_DIR = "/run/canonlm-slurm"
 SBIN = ("/usr/sbin", "/usr/local/sbin", "/sbin")
 EXIT_OK, EXIT_DOWN, EXIT_USAGE, EXIT_UNAVAILABLE, EXIT_FAILED = 0, 1, 2, 3, 4
 
@@ -71,6 +96,14 @@ class StartFailed(Exception):
     """The daemons were started but the cluster did not come up (exit code 4)."""
 
 
+class Refused(Exception):
+    """An argument this script will not use: an unsafe folder, a port in use (exit code 2, nothing written). The
+    message names the flag, its value, what is wrong and what is allowed."""
+
+    def __init__(self, flag: str, value: str, what: str, allowed: str):
+        super().__init__(f"{flag}={value!r}: {what}; allowed: {allowed}")
+
+
 def say(msg: str) -> None:
     print(f"[local_slurm] {msg}", flush=True)
 
@@ -80,20 +113,112 @@ def which(name: str) -> str | None:
     return shutil.which(name) or shutil.which(name, path=os.pathsep.join(SBIN))
 
 
+def _user(uid: int) -> str:
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+ALLOWED_DIR = ("a folder this script creates, or one owned by you with mode 0700, reached through no "
+               "symbolic link and no folder that users other than root and you can write to (unless it is sticky, "
+               "like /tmp), with no symbolic link inside")
+
+
+def private_dir(path: Path, create: bool, folder: Path | None = None) -> bool:
+    """Check (and with ``create``, make) the cluster folder ``path`` (absolute, not resolved) and every folder on
+    its way from ``/``, without following a symbolic link (``os.lstat`` on each component; ``os.mkdir`` never
+    follows one either). Returns False when the folder does not exist and ``create`` is false. Missing folders
+    are created with mode 0700. Raises :class:`Refused` naming the first offending path and what is wrong:
+    a symbolic link or a non-folder anywhere on the path; a folder on the way owned by another user than root
+    or you, or writable by group/others without the sticky bit (``S_ISVTX``); the folder itself not owned by
+    you (``os.geteuid()``) or with any group/other permission bit; a symbolic link anywhere inside it. With
+    ``folder`` (the cluster folder that holds ``path``; the message names it as ``--dir``), ``path`` may also
+    be readable by others (slurmd makes its spool folder 0755), not writable."""
+    uid = os.geteuid()
+
+    def refuse(what: str):
+        raise Refused("--dir", str(folder or path), what, ALLOWED_DIR)
+
+    parts = path.parts
+    for i in range(1, len(parts) + 1):
+        p, last = Path(*parts[:i]), i == len(parts)
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            if not create:
+                return False
+            try:
+                os.mkdir(p, 0o700)
+            except FileExistsError:  # made meanwhile by someone else: checked below like any existing folder
+                pass
+            st = os.lstat(p)
+        if stat.S_ISLNK(st.st_mode):
+            refuse(f"{p} is a symbolic link (no link is followed; give the real path)")
+        if not stat.S_ISDIR(st.st_mode):
+            refuse(f"{p} is not a folder")
+        mode = stat.S_IMODE(st.st_mode)
+        if last:
+            if st.st_uid != uid:
+                refuse(f"{p} is owned by {_user(st.st_uid)}, not by {_user(uid)} who runs this script")
+            if mode & (0o022 if folder else 0o077):
+                refuse(f"{p} has mode {mode:04o}, open to other users (chmod 700 {p} if it is yours)")
+        elif st.st_uid not in (0, uid):
+            refuse(f"{p} (on the way to the folder) is owned by {_user(st.st_uid)}, who could replace "
+                   f"what it holds")
+        elif mode & 0o022 and not mode & stat.S_ISVTX:
+            refuse(f"{p} (on the way to the folder) has mode {mode:04o}: other users can write to it and "
+                   f"replace what it holds")
+    for top, dirs, files in os.walk(path):  # os.walk lists links to folders in `dirs` and never enters them
+        for name in dirs + files:
+            if os.path.islink(os.path.join(top, name)):
+                refuse(f"{os.path.join(top, name)} (inside the folder) is a symbolic link")
+    return True
+
+
+def port_in_use(port: int) -> bool:
+    """True when a process listens on TCP ``port`` (a bind with ``SO_REUSEADDR``, as the daemons do, fails)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+    return False
+
+
+def _write(path: Path, text: str, mode: int = 0o600) -> None:
+    """Write ``text`` to ``path``; never through a symbolic link (``O_NOFOLLOW``)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def _read(path: Path) -> str:
+    """The text of ``path``; never through a symbolic link (``O_NOFOLLOW``); raises OSError."""
+    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW)) as f:
+        return f.read()
+
+
 class Cluster:
     """Paths and commands of the cluster kept in ``root`` (see the module docstring)."""
 
     def __init__(self, root: Path, ctld_port: int = 26817, slurmd_port: int = 26818, cred_expire: int = 10):
-        self.root = root.resolve()
+        self.root = Path(os.path.abspath(root))  # not resolved: private_dir refuses a link on the way
         self.conf = self.root / "etc" / "slurm.conf"
         self.state = self.root / "state"
         self.spool = self.root / "spool"
         self.logs = self.root / "log"
         self.ctld_pid = self.root / "slurmctld.pid"
         self.slurmd_pid = self.root / "slurmd.pid"
-        self.munged_owned = self.root / "munged.started"   # pid of a munged this script started
+        self.munged_pid = self.root / "munged.pid"  # a munged this script started
         self.etc_owned = self.root / "etc-slurm-conf.written"  # /etc/slurm/slurm.conf is this cluster's copy
+        self.header = f"{MARKER} for the one-node test cluster in {self.root}"
         self.ctld_port, self.slurmd_port, self.cred_expire = ctld_port, slurmd_port, cred_expire
+
+    def exists(self) -> bool:
+        """The folder exists and is safe to use (:func:`private_dir`; raises :class:`Refused`)."""
+        return private_dir(self.root, create=False)
 
     # ---- environment -----------------------------------------------------------------------------------------
     def env(self) -> dict[str, str]:
@@ -117,7 +242,7 @@ class Cluster:
     def _alive(pid_file: Path, comm: str) -> int | None:
         """The pid in ``pid_file`` when that process runs and is ``comm`` (guards against a reused pid)."""
         try:
-            pid = int(pid_file.read_text().split()[0])
+            pid = int(_read(pid_file).split()[0])
             if Path(f"/proc/{pid}/comm").read_text().strip() == comm and _running(pid):
                 return pid
         except (OSError, ValueError, IndexError):
@@ -141,7 +266,7 @@ class Cluster:
         return st is not None and st.rstrip("~#%") in ("idle", "mix", "alloc")
 
     def client_hint(self) -> str:
-        if self._etc_is_ours():
+        if self._etc_header() == self.header:
             return f"clients find the config at {ETC_CONF} (SLURM_CONF={self.conf} works too)"
         return f"clients need: export SLURM_CONF={self.conf}"
 
@@ -183,12 +308,12 @@ class Cluster:
             return False
 
     def start_munge(self) -> None:
-        """Start munged as user ``munge`` unless one answers already; create the key first when it is missing."""
+        """Start ``munged --foreground`` as user ``munge`` (detached: its own session, no pipes) unless one answers
+        already, recording its pid in ``munged.pid`` before the health check; create the key first when it is
+        missing. A munged that does not answer within 5 s is stopped (raises StartFailed)."""
         if self.munge_works():
             say("munged already answers; using it")
             return
-        import pwd
-
         try:
             pw = pwd.getpwnam("munge")
         except KeyError:
@@ -210,21 +335,17 @@ class Cluster:
         stale = Path("/run/munge/munged.pid")
         if stale.exists() and not self._alive(stale, "munged"):
             stale.unlink()
-        r = subprocess.run([which("munged")], user=pw.pw_uid, group=pw.pw_gid, extra_groups=[],
-                           stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        if r.returncode != 0:
-            raise StartFailed(f"munged did not start (exit {r.returncode}): {r.stdout.strip()}\n"
-                              f"{_tail(Path('/var/log/munge/munged.log'))}")
+        proc = self._spawn([which("munged"), "--foreground"], self.munged_pid, user=pw.pw_uid, group=pw.pw_gid,
+                           extra_groups=[])
         for _ in range(50):
             if self.munge_works():
-                break
+                say(f"munged started (pid {proc.pid})")
+                return
+            if proc.poll() is not None:
+                raise StartFailed(f"munged exited with {proc.returncode}\n"
+                                  + _tail(Path("/var/log/munge/munged.log")))
             time.sleep(0.1)
-        else:
-            raise StartFailed("munged started but `munge -n | unmunge` fails\n"
-                              + _tail(Path("/var/log/munge/munged.log")))
-        pid = self._alive(stale, "munged")
-        self.munged_owned.write_text(f"{pid}\n" if pid else "\n")
-        say(f"munged started (pid {pid})")
+        raise StartFailed("munged started but `munge -n | unmunge` fails\n" + _tail(Path("/var/log/munge/munged.log")))
 
     # ---- configuration ---------------------------------------------------------------------------------------
     def node_line(self) -> str:
@@ -242,7 +363,7 @@ class Cluster:
 
     def render(self, node_line: str) -> str:
         node = node_line.split()[0].split("=", 1)[1]
-        return f"""{MARKER} for the one-node test cluster in {self.root}
+        return f"""{self.header}
 # (`python3 scripts/local_slurm.py stop` removes this copy; a file without the first line is never overwritten)
 ClusterName=canonlm
 SlurmctldHost=localhost(127.0.0.1)
@@ -282,49 +403,95 @@ InactiveLimit=0
 PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
 """
 
-    def _etc_is_ours(self) -> bool:
+    @staticmethod
+    def _etc_header() -> str | None:
+        """The first line of ``/etc/slurm/slurm.conf`` when this script wrote it (any folder's cluster), else None."""
         try:
-            return ETC_CONF.read_text().startswith(MARKER)
+            first = _read(ETC_CONF).split("\n", 1)[0]
         except OSError:
+            return None
+        return first if first.startswith(MARKER) else None
+
+    def _etc_free(self) -> bool:
+        """``/etc/slurm/slurm.conf`` may be (over)written for this cluster: absent, this folder's copy, or the
+        copy of another folder's cluster whose slurmctld port nothing listens on (that cluster is down)."""
+        header = self._etc_header()
+        if not ETC_CONF.exists() or header == self.header:
+            return True
+        if header is None:
             return False
+        port = next((ln.split("=", 1)[1] for ln in _read(ETC_CONF).splitlines() if ln.startswith("SlurmctldPort=")),
+                    "")
+        return port.isdigit() and not port_in_use(int(port))
 
     def write_config(self) -> str:
-        """Write ``etc/slurm.conf`` (and ``/etc/slurm/slurm.conf`` when it is absent or ours); return the node name."""
-        for d in (self.conf.parent, self.state, self.spool, self.logs):
-            d.mkdir(parents=True, exist_ok=True)
+        """Write ``etc/slurm.conf`` (and ``/etc/slurm/slurm.conf`` when :meth:`_etc_free`); return the node name."""
         line = self.node_line()
         text = self.render(line)
-        self.conf.write_text(text)
-        if not ETC_CONF.exists() or self._etc_is_ours():
+        _write(self.conf, text)
+        if self._etc_free():
             try:
                 ETC_CONF.parent.mkdir(parents=True, exist_ok=True)
-                ETC_CONF.write_text(text)
-                self.etc_owned.write_text(f"{ETC_CONF}\n")
+                _write(ETC_CONF, text, 0o644)
+                _write(self.etc_owned, f"{ETC_CONF}\n")
             except OSError as e:
                 say(f"could not write {ETC_CONF} ({e}); clients need SLURM_CONF={self.conf}")
         else:
-            say(f"{ETC_CONF} exists and was not written by this script: left as it is")
+            say(f"{ETC_CONF} was not written by this script, or is the copy of another running cluster: "
+                f"left as it is")
         return line.split()[0].split("=", 1)[1]
 
     # ---- start / stop ----------------------------------------------------------------------------------------
     def start(self, timeout: float) -> None:
-        if self.is_up():
+        """Check the folder, install when needed, start munged/slurmctld/slurmd and wait for the node. Raises
+        :class:`Refused` (nothing written), :class:`Unavailable` or :class:`StartFailed` (then every daemon it
+        started has been stopped again)."""
+        exists = self.exists()
+        if exists and self.is_up():
             say(f"already up ({self.root}); node {self.node_state()}; {self.client_hint()}")
             return
-        self.ensure_installed()
         if os.geteuid() != 0:
+            self.ensure_installed()  # names what is missing, if anything
             raise Unavailable("starting slurmd/slurmctld needs root (SlurmUser=root; slurmd runs jobs as their "
                               "users): run `python3 scripts/local_slurm.py start` as root")
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.stop(quiet=True)  # leftovers of a half-started cluster in this folder
+        if exists:
+            self.stop(quiet=True)  # leftovers of a half-started cluster in this folder
+        busy = [p for p in (self.ctld_port, self.slurmd_port) if port_in_use(p)]
+        if busy:
+            raise Refused("--ports", f"{self.ctld_port},{self.slurmd_port}", f"port {busy[0]} is in use (another "
+                          f"cluster, e.g. one kept in another folder, or another service)",
+                          "two free ports; stop the other cluster or choose --ports")
+        self.ensure_installed()
+        private_dir(self.root, create=True)
+        for d in (self.conf.parent, self.state, self.spool, self.logs):
+            private_dir(d, create=True, folder=self.root)
+        try:
+            self._start_daemons(timeout)
+        except BaseException:
+            self.stop(quiet=True)
+            raise
+
+    def _spawn(self, cmd: list[str], pid_file: Path, **kw) -> subprocess.Popen:
+        """Start the daemon ``cmd`` in the foreground, detached (its own session; stdout and stderr to
+        ``log/<name>.out``, no pipe to this script), and record its pid in ``pid_file`` at once, before anything
+        can fail: a daemon that forks itself would write its pid file only later, leaving a gap in which a
+        failed start could not find it."""
+        out = os.open(self.logs / f"{Path(cmd[0]).name}.out", os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW,
+                      0o600)
+        try:
+            proc = subprocess.Popen(cmd, env=self.env(), stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True, **kw)
+        finally:
+            os.close(out)
+        _write(pid_file, f"{proc.pid}\n")
+        return proc
+
+    def _start_daemons(self, timeout: float) -> None:
         self.start_munge()
         node = self.write_config()
         t0 = time.monotonic()
-        for cmd in ([which("slurmctld"), "-c"], [which("slurmd"), "-N", node]):
-            r = subprocess.run(cmd, env=self.env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, timeout=60)
-            if r.returncode != 0:
-                raise StartFailed(f"`{' '.join(cmd)}` exited with {r.returncode}: {r.stdout.strip()}")
+        procs = {"slurmctld": self._spawn([which("slurmctld"), "-D", "-c"], self.ctld_pid),
+                 "slurmd": self._spawn([which("slurmd"), "-D", "-N", node], self.slurmd_pid)}
         deadline = time.monotonic() + timeout
         st = None
         while time.monotonic() < deadline:
@@ -332,9 +499,10 @@ PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
                 say(f"up in {time.monotonic() - t0:.1f} s: node {node} {self.node_state()} "
                     f"({self.root}); {self.client_hint()}")
                 return
-            for pid_file, comm in ((self.ctld_pid, "slurmctld"), (self.slurmd_pid, "slurmd")):
-                if pid_file.exists() and not self._alive(pid_file, comm) and time.monotonic() - t0 > 3:
-                    raise StartFailed(f"{comm} exited during start")
+            for comm, proc in procs.items():
+                if proc.poll() is not None:
+                    raise StartFailed(f"{comm} exited during start (exit {proc.returncode}):\n"
+                                      + _tail(self.logs / f"{comm}.out"))
             st = self.node_state()
             time.sleep(0.2)
         raise StartFailed(f"the node did not become idle within {timeout:.0f} s (sinfo state: {st})")
@@ -353,22 +521,18 @@ PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
             time.sleep(0.2)
 
     def stop(self, quiet: bool = False) -> None:
-        """Cancel the cluster's jobs, then stop slurmd, slurmctld and (if this script started it) munged."""
+        """Cancel the cluster's jobs, then stop slurmd, slurmctld and munged (when this script started it): every
+        daemon recorded in the folder's pid files; remove this folder's ``/etc/slurm/slurm.conf`` copy."""
         if self._alive(self.ctld_pid, "slurmctld") and self._alive(self.slurmd_pid, "slurmd"):
             self._cancel_jobs()
         stopped = []
-        for pid_file, comm in ((self.slurmd_pid, "slurmd"), (self.ctld_pid, "slurmctld")):
+        for pid_file, comm in ((self.slurmd_pid, "slurmd"), (self.ctld_pid, "slurmctld"),
+                               (self.munged_pid, "munged")):
             if _terminate(self._alive(pid_file, comm)):
                 stopped.append(comm)
             pid_file.unlink(missing_ok=True)
-        if self.munged_owned.exists():
-            pid = self._alive(Path("/run/munge/munged.pid"), "munged")
-            owned = self.munged_owned.read_text().strip()
-            if pid and owned.isdigit() and int(owned) == pid and _terminate(pid):
-                stopped.append("munged")
-            self.munged_owned.unlink()
         if self.etc_owned.exists():
-            if self._etc_is_ours() and str(self.root) in ETC_CONF.read_text().splitlines()[0]:
+            if self._etc_header() == self.header:
                 ETC_CONF.unlink()
             self.etc_owned.unlink()
         if not quiet:
@@ -380,19 +544,19 @@ PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
 
 def _tail(path: Path, n: int = 40) -> str:
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError as e:
-        return f"(cannot read {path}: {e.strerror})"
+        return "\n".join(_read(path).splitlines()[-n:])
+    except (OSError, UnicodeDecodeError) as e:
+        return f"(cannot read {path}: {getattr(e, 'strerror', e)})"
 
 
 def _running(pid: int) -> bool:
     """``pid`` exists and is not a zombie. A daemon detaches from this script, so when it exits its parent is the
     machine's init, which in some containers never reaps it: a zombie that ``kill(pid, 0)`` still finds."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        stat_line = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return False
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+    return stat_line.rsplit(")", 1)[-1].split()[0] != "Z"
 
 
 def _terminate(pid: int | None, wait: float = 10.0) -> bool:
@@ -415,17 +579,20 @@ def _terminate(pid: int | None, wait: float = 10.0) -> bool:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("action", choices=("start", "stop", "status"))
-    ap.add_argument("--dir", default=os.environ.get("CANONLM_SLURM_DIR", "/tmp/canonlm-slurm"),
-                    help="the cluster's folder (default: $CANONLM_SLURM_DIR or /tmp/canonlm-slurm)")
+    ap.add_argument("--dir", default=os.environ.get("CANONLM_SLURM_DIR", DEFAULT_DIR),
+                    help=f"the cluster's folder (default: $CANONLM_SLURM_DIR or {DEFAULT_DIR})")
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the node to become idle")
-    ap.add_argument("--ports", default="26817,26818", help="slurmctld,slurmd ports (default 26817,26818)")
+    ap.add_argument("--ports", default=os.environ.get("CANONLM_SLURM_PORTS", "26817,26818"),
+                    help="slurmctld,slurmd ports (default: $CANONLM_SLURM_PORTS or 26817,26818)")
     ap.add_argument("--cred-expire", type=int, default=10,
                     help="AuthInfo=cred_expire (seconds, >= 5); a requeued job waits this + 1 s (default 10)")
     args = ap.parse_args(argv)
     try:
         ctld_port, slurmd_port = (int(p) for p in args.ports.split(","))
+        if not (1 <= ctld_port <= 65535 and 1 <= slurmd_port <= 65535 and ctld_port != slurmd_port):
+            raise ValueError
     except ValueError:
-        print(f"local_slurm: error: --ports={args.ports!r}; allowed: two port numbers, e.g. 26817,26818",
+        print(f"local_slurm: error: --ports={args.ports!r}; allowed: two different port numbers, e.g. 26817,26818",
               file=sys.stderr)
         return EXIT_USAGE
     if args.cred_expire < 5:
@@ -433,27 +600,32 @@ def main(argv: list[str] | None = None) -> int:
               f"ignores smaller values)", file=sys.stderr)
         return EXIT_USAGE
     cl = Cluster(Path(args.dir), ctld_port, slurmd_port, args.cred_expire)
-    if args.action == "status":
-        if cl.is_up():
-            say(f"up: node {cl.node_state()} ({cl.root}); {cl.client_hint()}")
-            return EXIT_OK
-        ctld, slurmd = cl._alive(cl.ctld_pid, "slurmctld"), cl._alive(cl.slurmd_pid, "slurmd")
-        state = f", sinfo node state {cl.node_state()}" if ctld else ""  # sinfo retries for seconds without one
-        say(f"down ({cl.root}: slurmctld {'runs' if ctld else 'not running'}, "
-            f"slurmd {'runs' if slurmd else 'not running'}{state})")
-        return EXIT_DOWN
-    if args.action == "stop":
-        cl.stop()
-        return EXIT_OK
     try:
+        if args.action == "status":
+            if cl.exists() and cl.is_up():
+                say(f"up: node {cl.node_state()} ({cl.root}); {cl.client_hint()}")
+                return EXIT_OK
+            ctld, slurmd = cl._alive(cl.ctld_pid, "slurmctld"), cl._alive(cl.slurmd_pid, "slurmd")
+            state = f", sinfo node state {cl.node_state()}" if ctld else ""  # sinfo retries for seconds without one
+            say(f"down ({cl.root}: slurmctld {'runs' if ctld else 'not running'}, "
+                f"slurmd {'runs' if slurmd else 'not running'}{state})")
+            return EXIT_DOWN
+        if args.action == "stop":
+            if cl.exists():
+                cl.stop()
+            else:
+                say(f"nothing of {cl.root} was running (no such folder)")
+            return EXIT_OK
         cl.start(args.timeout)
         return EXIT_OK
+    except Refused as e:
+        print(f"local_slurm: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     except Unavailable as e:
         print(f"local_slurm: unavailable: {e}", file=sys.stderr)
         return EXIT_UNAVAILABLE
     except (StartFailed, subprocess.TimeoutExpired) as e:
         print(f"local_slurm: error: {e}\n{cl.logs_text()}", file=sys.stderr)
-        cl.stop(quiet=True)
         return EXIT_FAILED
 
 

@@ -33,6 +33,13 @@ error is printed and everything this invocation created is removed (never what e
 command can be run again. For grids of short runs use Hydra's submitit launcher instead:
 ``python train.py -m hydra/launcher=slurm ...`` (conf/hydra/launcher/slurm.yaml, slurm_cpu.yaml; docs/slurm.md).
 
+Nothing is injected into the batch script: every value written into it is checked as a whole before anything is
+written (``--partition``, ``--account``, ``--qos``: letters, digits, ``_ - .``; ``--name``: also ``+``; ``--mem``,
+``--time``, ``--signal`` and the integers in sbatch's grammar; ``--log-dir`` and ``--python``: letters, digits,
+spaces and ``/ _ . - + @ :``, no space at the end; overrides: no control characters). The output paths are
+double-quoted in ``#SBATCH --output="..."`` (sbatch's own parser groups quoted characters; ``%`` would start a
+file name pattern, hence refused), and the ``cd`` and ``srun`` lines are shell-quoted (``shlex.quote``).
+
 Exit codes: 0 submitted (or printed); 2 a bad flag or an existing name (the message names the flag, the value and
 what is allowed); otherwise sbatch's exit code.
 """
@@ -54,8 +61,19 @@ ROOT = Path(__file__).resolve().parents[1]
 # Signals the warning may use: the names sbatch's --signal knows (Slurm's sig_name2num) that the Preemption
 # callback can catch and that mean nothing else to the job (TERM, KILL, STOP, CONT and the tty signals do).
 SIGNALS = ("USR1", "USR2", "HUP", "ALRM", "URG")
-MEM_RE = re.compile(r"^[1-9][0-9]*[KMGT]?$")
-TIME_RE = re.compile(r"^(\d+-\d{1,2}(:\d{1,2}(:\d{1,2})?)?|\d+(:\d{1,2}(:\d{1,2})?)?|UNLIMITED|INFINITE)$")
+MEM_RE = re.compile(r"[1-9][0-9]*[KMGT]?")
+TIME_RE = re.compile(r"\d+-\d{1,2}(:\d{1,2}(:\d{1,2})?)?|\d+(:\d{1,2}(:\d{1,2})?)?|UNLIMITED|INFINITE")
+# Every value written into the batch script matches one of these as a whole (re.fullmatch: a trailing newline
+# never passes, as it would with `$`). SLURM names (partition, account, QOS): letters, digits, _ - . . Paths (log dir,
+# interpreter): letters, digits, spaces and / _ . - + @ : , so that each can be written as it is into
+# `#SBATCH --output="..."` (sbatch's own parser: inside double quotes only `"` and `\` are special, `%` starts a
+# file name pattern such as %j, a newline ends the line) and into the override `paths.log_dir=...` (Hydra's
+# unquoted value: no quotes, brackets, commas, `$`, `#`, `=`; leading and trailing spaces stripped).
+NAME_RE = re.compile(r"[A-Za-z0-9_.-]+")
+PATH_RE = re.compile(r"[A-Za-z0-9/_.+@:-]([A-Za-z0-9 /_.+@:-]*[A-Za-z0-9/_.+@:-])?")
+NAME_ALLOWED = "a SLURM name: letters, digits and _ - ."
+PATH_ALLOWED = ("a path of letters, digits, spaces and / _ . - + @ : (no space at either end; it is written into "
+                "#SBATCH --output and the paths.log_dir override)")
 
 
 class UsageError(Exception):
@@ -87,7 +105,10 @@ def default_python() -> str:
 
 
 def check(args: argparse.Namespace) -> None:
-    """Validate the flags (before anything is written); raises :class:`UsageError`. Fills ``args.signal_name``,
+    """Validate the flags (before anything is written): every value that goes into the batch script has its
+    grammar (integers; ``--mem``, ``--time``, ``--signal`` as sbatch takes them; ``--name``, ``--partition``,
+    ``--account``, ``--qos`` as SLURM names; ``--log-dir`` and ``--python`` as :data:`PATH_RE` paths); raises
+    :class:`UsageError` naming the first bad flag, its value and what is allowed. Fills ``args.signal_name``,
     ``args.signal_s`` and the default of ``args.tasks_per_node``; makes ``args.log_dir`` absolute (the job runs
     from the repository root, the launcher from anywhere)."""
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.+-]*", args.name or ""):
@@ -106,14 +127,30 @@ def check(args: argparse.Namespace) -> None:
                          f"--gpus-per-node 0 for a CPU job")
     if args.cpus_per_task is not None and args.cpus_per_task < 1:
         raise UsageError("--cpus-per-task", args.cpus_per_task, "an integer >= 1 (or leave it out: SLURM's default)")
-    if args.mem is not None and not MEM_RE.match(args.mem):
+    if args.mem is not None and not MEM_RE.fullmatch(args.mem):
         raise UsageError("--mem", args.mem, "memory per node as sbatch takes it: a positive integer with an "
                                             "optional unit K, M, G or T (megabytes without one), e.g. 4G")
-    if not TIME_RE.match(args.time):
+    if not TIME_RE.fullmatch(args.time):
         raise UsageError("--time", args.time, "a SLURM time limit: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or "
                                               "D-HH:MM:SS, e.g. 1-00:00:00")
     args.signal_name, args.signal_s = parse_signal(args.signal)
-    args.log_dir = os.path.abspath(args.log_dir)
+    for flag in ("partition", "account", "qos"):
+        value = getattr(args, flag)
+        if value is not None and not NAME_RE.fullmatch(value):
+            raise UsageError(f"--{flag}", value, NAME_ALLOWED)
+    args.log_dir = os.path.abspath(args.log_dir)  # checked as written: the working folder becomes part of it
+    for flag in ("log_dir", "python"):
+        if not PATH_RE.fullmatch(getattr(args, flag)):
+            raise UsageError(f"--{flag.replace('_', '-')}", getattr(args, flag), PATH_ALLOWED)
+
+
+def check_overrides(overrides: list[str]) -> None:
+    """The training overrides go into the script's ``srun`` line shell-quoted (``shlex.quote``), so any character
+    is safe there but a control character (a newline would split the script's ``srun`` line; no Hydra override
+    has one); raises :class:`UsageError` naming the first override that has one."""
+    for o in overrides:
+        if any(ord(c) < 32 or ord(c) == 127 for c in o):
+            raise UsageError("override", o, "a Hydra override without control characters (newline, tab, ...)")
 
 
 def run_overrides(args: argparse.Namespace, overrides: list[str]) -> list[str]:
@@ -132,6 +169,7 @@ def render(args: argparse.Namespace, overrides: list[str]) -> str:
     ``cd <repo root>`` and ``srun [--cpus-per-task=N] <python> train.py <overrides>`` (since Slurm 22.05 srun
     does not inherit ``--cpus-per-task`` from sbatch, so it is repeated)."""
     check(args)
+    check_overrides(overrides)
     out = Path(args.log_dir) / "slurm" / args.name
     lines = ["#!/bin/bash", f"#SBATCH --job-name={args.name}", f"#SBATCH --nodes={args.nodes}",
              f"#SBATCH --ntasks-per-node={args.tasks_per_node}"]
@@ -143,7 +181,7 @@ def render(args: argparse.Namespace, overrides: list[str]) -> str:
         lines.append(f"#SBATCH --mem={args.mem}")
     lines += [f"#SBATCH --time={args.time}", f"#SBATCH --signal={args.signal_name}@{args.signal_s}",
               "#SBATCH --requeue", "#SBATCH --open-mode=append",
-              f"#SBATCH --output={out}/slurm-%j.out", f"#SBATCH --error={out}/slurm-%j.err"]
+              f'#SBATCH --output="{out}/slurm-%j.out"', f'#SBATCH --error="{out}/slurm-%j.err"']
     lines += [f"#SBATCH --{k}={v}" for k, v in
               (("partition", args.partition), ("account", args.account), ("qos", args.qos)) if v]
     srun = ["srun"] + ([f"--cpus-per-task={args.cpus_per_task}"] if args.cpus_per_task is not None else [])
@@ -198,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parse(sys.argv[1:] if argv is None else argv)
     try:
         check(args)
+        check_overrides(overrides)
     except UsageError as e:
         print(f"launch: error: {e}", file=sys.stderr)
         return 2

@@ -7,6 +7,7 @@ failure message carries the job's output files and ``scontrol show job`` (:func:
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -31,14 +32,25 @@ class ClusterHandle:
     started: bool
 
 
+def script_module():
+    """scripts/local_slurm.py as a module (stdlib only), for its constants (``DEFAULT_DIR``)."""
+    spec = importlib.util.spec_from_file_location("local_slurm", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def cluster_dir() -> Path:
-    return Path(os.environ.get("CANONLM_SLURM_DIR", "/tmp/canonlm-slurm"))
+    """The session cluster's folder: ``$CANONLM_SLURM_DIR``, else the script's default."""
+    return Path(os.environ.get("CANONLM_SLURM_DIR", script_module().DEFAULT_DIR))
 
 
-def local_slurm(action: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    """``python scripts/local_slurm.py <action> --dir <cluster_dir()>`` (stdlib only; any interpreter runs it)."""
-    return subprocess.run([sys.executable, str(SCRIPT), action, "--dir", str(cluster_dir())], capture_output=True,
-                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+def local_slurm(action: str, *args: str, timeout: float = 900,
+                folder: Path | None = None) -> subprocess.CompletedProcess:
+    """``python scripts/local_slurm.py <action> --dir <folder or cluster_dir()> <args>`` (stdlib only; any
+    interpreter runs it)."""
+    return subprocess.run([sys.executable, str(SCRIPT), action, "--dir", str(folder or cluster_dir()), *args],
+                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
 
 def scontrol_show(job: str) -> str:

@@ -119,6 +119,83 @@ def test_bad_flag_is_refused_before_anything_is_written(argv, flag, tmp_path, ca
     assert not (tmp_path / "logs").exists()
 
 
+# Values that must never reach the batch script: a newline (a new script line), a new #SBATCH directive, spaces and
+# shell metacharacters. Each is tried alone and after a valid value of the flag.
+INJECTIONS = ["a\nb", "x\n#SBATCH --wrap=id", "a b", "a;id", "$(id)", "`id`", "a&id", "a|id", "a'b", 'a"b', "a\\b"]
+VALID = {"--name": "r1", "--partition": "debug", "--account": "acct", "--qos": "normal", "--mem": "4G",
+         "--time": "10", "--signal": "USR1@60", "--log-dir": "logs", "--python": "/usr/bin/python3"}
+# Paths may hold inner spaces (quoted wherever they are written); they refuse what sbatch's --output or Hydra's
+# paths.log_dir cannot carry: % (sbatch's file name patterns), #, a space at the end.
+PATH_ONLY = ["a%jb", "a#b", "logs "]
+
+
+def _injection_cases():
+    for flag, valid in VALID.items():
+        is_path = flag in ("--log-dir", "--python")
+        for bad in INJECTIONS + (PATH_ONLY if is_path else []):
+            if is_path and bad == "a b":
+                continue  # an inner space is allowed in a path (test_paths_and_overrides_reach_the_job_unchanged)
+            yield pytest.param(flag, bad, id=f"{flag}={bad!r}")
+            yield pytest.param(flag, valid + bad, id=f"{flag}={valid + bad!r}")
+
+
+@pytest.mark.parametrize("flag, value", list(_injection_cases()))
+def test_injection_is_refused_before_anything_is_written(flag, value, tmp_path, monkeypatch, capsys):
+    """One message naming the flag, its value and what is allowed (exit code 2); no folder, no script."""
+    monkeypatch.chdir(tmp_path)  # a relative --log-dir lands here
+    argv = {**VALID, flag: value}
+    argv = [tok for k, v in argv.items() for tok in (k, v)] + ["--gpus-per-node", "0"]
+    assert _launch().main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"launch: error: {flag}=") and "; allowed: " in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("override", ["a=b\nc", "x=1\n#SBATCH --wrap=id", "x=\tb", "x=\rb"])
+def test_override_with_a_control_character_is_refused(override, tmp_path, capsys):
+    assert _launch().main(["--name", "r1", "--log-dir", str(tmp_path / "logs"), "--", "model.size=2L64D",
+                           override]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("launch: error: override=") and "allowed: " in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("flag", ["--nodes", "--gpus-per-node", "--tasks-per-node", "--cpus-per-task"])
+def test_integer_flags_take_integers_only(flag, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        _launch().main(["--name", "r1", "--log-dir", str(tmp_path / "logs"), flag, "1;id"])
+    assert e.value.code == 2 and f"argument {flag}: invalid int value: '1;id'" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_paths_and_overrides_reach_the_job_unchanged(tmp_path):
+    """A log dir with spaces and overrides full of shell metacharacters: the rendered script passes `bash -n`, and
+    bash running it hands srun exactly the launcher's words (srun replaced by a function that writes its argv),
+    runs nothing else; Hydra's override parser reads paths.log_dir back as the folder; the #SBATCH output lines
+    double-quote the path (sbatch groups quoted characters, spaces included: test_log_dir_with_a_space_on_the_cluster
+    shows it on the real sbatch)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    log_dir = tmp_path / "my logs" / "a  b"
+    odd = ["+note=$(touch pwned)", "+n2=`touch pwned`;touch pwned&|", "+n3='x y'", '+n4="q"', "+n5=a\\b"]
+    s, args, ov, launch = _render(["--name", "r1", "--gpus-per-node", "0", "--log-dir", str(log_dir), "--", *odd])
+    script, argv_file = tmp_path / "job.sbatch", tmp_path / "argv"
+    script.write_text(s)
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    r = subprocess.run(["bash", "-c", 'srun() { printf "%s\\0" "$@" > "$ARGV_OUT"; }; export -f srun; bash "$1"', "-",
+                        str(script)], cwd=tmp_path, capture_output=True, text=True,
+                       env={**os.environ, "ARGV_OUT": str(argv_file)})
+    assert r.returncode == 0, r.stderr
+    argv = argv_file.read_text().split("\0")[:-1]
+    assert argv[:2 + len(odd)] == [args.python, "train.py", *odd], argv
+    assert argv[-1] == f"paths.log_dir={log_dir}", argv
+    assert OverridesParser.create().parse_override(argv[-1]).value() == str(log_dir)
+    assert not (tmp_path / "pwned").exists() and not (ROOT / "pwned").exists()
+    lines = s.splitlines()
+    for ext, opt in (("out", "output"), ("err", "error")):
+        assert f'#SBATCH --{opt}="{log_dir}/slurm/r1/slurm-%j.{ext}"' in lines, s
+
+
 def test_existing_name_is_not_reused(tmp_path, capsys):
     launch = _launch()
     (tmp_path / "slurm" / "r1").mkdir(parents=True)
@@ -132,7 +209,7 @@ def test_existing_name_is_not_reused(tmp_path, capsys):
 
 @pytest.fixture(scope="session")
 def slurm_cluster():
-    """The cluster of scripts/local_slurm.py (``$CANONLM_SLURM_DIR``, default /tmp/canonlm-slurm): used when it is
+    """The cluster of scripts/local_slurm.py (``$CANONLM_SLURM_DIR``, default /run/canonlm-slurm): used when it is
     up, else started (installing SLURM when missing, as root) and stopped at the end. ``SLURM_CONF`` points at
     its config for the session, so sbatch, scontrol and the jobs (sbatch exports the environment) find it."""
     up = local_slurm("status", timeout=60)
@@ -234,6 +311,23 @@ def test_failed_sbatch_leaves_nothing_behind(slurm_cluster, tmp_path):
     r = subprocess.run([*cmd[:i], "--resume", *cmd[i:]], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "sbatch failed" in r.stderr, r.stderr
     assert sorted(p.name for p in mine.parent.iterdir()) == ["notes.txt"] and mine.read_text() == "user data"
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_log_dir_with_a_space_on_the_cluster(slurm_cluster, tmp_path):
+    """sbatch reads the double-quoted ``#SBATCH --output`` path whole, space included, and train.py gets the same
+    folder as paths.log_dir: the job's output file and its run directory land under ``my logs``, nothing under
+    ``my`` (where an unquoted path would have been cut)."""
+    logs = tmp_path / "my logs"
+    sub = _submit("spaced", logs, ["--gpus-per-node", "0", "--cpus-per-task", "1", "--mem", "2G", "--time", "10"],
+                  [*TINY, "trainer.max_steps=10", "trainer.val_check_interval=10",
+                   "callbacks.checkpoint.every_n_train_steps=10"])
+    info = wait_job_end(sub.job, JOB_TIMEOUT, sub.files)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", sub.report()
+    assert f"[launch] job {sub.job} restart 0 " in sub.files[0].read_text(), sub.report()
+    assert sub.results()["steps"] == 10, sub.report()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["my logs"]
 
 
 @pytest.mark.slurm
