@@ -10,6 +10,8 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from canonlm.errors import ConfigError
+
 
 def assume_constant(fn):
     """``torch.compiler.assume_constant_result`` without importing ``torch._dynamo`` when canonlm is imported (that
@@ -102,8 +104,6 @@ def resolve_fast_or_reference(name: str, device, dtype: torch.dtype, *, key: str
         canonlm.errors.ConfigError(key, name, allowed): unknown name, or ``fast`` where it cannot run; ``allowed``
         says what runs here and why ``fast`` does not.
     """
-    from canonlm.errors import ConfigError
-
     allowed = ("auto", "reference", fast)
     if name not in allowed:
         raise ConfigError(key, name, "one of " + ", ".join(allowed))

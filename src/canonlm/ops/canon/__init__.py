@@ -44,8 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from canonlm.arch.config import ConfigError
-
+from canonlm.errors import ConfigError
 from canonlm.ops._dispatch import assume_constant, cuda_reason
 
 from . import _cuda, _native
