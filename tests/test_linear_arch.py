@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from oracles import canon_loop
 
 from canonlm.arch import CanonLM, ConfigError, build_model_config
 from canonlm.data.lm import LanguageModel
+from canonlm.ops.canon.naive import canon_loop
 
 from conftest import ARCH_PRESETS as PRESETS  # noqa: E402
 

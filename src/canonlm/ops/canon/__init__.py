@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from canonlm.errors import ConfigError
-from canonlm.ops._dispatch import assume_constant, cuda_reason
+from canonlm.ops._dispatch import assume_constant, cuda_reason, memo_table
 
 from . import _cuda, _native
 
@@ -259,7 +259,7 @@ def _select(backend: str, device: str, dtype: torch.dtype, C: int, K: int) -> st
     return hit
 
 
-_select_cache: dict = {}
+_select_cache: dict = memo_table()
 
 
 def causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, residual: bool = True,

@@ -71,8 +71,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from canonlm.errors import ConfigError
-from canonlm.ops._dispatch import (assume_constant, compute_dtype, cuda_reason, make_selector, no_autocast,
-                                   resolve_fast_or_reference, shape_of)
+from canonlm.ops._dispatch import (assume_constant, compute_dtype, cuda_reason, make_selector, memo_table,
+                                   no_autocast, resolve_fast_or_reference, shape_of)
 from canonlm.ops.canon._cuda import DAO_WIDTHS
 
 from . import _mamba
@@ -372,7 +372,7 @@ def fused_split_reason(device, dtype: torch.dtype, conv_kernel: int, *, d_inner:
     return None
 
 
-_split_cache: dict = {}
+_split_cache: dict = memo_table()
 _split_warned: set = set()
 
 
