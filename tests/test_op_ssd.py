@@ -2,11 +2,13 @@
 
 Oracles (independent of the code under test):
 
-* ``canonlm.ops.ssd.naive.ssd_loop``: the recurrence ``H_t = exp(Δ_t A_h) H_{t-1} + Δ_t x_t B_tᵀ``, ``y_t = H_t C_t + D_h x_t`` stepped one
-  token at a time in float64 (softplus / dt_bias / dt_limit / D / groups written out);
+* ``canonlm.ops.ssd.naive.ssd_loop``: the recurrence ``H_t = exp(Δ_t A_h) H_{t-1} + Δ_t x_t B_tᵀ``,
+  ``y_t = H_t C_t + D_h x_t`` stepped one token at a time in float64 (softplus / dt_bias / dt_limit / D / groups
+  written out);
 * fla's ``naive_recurrent_simple_gla`` under the mapping q = C, k = B, v = Δ·x, g = Δ·A, scale = 1 (skipped when
   fla-core is not installed);
-* for the mixer core: ``canonlm.ops.canon.naive.canon_loop`` conv -> SiLU -> ``ssd_loop`` -> gated RMSNorm and out-proj written out.
+* for the mixer core: ``canonlm.ops.canon.naive.canon_loop`` conv -> SiLU -> ``ssd_loop`` -> gated RMSNorm and
+  out-proj written out.
 
 GPU tests (``pytest -m gpu``; skipped without CUDA or mamba_ssm / causal_conv1d) compare the mamba_ssm kernels with
 the reference.

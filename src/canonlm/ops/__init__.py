@@ -4,10 +4,11 @@ Every op has a pure-PyTorch ``reference`` (runs anywhere) and fast paths picked 
 every op: ``"auto"`` (fastest available for the tensors' device), ``"reference"`` (force the reference), or an
 op-specific fast path name (see each op's module).
 
-Oracles: each op's ``naive`` module holds its definition written as a plain loop over tokens (``canon.naive.canon_loop``,
-``gla.naive.gla_loop``, ``gdn.naive.gdn_loop``, ``ssd.naive.ssd_loop``, ``attention.naive.attention_loop``), sharing
-no code with the op; the tests, ``bench/`` and ``python -m canonlm.selfcheck`` check the references against them.
-fla's own ``naive.py`` files are a second, external oracle (:mod:`canonlm.ops._fla_naive`).
+Oracles: each op's ``naive`` module holds its definition written as a plain loop over tokens
+(``canon.naive.canon_loop``, ``gla.naive.gla_loop``, ``gdn.naive.gdn_loop``, ``ssd.naive.ssd_loop``,
+``attention.naive.attention_loop``), sharing no code with the op; the tests, ``bench/`` and ``python -m
+canonlm.selfcheck`` check the references against them. fla's own ``naive.py`` files are a second, external oracle
+(:mod:`canonlm.ops._fla_naive`).
 
 What ran: :func:`backend_calls` counts the calls of every backend's entry point (:mod:`canonlm.ops.calls`);
 :func:`forget_backend_choices` empties the memoised backend choices.
