@@ -91,8 +91,7 @@ def cpu_checks(args, workdir: Path) -> list[tuple[str, Callable[[], tuple[str, s
     return out
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    """Command line entry point; returns the exit code (0 no FAIL, 1 a FAIL, 2 refused)."""
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m canonlm.selfcheck", description=package.__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="report path (default: selfcheck-<date>.md in the current directory)")
     ap.add_argument("--force", action="store_true", help="overwrite an existing --out")
@@ -103,7 +102,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--batch", type=int, default=8, help="windows of 2048 tokens per GPU per step (default 8)")
     ap.add_argument("--keep", action="store_true", help="keep the training run directories (default: removed "
                     "unless a training line failed)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Command line entry point; returns the exit code (0 no FAIL, 1 a FAIL, 2 refused)."""
+    args = _parser().parse_args(argv)
     if args.steps < 2 or args.batch < 1:
         print("selfcheck: error: --steps must be >= 2 and --batch >= 1", file=sys.stderr)
         return 2
@@ -130,7 +134,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     try:
         for name, fn in gpu_checks(args, workdir):
-            emit(run_check(name, fn) if cuda else Result(name, SKIP, NO_CUDA, 0.0))
+            emit(run_check(name, fn) if cuda else Result(SKIP, NO_CUDA, name=name, seconds=0.0))
         for name, fn in cpu_checks(args, workdir):
             emit(run_check(name, fn))
     finally:

@@ -27,19 +27,13 @@ class Verdict:
 
 
 @dataclasses.dataclass
-class Result:
-    """One report line: ``status`` is PASS / FAIL / SKIP; ``seconds`` the wall time of the check; the other fields
-    as in :class:`Verdict` (empty when the check ended before judging, e.g. SKIP)."""
+class Result(Verdict):
+    """One report line: the :class:`Verdict` of the check called ``name`` (keyword-only), which took ``seconds``
+    (wall time; keyword-only). ``status`` is PASS / FAIL / SKIP; the facts after ``detail`` are empty when the check
+    ended before judging (e.g. SKIP)."""
 
-    name: str
-    status: str
-    detail: str
-    seconds: float
-    op: Optional[str] = None
-    backend: Optional[str] = None
-    ran: dict = dataclasses.field(default_factory=dict)
-    errors: dict = dataclasses.field(default_factory=dict)
-    tol: Optional[float] = None
+    name: str = dataclasses.field(kw_only=True)
+    seconds: float = dataclasses.field(kw_only=True)
 
 
 class Skip(Exception):
@@ -71,7 +65,7 @@ def run_check(name: str, fn: Callable[[], Any]) -> Result:
         v = Verdict(FAIL, f"{type(e).__name__}: {short(str(e), 300)}")
     if v.status not in (PASS, FAIL, SKIP):
         v = Verdict(FAIL, f"check returned status {v.status!r} ({v.detail})")
-    return Result(name, v.status, v.detail, time.perf_counter() - t0, v.op, v.backend, v.ran, v.errors, v.tol)
+    return Result(**dataclasses.asdict(v), name=name, seconds=time.perf_counter() - t0)
 
 
 def fmt_ran(ran: dict) -> str:
