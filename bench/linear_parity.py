@@ -2,40 +2,74 @@
 
 For each op (GLA, gated delta rule, SSD) at B=2, T=130 (not a multiple of the chunk), H=4, with an initial state:
 
-* fp64 chunked reference vs the tests' step-by-step loop oracle (tests/test_op_*.py): output, final state and the
-  gradients of every input (max abs error, and relative to the largest entry);
+* fp64 chunked reference vs the step-by-step loop oracle (``canonlm.ops.<op>.naive``, the one the tests use): output,
+  final state and the gradients of every input (max abs error, and relative to the largest entry);
 * fp32 reference vs the same fp64 oracle;
 * fla's naive recurrent reference (fp32, loaded by path from fla-core) vs the fp32 reference, where installed.
 
-Then, for every architecture preset with Canon-AbCD (Llama: ABCD) at 2L64D: cached decoding (prefill 7, then single
-tokens and one 5-token chunk) vs one full forward, in fp64 and fp32 (max abs logit error).
+Then, for every architecture preset (``conf/arch/<preset>.yaml``) with Canon-AbCD (Llama: ABCD; Mamba2 without MLP:
+Ab) at 2L64D on the references: cached decoding (prefill 7, then single tokens and one 5-token chunk) vs one full
+forward, in fp64 and fp32 (max abs logit error).
 
 Usage: python bench/linear_parity.py
 """
 
 from __future__ import annotations
 
-import sys
 import warnings
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from omegaconf import OmegaConf
+
+from canonlm.arch import CanonLM, build_model_config
+from canonlm.ops._fla_naive import load_fla_naive
+from canonlm.ops.gdn import chunk_gated_delta_rule_reference
+from canonlm.ops.gdn.naive import gdn_loop
+from canonlm.ops.gla import chunk_gla_reference
+from canonlm.ops.gla.naive import gla_loop
+from canonlm.ops.ssd import ssd_scan_reference
+from canonlm.ops.ssd.naive import ssd_loop
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the oracles live with the tests (one copy of each)
-
-from test_linear_arch import PRESETS, build, decode_in_pieces  # noqa: E402
-from test_op_gdn import oracle as gdn_loop  # noqa: E402
-from test_op_gla import loop_gla  # noqa: E402
-from test_op_ssd import ssd_loop  # noqa: E402
-
-from canonlm.ops._fla_naive import load_fla_naive  # noqa: E402
-from canonlm.ops.gdn import chunk_gated_delta_rule_reference  # noqa: E402
-from canonlm.ops.gla import chunk_gla_reference  # noqa: E402
-from canonlm.ops.ssd import ssd_scan_reference  # noqa: E402
-
+PRESETS = ("llama", "gla", "gla5", "gdn", "gdn2", "mamba2", "mamba2_nomlp")
 B, T, H, CHUNK = 2, 130, 4, 64
+
+
+def arch_preset(name: str) -> dict:
+    """The ``model`` keys of ``conf/arch/<name>.yaml``, after those of the preset it extends (a plain ``- <preset>``
+    entry of its ``defaults``), as ``python train.py arch=<name>`` composes them."""
+    node = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "arch" / f"{name}.yaml"))
+    out: dict = {}
+    for parent in node.pop("defaults", []):
+        if isinstance(parent, str) and parent != "_self_":
+            out.update(arch_preset(parent))
+    return {**out, **node}
+
+
+def build(preset: str, canon: str, dtype: torch.dtype) -> CanonLM:
+    """A 2L64D model of ``preset`` with Canon set ``canon`` on the references (``ops=reference``, chunk 16), vocab 32,
+    seeded, in ``dtype``, in eval mode."""
+    cfg = build_model_config(dict(arch_preset(preset), size="2L64D", chunk_size=16), canon={"set": canon},
+                             pos={"type": "rope"}, vocab_size=32, max_seq_len=256, ops="reference")
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return CanonLM(cfg).to(dtype).eval()
+
+
+def decode_in_pieces(model: CanonLM, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits of one full forward, logits of prefill 7 -> 3 single tokens -> a 5-token chunk -> single tokens) for
+    ids (B, 23)."""
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.new_cache()
+        parts, t = [model(ids[:, :7], cache)], 7
+        for n in (1, 1, 1, 5) + (1,) * 8:
+            parts.append(model(ids[:, t:t + n], cache))
+            t += n
+    return full, torch.cat(parts, 1)
 
 
 def _grads(fn, inputs, seed=7):
@@ -68,7 +102,7 @@ def main() -> None:
     v, gk = torch.randn(B, T, H, V, generator=g, dtype=d), F.logsigmoid(torch.randn(B, T, H, K, generator=g, dtype=d)) / 4
     h0 = torch.randn(B, H, K, V, generator=g, dtype=d)
     labels = ["o", "S", "dq", "dk", "dv", "dg", "dh0"]
-    want = _grads(lambda *a: loop_gla(*a[:4], initial_state=a[4]), [q, k, v, gk, h0])
+    want = _grads(lambda *a: gla_loop(*a[:4], initial_state=a[4]), [q, k, v, gk, h0])
     ref = lambda *a: chunk_gla_reference(*a[:4], initial_state=a[4], output_final_state=True, chunk_size=CHUNK)  # noqa: E731
     print("GLA (chunk_gla_reference)")
     _report("fp64 vs loop oracle", _grads(ref, [q, k, v, gk, h0]), want, labels)
@@ -114,7 +148,7 @@ def main() -> None:
     Dv, db = torch.randn(H, generator=g, dtype=d), torch.randn(H, generator=g, dtype=d)
     h0 = torch.randn(B, H, P, N, generator=g, dtype=d)
     labels = ["y", "S", "dx", "ddt", "dA", "dB", "dC", "dD", "ddt_bias", "dh0"]
-    want = _grads(lambda *a: ssd_loop(*a[:7], h0=a[7]), [x, dt, A, Bm, Cm, Dv, db, h0])
+    want = _grads(lambda *a: ssd_loop(*a[:7], initial_state=a[7]), [x, dt, A, Bm, Cm, Dv, db, h0])
     ref = lambda *a: ssd_scan_reference(*a[:5], D=a[5], dt_bias=a[6], initial_state=a[7],  # noqa: E731
                                         output_final_state=True, chunk_size=CHUNK)
     print("SSD (ssd_scan_reference)")
@@ -126,10 +160,7 @@ def main() -> None:
         canon = "ABCD" if preset == "llama" else ("Ab" if preset == "mamba2_nomlp" else "AbCD")
         row = []
         for dtype in (torch.float64, torch.float32):
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                model = build(preset, canon=canon, chunk_size=16, dtype=dtype).eval()
-            full, pieces, _ = decode_in_pieces(model, torch.randint(0, 32, (3, 23), generator=g))
+            full, pieces = decode_in_pieces(build(preset, canon, dtype), torch.randint(0, 32, (3, 23), generator=g))
             row.append(f"{str(dtype)[6:]} {(pieces - full).abs().max().item():.1e}")
         print(f"  {preset:<14} canon={canon:<5} " + ", ".join(row))
 

@@ -9,15 +9,15 @@ TF32 default.
   chunk_gla / chunk_gated_delta_rule (it forces ``ieee`` only on pre-Ampere GPUs, ``fla/utils/hardware.py``), and
   mamba-ssm has none either; a kernel compiled before the variable is set keeps its precision for the process, so the
   variable must be set before pytest starts. With it the fp32 tolerance is tight; without it it allows TF32 rounding
-  (about 1e-3 relative per product, accumulated over a chunk). The rule is :func:`canonlm.selfcheck.fp32_tol`, the
-  one ``python -m canonlm.selfcheck`` uses too.
+  (about 1e-3 relative per product, accumulated over a chunk). The rule is
+  :func:`canonlm.selfcheck.numerics.fp32_tol`, the one ``python -m canonlm.selfcheck`` uses too.
 """
 
 from __future__ import annotations
 
 import torch
 
-from canonlm.selfcheck import fp32_tol  # noqa: F401 -- re-exported: fp32_tol(tight=2e-4, tf32=5e-3)
+from canonlm.selfcheck.numerics import fp32_tol  # noqa: F401 -- re-exported: fp32_tol(tight=2e-4, tf32=5e-3)
 
 
 def no_torch_tf32(monkeypatch) -> None:

@@ -1,5 +1,4 @@
-"""Independent oracles shared by several test files (plain loops written from the spec's formulas)."""
+"""The plain-loop oracles live in the package (``canonlm.ops.<op>.naive``); this module only re-exports the Canon
+loop for test files that still import it from here (tests/test_placement.py)."""
 
-import torch
-
-from canonlm.ops.canon.naive import canon_loop  # noqa: F401 -- the plain-loop oracle, shared with selfcheck
+from canonlm.ops.canon.naive import canon_loop  # noqa: F401

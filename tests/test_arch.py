@@ -121,10 +121,10 @@ def test_fused_ops_need_a_fast_canon_kernel():
         assert e.value.key == "model.ops"
 
 
-def test_check_backends_sets_every_module():
+def test_place_sets_every_module():
     model = LlamaCanon(tiny("ABCD"))
     model.cfg.ops = "reference"
-    got = model.check_backends("cpu", torch.float32)
+    got = model.place("cpu", torch.float32)
     assert got == {"canon": "reference", "attention": "reference"}
     assert all(m.backend == "reference" for m in model.modules() if isinstance(m, Canon))
     assert all(b.attn.backend == "reference" for b in model.blocks)

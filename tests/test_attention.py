@@ -10,26 +10,7 @@ import torch
 from canonlm.arch import (ConfigError, LlamaCanon, apply_rope, build_model_config, interleaved_to_half_permutation,
                           rope_angles)
 from canonlm.ops.attention import attention, flash_available, resolve_backend
-
-
-def attention_loop(q, k, v, causal=True, scale=None):
-    """softmax(q_i·k_j * scale, j <= i) v, one (batch, head, query) at a time in float64; GQA: head h uses kv
-    head h // (H / H_kv)."""
-    B, T, H, D = q.shape
-    S, Hkv = k.shape[1], k.shape[2]
-    scale = 1 / math.sqrt(D) if scale is None else scale
-    q, k, v = q.double(), k.double(), v.double()
-    out = torch.zeros(B, T, H, D, dtype=torch.float64)
-    for b in range(B):
-        for h in range(H):
-            g = h // (H // Hkv)
-            for i in range(T):
-                n = i + 1 if causal else S
-                s = torch.stack([(q[b, i, h] * k[b, j, g]).sum() * scale for j in range(n)])
-                p = torch.exp(s - s.max())
-                p = p / p.sum()
-                out[b, i, h] = sum(p[j] * v[b, j, g] for j in range(n))
-    return out
+from canonlm.ops.attention.naive import attention_loop
 
 
 @pytest.mark.parametrize("backend", ["reference", "sdpa", "auto"])

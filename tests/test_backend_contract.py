@@ -244,3 +244,51 @@ def test_load_model_places_after_the_move(tmp_path, monkeypatch):
     lm = load_model(run, device="cpu", precision="bf16")  # bf16 = bf16-mixed: CPU bf16 autocast, as Lightning runs it
     assert calls == [(torch.device("cpu"), torch.bfloat16)]
     assert lm.model.placement == (torch.device("cpu"), torch.bfloat16)
+
+
+# ------------------------------------------------------------------------------------------------ what ran
+
+def test_every_entry_point_exists():
+    """Every canonlm function of ``canonlm.ops.calls.ENTRY_POINTS`` exists: a renamed wrapper fails here, not only
+    when the self-check first runs on a GPU."""
+    import importlib
+
+    from canonlm.ops.calls import ENTRY_POINTS, INLINE_PATHS, OPS
+
+    points = [(m, a) for pts in ENTRY_POINTS.values() for m, a in pts] + [(m, a) for _, _, m, a in INLINE_PATHS]
+    missing = [f"{m}.{a}" for m, a in points
+               if m.startswith("canonlm.") and not callable(getattr(importlib.import_module(m), a, None))]
+    assert not missing, missing
+    assert {op for op, _ in ENTRY_POINTS} == set(OPS)
+    for op in OPS:  # every backend an op can resolve to (auto aside) has an entry point
+        backends = set(importlib.import_module(f"canonlm.ops.{op}").BACKENDS) - {"auto", "fused"}
+        assert backends <= {be for o, be in ENTRY_POINTS if o == op}, op
+
+
+def test_backend_calls_counts_the_backend_each_dispatch_ran():
+    """``canonlm.ops.backend_calls`` counts one call per dispatch, under the backend that ran (the ops' CPU backends;
+    the fast ones are counted in tests/test_selfcheck.py with stand-ins), and restores every function on exit."""
+    from canonlm.ops import backend_calls, gdn, gla, ssd
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(1, 6, 8, generator=g), torch.randn(8, 4, generator=g)
+    q, k, v = (torch.randn(1, 5, 2, 4, generator=g) for _ in range(3))
+    gk, beta = -torch.rand(1, 5, 2, 4, generator=g), torch.rand(1, 5, 2, generator=g)
+    sx, dt, A = torch.randn(1, 5, 2, 3, generator=g), torch.randn(1, 5, 2, generator=g), -torch.rand(2, generator=g)
+    sB = torch.randn(1, 5, 1, 4, generator=g)
+    originals = (canon_ops.causal_conv1d_torch, canon_ops.causal_conv1d_step, gla.chunk_gla_reference)
+    with backend_calls(["canon", "attention", "gla", "gdn", "ssd"]) as ran:
+        canon_ops.causal_conv1d(x, w, backend="torch")
+        canon_ops.causal_conv1d(x, w, backend="reference")
+        canon_ops.causal_conv1d_step(x[:, 0], torch.zeros(1, 8, 4), w, backend="torch")
+        attention_ops.attention(q, k, v, backend="sdpa")
+        attention_ops.attention(q, k, v, backend="reference")
+        gla.chunk_gla(q, k, v, gk, backend="reference")
+        gdn.chunk_gated_delta_rule(q, k, v, gk[..., 0], beta, backend="reference")
+        ssd.ssd_scan(sx, dt, A, sB, sB, chunk_size=4, backend="reference")
+    assert ran == {"canon": {"torch": 2, "reference": 1}, "attention": {"sdpa": 1, "reference": 1},
+                   "gla": {"reference": 1}, "gdn": {"reference": 1}, "ssd": {"reference": 1}}
+    assert (canon_ops.causal_conv1d_torch, canon_ops.causal_conv1d_step, gla.chunk_gla_reference) == originals
+    with pytest.raises(ValueError, match="ops=\\['mlp'\\]; allowed: canon, attention, gla, gdn, ssd"):
+        with backend_calls(["canon", "mlp"]):
+            pass

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from oracles import canon_loop as loop_oracle
 
 from canonlm.arch import CanonLM, build_model_config
 from canonlm.arch.canon import Canon
@@ -31,6 +30,7 @@ from canonlm.arch.mixers import Attention
 from canonlm.ops import canon as canon_ops
 from canonlm.ops.attention import attention
 from canonlm.ops.canon import available_backends, causal_conv1d, causal_conv1d_step
+from canonlm.ops.canon.naive import canon_loop as loop_oracle
 
 pytestmark = pytest.mark.gpu
 

@@ -6,9 +6,9 @@ import math
 
 import pytest
 import torch
-from oracles import canon_loop
 
 from canonlm.arch import Canon, CanonConfig, LlamaCanon, build_model_config
+from canonlm.ops.canon.naive import canon_loop
 
 
 def loop_oracle(x, w, b=None, residual=True, activation=False):

@@ -12,13 +12,13 @@ import warnings
 
 import pytest
 import torch
-from oracles import canon_loop as loop_oracle
 
 from canonlm.arch.config import ConfigError
 from canonlm.ops import canon as C
 from canonlm.ops.canon import (BACKENDS, available_backends, causal_conv1d, causal_conv1d_reference,
                                causal_conv1d_state, causal_conv1d_step, resolve_backend)
 from canonlm.ops.canon import _native
+from canonlm.ops.canon.naive import canon_loop as loop_oracle
 
 NATIVE = _native.available()
 needs_native = pytest.mark.skipif(not NATIVE, reason=f"native kernel unavailable: {_native.unavailable_reason()}")

@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracles import canon_loop
 
 from canonlm.arch import CanonLM, ConfigError, build_model_config
 from canonlm.arch.canon import Canon
 from canonlm.ops import _dispatch
 from canonlm.ops import canon as canon_ops
 from canonlm.ops.canon import _native
+from canonlm.ops.canon.naive import canon_loop
 
 CUDA = torch.device("cuda")
 

@@ -11,10 +11,13 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from oracles import canon_loop
 
 from canonlm.arch import CanonLM, ConfigError, build_model_config
 from canonlm.data.lm import LanguageModel
+from canonlm.ops.canon.naive import canon_loop
+from canonlm.ops.gdn.naive import gdn_loop
+from canonlm.ops.gla.naive import gla_loop
+from canonlm.ops.ssd.naive import ssd_loop
 
 from conftest import ARCH_PRESETS as PRESETS  # noqa: E402
 
@@ -148,44 +151,25 @@ def _qkv(m, x, canon_cfg):
 
 
 def gla_oracle(m, x, eps):
-    """GLA mixer by a per-token loop (models.md §3.1, §4.3)."""
+    """GLA mixer around the per-token loop ``gla_loop`` (models.md §3.1, §4.3)."""
     B, T, _ = x.shape
     H = m.n_heads
     q, k, v = _qkv(m, x, None)
     gk = F.logsigmoid(_lin(x, m.gk_proj)) / m.normalizer
-    q, k, v, gk = (t.view(B, T, H, -1) for t in (q, k, v, gk))
-    dk, dv = q.shape[-1], v.shape[-1]
-    S = x.new_zeros(B, H, dk, dv)
-    outs = []
-    for t in range(T):
-        S = gk[:, t].exp().unsqueeze(-1) * S + k[:, t].unsqueeze(-1) * v[:, t].unsqueeze(-2)
-        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t] * dk ** -0.5, S))
-    o = torch.stack(outs, 1)
+    o, _ = gla_loop(*(t.view(B, T, H, -1) for t in (q, k, v, gk)))
     g = _lin(x, m.g_proj).view(B, T, H, -1)
     o = _rms(o, m.g_norm.weight, eps) * g * torch.sigmoid(g)
     return o.flatten(2) @ m.o_proj.weight.T
 
 
 def gdn_oracle(m, x, eps):
-    """GDN mixer by a per-token loop of the delta rule (models.md §3.2, §4.4)."""
+    """GDN mixer around the per-token loop of the delta rule ``gdn_loop`` (models.md §3.2, §4.4)."""
     B, T, _ = x.shape
     H = m.n_heads
     q, k, v = _qkv(m, x, None)
-    q, k, v = (t.view(B, T, H, -1) for t in (q, k, v))
-    q = q / torch.sqrt(q.pow(2).sum(-1, keepdim=True) + 1e-6)
-    k = k / torch.sqrt(k.pow(2).sum(-1, keepdim=True) + 1e-6)
     beta = torch.sigmoid(x @ m.b_proj.weight.T)
     g = -m.A_log.exp() * F.softplus(x @ m.a_proj.weight.T + m.dt_bias)
-    dk, dv = q.shape[-1], v.shape[-1]
-    S = x.new_zeros(B, H, dk, dv)
-    outs = []
-    for t in range(T):
-        a = g[:, t].exp()[..., None, None]
-        kt, vt, bt = k[:, t], v[:, t], beta[:, t][..., None]
-        w = bt * (vt - torch.einsum("bhk,bhkv->bhv", kt, a * S))      # w_tᵀ = β (v_tᵀ − α k_tᵀ S)
-        S = a * S + kt.unsqueeze(-1) * w.unsqueeze(-2)
-        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t] * dk ** -0.5, S))
-    o = torch.stack(outs, 1)
+    o, _ = gdn_loop(*(t.view(B, T, H, -1) for t in (q, k, v)), g, beta, use_qk_l2norm=True)
     gate = _lin(x, m.g_proj).view(B, T, H, -1)
     o = _rms(o, m.o_norm.weight, eps) * gate * torch.sigmoid(gate)
     return o.flatten(2) @ m.o_proj.weight.T
@@ -193,7 +177,7 @@ def gdn_oracle(m, x, eps):
 
 def mamba2_oracle(m, x, eps):
     """Mamba2 mixer by a per-token loop (models.md §3.3, §4.5): in_proj, [Canon-B], conv1d+SiLU or identity,
-    SSD recurrence with softplus(dt + dt_bias), D skip, RMSNorm(y · silu(z)), out_proj."""
+    SSD recurrence (``ssd_loop``) with softplus(dt + dt_bias), D skip, RMSNorm(y · silu(z)), out_proj."""
     B, T, _ = x.shape
     H, P, G, N, di = m.n_heads, m.head_dim, m.n_groups, m.ssm_state, m.d_inner
     zx = x @ m.in_proj.weight.T
@@ -204,16 +188,8 @@ def mamba2_oracle(m, x, eps):
         xbc = canon_loop(xbc, m.conv1d.weight, m.conv1d.bias, residual=False, activation=True)
     xs, Bm, Cm = xbc.split([di, G * N, G * N], -1)
     xs, Bm, Cm = xs.view(B, T, H, P), Bm.view(B, T, G, N), Cm.view(B, T, G, N)
-    A = -m.A_log.exp()
-    hs = torch.arange(H) // (H // G)
-    state = x.new_zeros(B, H, P, N)
-    ys = []
-    for t in range(T):
-        delta = F.softplus(dt[:, t] + m.dt_bias)                       # (B, H)
-        Bt, Ct = Bm[:, t, hs], Cm[:, t, hs]                              # (B, H, N)
-        state = torch.exp(delta * A)[..., None, None] * state + (delta[..., None] * xs[:, t]).unsqueeze(-1) * Bt.unsqueeze(-2)
-        ys.append(torch.einsum("bhpn,bhn->bhp", state, Ct) + m.D[:, None] * xs[:, t])
-    y = torch.stack(ys, 1).reshape(B, T, di)
+    y, _ = ssd_loop(xs, dt, -m.A_log.exp(), Bm, Cm, m.D, m.dt_bias)          # softplus(dt + dt_bias), D skip
+    y = y.reshape(B, T, di)
     y = y * z * torch.sigmoid(z)
     y = _rms(y.view(B, T, G, -1), m.norm.weight.view(G, -1), eps).reshape(B, T, di)
     return y @ m.out_proj.weight.T

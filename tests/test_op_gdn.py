@@ -2,7 +2,8 @@
 step-by-step float64 loop of the recurrence, against fla's naive references, and (``-m gpu``) fla's Triton kernels
 against the reference.
 
-Oracle (written here, independent of canonlm.ops.gdn), per batch row and head, ``[K, V]`` state convention::
+Oracle (``canonlm.ops.gdn.naive.gdn_loop``, independent of the chunked reference), per batch row and head, ``[K, V]``
+state convention::
 
     q, k <- x / sqrt(sum(x**2) + 1e-6)          (use_qk_l2norm only)
     a_t = exp(g_t);  w_t = beta_t (v_t - a_t S_{t-1}^T k_t);  S_t = a_t S_{t-1} + k_t w_t^T;  o_t = S_t^T (scale q_t)
@@ -23,6 +24,7 @@ from canonlm.errors import ConfigError
 from canonlm.ops._fla_naive import load_fla_naive
 from canonlm.ops.gdn import (BACKENDS, CONFIG_KEY, chunk_gated_delta_rule, chunk_gated_delta_rule_reference,
                              resolve_backend)
+from canonlm.ops.gdn.naive import gdn_loop as oracle
 
 CUDA = torch.cuda.is_available()
 
@@ -30,27 +32,6 @@ CUDA = torch.cuda.is_available()
 # ----------------------------------------------------------------------------------------------------------------
 # oracle and helpers
 # ----------------------------------------------------------------------------------------------------------------
-
-def oracle(q, k, v, g, beta, scale=None, initial_state=None, use_qk_l2norm=True):
-    """Plain loop over tokens of the recurrence, float64. Returns (o (B, T, H, V), final state (B, H, K, V))."""
-    q, k, v, g, beta = (t.double() for t in (q, k, v, g, beta))
-    if use_qk_l2norm:
-        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
-        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    scale = K ** -0.5 if scale is None else scale
-    S = torch.zeros(B, H, K, V, dtype=torch.float64) if initial_state is None else initial_state.double()
-    outs = []
-    for t in range(T):
-        a = g[:, t].exp()                                     # (B, H)
-        kt, vt, qt = k[:, t], v[:, t], q[:, t] * scale        # (B, H, K|V)
-        pred = torch.einsum("bhk,bhkv->bhv", kt, S)           # S^T k
-        w = beta[:, t, :, None] * (vt - a[..., None] * pred)
-        S = a[..., None, None] * S + kt[..., :, None] * w[..., None, :]
-        outs.append(torch.einsum("bhk,bhkv->bhv", qt, S))
-    return torch.stack(outs, dim=1), S
-
 
 def make(B=2, T=37, H=2, K=8, V=6, dtype=torch.float64, seed=0, strong_decay=False, init=True):
     gen = torch.Generator().manual_seed(seed)

@@ -1,6 +1,6 @@
 """GLA op (canonlm.ops.gla) against independent oracles (spec models.md §4.3, §5.3, §9).
 
-Oracle 1: a plain step-by-step loop over time in float64, written here from the recurrence
+Oracle 1: ``canonlm.ops.gla.naive.gla_loop``, a plain step-by-step loop over time in float64 of the recurrence
 ``S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T``, ``o_t = S_t^T (scale * q_t)``; autograd through the loop gives the
 gradient oracle. It shares no code with the chunked reference.
 Oracle 2: fla's ``naive_recurrent_gla`` (fla/ops/gla/naive.py, loaded by path; skipped without fla-core): fp32,
@@ -22,6 +22,7 @@ from _kernel_calls import count_calls, fp32_tol, no_torch_tf32
 from canonlm.errors import ConfigError
 from canonlm.ops._fla_naive import load_fla_naive
 from canonlm.ops.gla import BACKENDS, CONFIG_KEY, chunk_gla, chunk_gla_reference, resolve_backend
+from canonlm.ops.gla.naive import gla_loop as loop_gla
 
 F64 = torch.float64
 
@@ -37,20 +38,6 @@ def _two_threads():
 # ----------------------------------------------------------------------------------------------------------------
 # oracle and helpers
 # ----------------------------------------------------------------------------------------------------------------
-
-def loop_gla(q, k, v, g, scale=None, initial_state=None):
-    """Step-by-step recurrence (float64 in, float64 out): returns (o (B, T, H, V), S_T (B, H, K, V))."""
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    s = K ** -0.5 if scale is None else scale
-    S = torch.zeros(B, H, K, V, dtype=q.dtype) if initial_state is None else initial_state
-    outs = []
-    for t in range(T):
-        a = torch.exp(g[:, t])  # (B, H, K)
-        S = a.unsqueeze(-1) * S + k[:, t].unsqueeze(-1) * v[:, t].unsqueeze(-2)
-        outs.append((S * (s * q[:, t]).unsqueeze(-1)).sum(-2))  # S^T (s q): sum over K
-    return torch.stack(outs, dim=1), S
-
 
 def make(B=2, T=37, H=2, K=8, V=6, gate="mild", init=True, seed=0, dtype=F64):
     gen = torch.Generator().manual_seed(seed)

@@ -2,11 +2,13 @@
 
 Oracles (independent of the code under test):
 
-* ``ssd_loop``: the recurrence ``H_t = exp(Δ_t A_h) H_{t-1} + Δ_t x_t B_tᵀ``, ``y_t = H_t C_t + D_h x_t`` stepped one
-  token at a time in float64 (softplus / dt_bias / dt_limit / D / groups written out);
+* ``canonlm.ops.ssd.naive.ssd_loop``: the recurrence ``H_t = exp(Δ_t A_h) H_{t-1} + Δ_t x_t B_tᵀ``,
+  ``y_t = H_t C_t + D_h x_t`` stepped one token at a time in float64 (softplus / dt_bias / dt_limit / D / groups
+  written out);
 * fla's ``naive_recurrent_simple_gla`` under the mapping q = C, k = B, v = Δ·x, g = Δ·A, scale = 1 (skipped when
   fla-core is not installed);
-* for the mixer core: ``oracles.canon_loop`` conv -> SiLU -> ``ssd_loop`` -> gated RMSNorm and out-proj written out.
+* for the mixer core: ``canonlm.ops.canon.naive.canon_loop`` conv -> SiLU -> ``ssd_loop`` -> gated RMSNorm and
+  out-proj written out.
 
 GPU tests (``pytest -m gpu``; skipped without CUDA or mamba_ssm / causal_conv1d) compare the mamba_ssm kernels with
 the reference.
@@ -20,7 +22,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _kernel_calls import count_calls, fp32_tol, no_torch_tf32
-from oracles import canon_loop
 
 from canonlm.errors import ConfigError
 from canonlm.ops import ssd
@@ -35,6 +36,8 @@ from canonlm.ops.ssd import (
     ssd_scan,
     ssd_scan_reference,
 )
+from canonlm.ops.canon.naive import canon_loop
+from canonlm.ops.ssd.naive import ssd_loop
 
 INF = float("inf")
 F64 = torch.float64
@@ -43,30 +46,6 @@ F64 = torch.float64
 # ----------------------------------------------------------------------------------------------------------------
 # oracles
 # ----------------------------------------------------------------------------------------------------------------
-
-def ssd_loop(x, dt, A, B, C, D=None, dt_bias=None, dt_softplus=True, dt_limit=(0.0, INF), h0=None):
-    """Step-by-step SSD in x's dtype. Returns (y (B, T, H, P), final state (B, H, P, N))."""
-    Bsz, T, H, P = x.shape
-    G, N = B.shape[2], B.shape[3]
-    rep = H // G
-    delta = dt if dt_bias is None else dt + dt_bias
-    if dt_softplus:
-        # softplus written out, linear above 20 as in PyTorch and the mamba_ssm kernels (differs by < 2.1e-9)
-        delta = torch.where(delta > 20.0, delta, torch.log1p(torch.exp(delta.clamp(max=20.0))))
-    delta = torch.clamp(delta, dt_limit[0], dt_limit[1])
-    h = torch.zeros(Bsz, H, P, N, dtype=x.dtype) if h0 is None else h0
-    ys = []
-    for t in range(T):
-        Bt = B[:, t].repeat_interleave(rep, dim=1)                           # (B, H, N): head h -> group h // rep
-        Ct = C[:, t].repeat_interleave(rep, dim=1)
-        d = delta[:, t]                                                      # (B, H)
-        h = torch.exp(d * A)[:, :, None, None] * h + (d[:, :, None] * x[:, t])[..., None] * Bt[:, :, None, :]
-        y = (h * Ct[:, :, None, :]).sum(-1)                                  # (B, H, P)
-        if D is not None:
-            y = y + D.reshape(H, -1) * x[:, t]
-        ys.append(y)
-    return torch.stack(ys, dim=1), h
-
 
 def _inputs(Bsz=2, T=37, H=4, P=3, G=2, N=5, seed=0, dtype=F64, big=False):
     g = torch.Generator().manual_seed(seed)

@@ -17,8 +17,12 @@ import pytest
 import torch
 
 
-import canonlm.selfcheck as sc
 from canonlm.errors import ConfigError
+from canonlm.ops import backend_calls, forget_backend_choices
+from canonlm.selfcheck import environment as env
+from canonlm.selfcheck import kernels, models, numerics, training
+from canonlm.selfcheck.report import write_report
+from canonlm.selfcheck.verdict import FAIL, PASS, SKIP, Skip, judge_kernel, run_check
 
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA behaviour")
 
@@ -34,7 +38,7 @@ def _rows(report: str) -> dict[str, tuple[str, str]]:
     out = {}
     for line in report.split("## Checks", 1)[1].splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
-        if len(cells) == 4 and cells[0] in (sc.PASS, sc.FAIL, sc.SKIP):
+        if len(cells) == 4 and cells[0] in (PASS, FAIL, SKIP):
             out[cells[1]] = (cells[0], cells[2])
     return out
 
@@ -45,7 +49,7 @@ def test_cpu_run_writes_the_report_and_never_passes_gpu_lines(tmp_path):
     out = tmp_path / "r.md"
     p = _selfcheck(["--out", str(out)], tmp_path)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert sc.NO_CUDA_MESSAGE in p.stdout
+    assert env.NO_CUDA_MESSAGE in p.stdout
     report = out.read_text()
     assert report.strip() in p.stdout  # printed as well
     versions = report.split("## Versions", 1)[1].split("## Checks", 1)[0]
@@ -57,14 +61,14 @@ def test_cpu_run_writes_the_report_and_never_passes_gpu_lines(tmp_path):
     cpu = {n: r for n, r in rows.items() if n.startswith("cpu ")}
     assert any(n.startswith("kernel gla/fla") for n in gpu) and any(n.startswith("fsdp2") for n in gpu)
     assert any(n.startswith("train ") for n in gpu) and any(n.startswith("model ") for n in gpu)
-    assert all(r == (sc.SKIP, sc.NO_CUDA) for r in gpu.values()), gpu
-    assert len(cpu) >= 10 and all(r[0] == sc.PASS for r in cpu.values()), cpu
+    assert all(r == (SKIP, env.NO_CUDA) for r in gpu.values()), gpu
+    assert len(cpu) >= 10 and all(r[0] == PASS for r in cpu.values()), cpu
     for arch in ("llama", "gla", "gdn", "mamba2"):
         assert "tokens/s" in next(r[1] for n, r in cpu.items() if n.startswith(f"cpu train {arch} "))
     # what ran is counted, in the training subprocess too (the CPU runs: SDPA, the native Canon kernel)
     assert "attention=sdpa:" in next(r[1] for n, r in cpu.items() if n.startswith("cpu train llama "))
     assert "ran canon=cpu:" in cpu["cpu canon/cpu native kernel fp32 fwd+bwd"][1]
-    assert f"- fp32 precision of Triton tl.dot: {sc.triton_fp32_precision()} (" in report
+    assert f"- fp32 precision of Triton tl.dot: {numerics.triton_fp32_precision()} (" in report
     # an existing report is not overwritten
     before = out.read_text()
     p2 = _selfcheck(["--out", str(out)], tmp_path, timeout=60)
@@ -76,49 +80,49 @@ def test_fallback_to_reference_is_fail():
     """A kernel result whose selected backend is the reference, or whose calls went to the reference, fails however
     small its errors; so does a fast backend that was never called."""
     fla = {"gla": {"fla": 1}}
-    v = sc.judge_kernel("gla", "fla", "reference", fla, {"o": 0.0, "dq": 1e-9}, 1e-3)
-    assert v.status == sc.FAIL and "fallback" in v.detail
-    v = sc.judge_kernel("gla", "fla", "fla", {"gla": {"fla": 1, "reference": 1}}, {"o": 0.0}, 1e-3)
-    assert v.status == sc.FAIL and "gla ran reference" in v.detail
-    v = sc.judge_kernel("gla", "fla", "fla", {}, {"o": 0.0}, 1e-3)
-    assert v.status == sc.FAIL and "fla did not run" in v.detail
-    assert sc.judge_kernel("gla", "fla", "fla", fla, {"o": 1e-4}, 1e-3).status == sc.PASS
-    assert sc.judge_kernel("gla", "fla", "fla", fla, {"o": 1e-4, "dq": 2e-3}, 1e-3).status == sc.FAIL
-    assert sc.judge_kernel("gla", "fla", "fla", fla, {"o": math.nan}, 1e-3).status == sc.FAIL
-    assert sc.judge_kernel("gla", "fla", "fla", fla, {}, 1e-3).status == sc.FAIL  # nothing compared is no pass
+    v = judge_kernel("gla", "fla", "reference", fla, {"o": 0.0, "dq": 1e-9}, 1e-3)
+    assert v.status == FAIL and "fallback" in v.detail
+    v = judge_kernel("gla", "fla", "fla", {"gla": {"fla": 1, "reference": 1}}, {"o": 0.0}, 1e-3)
+    assert v.status == FAIL and "gla ran reference" in v.detail
+    v = judge_kernel("gla", "fla", "fla", {}, {"o": 0.0}, 1e-3)
+    assert v.status == FAIL and "fla did not run" in v.detail
+    assert judge_kernel("gla", "fla", "fla", fla, {"o": 1e-4}, 1e-3).status == PASS
+    assert judge_kernel("gla", "fla", "fla", fla, {"o": 1e-4, "dq": 2e-3}, 1e-3).status == FAIL
+    assert judge_kernel("gla", "fla", "fla", fla, {"o": math.nan}, 1e-3).status == FAIL
+    assert judge_kernel("gla", "fla", "fla", fla, {}, 1e-3).status == FAIL  # nothing compared is no pass
 
 
 def test_training_fallback_and_short_runs_are_fail():
-    spec = sc.TrainSpec("train gla", "gla", "AbCD", [], 30, 1, "cuda", 10)
+    spec = training.TrainSpec("train gla", "gla", "AbCD", [], 30, 1, "cuda", 10)
     rows = [{"step": s, "train/loss": 3.0 - s / 100} for s in range(30)]
     rows += [{"step": s, "perf/tokens_per_s": 1e5, "perf/mfu": 0.3, "perf/peak_mem_gb": 9.5} for s in (5, 10, 15)]
     info = {"steps": 30, "world_size": 1, "backends": {"canon": "dao", "gla": "fla"},
             "ran": {"canon": {"dao": 480}, "gla": {"fla": 360}}, "peak_mem_gib": 10.0}
     want = {"canon": "dao", "gla": "fla"}
-    status, detail = sc.judge_training(spec, rows, info, want)
-    assert status == sc.PASS and "tokens/s 100,000" in detail and "MFU 30.0%" in detail and "10.00 GiB" in detail
+    status, detail = training.judge_training(spec, rows, info, want)
+    assert status == PASS and "tokens/s 100,000" in detail and "MFU 30.0%" in detail and "10.00 GiB" in detail
     assert "ran canon=dao:480 gla=fla:360" in detail
     fell_back = {**info, "ran": {"canon": {"dao": 480}, "gla": {"fla": 300, "reference": 60}}}
-    status, detail = sc.judge_training(spec, rows, fell_back, want)
-    assert status == sc.FAIL and "gla ran reference" in detail
-    assert sc.judge_training(spec, rows, {**info, "ran": {"gla": {"fla": 360}}}, want)[0] == sc.FAIL  # no Canon call
-    assert sc.judge_training(spec, rows, {k: v for k, v in info.items() if k != "ran"}, want)[0] == sc.FAIL
-    assert sc.judge_training(spec, rows, {**info, "steps": 12}, want)[0] == sc.FAIL
-    assert sc.judge_training(spec, rows + [{"train/loss": math.inf}], info, want)[0] == sc.FAIL
+    status, detail = training.judge_training(spec, rows, fell_back, want)
+    assert status == FAIL and "gla ran reference" in detail
+    assert training.judge_training(spec, rows, {**info, "ran": {"gla": {"fla": 360}}}, want)[0] == FAIL  # no Canon call
+    assert training.judge_training(spec, rows, {k: v for k, v in info.items() if k != "ran"}, want)[0] == FAIL
+    assert training.judge_training(spec, rows, {**info, "steps": 12}, want)[0] == FAIL
+    assert training.judge_training(spec, rows + [{"train/loss": math.inf}], info, want)[0] == FAIL
     # llama without Canon: Canon is never called, which is right
-    llama = sc.TrainSpec("train llama", "llama", "none", [], 30, 1, "cuda", 10)
+    llama = training.TrainSpec("train llama", "llama", "none", [], 30, 1, "cuda", 10)
     info_l = {**info, "ran": {"attention": {"sdpa": 360}}}
-    assert sc.judge_training(llama, rows, info_l, {"canon": "dao", "attention": "sdpa"})[0] == sc.PASS
+    assert training.judge_training(llama, rows, info_l, {"canon": "dao", "attention": "sdpa"})[0] == PASS
     # Mamba2: the fused split kernel must run where it can
-    m2 = sc.TrainSpec("train mamba2", "mamba2", "AbCD", [], 30, 1, "cuda", 10)
+    m2 = training.TrainSpec("train mamba2", "mamba2", "AbCD", [], 30, 1, "cuda", 10)
     want_m = {"canon": "dao", "ssd": "mamba_ssm"}
     unfused = {**info, "ran": {"canon": {"dao": 480}, "ssd": {"mamba_ssm": 360}}}
     fused = {**info, "ran": {"canon": {"dao": 480}, "ssd": {"split": 360}}}
-    status, detail = sc.judge_training(m2, rows, {**unfused, "fused_split_reason": None}, want_m)
-    assert status == sc.FAIL and "ssd ran mamba_ssm" in detail
-    assert sc.judge_training(m2, rows, {**fused, "fused_split_reason": None}, want_m)[0] == sc.PASS
-    assert sc.judge_training(m2, rows, {**unfused, "fused_split_reason": "causal-conv1d too old"}, want_m)[0] \
-        == sc.PASS
+    status, detail = training.judge_training(m2, rows, {**unfused, "fused_split_reason": None}, want_m)
+    assert status == FAIL and "ssd ran mamba_ssm" in detail
+    assert training.judge_training(m2, rows, {**fused, "fused_split_reason": None}, want_m)[0] == PASS
+    assert training.judge_training(m2, rows, {**unfused, "fused_split_reason": "causal-conv1d too old"}, want_m)[0] \
+        == PASS
 
 
 def test_run_check_turns_exceptions_into_lines():
@@ -126,30 +130,30 @@ def test_run_check_turns_exceptions_into_lines():
         raise RuntimeError("kernel crashed")
 
     def skip():
-        raise sc.Skip("needs 2 GPUs")
+        raise Skip("needs 2 GPUs")
 
-    assert sc.run_check("a", boom).status == sc.FAIL and "kernel crashed" in sc.run_check("a", boom).detail
-    assert (sc.run_check("b", skip).status, sc.run_check("b", skip).detail) == (sc.SKIP, "needs 2 GPUs")
-    assert sc.run_check("c", lambda: ("MAYBE", "")).status == sc.FAIL
+    assert run_check("a", boom).status == FAIL and "kernel crashed" in run_check("a", boom).detail
+    assert (run_check("b", skip).status, run_check("b", skip).detail) == (SKIP, "needs 2 GPUs")
+    assert run_check("c", lambda: ("MAYBE", "")).status == FAIL
 
 
 def test_missing_library_skips_and_broken_install_fails(monkeypatch):
-    monkeypatch.setattr(sc, "dist_version", lambda names: None)
-    status, reason = sc._fast_unavailable("attention", "flash", "cuda", torch.bfloat16)
-    assert status == sc.SKIP and "flash-attn not installed" in reason
-    monkeypatch.setattr(sc, "dist_version", lambda names: "9.9")  # "installed", but the module does not import
-    monkeypatch.setitem(sc.FAST_LIBS, ("gla", "fla"), ((("fla-core",),), ("canonlm_no_such_module.ops",)))
-    status, reason = sc._fast_unavailable("gla", "fla", "cuda", torch.bfloat16)
-    assert status == sc.FAIL and "installed but" in reason
+    monkeypatch.setattr(env, "dist_version", lambda names: None)
+    status, reason = env.fast_unavailable("attention", "flash", "cuda", torch.bfloat16)
+    assert status == SKIP and "flash-attn not installed" in reason
+    monkeypatch.setattr(env, "dist_version", lambda names: "9.9")  # "installed", but the module does not import
+    monkeypatch.setitem(env.FAST_LIBS, ("gla", "fla"), ((("fla-core",),), ("canonlm_no_such_module.ops",)))
+    status, reason = env.fast_unavailable("gla", "fla", "cuda", torch.bfloat16)
+    assert status == FAIL and "installed but" in reason
 
 
 def test_write_report_never_overwrites_without_force(tmp_path):
     path = tmp_path / "r.md"
-    sc.write_report(path, "one", force=False)
+    write_report(path, "one", force=False)
     with pytest.raises(FileExistsError):
-        sc.write_report(path, "two", force=False)
+        write_report(path, "two", force=False)
     assert path.read_text() == "one" and sorted(os.listdir(tmp_path)) == ["r.md"]
-    sc.write_report(path, "three", force=True)
+    write_report(path, "three", force=True)
     assert path.read_text() == "three"
 
 
@@ -164,35 +168,28 @@ def test_fp32_tolerance_follows_triton_f32_default(monkeypatch):
     import _kernel_calls
 
     monkeypatch.delenv("TRITON_F32_DEFAULT", raising=False)
-    assert sc.triton_fp32_precision() == "tf32"
-    assert sc.fp32_tol() == _kernel_calls.fp32_tol() == 5e-3
-    assert sc.kernel_tol("gla", "fla", "fp32") == sc.kernel_tol("ssd", "split", "fp32") == 5e-3
-    assert "unset" in sc.precision_note() and "5e-03" in sc.precision_note()
+    assert numerics.triton_fp32_precision() == "tf32"
+    assert numerics.fp32_tol() == _kernel_calls.fp32_tol() == 5e-3
+    assert numerics.kernel_tol("gla", "fla", "fp32") == numerics.kernel_tol("ssd", "split", "fp32") == 5e-3
+    assert "unset" in numerics.precision_note() and "5e-03" in numerics.precision_note()
     for value in ("ieee", " IEEE "):
         monkeypatch.setenv("TRITON_F32_DEFAULT", value)
-        assert sc.triton_fp32_precision() == "ieee"
-        assert sc.fp32_tol() == _kernel_calls.fp32_tol() == 2e-4
+        assert numerics.triton_fp32_precision() == "ieee"
+        assert numerics.fp32_tol() == _kernel_calls.fp32_tol() == 2e-4
         assert _kernel_calls.fp32_tol(1e-3, 1e-2) == 1e-3
-        assert sc.kernel_tol("gdn", "fla", "fp32") == 2e-4
-        assert sc.precision_note().startswith("ieee (TRITON_F32_DEFAULT=")
+        assert numerics.kernel_tol("gdn", "fla", "fp32") == 2e-4
+        assert numerics.precision_note().startswith("ieee (TRITON_F32_DEFAULT=")
     monkeypatch.setenv("TRITON_F32_DEFAULT", "tf32x3")
-    assert sc.triton_fp32_precision() == "tf32x3" and sc.fp32_tol() == 5e-3 and _kernel_calls.fp32_tol(1, 2) == 2
+    assert numerics.triton_fp32_precision() == "tf32x3" and numerics.fp32_tol() == 5e-3
+    assert _kernel_calls.fp32_tol(1, 2) == 2
     # no tl.dot, no TF32: the CUDA C Canon kernel and SDPA stay tight whatever the variable; bf16 has its own
-    assert sc.kernel_tol("canon", "dao", "fp32") == sc.kernel_tol("attention", "sdpa", "fp32") == 2e-4
-    assert sc.kernel_tol("gla", "fla", "bf16") == 6e-2
+    assert numerics.kernel_tol("canon", "dao", "fp32") == numerics.kernel_tol("attention", "sdpa", "fp32") == 2e-4
+    assert numerics.kernel_tol("gla", "fla", "bf16") == 6e-2
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # the GPU harness on the CPU: the fast backends resolve here, their entry points are CPU stand-ins
 # ----------------------------------------------------------------------------------------------------------------
-
-def _clear_memos():
-    """The ops memoise backend choices per (backend, device, dtype); the fixture changes what resolves on the CPU."""
-    from canonlm.ops import canon, gdn, gla, ssd
-
-    for table in (canon._select_cache, gla._select.cache, gdn._select.cache, ssd._select.cache, ssd._split_cache):
-        table.clear()
-
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
@@ -228,8 +225,8 @@ def fake_gpu(monkeypatch):
         return resolve(name, device, dtype, *shape)
 
     monkeypatch.setattr(canon, "resolve_backend", cuda_auto)
-    monkeypatch.setattr(sc, "_fast_unavailable",
-                        lambda op, fast, dev, dt: (sc.SKIP, "flash-attn not installed") if fast == "flash" else None)
+    monkeypatch.setattr(env, "fast_unavailable",
+                        lambda op, fast, dev, dt: (SKIP, "flash-attn not installed") if fast == "flash" else None)
 
     conv, step = canon.causal_conv1d_torch, canon.causal_conv1d_step
     gla_ref, gdn_ref = gla.chunk_gla_reference, gdn.chunk_gated_delta_rule_reference
@@ -258,30 +255,30 @@ def fake_gpu(monkeypatch):
     }
     for (mod, name), fn in stand_ins.items():
         monkeypatch.setattr(mod, name, fn)
-    _clear_memos()
+    forget_backend_choices()
     yield
-    _clear_memos()
+    forget_backend_choices()
 
 
 def test_gpu_kernel_harness_dry_run_on_cpu(fake_gpu):
     """Every kernel line (bf16) and the model lines pass on the CPU with the fast entry points called -- and each line
     saw exactly its fast backends run; flash-attn, "not installed", is SKIP with the reason."""
-    results = sc.run_kernel_checks("cpu", ("bf16",))
+    results = kernels.run_kernel_checks("cpu", ("bf16",))
     assert len(results) == 15
     for r in results:
         if r.backend == "flash":
-            assert (r.status, r.detail) == (sc.SKIP, "flash-attn not installed"), r
+            assert (r.status, r.detail) == (SKIP, "flash-attn not installed"), r
             continue
-        assert r.status == sc.PASS, (r.name, r.detail)
+        assert r.status == PASS, (r.name, r.detail)
         assert set(r.ran) == {r.op} and set(r.ran[r.op]) == {r.backend} and r.ran[r.op][r.backend] >= 1, r
         assert r.errors and max(r.errors.values()) <= r.tol == 6e-2
-    assert [r.op for r in sc.run_kernel_checks("cpu", ("bf16",), ops=["gdn"])] == ["gdn", "gdn"]
-    for arch in sc.PRESETS:
-        v = sc.check_model_decode(arch, "cpu", "2L64D")
-        assert v.status == sc.PASS, (arch, v.detail)
-        assert set(v.ran["cached"]) == {"canon", sc.MIXER_OP[arch]}
-    v = sc.check_model_fast_vs_reference("gla", "cpu", "2L64D")  # 2 layers x (Canon-A/C/D, short convs q/k/v)
-    assert v.status == sc.PASS and v.ran == {"fwd+bwd": {"canon": {"dao": 12}, "gla": {"fla": 2}}}, v.detail
+    assert [r.op for r in kernels.run_kernel_checks("cpu", ("bf16",), ops=["gdn"])] == ["gdn", "gdn"]
+    for arch in models.PRESETS:
+        v = models.check_model_decode(arch, "cpu", "2L64D")
+        assert v.status == PASS, (arch, v.detail)
+        assert set(v.ran["cached"]) == {"canon", models.MIXER_OP[arch]}
+    v = models.check_model_fast_vs_reference("gla", "cpu", "2L64D")  # 2 layers x (Canon-A/C/D, short convs q/k/v)
+    assert v.status == PASS and v.ran == {"fwd+bwd": {"canon": {"dao": 12}, "gla": {"fla": 2}}}, v.detail
 
 
 def test_kernel_line_counts_the_calls_of_the_fast_entry_point(fake_gpu, monkeypatch):
@@ -293,14 +290,14 @@ def test_kernel_line_counts_the_calls_of_the_fast_entry_point(fake_gpu, monkeypa
     from canonlm.ops.gla import _fla as gla_fla
 
     helper = count_calls(monkeypatch, gla_fla, "fla_forward")
-    v = sc.check_gla_kernel("fp32", "decode", "cpu")
-    assert v.status == sc.PASS, v.detail
+    v = kernels.check_gla_kernel("fp32", "decode", "cpu")
+    assert v.status == PASS, v.detail
     assert v.ran == {"gla": {"fla": 12}} and len(helper) == 12
-    assert sc.check_gla_kernel("fp32", "fwd+bwd", "cpu").ran == {"gla": {"fla": 1}}
-    assert sc.check_ssd_kernel("fp32", "decode", "cpu").ran == {"ssd": {"mamba_ssm": 11}}
-    assert sc.check_canon_kernel("dao", "fp32", "decode", "cpu").ran == {"canon": {"dao": 80}}
-    assert sc.check_canon_kernel("fla", "fp32", "fwd+bwd", "cpu").ran == {"canon": {"fla": 2}}
-    assert sc.check_ssd_split_kernel("fp32", "cpu").ran == {"ssd": {"split": 1}}  # its internals are not counted
+    assert kernels.check_gla_kernel("fp32", "fwd+bwd", "cpu").ran == {"gla": {"fla": 1}}
+    assert kernels.check_ssd_kernel("fp32", "decode", "cpu").ran == {"ssd": {"mamba_ssm": 11}}
+    assert kernels.check_canon_kernel("dao", "fp32", "decode", "cpu").ran == {"canon": {"dao": 80}}
+    assert kernels.check_canon_kernel("fla", "fp32", "fwd+bwd", "cpu").ran == {"canon": {"fla": 2}}
+    assert kernels.check_ssd_split_kernel("fp32", "cpu").ran == {"ssd": {"split": 1}}  # its internals are not counted
 
 
 def test_kernel_line_fails_when_the_fast_entry_point_is_not_called(fake_gpu, monkeypatch):
@@ -314,22 +311,22 @@ def test_kernel_line_fails_when_the_fast_entry_point_is_not_called(fake_gpu, mon
         return orig(*a, backend="reference" if backend == "fla" else backend, **k)
 
     monkeypatch.setattr(gla, "chunk_gla", via_reference)
-    r = sc.run_check("kernel gla/fla fp32 fwd+bwd", lambda: sc.check_gla_kernel("fp32", "fwd+bwd", "cpu"))
-    assert r.status == sc.FAIL and "gla ran reference (want fla: fallback)" in r.detail, r.detail
+    r = run_check("kernel gla/fla fp32 fwd+bwd", lambda: kernels.check_gla_kernel("fp32", "fwd+bwd", "cpu"))
+    assert r.status == FAIL and "gla ran reference (want fla: fallback)" in r.detail, r.detail
     assert max(r.errors.values()) < 1e-5  # the numbers alone would have passed
 
     def uncounted(q, k, v, g, *, backend="auto", chunk_size=64, **kw):  # nothing the counter knows of runs
         return ref(q, k, v, g, **kw)
 
     monkeypatch.setattr(gla, "chunk_gla", uncounted)
-    r = sc.run_check("kernel gla/fla fp32 decode", lambda: sc.check_gla_kernel("fp32", "decode", "cpu"))
-    assert r.status == sc.FAIL and "gla: fla did not run" in r.detail, r.detail
+    r = run_check("kernel gla/fla fp32 decode", lambda: kernels.check_gla_kernel("fp32", "decode", "cpu"))
+    assert r.status == FAIL and "gla: fla did not run" in r.detail, r.detail
 
 
 def test_kernel_line_reports_a_fallback_selection(fake_gpu, monkeypatch):
-    monkeypatch.setattr(sc, "_resolve", lambda op, name, dev, dt: "reference" if name == "auto" else name)
-    r = sc.run_check("kernel gla/fla bf16 fwd+bwd", lambda: sc.check_gla_kernel("bf16", "fwd+bwd", "cpu"))
-    assert r.status == sc.FAIL and "'reference' was selected" in r.detail
+    monkeypatch.setattr(env, "resolve", lambda op, name, dev, dt: "reference" if name == "auto" else name)
+    r = run_check("kernel gla/fla bf16 fwd+bwd", lambda: kernels.check_gla_kernel("bf16", "fwd+bwd", "cpu"))
+    assert r.status == FAIL and "'reference' was selected" in r.detail
 
 
 def test_renamed_entry_point_is_an_error_not_a_pass(fake_gpu, monkeypatch):
@@ -341,11 +338,11 @@ def test_renamed_entry_point_is_an_error_not_a_pass(fake_gpu, monkeypatch):
     dao = _cuda.dao_forward
     monkeypatch.delattr(gla_fla, "fla_forward")
     with pytest.raises(RuntimeError, match=r"canonlm\.ops\.gla\._fla\.fla_forward .*does not exist"):
-        with sc.kernel_calls(["canon", "gla"]):
+        with backend_calls(["canon", "gla"]):
             pass
     assert _cuda.dao_forward is dao
-    r = sc.run_check("kernel gla/fla fp32 fwd+bwd", lambda: sc.check_gla_kernel("fp32", "fwd+bwd", "cpu"))
-    assert r.status == sc.FAIL and "fla_forward" in r.detail and "does not exist" in r.detail
+    r = run_check("kernel gla/fla fp32 fwd+bwd", lambda: kernels.check_gla_kernel("fp32", "fwd+bwd", "cpu"))
+    assert r.status == FAIL and "fla_forward" in r.detail and "does not exist" in r.detail
 
 
 def test_fp32_kernel_line_tolerance_follows_the_precision(fake_gpu, monkeypatch):
@@ -360,12 +357,12 @@ def test_fp32_kernel_line_tolerance_follows_the_precision(fake_gpu, monkeypatch)
 
     monkeypatch.setattr(gla_fla, "fla_forward", off_by_1e3)
     monkeypatch.delenv("TRITON_F32_DEFAULT", raising=False)
-    v = sc.check_gla_kernel("fp32", "fwd+bwd", "cpu")
+    v = kernels.check_gla_kernel("fp32", "fwd+bwd", "cpu")
     assert 0.9e-3 < max(v.errors.values()) < 1.1e-3
-    assert v.status == sc.PASS and v.tol == 5e-3 and "fp32 tl.dot: tf32" in v.detail, v.detail
+    assert v.status == PASS and v.tol == 5e-3 and "fp32 tl.dot: tf32" in v.detail, v.detail
     monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
-    v = sc.check_gla_kernel("fp32", "fwd+bwd", "cpu")
-    assert v.status == sc.FAIL and v.tol == 2e-4 and "fp32 tl.dot: ieee" in v.detail, v.detail
+    v = kernels.check_gla_kernel("fp32", "fwd+bwd", "cpu")
+    assert v.status == FAIL and v.tol == 2e-4 and "fp32 tl.dot: ieee" in v.detail, v.detail
 
 
 def test_mamba2_must_take_the_fused_path_where_it_can(fake_gpu, monkeypatch):
@@ -374,21 +371,21 @@ def test_mamba2_must_take_the_fused_path_where_it_can(fake_gpu, monkeypatch):
     from canonlm.ops import ssd
     from canonlm.ops.ssd import _mamba
 
-    v = sc.check_model_decode("mamba2", "cpu", "2L64D")
-    assert v.status == sc.PASS, v.detail
+    v = models.check_model_decode("mamba2", "cpu", "2L64D")
+    assert v.status == PASS, v.detail
     assert v.ran["full"]["ssd"] == {"split": 2} and set(v.ran["cached"]["ssd"]) == {"mamba_ssm"}
     assert set(v.ran["full"]["canon"]) == {"dao"}  # Canon-A/C/D; the mixer's conv is inside the fused kernel
 
     monkeypatch.setattr(ssd, "use_fused_split", lambda *a, **k: False)
-    v = sc.check_model_decode("mamba2", "cpu", "2L64D")
-    assert v.status == sc.FAIL and "full: ssd ran mamba_ssm (want split" in v.detail, v.detail
-    r = sc.run_check("model mamba2 fast vs ref", lambda: sc.check_model_fast_vs_reference("mamba2", "cpu", "2L64D"))
-    assert r.status == sc.FAIL and "ssd ran mamba_ssm (want split" in r.detail, r.detail
+    v = models.check_model_decode("mamba2", "cpu", "2L64D")
+    assert v.status == FAIL and "full: ssd ran mamba_ssm (want split" in v.detail, v.detail
+    r = run_check("model mamba2 fast vs ref", lambda: models.check_model_fast_vs_reference("mamba2", "cpu", "2L64D"))
+    assert r.status == FAIL and "ssd ran mamba_ssm (want split" in r.detail, r.detail
 
     monkeypatch.setattr(_mamba, "split_info", lambda: (None, "causal-conv1d too old"))
-    _clear_memos()
-    v = sc.check_model_decode("mamba2", "cpu", "2L64D")
-    assert v.status == sc.PASS and v.ran["full"]["ssd"] == {"mamba_ssm": 2}, v.detail
+    forget_backend_choices()
+    v = models.check_model_decode("mamba2", "cpu", "2L64D")
+    assert v.status == PASS and v.ran["full"]["ssd"] == {"mamba_ssm": 2}, v.detail
 
 
 def test_model_line_fails_on_a_canon_fallback(fake_gpu, monkeypatch):
@@ -397,8 +394,8 @@ def test_model_line_fails_on_a_canon_fallback(fake_gpu, monkeypatch):
 
     select = canon._select
     monkeypatch.setattr(canon, "_select", lambda backend, *a: "torch" if backend == "auto" else select(backend, *a))
-    v = sc.check_model_decode("gla", "cpu", "2L64D")
-    assert v.status == sc.FAIL and "canon ran torch (want dao/fla: fallback)" in v.detail, v.detail
+    v = models.check_model_decode("gla", "cpu", "2L64D")
+    assert v.status == FAIL and "canon ran torch (want dao/fla: fallback)" in v.detail, v.detail
 
 
 def test_train_probe_records_the_calls(tmp_path):
@@ -406,7 +403,7 @@ def test_train_probe_records_the_calls(tmp_path):
     import canonlm.ops.canon as canon
 
     out = tmp_path / "probe.json"
-    probe = sc.train_probe(str(out))
+    probe = training.train_probe(str(out))
     original = canon.causal_conv1d_torch
     probe.on_train_start(None, None)
     x, w = torch.randn(1, 5, 8), torch.randn(8, 4)

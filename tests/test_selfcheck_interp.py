@@ -31,23 +31,24 @@ import dataclasses, functools, json, sys
 sys.path.insert(0, sys.argv[1])
 import _triton_interp
 launches = _triton_interp.enable()
-from canonlm import selfcheck as sc
+from canonlm.selfcheck import kernels
+from canonlm.selfcheck.verdict import run_check
 
 # the self-check's GPU shapes, shrunk for the interpreter (same code paths)
-small = {"_canon_case": dict(B=1, T=40, C=16), "_gla_case": dict(B=1, T=40, H=2, K=16, V=16),
-         "_gdn_case": dict(B=1, T=40, H=2, K=16, V=16), "_ssd_case": dict(B=1, T=40, H=2, P=16, G=1, N=16)}
+small = {"canon_case": dict(B=1, T=40, C=16), "gla_case": dict(B=1, T=40, H=2, K=16, V=16),
+         "gdn_case": dict(B=1, T=40, H=2, K=16, V=16), "ssd_case": dict(B=1, T=40, H=2, P=16, G=1, N=16)}
 for name, kw in small.items():
-    setattr(sc, name, functools.partial(getattr(sc, name), **kw))
+    setattr(kernels, name, functools.partial(getattr(kernels, name), **kw))
 # Canon's `auto` on a CPU device picks the native C kernel; resolve it as on CUDA (fla: Dao's C++ op is not Triton)
 from canonlm.ops import canon
 resolve = canon.resolve_backend
 canon.resolve_backend = lambda name, device, *a, **k: resolve("fla" if name == "auto" else name, device, *a, **k)
 rows = []
-for name, op, fast, fn in sc.kernel_checks("cpu", ("fp32", "bf16")):
+for name, op, fast, fn in kernels.kernel_checks("cpu", ("fp32", "bf16")):
     if op == "attention" or fast == "dao":
         continue                         # CUDA C++ kernels: not Triton, cannot run here
     launches.clear()
-    r = sc.run_check(name, fn)
+    r = run_check(name, fn)
     rows.append({"name": name, "op": op, "fast": fast, "status": r.status, "detail": r.detail,
                  "seconds": round(r.seconds, 1), "launches": sum(launches.values())})
     print(name, r.status, round(r.seconds, 1), file=sys.stderr, flush=True)

@@ -54,10 +54,6 @@ class DecodeCache:
                 layer[key] = t.index_select(0, index.to(t.device))
         return self
 
-    def nbytes(self) -> int:
-        """Bytes held by all tensors."""
-        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.values())
-
     def __repr__(self) -> str:
         keys = sorted({k for layer in self.layers for k in layer})
         return f"DecodeCache(n_layers={len(self.layers)}, seen={self.seen}, rows={self.batch_size}, keys={keys})"

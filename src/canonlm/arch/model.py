@@ -453,10 +453,6 @@ class CanonLM(nn.Module):
         self._set_placement(device, dtype)
         return dict(self.backends)
 
-    def check_backends(self, device: torch.device | str, dtype: torch.dtype) -> dict[str, str]:
-        """The same as :meth:`place` (the older name)."""
-        return self.place(device, dtype)
-
     def _canon_shapes(self) -> dict[str, tuple[int, int]]:
         """``{module name: (channels C, taps K)}`` of every Canon layer."""
         return {n: (m.channels, m.kernel) for n, m in self.named_modules() if isinstance(m, Canon)}

@@ -1,5 +1,6 @@
 """Plumbing shared by the sequence ops' dispatch points (canon, gla, gdn, ssd): backend memoisation that stays a
-constant under ``torch.compile``, the reference paths' compute dtype and autocast guard, and the CUDA checks."""
+constant under ``torch.compile`` (and :func:`forget_backend_choices` to empty it), the reference paths' compute dtype
+and autocast guard, and the CUDA checks."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from typing import Callable, Optional
 
 import torch
 from torch import Tensor
+
+from canonlm.errors import ConfigError
 
 
 def assume_constant(fn):
@@ -21,12 +24,34 @@ def assume_constant(fn):
     return fn
 
 
+_memos: list[dict] = []
+
+
+def memo_table() -> dict:
+    """A new, empty memo of backend choices, registered so that :func:`forget_backend_choices` empties it."""
+    table: dict = {}
+    _memos.append(table)
+    return table
+
+
+def forget_backend_choices() -> None:
+    """Empty every memo of backend choices (the per-call dispatch of canon, gla, gdn and ssd, and Mamba2's fused-path
+    choice): the next call of each op resolves its backend again.
+
+    For tests and tools that change what can run in this process (fake a library, hide a kernel). A model's placed
+    backends (``CanonLM.place``) and graphs already compiled by ``torch.compile`` (the choice is a constant there) are
+    not changed."""
+    for table in _memos:
+        table.clear()
+
+
 def make_selector(resolve: Callable[[str, torch.device, torch.dtype], str],
                   meta_auto: Optional[str] = None) -> Callable[[str, str, torch.dtype], str]:
     """``select(backend, device_str, dtype) -> concrete backend``: ``resolve`` memoised per (backend, device, dtype)
     and treated as a constant by torch.compile (no tracing into import probes). ``meta_auto``: what an ``auto``
-    that ``resolve`` leaves unresolved (the ``meta`` device) becomes."""
-    cache: dict = {}
+    that ``resolve`` leaves unresolved (the ``meta`` device) becomes. The memo is ``select.cache``
+    (:func:`memo_table`)."""
+    cache = memo_table()
 
     @assume_constant
     def select(backend: str, device: str, dtype: torch.dtype) -> str:
@@ -102,8 +127,6 @@ def resolve_fast_or_reference(name: str, device, dtype: torch.dtype, *, key: str
         canonlm.errors.ConfigError(key, name, allowed): unknown name, or ``fast`` where it cannot run; ``allowed``
         says what runs here and why ``fast`` does not.
     """
-    from canonlm.errors import ConfigError
-
     allowed = ("auto", "reference", fast)
     if name not in allowed:
         raise ConfigError(key, name, "one of " + ", ".join(allowed))

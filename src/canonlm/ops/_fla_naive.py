@@ -3,7 +3,8 @@
 fla-core's ``fla/ops/__init__.py`` imports every Triton kernel, so ``import fla.ops.gla.naive`` fails on a machine
 without triton (spec engineering.md §6.4). The ``naive.py`` files themselves need only torch (and einops), so they
 are loaded here by file path from the installed ``fla`` package, without importing ``fla.ops``. Nothing in canonlm's
-model code calls them; canonlm's own references live in ``canonlm.ops.<op>``.
+model code calls them; they are the second, external oracle beside canonlm's own plain loops
+(``canonlm.ops.<op>.naive``).
 """
 
 from __future__ import annotations

@@ -30,6 +30,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from canonlm.errors import ConfigError
+
 BACKENDS = ("auto", "fused", "reference", "sdpa", "flash")
 
 
@@ -88,12 +90,10 @@ def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype, h
         ``"reference"``, ``"sdpa"`` or ``"flash"``. ``auto`` / ``fused`` are always ``"sdpa"`` (any head dim and
         dtype; never flash, so nothing to fall back from).
     Raises:
-        canonlm.arch.config.ConfigError("model.kernels.attention", name, ...): unknown name, or ``flash`` requested
+        canonlm.errors.ConfigError("model.kernels.attention", name, ...): unknown name, or ``flash`` requested
         where :func:`flash_reason` says it cannot run (no CUDA, no ``flash_attn``, a pre-Ampere GPU, a dtype other
         than fp16/bf16, head dim > 256); the message carries the reason.
     """
-    from canonlm.arch.config import ConfigError  # lazy: canonlm.arch imports this module
-
     key = "model.kernels.attention"
     if name not in BACKENDS:
         raise ConfigError(key, name, " | ".join(BACKENDS))

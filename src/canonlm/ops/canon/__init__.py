@@ -44,9 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from canonlm.arch.config import ConfigError
-
-from canonlm.ops._dispatch import assume_constant, cuda_reason
+from canonlm.errors import ConfigError
+from canonlm.ops._dispatch import assume_constant, cuda_reason, memo_table
 
 from . import _cuda, _native
 
@@ -260,7 +259,7 @@ def _select(backend: str, device: str, dtype: torch.dtype, C: int, K: int) -> st
     return hit
 
 
-_select_cache: dict = {}
+_select_cache: dict = memo_table()
 
 
 def causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, residual: bool = True,

@@ -70,8 +70,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from canonlm.ops._dispatch import (assume_constant, compute_dtype, cuda_reason, make_selector, no_autocast,
-                                   resolve_fast_or_reference, shape_of)
+from canonlm.errors import ConfigError
+from canonlm.ops._dispatch import (assume_constant, compute_dtype, cuda_reason, make_selector, memo_table,
+                                   no_autocast, resolve_fast_or_reference, shape_of)
 from canonlm.ops.canon._cuda import DAO_WIDTHS
 
 from . import _mamba
@@ -371,7 +372,7 @@ def fused_split_reason(device, dtype: torch.dtype, conv_kernel: int, *, d_inner:
     return None
 
 
-_split_cache: dict = {}
+_split_cache: dict = memo_table()
 _split_warned: set = set()
 
 
@@ -416,8 +417,6 @@ def check_fused_split(name: str, device, dtype: torch.dtype, conv_kernel: int, *
         (``allowed`` carries :func:`fused_split_reason`); unknown names and a mamba_ssm that cannot run at all are
         refused by :func:`resolve_backend` first. Nothing is checked on the ``meta`` device.
     """
-    from canonlm.errors import ConfigError
-
     device = torch.device(device)
     be = resolve_fast_or_reference("auto" if name == "fused" else name, device, dtype, key=key, fast="mamba_ssm",
                                    reason=lambda dev, dt: _unavailable_reason("mamba_ssm", dev, dt))
@@ -619,8 +618,6 @@ def split_conv1d_scan_combined(zxbcdt: Tensor, conv_weight: Tensor, conv_bias: O
             the installed mamba-ssm calls missing or with other arguments, channels not aligned for causal-conv1d).
         ValueError: inconsistent shapes, unknown activation, bad chunk_size / dt_limit.
     """
-    from canonlm.errors import ConfigError
-
     H, P, G, N, conv_dim = _split_dims(zxbcdt, conv_weight, conv_bias, dt_bias, A, D, headdim, ngroups, activation,
                                        rmsnorm_weight, outproj_weight)
     Q = _check_chunk(chunk_size)

@@ -1,0 +1,428 @@
+"""Kernel lines: every fast kernel against its pure-PyTorch reference in float64 from the same rounded inputs, forward
+and backward and on its decode path (CUDA by default), and the CPU's own fast paths (the native Canon kernel, SDPA).
+
+The inputs of each line come from :func:`canon_case`, :func:`gla_case`, :func:`gdn_case` and :func:`ssd_case`
+(looked up at call time, so a caller can shrink them). What ran is counted by :func:`canonlm.ops.backend_calls`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Callable, Iterable, Optional
+
+from canonlm.ops import backend_calls
+from canonlm.selfcheck import environment as env
+from canonlm.selfcheck.numerics import compare, dtype_of, fwd_bwd, gen, kernel_tol, rel_err, tol_note
+from canonlm.selfcheck.verdict import FAIL, Fail, Result, Skip, Verdict, judge_kernel, run_check, short
+
+
+def kernel_prelude(op: str, fast: str, dtype, device: str) -> str:
+    """Skip/fail early when the fast path cannot run on ``device``; return the backend ``auto`` picks (or the explicit
+    one when ``fast`` is not ``auto``'s first choice: canon ``fla`` beside ``dao``, attention ``flash``)."""
+    env.need_cuda(device)
+    bad = env.fast_unavailable(op, fast, device, dtype)
+    if bad is not None:
+        if bad[0] == FAIL:
+            raise Fail(bad[1])
+        raise Skip(bad[1])
+    auto = env.resolve(op, "auto", device, dtype)
+    secondary = (op == "canon" and fast == "fla" and auto == "dao") or (op == "attention" and fast == "flash")
+    return env.resolve(op, fast, device, dtype) if secondary else auto
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# inputs
+# ----------------------------------------------------------------------------------------------------------------
+
+def canon_case(dtype, dev, seed=0, B=2, T=200, C=64, K=4):
+    """``[x (B, T, C), w (C, K), b (C,), h0 (B, C, K-1)]`` in ``dtype`` on ``dev``."""
+    import torch
+
+    g = gen(seed)
+    x = torch.randn(B, T, C, generator=g)
+    w = torch.rand(C, K, generator=g) - 0.5
+    b = torch.randn(C, generator=g) * 0.1
+    h0 = torch.randn(B, C, K - 1, generator=g)
+    return [t.to(dtype).to(dev) for t in (x, w, b, h0)]
+
+
+def gla_case(dtype, dev, seed=0, B=2, T=300, H=4, K=64, V=64):
+    """``[q, k (B, T, H, K), v (B, T, H, V)`` in ``dtype``; ``g (B, T, H, K) = logsigmoid / 16``, ``h0 (B, H, K, V)``
+    in float32] on ``dev``."""
+    import torch
+    import torch.nn.functional as F
+
+    g = gen(seed)
+    q, k = torch.randn(B, T, H, K, generator=g), torch.randn(B, T, H, K, generator=g)
+    v = torch.randn(B, T, H, V, generator=g)
+    gate = F.logsigmoid(torch.randn(B, T, H, K, generator=g)) / 16
+    h0 = torch.randn(B, H, K, V, generator=g)
+    return [q.to(dtype).to(dev), k.to(dtype).to(dev), v.to(dtype).to(dev), gate.to(dev), h0.to(dev)]
+
+
+def gdn_case(dtype, dev, seed=0, B=2, T=300, H=4, K=64, V=64):
+    """``[q, k (B, T, H, K), v (B, T, H, V)`` in ``dtype``; ``g (B, T, H)`` log-decay, ``beta (B, T, H)``, ``h0
+    (B, H, K, V)`` in float32] on ``dev``."""
+    import torch
+    import torch.nn.functional as F
+
+    g = gen(seed)
+    q, k = torch.randn(B, T, H, K, generator=g), torch.randn(B, T, H, K, generator=g)
+    v = torch.randn(B, T, H, V, generator=g)
+    gate = F.logsigmoid(torch.randn(B, T, H, generator=g) + 2.0)
+    beta = torch.sigmoid(torch.randn(B, T, H, generator=g))
+    h0 = torch.randn(B, H, K, V, generator=g)
+    return [q.to(dtype).to(dev), k.to(dtype).to(dev), v.to(dtype).to(dev), gate.to(dev), beta.to(dev), h0.to(dev)]
+
+
+def ssd_case(dtype, dev, seed=0, B=2, T=300, H=4, P=64, G=1, N=64):
+    """``[x (B, T, H, P), dt (B, T, H), A (H,), B, C (B, T, G, N), D (H,), dt_bias (H,), h0 (B, H, P, N)]`` on
+    ``dev``; x, B, C in ``dtype``, the rest float32."""
+    import torch
+
+    g = gen(seed)
+    x = torch.randn(B, T, H, P, generator=g)
+    dt = torch.randn(B, T, H, generator=g)
+    A = -torch.exp(torch.rand(H, generator=g) * 2.0)
+    Bm, Cm = torch.randn(B, T, G, N, generator=g), torch.randn(B, T, G, N, generator=g)
+    D = torch.randn(H, generator=g)
+    dt_bias = torch.randn(H, generator=g) * 0.5
+    h0 = torch.randn(B, H, P, N, generator=g)
+    return [x.to(dtype).to(dev), dt.to(dev), A.to(dev), Bm.to(dtype).to(dev), Cm.to(dtype).to(dev),
+            D.to(dev), dt_bias.to(dev), h0.to(dev)]
+
+
+#: The two Canon-op uses checked: the Canon layer (residual, no activation) and a mixer's short conv (SiLU).
+CANON_KINDS = {"canon.": (True, False), "shortconv.": (False, True)}
+#: Decode segments of the GLA / GDN lines: a 20-token prefill, ten 1-token steps, then a 100-token chunk.
+DECODE_SEGMENTS = [(0, 20)] + [(t, t + 1) for t in range(20, 30)] + [(30, 130)]
+
+
+def _segments(fn, seqs: list, state, segments) -> tuple:
+    """``fn(*[s[:, a:b] for s in seqs], state) -> (out, state)`` over ``segments`` (no_grad), the state carried;
+    returns (outputs concatenated over time, final state)."""
+    import torch
+
+    outs = []
+    with torch.no_grad():
+        for a, b in segments:
+            o, state = fn(*[s[:, a:b] for s in seqs], state)
+            outs.append(o)
+    return torch.cat(outs, 1), state
+
+
+def _canon_fwd_bwd(fast_fn, x, w, b, h0, errors: dict) -> dict:
+    """Both Canon uses (:data:`CANON_KINDS`) through ``fast_fn`` (counted) vs ``causal_conv1d_reference`` in float64,
+    forward and backward; fills ``errors``, returns the counted calls."""
+    from canonlm.ops.canon import causal_conv1d_reference
+
+    def conv(fn, residual, act):
+        return lambda x, w, b, h: (fn(x, w, b, residual=residual, activation=act, initial_state=h),)
+
+    with backend_calls(["canon"]) as ran:
+        got = {tag: fwd_bwd(conv(fast_fn, *ra), [x, w, b, h0]) for tag, ra in CANON_KINDS.items()}
+    for tag, ra in CANON_KINDS.items():
+        ref = fwd_bwd(conv(causal_conv1d_reference, *ra), [t.double() for t in (x, w, b, h0)])
+        compare(["y"], ["x", "w", "b", "init"], got[tag], ref, errors, tag)
+    return ran
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# fast kernels vs references (CUDA by default)
+# ----------------------------------------------------------------------------------------------------------------
+
+def check_canon_kernel(fast: str, dt: str, mode: str, device: str = "cuda") -> Verdict:
+    """Canon ``dao`` / ``fla`` vs ``causal_conv1d_reference``: the Canon layer (residual) and the short conv (SiLU,
+    no residual), with bias and an initial state; ``mode`` ``fwd+bwd`` or ``decode`` (``causal_conv1d_step`` for
+    40 tokens from a zero state vs the full reference, and the final state)."""
+    import torch
+
+    from canonlm.ops.canon import causal_conv1d, causal_conv1d_reference, causal_conv1d_state, causal_conv1d_step
+
+    dtype = dtype_of(dt)
+    resolved = kernel_prelude("canon", fast, dtype, device)
+    x, w, b, h0 = canon_case(dtype, device)
+    errors: dict[str, float] = {}
+    if mode == "fwd+bwd":
+        ran = _canon_fwd_bwd(functools.partial(causal_conv1d, backend=fast), x, w, b, h0, errors)
+    else:
+        x = x[:, :40]
+
+        def steps(residual, act):
+            state, ys = torch.zeros(x.shape[0], x.shape[2], w.shape[1], device=device, dtype=dtype), []
+            for t in range(x.shape[1]):
+                y, state = causal_conv1d_step(x[:, t], state, w, b, residual=residual, activation=act, backend=fast)
+                ys.append(y)
+            return torch.stack(ys, 1), state
+
+        with torch.no_grad():
+            with backend_calls(["canon"]) as ran:
+                got = {tag: steps(*ra) for tag, ra in CANON_KINDS.items()}
+            for tag, (residual, act) in CANON_KINDS.items():
+                ref = causal_conv1d_reference(x.double(), w.double(), b.double(), residual=residual, activation=act)
+                errors[tag + "y_steps"] = rel_err(got[tag][0], ref)
+                errors[tag + "state"] = rel_err(got[tag][1], causal_conv1d_state(x, w.shape[1]))
+    return judge_kernel("canon", fast, resolved, ran, errors, kernel_tol("canon", fast, dt))
+
+
+def check_attention_kernel(fast: str, dt: str, mode: str, device: str = "cuda") -> Verdict:
+    """Attention ``sdpa`` / ``flash`` vs ``attention_reference`` (GQA 8 query / 2 kv heads, head dim 64, causal):
+    ``fwd+bwd`` at T = 256, or ``decode`` (1 and 5 new queries against a 256-key cache, bottom-right causal)."""
+    import torch
+
+    from canonlm.ops.attention import attention, attention_reference
+
+    dtype = dtype_of(dt)
+    if fast == "flash" and dtype not in (torch.float16, torch.bfloat16):
+        raise Skip("flash-attn has no fp32 kernel")
+    if fast == "flash":
+        resolved = kernel_prelude("attention", "flash", dtype, device)
+    else:
+        env.need_cuda(device)
+        resolved = env.resolve("attention", "auto", device, dtype)
+    g = gen(3)
+    B, S, H, Hkv, D = 2, 256, 8, 2, 64
+    q = torch.randn(B, S, H, D, generator=g).to(dtype).to(device)
+    k = torch.randn(B, S, Hkv, D, generator=g).to(dtype).to(device)
+    v = torch.randn(B, S, Hkv, D, generator=g).to(dtype).to(device)
+    errors: dict[str, float] = {}
+    if mode == "fwd+bwd":
+        with backend_calls(["attention"]) as ran:
+            got = fwd_bwd(lambda q, k, v: (attention(q, k, v, backend=fast),), [q, k, v])
+        ref = fwd_bwd(lambda q, k, v: (attention_reference(q, k, v),), [q.double(), k.double(), v.double()])
+        compare(["o"], ["q", "k", "v"], got, ref, errors)
+    else:
+        with torch.no_grad():
+            with backend_calls(["attention"]) as ran:
+                outs = {T: attention(q[:, -T:].contiguous(), k, v, backend=fast) for T in (1, 5)}
+            for T, o in outs.items():
+                errors[f"o_T{T}"] = rel_err(o, attention_reference(q[:, -T:].double(), k.double(), v.double()))
+    return judge_kernel("attention", fast, resolved, ran, errors, kernel_tol("attention", fast, dt))
+
+
+def _linear_kernel(op: str, dt: str, mode: str, device: str, fast_fn, ref_fn, make_case, names: list) -> Verdict:
+    """GLA / GDN line: ``make_case(dtype, device)`` gives the inputs, those with a time axis first (one per name of
+    ``names`` but the state), the state (B, H, K, V) last. ``fwd+bwd``: outputs and gradients vs ``ref_fn`` in
+    float64; ``decode``: the :data:`DECODE_SEGMENTS` under no_grad, the state carried, vs one reference call over
+    the first 130 tokens."""
+    import torch
+
+    dtype = dtype_of(dt)
+    resolved = kernel_prelude(op, "fla", dtype, device)
+    case = make_case(dtype, device)
+    seqs = len(case) - 1
+    errors: dict[str, float] = {}
+    if mode == "fwd+bwd":
+        with backend_calls([op]) as ran:
+            got = fwd_bwd(fast_fn, case)
+        ref = fwd_bwd(ref_fn, [t.double() for t in case])
+        compare(["o", "S"], names, got, ref, errors)
+    else:
+        with backend_calls([op]) as ran:
+            o, S = _segments(fast_fn, case[:seqs], case[-1], DECODE_SEGMENTS)
+        with torch.no_grad():
+            eo, eS = ref_fn(*[t[:, :130].double() for t in case[:seqs]], case[-1].double())
+        errors["o"], errors["S"] = rel_err(o, eo), rel_err(S, eS)
+    return judge_kernel(op, "fla", resolved, ran, errors, kernel_tol(op, "fla", dt), tol_note(op, "fla", dt))
+
+
+def check_gla_kernel(dt: str, mode: str, device: str = "cuda") -> Verdict:
+    """GLA ``fla`` vs ``chunk_gla_reference`` (B=2, T=300, H=4, K=V=64, initial and final state): ``fwd+bwd``
+    (``chunk_gla``), or ``decode`` under no_grad (a 20-token prefill and ten 1-token steps on
+    ``fused_recurrent_gla``, then a 100-token chunk, the state carried) vs one reference call."""
+    from canonlm.ops.gla import chunk_gla, chunk_gla_reference
+
+    def ref_fn(q, k, v, g, h):
+        return chunk_gla_reference(q, k, v, g, initial_state=h, output_final_state=True)
+
+    def fast_fn(q, k, v, g, h):
+        return chunk_gla(q, k, v, g, initial_state=h, output_final_state=True, backend="fla")
+
+    return _linear_kernel("gla", dt, mode, device, fast_fn, ref_fn, gla_case, ["q", "k", "v", "g", "h0"])
+
+
+def check_gdn_kernel(dt: str, mode: str, device: str = "cuda") -> Verdict:
+    """GDN ``fla`` vs ``chunk_gated_delta_rule_reference`` (q/k L2-normalised in the kernel, B=2, T=300, H=4,
+    K=V=64, g and beta fp32 as the mixer passes them): ``fwd+bwd``, or ``decode`` (no_grad: a 20-token prefill and
+    ten 1-token steps on ``fused_recurrent_gated_delta_rule``, then a 100-token chunk) vs one reference call."""
+    from canonlm.ops.gdn import chunk_gated_delta_rule, chunk_gated_delta_rule_reference
+
+    def ref_fn(q, k, v, g, beta, h):
+        return chunk_gated_delta_rule_reference(q, k, v, g, beta, initial_state=h, output_final_state=True)
+
+    def fast_fn(q, k, v, g, beta, h):
+        return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h, output_final_state=True, backend="fla")
+
+    return _linear_kernel("gdn", dt, mode, device, fast_fn, ref_fn, gdn_case, ["q", "k", "v", "g", "beta", "h0"])
+
+
+def check_ssd_kernel(dt: str, mode: str, device: str = "cuda") -> Verdict:
+    """SSD ``mamba_ssm`` vs ``ssd_scan_reference`` (B=2, T=300, H=4, P=64, G=1, N=64, chunk 64, D, dt_bias,
+    initial state): ``fwd+bwd`` (``mamba_chunk_scan_combined``), or ``decode`` (no_grad: a 20-token prefill, then
+    ten 1-token steps on ``selective_state_update``) vs one reference call."""
+    import torch
+
+    from canonlm.ops.ssd import ssd_scan, ssd_scan_reference
+
+    dtype = dtype_of(dt)
+    resolved = kernel_prelude("ssd", "mamba_ssm", dtype, device)
+    x, dtv, A, Bm, Cm, D, db, h0 = ssd_case(dtype, device)
+    errors: dict[str, float] = {}
+    kw = dict(chunk_size=64, output_final_state=True)
+
+    def fast_fn(x, d, B, C, h, A=A, D=D, db=db):
+        return ssd_scan(x, d, A, B, C, D=D, dt_bias=db, initial_state=h, backend="mamba_ssm", **kw)
+
+    def ref_fn(x, d, B, C, h, A=A, D=D, db=db):
+        return ssd_scan_reference(x, d, A, B, C, D=D, dt_bias=db, initial_state=h, **kw)
+
+    if mode == "fwd+bwd":
+        with backend_calls(["ssd"]) as ran:
+            got = fwd_bwd(fast_fn, [x, dtv, Bm, Cm, h0, A, D, db])
+        ref = fwd_bwd(ref_fn, [t.double() for t in (x, dtv, Bm, Cm, h0, A, D, db)])
+        compare(["y", "S"], ["x", "dt", "B", "C", "h0", "A", "D", "dt_bias"], got, ref, errors)
+    else:
+        T = 30
+        with backend_calls(["ssd"]) as ran:
+            y, S = _segments(fast_fn, [x, dtv, Bm, Cm], h0, [(0, 20)] + [(t, t + 1) for t in range(20, T)])
+        with torch.no_grad():
+            ey, eS = ref_fn(*[t[:, :T].double() for t in (x, dtv, Bm, Cm)], h0.double(), A.double(), D.double(),
+                            db.double())
+        errors["y"], errors["S"] = rel_err(y, ey), rel_err(S, eS)
+    return judge_kernel("ssd", "mamba_ssm", resolved, ran, errors, kernel_tol("ssd", "mamba_ssm", dt),
+                        tol_note("ssd", "mamba_ssm", dt))
+
+
+def check_ssd_split_kernel(dt: str, device: str = "cuda") -> Verdict:
+    """Mamba2's fused ``mamba_split_conv1d_scan_combined`` (conv + SSD + gated RMSNorm + out-proj) vs
+    ``split_conv1d_scan_reference``, forward and backward (B=2, T=130, H=8, P=8, G=1, N=32, width 4, SiLU; every
+    width a multiple of 8, as causal-conv1d's channel-last kernel needs). SKIP with the reason when
+    ``canonlm.ops.ssd.fused_split_reason`` says the installed mamba-ssm / causal-conv1d pair cannot run it (the
+    mixer then runs the conv and the scan separately, which the other SSD lines check)."""
+    import torch
+
+    from canonlm.ops import ssd
+
+    dtype = dtype_of(dt)
+    kernel_prelude("ssd", "split", dtype, device)
+    Bsz, T, H, P, G, N, W, out = 2, 130, 8, 8, 1, 32, 4, 48
+    d_inner, conv_dim = H * P, H * P + 2 * G * N
+    why = ssd.fused_split_reason(device, dtype, W, d_inner=d_inner, conv_dim=conv_dim, nheads=H)
+    if why is not None:
+        raise Skip(f"fused split cannot run with this mamba-ssm / causal-conv1d: {short(why, 200)}")
+    fused = ssd.use_fused_split("auto", device, dtype, W, d_inner, conv_dim, H)
+    resolved = "split" if fused else "separate conv + scan"
+    g = gen(42)
+    zx = torch.randn(Bsz, T, 2 * d_inner + 2 * G * N + H, generator=g)
+    conv_w, conv_b = torch.rand(conv_dim, W, generator=g) - 0.5, torch.randn(conv_dim, generator=g) * 0.1
+    dt_bias, A = torch.randn(H, generator=g) * 0.5, -torch.exp(torch.rand(H, generator=g) * 2.0)
+    D, norm_w = torch.randn(H, generator=g), 1.0 + 0.1 * torch.randn(d_inner, generator=g)
+    out_w = torch.randn(out, d_inner, generator=g) / math.sqrt(d_inner)
+    leaves = [zx.to(dtype), conv_w, conv_b, dt_bias, A, D, norm_w, out_w.to(dtype)]
+    kw = dict(chunk_size=64, activation="silu", rmsnorm_eps=1e-5, headdim=P, ngroups=G)
+
+    def run(fn):
+        return lambda zx, cw, cb, db, A, D, nw, ow: (fn(zx, cw, cb, db, A, D, rmsnorm_weight=nw, outproj_weight=ow,
+                                                        **kw),)
+    with backend_calls(["ssd"]) as ran:
+        got = fwd_bwd(run(ssd.split_conv1d_scan_combined), [t.to(device) for t in leaves])
+    ref = fwd_bwd(run(ssd.split_conv1d_scan_reference), [t.double().to(device) for t in leaves])
+    errors: dict[str, float] = {}
+    compare(["out"], ["zxbcdt", "conv_w", "conv_b", "dt_bias", "A", "D", "norm_w", "out_w"], got, ref, errors)
+    return judge_kernel("ssd", "split", resolved, ran, errors, kernel_tol("ssd", "split", dt),
+                        tol_note("ssd", "split", dt))
+
+
+def kernel_checks(device: str = "cuda", dtypes: Iterable[str] = ("fp32", "bf16")
+                  ) -> list[tuple[str, str, str, Callable[[], Verdict]]]:
+    """Every kernel line as ``(name, op, fast backend, fn)`` for ``device`` (names are known without running)."""
+    out: list = []
+    for dt in dtypes:
+        for fast in ("dao", "fla"):
+            for mode in ("fwd+bwd", "decode"):
+                out.append((f"kernel canon/{fast} {dt} {mode}", "canon", fast,
+                            functools.partial(check_canon_kernel, fast, dt, mode, device)))
+        for fast in ("sdpa", "flash"):
+            if fast == "flash" and dt == "fp32":
+                continue
+            for mode in ("fwd+bwd", "decode"):
+                out.append((f"kernel attention/{fast} {dt} {mode}", "attention", fast,
+                            functools.partial(check_attention_kernel, fast, dt, mode, device)))
+        for op, fast, fn in (("gla", "fla", check_gla_kernel), ("gdn", "fla", check_gdn_kernel),
+                             ("ssd", "mamba_ssm", check_ssd_kernel)):
+            for mode in ("fwd+bwd", "decode"):
+                out.append((f"kernel {op}/{fast} {dt} {mode}", op, fast, functools.partial(fn, dt, mode, device)))
+        out.append((f"kernel ssd/mamba_ssm fused split {dt} fwd+bwd", "ssd", "split",
+                    functools.partial(check_ssd_split_kernel, dt, device)))
+    return out
+
+
+def run_kernel_checks(device: str = "cuda", dtypes: Iterable[str] = ("fp32", "bf16"),
+                      ops: Optional[Iterable[str]] = None) -> list[Result]:
+    """Run the kernel lines (fast kernel vs float64 reference) on ``device``, nothing else.
+
+    Args:
+        device: where the tensors live (``"cuda"``; another device runs the lines whose fast backends resolve there,
+            the others SKIP with the reason).
+        dtypes: ``"fp32"`` and/or ``"bf16"``.
+        ops: only these ops (``canon``, ``attention``, ``gla``, ``gdn``, ``ssd``); None: all.
+    Returns:
+        One :class:`~canonlm.selfcheck.verdict.Result` per line, in the report's order: ``status`` PASS / FAIL /
+        SKIP, ``detail``, ``seconds``, ``op`` / ``backend`` under test, ``ran`` (``{op: {backend: calls}}`` observed
+        by :func:`canonlm.ops.backend_calls`), ``errors`` (``{tensor: max |fast - ref| / max |ref|}``) and ``tol``.
+        Never raises for a failing check.
+    """
+    keep = None if ops is None else set(ops)
+    results = []
+    for name, op, fast, fn in kernel_checks(device, dtypes):
+        if keep is None or op in keep:
+            r = run_check(name, fn)
+            results.append(dataclasses.replace(r, op=op, backend=fast))
+    return results
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the CPU's fast paths
+# ----------------------------------------------------------------------------------------------------------------
+
+def check_cpu_canon_native(dt: str) -> Verdict:
+    """The native CPU Canon kernel (``auto`` on CPU must pick ``cpu``, and it must be the one called) vs
+    ``causal_conv1d_reference`` in float64, forward and backward, Canon layer and short conv (B=2, T=64, C=48, K=4,
+    bias, initial state)."""
+    from canonlm.ops.canon import available_backends, causal_conv1d
+
+    dtype = dtype_of(dt)
+    why = available_backends("cpu", dtype)["cpu"]
+    if why is not None:
+        raise Skip(f"native kernel unavailable: {why}")
+    resolved = env.resolve("canon", "auto", "cpu", dtype)
+    x, w, b, h0 = canon_case(dtype, "cpu", B=2, T=64, C=48, K=4)
+    errors: dict[str, float] = {}
+    ran = _canon_fwd_bwd(functools.partial(causal_conv1d, backend="cpu"), x, w, b, h0, errors)
+    return judge_kernel("canon", "cpu", resolved, ran, errors, 1e-5 if dt == "fp32" else 2e-2)
+
+
+def check_cpu_attention() -> Verdict:
+    """SDPA (``auto`` on CPU, and the function called) vs ``attention_reference`` (float64), fp32, GQA 4 / 2 heads,
+    T = 64, forward and backward, plus decode (1 and 5 queries against the 64-key cache)."""
+    import torch
+
+    from canonlm.ops.attention import attention, attention_reference
+
+    resolved = env.resolve("attention", "auto", "cpu", torch.float32)
+    g = gen(5)
+    q = torch.randn(2, 64, 4, 32, generator=g)
+    k, v = torch.randn(2, 64, 2, 32, generator=g), torch.randn(2, 64, 2, 32, generator=g)
+    errors: dict[str, float] = {}
+    with backend_calls(["attention"]) as ran:
+        got = fwd_bwd(lambda q, k, v: (attention(q, k, v, backend="sdpa"),), [q, k, v])
+        with torch.no_grad():
+            steps = {T: attention(q[:, -T:], k, v, backend="sdpa") for T in (1, 5)}
+    ref = fwd_bwd(lambda q, k, v: (attention_reference(q, k, v),), [q.double(), k.double(), v.double()])
+    compare(["o"], ["q", "k", "v"], got, ref, errors)
+    with torch.no_grad():
+        for T, o in steps.items():
+            errors[f"o_decode_T{T}"] = rel_err(o, attention_reference(q[:, -T:].double(), k.double(), v.double()))
+    return judge_kernel("attention", "sdpa", resolved, ran, errors, 1e-4)

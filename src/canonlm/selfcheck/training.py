@@ -1,0 +1,190 @@
+"""Training lines: ``train.py`` in a subprocess with a probe callback that records the steps, the placed backends
+and the kernels that really ran, judged on the run's ``metrics.jsonl`` (tokens/s, peak memory, MFU, losses)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+from canonlm.ops import backend_calls
+from canonlm.selfcheck import models
+from canonlm.selfcheck.environment import ROOT
+from canonlm.selfcheck.models import MIXER_OP, required_ops, with_split
+from canonlm.selfcheck.verdict import FAIL, PASS, Fail, Skip, fmt_backends, fmt_ran, judge_ran, short
+
+
+def train_probe(out: str):
+    """Lightning callback for the self-check's training runs (instantiated by Hydra from
+    ``+callbacks.selfcheck._target_=canonlm.selfcheck.training.train_probe``). From the start of training it counts
+    the calls of every sequence op's backends (:func:`canonlm.ops.backend_calls`; a missing entry point fails the
+    run); at its end, rank 0 writes ``out`` (JSON) with the steps done, world size, the backends the model was placed
+    with, ``ran`` (``{op: {backend: calls}}``), for Mamba2 ``fused_split_reason`` (None: the fused split kernel can
+    run for this model, :func:`~canonlm.selfcheck.models.fused_split_reason`), and the peak memory in GiB (CUDA:
+    ``max_memory_allocated``; CPU: peak RSS)."""
+    import lightning.pytorch as L
+
+    class _Probe(L.Callback):
+        def __init__(self):
+            self._calls = contextlib.ExitStack()
+            self._ran: dict = {}
+
+        def on_train_start(self, trainer, pl_module):  # noqa: D401
+            self._ran = self._calls.enter_context(backend_calls(set(MIXER_OP.values()) | {"canon"}))
+
+        def teardown(self, trainer, pl_module, stage):  # noqa: D401
+            self._calls.close()
+
+        def on_train_end(self, trainer, pl_module):  # noqa: D401
+            self._calls.close()
+            if not trainer.is_global_zero:
+                return
+            import torch
+
+            model = pl_module.model
+            dev = pl_module.device
+            if dev.type == "cuda":
+                peak = torch.cuda.max_memory_allocated(dev) / 2**30
+            else:
+                import resource
+
+                rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                peak = rss / 2**30 if sys.platform == "darwin" else rss / 2**20
+            placed = getattr(model, "placement", None)
+            info = {"steps": int(trainer.global_step), "world_size": int(trainer.world_size), "device": str(dev),
+                    "precision": str(trainer.precision), "peak_mem_gib": peak,
+                    "backends": dict(getattr(model, "backends", {}) or {}),
+                    "placed": None if placed is None else [str(placed[0]), str(placed[1])], "ran": self._ran}
+            if model.cfg.arch == "mamba2" and placed is not None:
+                info["fused_split_reason"] = models.fused_split_reason(model, *placed)
+            from canonlm.utils.io import atomic_write_text
+
+            atomic_write_text(out, json.dumps(info))
+
+    return _Probe()
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    if path.is_file():
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue
+    return rows
+
+
+def _median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else None
+
+
+@dataclasses.dataclass
+class TrainSpec:
+    """One training line: what to run and what it must show."""
+
+    label: str
+    arch: str
+    canon: str
+    overrides: list
+    steps: int
+    world: int
+    device: str                      # "cuda" | "cpu"
+    timeout: float
+
+
+def run_training(spec: TrainSpec, workdir: Path) -> tuple[str, str]:
+    """Run ``train.py`` for ``spec`` in a subprocess (``logger=none``, ``callbacks=none`` plus :func:`train_probe`,
+    no validation or test) and judge it with :func:`judge_training`; on CUDA every op must run its fast path when
+    its library is installed (:func:`~canonlm.selfcheck.models.expected_fast`). Raises Skip without a checkout's
+    ``train.py``, Fail when the run exits non-zero or times out (the last output lines and the run directory in the
+    message)."""
+    train_py = ROOT / "train.py"
+    if not train_py.is_file() or not (ROOT / "conf").is_dir():
+        raise Skip(f"no train.py / conf/ at {ROOT} (run from a source checkout: pip install -e .)")
+    name = spec.label.replace(" ", "_").replace("=", "-").replace("/", "-")
+    probe = workdir / f"{name}.probe.json"
+    cmd = [sys.executable, str(train_py), f"arch={spec.arch}", f"canon={spec.canon}", *spec.overrides,
+           f"trainer.max_steps={spec.steps}", "trainer.limit_val_batches=0", "test=false", "logger=none",
+           "callbacks=none", f"+callbacks.selfcheck._target_={__name__}.train_probe",
+           f"+callbacks.selfcheck.out={probe}", f"paths.log_dir={workdir}", f"run_name={name}"]
+    env = {**os.environ, "WANDB_MODE": "disabled", "HYDRA_FULL_ERROR": "1"}
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=spec.timeout, cwd=str(workdir), env=env)
+    except subprocess.TimeoutExpired:
+        raise Fail(f"train.py did not finish within {spec.timeout:.0f} s") from None
+    run_dir = workdir / "train" / "runs" / name
+    if p.returncode != 0:
+        tail = [ln for ln in (p.stderr + "\n" + p.stdout).splitlines() if ln.strip()][-3:]
+        raise Fail(f"train.py exit {p.returncode}: {short(' / '.join(tail), 400)} (run dir {run_dir})")
+    rows = _read_jsonl(run_dir / "metrics.jsonl")
+    info = json.loads(probe.read_text()) if probe.is_file() else {}
+    want, why = None, None
+    if spec.device == "cuda":
+        import torch
+
+        try:
+            want = models.expected_fast(spec.arch, torch.bfloat16)
+        except Skip as e:
+            want, why = {}, str(e)
+    status, detail = judge_training(spec, rows, info, want)
+    if why is not None:
+        detail += f" (no fast {MIXER_OP[spec.arch]} kernel: {why})"
+    if status == FAIL:
+        detail += f" (run dir {run_dir})"
+    return status, detail
+
+
+def judge_training(spec: TrainSpec, rows: list[dict], info: dict, want: Optional[dict]) -> tuple[str, str]:
+    """Verdict of a finished training run.
+
+    Args:
+        spec: what was run. rows: the run's ``metrics.jsonl`` rows. info: what :func:`train_probe` wrote (steps,
+            world_size, backends the model was placed with, ``ran`` = ``{op: {backend: calls}}`` observed during
+            training, ``fused_split_reason`` for Mamba2, peak memory). want: ``{op: fast backend}`` that must have
+            run (None: no requirement, e.g. on the CPU); Mamba2's ``mamba_ssm`` becomes the fused ``split`` when
+            ``fused_split_reason`` is None.
+    Returns:
+        ``(PASS | FAIL, detail)``: FAIL when fewer steps ran than asked, a loss is missing or not finite, the world
+        size differs, or (with ``want``) the calls were not recorded, an op ran anything but its wanted fast backend
+        (a reference fallback, or Mamba2's unfused path where the fused one can run), or a required op
+        (:func:`~canonlm.selfcheck.models.required_ops`) did not run. The detail gives tokens/s (median of the
+        ``perf/tokens_per_s`` rows after the first), peak memory (GiB; the larger of the ``perf/peak_mem_gb`` rows and
+        the probe), MFU (median ``perf/mfu``), the first and last loss, the placed backends and the calls.
+    """
+    losses = [r["train/loss"] for r in rows if "train/loss" in r]
+    if info.get("steps") != spec.steps:
+        return FAIL, f"{info.get('steps')} optimizer steps done, {spec.steps} asked"
+    if not losses or not all(isinstance(v, (int, float)) and math.isfinite(v) for v in losses):
+        return FAIL, f"non-finite or missing train/loss in metrics.jsonl: {losses[:5]}"
+    if spec.world and info.get("world_size") != spec.world:
+        return FAIL, f"world size {info.get('world_size')}, expected {spec.world}"
+    tps = [r["perf/tokens_per_s"] for r in rows if "perf/tokens_per_s" in r]
+    mfu = [r["perf/mfu"] for r in rows if "perf/mfu" in r]
+    mem = [r["perf/peak_mem_gb"] for r in rows if "perf/peak_mem_gb" in r]
+    mem += [info["peak_mem_gib"]] if isinstance(info.get("peak_mem_gib"), (int, float)) else []
+    tok_s = _median(tps[1:] or tps)
+    backends = info.get("backends") or {}
+    ran = info.get("ran")
+    parts = [f"tokens/s {tok_s:,.0f}" if tok_s else "tokens/s n/a (no perf/tokens_per_s rows)",
+             f"peak mem {max(mem):.2f} GiB" if mem else "peak mem n/a",
+             f"MFU {100 * _median(mfu[1:] or mfu):.1f}%" if mfu else
+             ("MFU n/a (GPU not in the peak-FLOPs table)" if spec.device == "cuda" else "MFU n/a (CPU)"),
+             f"loss {losses[0]:.3f} -> {losses[-1]:.3f}", f"ops {fmt_backends(backends)}" if backends else "ops ?",
+             f"ran {fmt_ran(ran)}" if ran is not None else "ran ? (not recorded)"]
+    detail = "; ".join(parts)
+    if want:
+        if ran is None:
+            return FAIL, f"the probe recorded no kernel calls; {detail}"
+        split = info.get("fused_split_reason", "not recorded")
+        bad = judge_ran(with_split(want, split), ran, required_ops(spec.arch, spec.canon))
+        if bad:
+            return FAIL, f"{bad}; {detail}"
+    return PASS, detail
