@@ -10,9 +10,10 @@ import math
 
 import pytest
 import torch
-from oracles import canon_loop
 
 from canonlm.arch import LlamaCanon, build_model_config
+from canonlm.ops.attention.naive import attention_loop
+from canonlm.ops.canon.naive import canon_loop
 
 
 def rmsnorm(x, g, eps):
@@ -31,14 +32,6 @@ def rope_pairs(x, theta):
             out[:, p, :, i], out[:, p, :, i + D // 2] = x1 * c - x2 * s, x2 * c + x1 * s
     return out
 
-
-def attention_loop(q, k, v):
-    B, T, H, D = q.shape
-    out = torch.zeros_like(q)
-    for t in range(T):
-        s = torch.einsum("bhd,bjhd->bhj", q[:, t], k[:, : t + 1]) / math.sqrt(D)
-        out[:, t] = torch.einsum("bhj,bjhd->bhd", s.softmax(-1), v[:, : t + 1])
-    return out
 
 
 @pytest.mark.parametrize("canon", ["ABCD", "A", "B", "C", "D", "AC", ""])
