@@ -1,4 +1,4 @@
-"""Capo (bioS) generator throughput per core vs the official release (spec tasks.md §12.1).
+"""Capo (bioS) generator throughput per core vs the official release.
 
 The official single-core anchors count GPT-2 *pre-tokens* of the rendered text: 1,644,800 /s for template filling
 (``get_text_simple3``) and 1,192,200 /s with the sentence permutation (``augmentation_permutation2``); neither

@@ -1,6 +1,6 @@
-"""Depo generator throughput per core vs the official release (spec tasks.md §12.1).
+"""Depo generator throughput per core vs the official release.
 
-Measured like the spec's anchors: one process pinned to one core, tokens = length of the emitted id lists,
+Measured like the official anchors: one process pinned to one core, tokens = length of the emitted id lists,
 median of ``--reps`` repetitions of at least ``--seconds`` s (of CPU time) each. Rows:
 
 * ``gen``: ``task.generate`` on batches of ``--batch`` train (or test) instances (the vectorised path that packing
@@ -9,7 +9,7 @@ median of ``--reps`` repetitions of at least ``--seconds`` s (of CPU time) each.
   left-aligned packing discards are generated but not counted); ``stream``: ``SyntheticStream`` batches of 16 x 2048
   in-process (it packs 64 windows per call); "s/step" = one core's time for a paper step of 128 x 2048 tokens.
 
-The ratio column divides by the official single-core rate of the same setting (tasks.md §12.1; the official Depo2
+The ratio column divides by the official single-core rate of the same setting (the official Depo2
 rows used the release's default V = 3, so the Depo2 comparison rows use V = 3 too).
 
     .venv/bin/python bench/depo_generator.py            # full (about 2 min)
@@ -29,7 +29,7 @@ from canonlm.data.tasks import build_task
 
 from _timing import rate  # noqa: E402  (bench/ is on sys.path when a script runs)
 
-# (label, task, cfg, split, official tokens/s per core from tasks.md §12.1 or None)
+# (label, task, cfg, split, official tokens/s per core, measured, or None)
 ROWS = [
     ("Depo1 N=375 K=8 V=50 train", "depo1", dict(N=375, K=8), "train", 339_600),
     ("Depo1 N=225 K=8 V=50 train", "depo1", dict(N=225, K=8), "train", 644_400),

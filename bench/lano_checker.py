@@ -1,4 +1,4 @@
-"""Lano evaluation-side and generator cost per core vs the official release (spec tasks.md §12.1, §12.2).
+"""Lano evaluation-side and generator cost per core vs the official release.
 
 For cfg3f / cfg3j / cfg3k -- the official grammar files when ``--grammar-dir`` holds them (default: the shared
 compatibility folder if present), otherwise canonlm's generated grammar of the same family (grammar_seed 0) -- prints:
@@ -47,10 +47,10 @@ from canonlm.data.seeding import instance_keys  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DIR = ROOT.parent / "shared" / "data" / "physicslm4" / "lano"
 CONTEXT = {"cfg3f": 512, "cfg3j": 1536, "cfg3k": 1536}
-OFF_VALID = {"cfg3f": 6.1, "cfg3j": 21.05, "cfg3k": 20.95}  # s, midpoints of tasks.md §12.2
+OFF_VALID = {"cfg3f": 6.1, "cfg3j": 21.05, "cfg3k": 20.95}  # s, midpoints of the measured ranges
 OFF_FLIP = {"cfg3f": 5.3, "cfg3j": 34.8, "cfg3k": 24.8}  # s, one flipped sentence
 OFF_KL = {"cfg3f": (3.4, 305), "cfg3k": (19.4, 625)}  # s at (tokens)
-OFF_GEN = {"cfg3f": 1_051_000, "cfg3j": 985_100, "cfg3k": 1_034_700}  # tokens/s, tasks.md §12.1
+OFF_GEN = {"cfg3f": 1_051_000, "cfg3j": 985_100, "cfg3k": 1_034_700}  # tokens/s, measured
 
 
 def _rss_kb() -> int:
@@ -114,7 +114,7 @@ def main() -> None:
     os.sched_setaffinity(0, {cpu})
     gdir = Path(a.grammar_dir) if a.grammar_dir else (DEFAULT_DIR if DEFAULT_DIR.exists() else None)
     print(f"pinned to core {cpu}; NUMBA_NUM_THREADS={os.environ['NUMBA_NUM_THREADS']}; CPU time; "
-          f"official anchors: tasks.md §12.1-12.2 (validity: range midpoints; flipped / KL: stated single values)")
+          f"official anchors measured on one core (validity: range midpoints; flipped / KL: stated single values)")
     from canonlm.data.tasks import build_task
 
     for name in ("cfg3f", "cfg3j", "cfg3k"):

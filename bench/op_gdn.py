@@ -1,4 +1,4 @@
-"""GDN op micro-benchmark (spec models.md §4.4, §4.6; engineering.md §9): fwd+bwd time of one gated-delta-rule call
+"""GDN op micro-benchmark (Yang et al. 2025): fwd+bwd time of one gated-delta-rule call
 on CPU, fp32, at [B, T, H, K/V], measured in one run:
 
 * canonlm ``chunk_gated_delta_rule_reference`` (chunked WY/UT form, chunk 64),

@@ -1,4 +1,4 @@
-"""GLA op micro-benchmark (spec models.md §4.3, §4.6): fwd+bwd ms of canonlm's chunked reference vs fla's naive
+"""GLA op micro-benchmark (Yang et al. 2024): fwd+bwd ms of canonlm's chunked reference vs fla's naive
 recurrent loop on CPU, fp32, measured in one run.
 
 For each T: median over --reps of one forward + backward (o and the final state both feed the loss, with an

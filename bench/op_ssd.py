@@ -1,4 +1,4 @@
-"""Mamba2 SSD op micro-benchmark (spec models.md §4.5, §4.6): fwd+bwd time of canonlm's chunked
+"""Mamba2 SSD op micro-benchmark (Dao & Gu 2024): fwd+bwd time of canonlm's chunked
 ``ssd_scan_reference`` against a naive step-by-step recurrence of the same op, fp32 on the CPU, in one run.
 
 fla has no naive Mamba2 op, but SSD *is* "simple GLA": fla's ``naive_recurrent_simple_gla(q, k, v, g, scale)`` with

@@ -1,4 +1,4 @@
-"""Generator and data-pipeline throughput of every synthetic task against the official release (spec tasks.md §12.1).
+"""Generator and data-pipeline throughput of every synthetic task against the official release.
 
     python bench/task_generators.py [--tasks depo1,brevo1,...] [--seconds 4] [--repeats 3] [--workers 1,2]
                                     [--no-pipeline] [--grammar-dir ../shared/data/physicslm4/lano]
@@ -7,10 +7,10 @@ Part 1 (generator, single core): the process is pinned to one core with one numb
 ``generate("train", w, i)`` runs at the paper's settings on batches of instances for ``--seconds`` after a warm-up
 (numba compilation excluded), median of ``--repeats`` runs of ``--seconds`` (the official rates: median of 3 runs of
 >= 4 s); tokens/s = generated instance tokens per second (wall clock of the pinned process). The ratio is against the
-official release's single-core rate (tokens of the emitted id lists; tasks.md §12.1): the issue's target is >= 3x,
-the spec's aim (§11) >= 10x. Where the release's generator behaves differently from the paper, the release's
-behaviour is measured: Depo2 with V = 3, Brevo with the release's query pool, answer and leaf rounding, Mano with
-its synonym tokens (canonlm's paper defaults run at the same rate within noise).
+official release's single-core rate (tokens of the emitted id lists, measured the same way): the issue's target is >=
+3x. Where the release's generator behaves differently from the paper, the release's behaviour is measured: Depo2 with
+V = 3, Brevo with the release's query pool, answer and leaf rounding, Mano with its synonym tokens (canonlm's paper
+defaults run at the same rate within noise).
 Capo counts BPE tokens, the official rate GPT-2 *pre-tokens* (a lower bound on BPE tokens), so its ratio is
 conservative. Lano without ``--grammar-dir`` uses canonlm's generated grammar of the same family (same depth, symbols,
 rules per symbol and rule lengths).
@@ -33,7 +33,7 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
 
-# The release's behaviour where it differs from the paper (tasks.md §10.2 rows 8-10), so that both sides generate the
+# The release's behaviour where it differs from the paper (Brevo, docs/tasks.md), so that both sides generate the
 # same distribution; canonlm's defaults (the paper's) generate at the same rate within noise.
 BREVO_RELEASE = dict(query_pool="last", answer_includes_query=True, leaf_rounding="floor")
 SHARED_LANO = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "physicslm4", "lano")

@@ -1,9 +1,9 @@
 """Build canonlm's own Capo (bioS) attribute lists once, with Faker (en_US and other English locales, fixed seed).
 
-Spec: tasks.md §4.2 (list sizes of bioS(N)): first names 400, middle names 400, last names 1000, birth cities 200,
-universities 300, majors 100, employers 263 (each with a headquarters city). The output is committed under
-``src/canonlm/data/tasks/capo_assets/``; the runtime never needs Faker. The official release's lists are never read
-here (tests only compare sizes and check that no official line is shipped).
+List sizes of bioS(N) (Part 3.1 / 3.3; official `Capo-bioS-bioR/fields/`): first names 400, middle names 400, last
+names 1000, birth cities 200, universities 300, majors 100, employers 263 (each with a headquarters city). The output
+is committed under ``src/canonlm/data/tasks/capo_assets/``; the runtime never needs Faker. The official release's
+lists are never read here (tests only compare sizes and check that no official line is shipped).
 
 Every value is checked against the rule that keeps Capo's pre-tokenised fragments exact (see
 ``canonlm.data.tasks.capo``): ASCII letters and single spaces only, plus an internal ``-``, ``&`` or ``, `` (state

@@ -1,5 +1,5 @@
 """Models: CanonLM (= LlamaCanon: Llama + Canon layers A/B/C/D; or GLA / GDN / Mamba2 with Canon-AbCD), its config,
-the Canon module, token mixers, decode cache and LM loss (spec models.md §1-3, §6).
+the Canon module, token mixers, decode cache and LM loss (paper §4, App. C).
 
 Imports only ``canonlm.ops`` (never ``canonlm.train`` / ``canonlm.data``, nor lightning): cheap to import.
 

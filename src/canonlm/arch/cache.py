@@ -1,4 +1,4 @@
-"""Decode caches: the state a model carries between forward calls when it generates token by token (models.md §6).
+"""Decode caches: the state a model carries between forward calls when it generates token by token.
 
 One typed structure for every architecture, with no layer limit: :class:`DecodeCache` holds one dict per block
 (:attr:`DecodeCache.layers`), filled by the modules that need history, keyed by the module's ``cache_key``:

@@ -1,4 +1,4 @@
-"""The Canon layer as an ``nn.Module`` (paper §4, eq. 4.1; spec models.md §1.1, §1.8).
+"""The Canon layer as an ``nn.Module`` (paper §4, eq. 4.1; official `huggingface/canon_helper.py`).
 
 ``Canon(h)_t = h_t + sum_{i=0}^{K-1} w[:, i] * h_{t-K+1+i}`` (``h_{<0} = 0``): a residual, causal, depthwise 1-D
 convolution over time. The math runs in :func:`canonlm.ops.canon.causal_conv1d` (reference or fast backends);
@@ -23,7 +23,7 @@ class Canon(nn.Module):
     """Residual causal depthwise conv over ``channels`` features (one Canon-A/B/C/D site).
 
     Args:
-        channels: C, the width of the hidden vectors it mixes (models.md §1.2 table: d, (H+2H_kv)·d_head, 2·d_ff).
+        channels: C, the width of the hidden vectors it mixes (paper §4: d, (H+2H_kv)·d_head, 2·d_ff).
         cfg: :class:`~canonlm.arch.config.CanonConfig` (kernel K, residual, activation, bias, trainable, init).
         backend: backend name passed to ``canonlm.ops.canon.causal_conv1d`` / ``causal_conv1d_step`` (``"auto"``,
             ``"reference"`` or a name returned by ``canonlm.ops.canon.resolve_backend``); ``CanonLM.place`` sets it
@@ -35,7 +35,7 @@ class Canon(nn.Module):
         bias: ``(C,)`` zero-initialised, only if ``cfg.bias``.
         With ``cfg.trainable=False`` (cst-Canon, paper Fig. 24) both have ``requires_grad=False``.
 
-    Init (:meth:`reset_parameters`; never touched by the model-level init, models.md §1.1):
+    Init (:meth:`reset_parameters`; never touched by the model-level init, paper §4):
         ``default``: ``kaiming_uniform_(a=sqrt(5))`` with fan_in = K, i.e. ``U(-1/sqrt(K), 1/sqrt(K))`` -- what
         ``nn.Conv1d(C, C, K, groups=C)`` does; ``identity``: ``[0, .., 0, 1]``; ``fixed``: the per-lag scalars
         ``(1, .4, .2, .1)`` for lags 0..3 (current token 1), same for every channel, lags >= 4 get 0.
@@ -43,11 +43,11 @@ class Canon(nn.Module):
     Forward: ``x (B, T, C)`` -> ``(B, T, C)`` of ``x.dtype`` (under autocast the backend decides the dtype).
     With ``cache`` (a layer dict of :class:`~canonlm.arch.cache.DecodeCache`), the conv continues from the
     inputs stored under ``cache_key`` (the last K raw inputs, ``(B, C, K)``) and stores the new ones, so chunked
-    calls equal one call (models.md §6). Raises ValueError (forward) when ``x.shape[-1] != C``.
+    calls equal one call. Raises ValueError (forward) when ``x.shape[-1] != C``.
 
     ``cache_key`` names the state in the cache (``canon_a`` ... ``canon_d``, or ``conv_q`` etc. for a mixer's own
-    short conv). ``native=True`` marks a mixer's own conv (``b``: GLA / GDN short convs, Mamba2 conv1d; models.md
-    §1.3): the model-level init may then redraw it (GLA / GDN: normal(0, 0.02)), which it never does for Canon.
+    short conv). ``native=True`` marks a mixer's own conv (``b``: GLA / GDN short convs, Mamba2 conv1d;
+    paper §4): the model-level init may then redraw it (GLA / GDN: normal(0, 0.02)), which it never does for Canon.
     """
 
     def __init__(self, channels: int, cfg: CanonConfig, backend: str = "auto", cache_key: str = "canon",

@@ -1,4 +1,4 @@
-"""Typed model configuration and its validation (spec models.md §1.8, §2, §7.1).
+"""Typed model configuration and its validation (paper §3, §4, App. C).
 
 The Hydra groups ``arch`` (→ ``model``), ``canon`` and ``pos`` map one to one onto :class:`ModelConfig`,
 :class:`CanonConfig` and :class:`PosConfig`. :func:`build_model_config` validates everything before any tensor is
@@ -17,7 +17,7 @@ from typing import Any, Mapping
 from canonlm.errors import ConfigError  # the one shared error type (stdlib-only module)
 
 
-# Model sizes of the paper's synthetic grid (tasks.md §1.2) plus tiny CPU sizes. Name -> (n_layers, d_model, n_heads).
+# Model sizes of the paper's synthetic grid (paper §3) plus tiny CPU sizes. Name -> (n_layers, d_model, n_heads).
 SIZES: dict[str, tuple[int, int, int]] = {
     "8L512D": (8, 512, 8),
     "12L512D": (12, 512, 8),
@@ -31,9 +31,9 @@ SIZES: dict[str, tuple[int, int, int]] = {
 _SIZE_RE = re.compile(r"^(\d+)L(\d+)D$")
 
 CANON_LETTERS = "ABCD"  # Llama placements; lowercase 'b' (mixer's native conv) is for linear models only
-LINEAR_CANON_LETTERS = "AbBCD"  # GLA / GDN / Mamba2: 'b' = the mixer's own short conv (models.md §1.3)
+LINEAR_CANON_LETTERS = "AbBCD"  # GLA / GDN / Mamba2: 'b' = the mixer's own short conv (paper §4)
 
-# Token-mixer families (models.md §2, §3). The Hydra `arch` presets (gla5, gdn2, mamba2_mlp, ...) are settings of these.
+# Token-mixer families (paper App. C). The Hydra `arch` presets (gla5, gdn2, mamba2_mlp, ...) are settings of these.
 ARCHS = ("llama", "gla", "gdn", "mamba2")
 LINEAR_ARCHS = ("gla", "gdn", "mamba2")
 
@@ -48,12 +48,12 @@ INITS = ("hf_normal", "lingua", "linear_0.02_split", "mamba2_default")
 
 @dataclass
 class CanonConfig:
-    """Canon layers (models.md §1.1, §1.8).
+    """Canon layers (paper §4, eq. 4.1).
 
     set: placements written as a string (``"ABCD"``, ``"AC"``, ``""`` = none); duplicate letters are ignored
         (official strings such as ``"AbbCD"`` or ``"bb"`` are accepted). Llama: letters from ``ABCD``. GLA / GDN /
         Mamba2: letters from ``AbBCD``, where lowercase ``b`` keeps the mixer's own non-residual SiLU short conv
-        (models.md §1.3) and its absence removes it; ``canon=AbCD`` is the paper's default for linear models.
+        (paper §4) and its absence removes it; ``canon=AbCD`` is the paper's default for linear models.
     kernel: taps K (the CUDA kernels support 2, 3, 4; the reference any K >= 1).
     residual: ``h + conv(h)`` (paper default) vs ``conv(h)``.
     activation: SiLU after the conv (paper: off).
@@ -81,7 +81,7 @@ class CanonConfig:
 
 @dataclass
 class PosConfig:
-    """Position encoding (models.md §2, §4.2).
+    """Position encoding (RoPE: Su et al. 2021; NoPE, ALiBi: paper Result 3).
 
     type: ``rope`` | ``partial_rope`` | ``nope``.
     theta: RoPE base.
@@ -98,7 +98,7 @@ class PosConfig:
 
 @dataclass
 class ModelConfig:
-    """Decoder LM with Canon layers: Llama (models.md §1.2, §2) or a linear token mixer (GLA, GDN, Mamba2; §3).
+    """Decoder LM with Canon layers: Llama (paper §4) or a linear token mixer (GLA, GDN, Mamba2; App. C).
 
     Sizes: ``n_layers``, ``d_model``, ``n_heads`` (``head_dim = d_model // n_heads``), ``n_kv_heads`` (GQA; None =
     n_heads), ``d_ff`` (None = gated: ``ffn_multiple_of * ceil(8 d / 3 / ffn_multiple_of)``; standard: 4 d).
@@ -109,7 +109,7 @@ class ModelConfig:
     ``ops``: ``auto`` | ``reference`` | ``fused``; ``kernels`` may pin one op: ``{"canon" | "attention" | "gla" |
     "gdn" | "ssd": backend}``.
 
-    Linear token mixers (``arch`` = ``gla`` | ``gdn`` | ``mamba2``; models.md §1.3, §3; keys as in fla / HF Mamba2):
+    Linear token mixers (``arch`` = ``gla`` | ``gdn`` | ``mamba2``; paper App. C; keys as in fla / HF Mamba2):
     ``n_heads`` None = the paper's rule (GLA: 4; GDN: max(4, d // 128); Mamba2: 16); ``expand_k`` / ``expand_v``:
     key / value width = expand · d (GLA 0.5 / 1, GLA5 1 / 2, GDN 0.75 / 1.5, GDN2 1 / 2); ``gate_low_rank_dim``:
     rank of GLA's forget-gate projection (16); ``key_head_dim``: when ``n_heads`` is None, heads =
@@ -199,8 +199,8 @@ class ModelConfig:
     @property
     def ffn_dim(self) -> int:
         """MLP hidden width: ``d_ff`` if set; standard MLP 4d; gated ``m * ceil(8d / 3 / m)`` with
-        ``m = ffn_multiple_of`` (default 256: "8/3·d rounded up to 256", models.md §2 / lingua; ``m = 1`` gives
-        HF's unrounded 8d/3 (ceil), tasks.md §1.2). E.g. d=768 -> 2048, d=512 -> 1536, d=128 -> 512."""
+        ``m = ffn_multiple_of`` (default 256: "8/3·d rounded up to 256", lingua; ``m = 1`` gives
+        HF's unrounded 8d/3 (ceil)). E.g. d=768 -> 2048, d=512 -> 1536, d=128 -> 512."""
         if self.d_ff is not None:
             return self.d_ff
         if self.mlp == "none":
@@ -257,7 +257,7 @@ def parse_size(size: str) -> tuple[int, int, int]:
 
 def default_heads(arch: str, d_model: int, size_heads: int | None, key_dim: int | None = None,
                   key_head_dim: int | None = None) -> int:
-    """The paper's head count for ``arch`` when ``model.n_heads`` is null (models.md §3.1–3.5): with
+    """The paper's head count for ``arch`` when ``model.n_heads`` is null (paper App. C): with
     ``key_head_dim`` set (GLA5 / GDN2: 128), ``max(1, round(key_dim / key_head_dim))`` (16 / 24 / 32 heads at
     d = 2048 / 3072 / 4096); else GLA 4; GDN ``max(4, d // 128)`` (4 at d=512, 6 at d=768: d_k = 96 with
     expand_k = 0.75); Mamba2 16 (head_dim 2d/16); Llama the size's heads."""

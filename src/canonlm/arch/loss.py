@@ -1,4 +1,4 @@
-"""Masked next-token loss with optional z-loss (spec models.md §2 "z-loss", §10 item 4; engineering.md P25)."""
+"""Masked next-token loss with optional z-loss (z-loss as in the official release's lingua fork)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """CanonLM: a pre-norm decoder with Canon layers at A, B, C, D around one token mixer per block (paper §4, §5,
-App. C; spec models.md §1.2, §1.3, §2, §3). ``arch=llama`` is LlamaCanon; ``gla`` / ``gdn`` / ``mamba2`` swap the
+App. C; official `modeling_llama_canon.py`). ``arch=llama`` is LlamaCanon; ``gla`` / ``gdn`` / ``mamba2`` swap the
 attention for a linear mixer (:mod:`canonlm.arch.mixers`), everything else stays.
 
     input_ids (B, T) -> tok_emb -> n_layers x Block -> RMSNorm -> lm_head -> logits (B, T, V)
 
-    Block (pre-norm; Canon sites per models.md §1.2):
+    Block (pre-norm; Canon sites per paper §4):
         x = x + mixer(CanonA(RMSNorm(x)))            Llama: Wo · attention(RoPE(CanonB(QKnorm(Wqkv · .))))
         x = x + W2 · act·gate(CanonD(W13 · CanonC(RMSNorm(x))))      (absent for Mamba2 without MLP)
 
@@ -13,7 +13,7 @@ Canon-B / Canon-D act on the concatenations without a ``cat``; parameter counts 
 
 Decoding: ``model(ids, cache=model.new_cache())`` processes any number of new tokens and carries KV, Canon, short-conv
 and recurrent states in the :class:`~canonlm.arch.cache.DecodeCache`; token-by-token calls give the logits of one
-full forward (models.md §6).
+full forward.
 """
 
 from __future__ import annotations
@@ -259,7 +259,7 @@ class Block(nn.Module):
 
 
 class CanonLM(nn.Module):
-    """Decoder LM + Canon layers: Llama (models.md §1.2, §2) or GLA / GDN / Mamba2 (§1.3, §3), by ``cfg.arch``.
+    """Decoder LM + Canon layers: Llama (paper §4) or GLA / GDN / Mamba2 (App. C), by ``cfg.arch``.
     Build with a validated :class:`ModelConfig`. ``LlamaCanon`` is the same class.
 
     Modules: ``tok_emb`` (V, d) · ``blocks`` (``nn.ModuleList`` of :class:`Block`; the FSDP2 / compile unit) ·
@@ -369,13 +369,13 @@ class CanonLM(nn.Module):
 
     def set_activation_checkpointing(self, enabled: bool = True) -> None:
         """Recompute each block in backward instead of storing its activations (``torch.utils.checkpoint``,
-        non-reentrant, one checkpoint per block; engineering.md P6: apply before compile and fully_shard -- the
+        non-reentrant, one checkpoint per block; apply before compile and fully_shard -- the
         call wraps the block module, so a compiled / FSDP2-sharded block is recomputed as a whole)."""
         self.activation_checkpointing = bool(enabled)
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """(Re)initialise every parameter and the RoPE tables (models.md §2 "init", §1.1, §3.3, §3.4; §7.4 item 2).
+        """(Re)initialise every parameter and the RoPE tables (as the official release's models).
 
         ``hf_normal``: Linear/Embedding weights ~ N(0, init_std), biases 0 (the paper's synthetic Llama = HF, and
         GLA / GDN = fla's ``initializer_range``). ``linear_0.02_split`` (GLA5 / GDN2): the same, except the halves
@@ -489,7 +489,7 @@ class CanonLM(nn.Module):
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Number of parameters (shared/tied tensors counted once; DTensors by global size). ``non_embedding``
-        drops the token embedding and the LM head (the paper's "≈ 12·d²·layers" count, tasks.md §1.2)."""
+        drops the token embedding and the LM head (the paper's "≈ 12·d²·layers" count, paper §3)."""
         n = sum(p.numel() for p in self.parameters())
         if non_embedding:
             n -= self.tok_emb.weight.numel() + (0 if self.cfg.tie_embeddings else self.lm_head.weight.numel())

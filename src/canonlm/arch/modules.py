@@ -1,4 +1,4 @@
-"""Building blocks of LlamaCanon: RMSNorm and the (gated or standard) MLP with Canon-D (spec models.md §1.2, §2)."""
+"""Building blocks of LlamaCanon: RMSNorm and the (gated or standard) MLP with Canon-D (paper §4)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    """``y = x / sqrt(mean(x^2, -1) + eps) * g`` over the last dim, computed in float32 (models.md §2 "norm").
+    """``y = x / sqrt(mean(x^2, -1) + eps) * g`` over the last dim, computed in float32 (as HF ``LlamaRMSNorm``).
 
     Args:
         dim: normalised width (last dim of the input).
@@ -57,7 +57,7 @@ def activation(name: str, x: torch.Tensor) -> torch.Tensor:
 
 
 class MLP(nn.Module):
-    """Feed-forward sub-layer with optional Canon-D (models.md §1.2, §2 "MLP"; paper Result 5).
+    """Feed-forward sub-layer with optional Canon-D (paper §4, Result 5).
 
     ``gated`` (SwiGLU, Llama): one fused ``w13 = Linear(d, 2·d_ff)`` whose output is ``[W1 x ; W3 x]`` (gate first,
     then up; the same parameter count as two Linears), Canon-D on those ``2·d_ff`` channels, then
@@ -102,7 +102,7 @@ class MLP(nn.Module):
 
 
 class GatedRMSNorm(nn.Module):
-    """RMSNorm with a SiLU output gate, in float32 (models.md §3.1–3.3).
+    """RMSNorm with a SiLU output gate, in float32 (fla ``FusedRMSNormSwishGate``).
 
     ``norm_before_gate=True`` (fla ``FusedRMSNormGated`` with swish, GLA / GDN): ``y = RMSNorm(x) · w · silu(g)``.
     ``norm_before_gate=False`` (Mamba2, ``MambaRMSNormGated`` / mamba_ssm ``norm_before_gate=False``):
@@ -148,7 +148,7 @@ class GatedRMSNorm(nn.Module):
 
 class LowRankLinear(nn.Sequential):
     """``Linear(d_in, rank, bias=False)`` then ``Linear(rank, d_out, bias)``: fla's low-rank gate projections (GLA
-    forget gate ``gk_proj``, GLA5 / GDN2 output gate ``g_proj``; models.md §1.4). Both halves carry
+    forget gate ``gk_proj``, GLA5 / GDN2 output gate ``g_proj``; official linear models). Both halves carry
     ``split_init = rank``: under ``model.init=linear_0.02_split`` they get σ = √std / rank^¼ so the product keeps the
     ≈ std entry scale of a full matrix (§3.4). Forward: ``(..., d_in) -> (..., d_out)``."""
 

@@ -1,4 +1,4 @@
-"""Rotary position embeddings: full RoPE, partial RoPE, NoPE (spec models.md §2 "RoPE"/"partial RoPE", §4.2).
+"""Rotary position embeddings: full RoPE, partial RoPE, NoPE (Su et al. 2021; NoPE and reduced RoPE: paper Result 3).
 
 Rotated width ``r`` (= ``head_dim`` for RoPE, ``rope_dim = round(fraction * head_dim)`` for partial RoPE): pair ``i``
 (``i = 0 .. r/2 - 1``) of every head is rotated by the angle ``p * theta_i`` at position ``p`` with
@@ -9,7 +9,7 @@ Pairing (which two channels form pair ``i``):
 * ``half``        -- channels ``(i, i + r/2)`` (HF ``rotate_half``; flash-attn ``apply_rotary_emb(interleaved=False)``).
 * ``interleaved`` -- channels ``(2i, 2i + 1)`` (lingua / the PhysicsLM4 release; flash-attn ``interleaved=True``).
 
-:func:`interleaved_to_half_permutation` converts checkpoints between the two (models.md §4.2).
+:func:`interleaved_to_half_permutation` converts checkpoints between the two.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairing: s
 
 
 def interleaved_to_half_permutation(head_dim: int, rope_dim: int) -> torch.Tensor:
-    """Channel permutation converting an ``interleaved``-pairing checkpoint to ``half`` pairing (models.md §4.2).
+    """Channel permutation converting an ``interleaved``-pairing checkpoint to ``half`` pairing.
 
     New channel ``i`` takes old channel ``2i`` and new channel ``i + r/2`` takes old channel ``2i + 1`` for
     ``i < r/2``; channels ``>= r`` are unchanged. Apply the same permutation to the rows of every head's block of

@@ -8,7 +8,7 @@ Imports only numpy and torch (never ``canonlm.arch``, ``canonlm.train`` or light
     from canonlm.data.metrics import score_answers
 
 Every sample is a pure function of (seed, task name, generative parameters, split, window index, instance index)
-through the counter-based generator of :mod:`canonlm.data.seeding` (spec tasks.md §11, engineering.md P15-P17).
+through the counter-based generator of :mod:`canonlm.data.seeding`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Teacher-forced answer scoring, grouped by metric group (Depo: k) (spec tasks.md §2.4, §10.2 #6).
+"""Teacher-forced answer scoring, grouped by metric group (Depo: k) (paper App. A).
 
 ``answer_exact`` (the paper's headline metric, default): an answer is correct iff the argmax prediction is right at
 every one of its tokens (``<ans>`` itself is never scored). ``answer_token``: per-token accuracy over answer tokens

@@ -1,4 +1,4 @@
-"""Left-aligned packing of task instances into fixed-length windows (spec tasks.md §1.1, §2.3, §10.2 #27).
+"""Left-aligned packing of task instances into fixed-length windows (paper App. A).
 
 ``tail="drop"`` (default, paper): window w is the concatenation of instances (w, 0), (w, 1), ... cut at ``window``
 tokens. It starts at an instance start, the first instance is never truncated (``window`` must be at least the

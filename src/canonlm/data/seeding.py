@@ -1,6 +1,6 @@
 """Counter-based random numbers: every draw is a pure function of (namespace, window, instance, purpose, counter).
 
-No process-global RNG state is used anywhere in ``canonlm.data`` (spec tasks.md §11, engineering.md P16): the
+No process-global RNG state is used anywhere in ``canonlm.data``: the
 random word number ``j`` of purpose ``p`` of instance ``(w, i)`` in namespace ``ns`` is
 
     key(ns, w, i) = mix64(mix64(ns + w * G) + i * G)

@@ -1,5 +1,4 @@
-"""Deterministic, resumable, rank- and worker-sharded stream of packed windows (spec tasks.md §11; engineering.md
-P15-P17).
+"""Deterministic, resumable, rank- and worker-sharded stream of packed windows.
 
 Global step s covers the global windows ``[s*B*W, (s+1)*B*W)`` (B = per-rank batch, W = world size); rank r takes
 the contiguous slice ``[s*B*W + r*B, s*B*W + (r+1)*B)``. Each window is a pure function of (seed, task, split,

@@ -100,7 +100,7 @@ _probes: dict[str, tuple[Optional[object], Optional[str]]] = {}
 def probe(name: str, loader: Callable[[], object]) -> tuple[Optional[object], Optional[str]]:
     """``(loader(), None)``, or ``(None, "<Error>: <message>")`` if it raises; run once per ``name`` per process.
 
-    Used for the optional CUDA libraries (imported lazily, never when canonlm is imported; engineering.md §6.3): an
+    Used for the optional CUDA libraries (imported lazily, never when canonlm is imported): an
     ImportError, an undefined symbol of an ABI mismatch (OSError) or a Triton driver error all mean "unavailable"."""
     if name not in _probes:
         try:

@@ -1,7 +1,7 @@
 """Load fla's pure-PyTorch ``naive.py`` reference modules as *test oracles and benchmark baselines* only.
 
 fla-core's ``fla/ops/__init__.py`` imports every Triton kernel, so ``import fla.ops.gla.naive`` fails on a machine
-without triton (spec engineering.md §6.4). The ``naive.py`` files themselves need only torch (and einops), so they
+without triton. The ``naive.py`` files themselves need only torch (and einops), so they
 are loaded here by file path from the installed ``fla`` package, without importing ``fla.ops``. Nothing in canonlm's
 model code calls them; they are the second, external oracle beside canonlm's own plain loops
 (``canonlm.ops.<op>.naive``).

@@ -1,5 +1,5 @@
 """Token mixers, one module each, all with the forward signature ``mixer(x, cos, sin, cache) -> y`` (x, y: (B, T, d)):
-softmax attention (Llama), GLA, Gated DeltaNet and Mamba2 (models.md §2, §3). :func:`build_mixer` picks one by
+softmax attention (Llama), GLA, Gated DeltaNet and Mamba2 (paper App. C). :func:`build_mixer` picks one by
 ``cfg.arch``."""
 
 from __future__ import annotations

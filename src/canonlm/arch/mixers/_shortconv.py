@@ -1,4 +1,4 @@
-"""The short convolutions that GLA / GDN / Mamba2 carry inside their mixer ("Canon-b", models.md §1.3), and the
+"""The short convolutions that GLA / GDN / Mamba2 carry inside their mixer ("Canon-b", paper §4), and the
 q/k/v front end GLA and GDN share: projections, Canon-B on [q ; k ; v], then ``b`` (or a plain SiLU)."""
 
 from __future__ import annotations

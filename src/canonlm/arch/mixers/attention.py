@@ -1,4 +1,4 @@
-"""Causal softmax attention with fused qkv, QK-norm, Canon-B and (partial) RoPE (models.md §1.2, §2)."""
+"""Causal softmax attention with fused qkv, QK-norm, Canon-B and (partial) RoPE (paper §4; Su et al. 2021)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from canonlm.ops import attention as attention_ops
 
 
 class Attention(nn.Module):
-    """Causal self-attention with fused qkv, QK-norm, Canon-B and (partial) RoPE (models.md §1.2, §2).
+    """Causal self-attention with fused qkv, QK-norm, Canon-B and (partial) RoPE (paper §4; Su et al. 2021).
 
     Parameters: ``wqkv (d -> (H + 2 H_kv)·d_head)``, ``wo (H·d_head -> d)``, no biases; QK-norm gains:
     ``whole`` -> ``q_norm (H·d_head)`` and ``k_norm (H_kv·d_head)`` (official); ``per_head`` -> ``q_norm (d_head)``

@@ -1,4 +1,4 @@
-"""Gated DeltaNet token mixer with Canon-B / the short convs ``b`` (models.md §1.3, §3.2, §3.5, §4.4).
+"""Gated DeltaNet token mixer with Canon-B / the short convs ``b`` (Yang et al. 2025; paper App. C).
 
     q, k = W_q x, W_k x (d -> H·d_k);  v = W_v x (d -> H·d_v)
     [Canon-B on [q ; k ; v]]  [b: SiLU short conv on each of q, k, v | else SiLU (or nothing: no_conv_act=none)]
@@ -25,7 +25,7 @@ from canonlm.arch.mixers._shortconv import build_qkv, qkv_forward
 from canonlm.arch.modules import GatedRMSNorm, at_least_fp32, LowRankLinear
 from canonlm.ops import gdn as gdn_ops
 
-# Decay parameter init (models.md §3.2, as fla / mamba_ssm): A ~ U(0, 16); dt ~ logU[1e-3, 0.1], floor 1e-4.
+# Decay parameter init (as fla / mamba_ssm): A ~ U(0, 16); dt ~ logU[1e-3, 0.1], floor 1e-4.
 A_INIT_RANGE = (0.0, 16.0)
 DT_MIN, DT_MAX, DT_FLOOR = 1e-3, 0.1, 1e-4
 

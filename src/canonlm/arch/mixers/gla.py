@@ -1,4 +1,4 @@
-"""Gated Linear Attention token mixer with Canon-B / the short convs ``b`` (models.md §1.3, §3.1, §3.5, §4.3).
+"""Gated Linear Attention token mixer with Canon-B / the short convs ``b`` (Yang et al. 2024; paper App. C).
 
     q, k = W_q x, W_k x  (d -> key_dim);  v = W_v x  (d -> value_dim)
     [Canon-B on [q ; k ; v]]  [b: SiLU short conv on each of q, k, v | else SiLU (official) or nothing (upstream)]
@@ -33,7 +33,7 @@ class GLA(nn.Module):
     LowRankLinear(d, gate_low_rank_dim, key_dim, bias); ``g_proj`` Linear(d, value_dim) (``output_gate_rank=0``)
     or LowRankLinear(d, r, value_dim, bias); ``g_norm`` per-head GatedRMSNorm(d_v); ``o_proj (value_dim -> d)``;
     Canon-B over ``2·key_dim + value_dim`` channels (``B`` in canon.set; the official code fences it, canonlm allows it
-    with a warning, models.md §1.3); short convs ``conv_q, conv_k (key_dim)``, ``conv_v (value_dim)`` (``b``).
+    with a warning); short convs ``conv_q, conv_k (key_dim)``, ``conv_v (value_dim)`` (``b``).
 
     Forward: ``x (B, T, d)``, ``cos``/``sin`` ignored (no positional encoding), ``cache`` layer dict or None ->
     ``(B, T, d)``. With a cache the recurrent state ``cache["state"] (B, H, d_k, d_v)`` (fp32) and the conv

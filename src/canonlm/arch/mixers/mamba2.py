@@ -1,4 +1,4 @@
-"""Mamba2 token mixer with Canon-B / its conv1d ``b`` (models.md §1.3, §3.3, §4.5; HF transformers Mamba2Mixer).
+"""Mamba2 token mixer with Canon-B / its conv1d ``b`` (Dao & Gu 2024; HF transformers Mamba2Mixer).
 
     zxbcdt = in_proj x                          (B, T, 2·d_inner + 2·G·N + H) = [z ; xBC ; dt]
     [Canon-B on all of zxbcdt]
@@ -23,11 +23,11 @@ from canonlm.arch.mixers.gdn import init_dt_bias_
 from canonlm.arch.modules import GatedRMSNorm, at_least_fp32
 from canonlm.ops import ssd as ssd_ops
 
-A_INIT_RANGE = (1.0, 16.0)  # A_log = log U(1, 16) (models.md §3.3)
+A_INIT_RANGE = (1.0, 16.0)  # A_log = log U(1, 16) (official `modeling_mamba2_canon.py`)
 
 
 class Mamba2Mixer(nn.Module):
-    """Mamba2 mixer (HF ``Mamba2Mixer`` semantics, official ``noconv1d`` switch; models.md §3.3).
+    """Mamba2 mixer (HF ``Mamba2Mixer`` semantics, official ``noconv1d`` switch).
 
     Sizes: ``d_inner = mamba_expand · d``, H heads of ``P = d_inner / H``, G groups, state N (``ssm_state``),
     ``conv_dim = d_inner + 2·G·N``.
@@ -81,7 +81,7 @@ class Mamba2Mixer(nn.Module):
                                                      self.d_inner, self.conv_dim, self.n_heads):
             if self.conv1d is not None:
                 w, b, act = self.conv1d.weight, self.conv1d.bias, "silu"
-            else:  # noconv1d: identity kernel, no bias, no activation (models.md §1.3)
+            else:  # noconv1d: identity kernel, no bias, no activation (paper Result 7.1)
                 w = torch.zeros(self.conv_dim, self.conv_kernel, device=x.device, dtype=self.in_proj.weight.dtype)
                 w[:, -1] = 1.0
                 b, act = None, None

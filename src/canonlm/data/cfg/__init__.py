@@ -1,4 +1,4 @@
-"""Layered probabilistic context-free grammars for the Lano task (spec tasks.md §6).
+"""Layered probabilistic context-free grammars for the Lano task (paper App. A.5; Physics of LM Part 1).
 
     from canonlm.data.cfg import load_grammar, preset_grammar, sample_sentences, check, next_symbol_probs, lano_kl
     g = load_grammar("cfg3f.json")                       # the official JSON format, exactly (or preset_grammar)

@@ -1,4 +1,4 @@
-"""Recogniser: is a terminal string derivable from the root of a layered grammar? (spec tasks.md §6.4 item 1)
+"""Recogniser: is a terminal string derivable from the root of a layered grammar? (paper App. A.5)
 
 Layered CYK on bitsets, compiled with numba. For every level, bottom-up, and every symbol A of that level and start
 position i, ``E[A, i]`` is the bitset of end positions j such that A =>* s[i:j]. Terminal a: ``E[a, i] = {i+1}`` iff

@@ -1,4 +1,4 @@
-"""Layered probabilistic context-free grammars of the Lano task (spec tasks.md §6.2): representation, the official
+"""Layered probabilistic context-free grammars of the Lano task (paper App. A.5): representation, the official
 JSON format (load / validate / save), a deterministic random generator of the same family, and family presets.
 
 A grammar has ``depth + 1`` levels: level 0 holds the root alone, levels 1..depth-1 hold non-terminals, level
@@ -7,7 +7,7 @@ A grammar has ``depth + 1`` levels: level 0 holds the root alone, levels 1..dept
 uniformly (so all leaves sit on the terminal level). Terminal ``a`` (0-based position in the terminal level) is
 token ``a + 1``; the sentence separator ``<bos>`` (the release's ``eos_token``) is token ``|T| + 1``.
 
-Official JSON format (tasks.md §6.2, "Grammar file format"): ``all`` is a list of levels (root first), each a list
+Official JSON format (release ``Lano-cfg/configs/*.json``): ``all`` is a list of levels (root first), each a list
 of nodes ``{"depth": l, "id": int, "name": str, "children": [[pos, ...], ...] | null}``; header keys ``depth``,
 ``num_sym``, ``vocab_size``, ``deg_min``/``deg_max`` (rules per non-terminal), ``len_min``/``len_max`` (rule
 length), ``eos_token``/``mask_token``/``sep_token``, ``sizes`` (symbols per level), ``idx`` (ids per level),
@@ -38,7 +38,7 @@ from canonlm.utils.io import atomic_write_text
 
 GRAMMAR_KEY = "task.grammar_file"
 
-# Header facts of the released grammars (read from the official JSON headers; tasks.md §6.2). ``num_sym``: symbols
+# Header facts of the released grammars (read from the official JSON headers). ``num_sym``: symbols
 # per non-terminal level below the root (an int = the same on every level; a list = levels 1..depth-1).
 # ``distinct_children``: no symbol repeated inside one rule (the release's ``disallow_duplicate_sym``, true only for
 # cfg3b). ``tiny`` is canonlm's own CPU family (sentences of at most 3**4 = 81 tokens).
@@ -190,7 +190,7 @@ class Grammar:
         return logp / float(m.sum())
 
     def to_dict(self) -> dict[str, Any]:
-        """The grammar in the official JSON layout (tasks.md §6.2) as a dict (see :func:`save_grammar`)."""
+        """The grammar in the official JSON layout as a dict (see :func:`save_grammar`)."""
         T = self.num_terminals
         degs = [len(s) for lv in self.rules for s in lv]
         lens = [len(r) for lv in self.rules for s in lv for r in s]
@@ -299,7 +299,7 @@ def _structure_problem(rules: tuple, T: Any) -> str | None:
 
 # ---------------------------------------------------------------------------------------------- JSON
 def _bad(path: Any, why: str) -> ConfigError:
-    return ConfigError(GRAMMAR_KEY, str(path), f"a Lano grammar JSON file in the official format (tasks.md §6.2); "
+    return ConfigError(GRAMMAR_KEY, str(path), f"a Lano grammar JSON file in the official format; "
                                                f"problem: {why}")
 
 

@@ -1,4 +1,4 @@
-"""Exact next-symbol distribution of a layered PCFG along a sentence, and the Lano KL (spec tasks.md §6.4 item 2).
+"""Exact next-symbol distribution of a layered PCFG along a sentence, and the Lano KL (paper App. A.5).
 
 For a sentence s (terminal tokens, length n) :func:`next_symbol_probs` returns p* float64 (n+1, C) over the symbols
 C = [eos, 1, .., |T|]: row t = P(next symbol | <bos> s[:t]) under the PCFG with uniform rule choice (the release's
@@ -37,7 +37,7 @@ from numba import njit
 from canonlm.data.cfg.grammar import Grammar
 
 _LO_BOUND, _HI_BOUND = 1e-280, 1e280
-SMOOTH = 1e-5  # the release's demo smoothing of both distributions (tasks.md §6.4)
+SMOOTH = 1e-5  # the release's demo smoothing of both distributions
 
 
 @njit(cache=True, inline="always")
@@ -271,14 +271,14 @@ def _alpha(grammar: Grammar) -> float:
 
 def lano_kl(p_star: np.ndarray, model_logprobs: np.ndarray, symbol_ids: Sequence[int],
             restrict: str = "renormalize", weight: str = "exact") -> float:
-    """KL between the exact next-symbol law and a model's, averaged over positions (tasks.md §6.4 item 2).
+    """KL between the exact next-symbol law and a model's, averaged over positions (paper App. A.5).
 
     Args:
         p_star: float (n+1, C), rows of :func:`next_symbol_probs` (C symbols, e.g. [eos, 1, .., |T|]).
         model_logprobs: float (n+1, V), the model's log-softmax over its whole vocabulary at the same positions
             (row t predicts the symbol after <bos> s[:t]; row n the end-of-sentence position).
         symbol_ids: the C vocabulary ids of the symbols, in p_star's column order (Lano: [<bos>, 1, .., |T|]).
-        restrict: ``renormalize`` (default, [gap] tasks.md §10.2 #22): q = the model's softmax restricted to the C ids
+        restrict: ``renormalize`` (default; the paper does not say): q = the model's softmax restricted to the C ids
             and renormalised, q(c) = exp(lp_c) / sum_c' exp(lp_c'). ``raw``: q(c) = exp(lp_c), the model's
             full-vocabulary probabilities of the C ids, not renormalised (they sum to 1 - m, m = the mass on other
             ids); the only renormalisation is then the smoothing's own division, so m changes the weight of the

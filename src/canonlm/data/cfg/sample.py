@@ -1,4 +1,4 @@
-"""Counter-based top-down sampler of a layered PCFG (spec tasks.md §6.2), compiled with numba.
+"""Counter-based top-down sampler of a layered PCFG (paper App. A.5), compiled with numba.
 
 Sentence of key ``k`` (a uint64 instance key of :mod:`canonlm.data.seeding`): level by level from the root, the
 non-terminal at position p of level l picks rule ``w % #rules`` with ``w = words(k, purpose, p)``,

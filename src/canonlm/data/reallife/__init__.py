@@ -1,4 +1,4 @@
-"""Real-life evaluations of pretrained models (spec tasks.md §8, §9).
+"""Real-life evaluations of pretrained models (paper App. B).
 
 * :mod:`canonlm.data.reallife.multihop` -- 1-hop / 2-hop birth-year retrieval hidden in background text (§8).
 * :mod:`canonlm.data.reallife.babilong` -- Babilong qa1-qa5 prompts from local data and the label scorer (§9).

@@ -1,4 +1,4 @@
-"""Babilong qa1-qa5 prompts from local data, and the label scorer (spec tasks.md §9).
+"""Babilong qa1-qa5 prompts from local data, and the label scorer (official `data-reallife-eval/Babilong/prompts.py`).
 
 Data (never downloaded at run time): Babilong-format records ``{"input": <context>, "question": ..., "target": ...}``
 per task ``qa1..qa5`` and length (``0k``, ``1k``, ``2k``, ``4k``, ...). :func:`find_babilong_file` accepts the layouts

@@ -1,4 +1,4 @@
-"""Multi-hop birth-year prompts (1-hop-L, 2-hop-L) and their scorer (spec tasks.md §8, §10.2 rows 24-26).
+"""Multi-hop birth-year prompts (1-hop-L, 2-hop-L) and their scorer (paper App. B; official `multihop-birthyear.py`).
 
 One prompt of ``hop`` in {1, 2}, background length ``L`` tokens and index ``i`` (a pure function of
 (seed, hop, L, i), the background text, the name lists and the tokenizer, so every model sees identical prompts):

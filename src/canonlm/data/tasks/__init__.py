@@ -4,8 +4,8 @@
     task = build_task("depo1", cfg)          # cfg: the Hydra ``task`` node as a mapping
     inst = task.instance("train", (w, i))    # Instance; pure function of (seed, task, params, split, w, i)
 
-Registered tasks (``TASKS``, spec tasks.md): ``depo1``, ``depo2`` (§2), ``brevo1``, ``brevo2`` (§3), ``capo`` (§4),
-``mano`` (§5), ``lano`` (§6), ``fullcopy`` (§7), ``text`` (real-text pretraining from prepared token shards).
+Registered tasks (``TASKS``, paper App. A): ``depo1``, ``depo2`` (A.1), ``brevo1``, ``brevo2`` (A.2), ``capo`` (A.3),
+``mano`` (A.4), ``lano`` (A.5), ``fullcopy`` (Fig. 5), ``text`` (real-text pretraining from prepared token shards).
 
 The task protocol (what packing, the stream, the trainer and the preview CLI rely on):
 

@@ -1,5 +1,5 @@
 """Helpers shared by the task modules: config validation, index parsing, namespaces, the Depo/Brevo graph-size law,
-printing token ids (spec tasks.md §1.1, §2.2, §3.2, §11).
+printing token ids (paper App. A.1, A.2).
 
 Every task constructor validates its config the same way (unknown keys, name mismatch, defaults merged, then one
 check per key raising :class:`canonlm.errors.ConfigError` naming ``task.<key>``, the value and what is allowed), and
@@ -132,7 +132,7 @@ def cached_namespace(cache: dict, split: str, seed: Any, default_seed: int,
 # ---------------------------------------------------------------------------------------------- Depo / Brevo sizes
 def size_law_cdf(N: int) -> np.ndarray:
     """float64 (N-2,): cumulative P(n) over n = 3..N of the training size law P(n) ∝ 1/(n + sqrt N) (Depo and Brevo,
-    tasks.md §2.2 item 1, §3.2 item 1); the last entry is exactly 1."""
+    paper App. A.1, A.2); the last entry is exactly 1."""
     n = np.arange(3, N + 1, dtype=np.float64)
     p = 1.0 / (n + math.sqrt(N))
     cdf = np.cumsum(p / p.sum())
@@ -158,7 +158,7 @@ def draw_sizes(split: str, keys: np.ndarray, N: int, cdf: np.ndarray, purpose: i
 
 # ---------------------------------------------------------------------------------------------- Depo / Brevo2 names
 def name_space(V: int, min_len: int, max_len: int, N: int) -> tuple[np.ndarray, np.ndarray]:
-    """The multi-token names of Depo and Brevo2 (tasks.md §2.2 item 2): a name of length l has l-1 tokens in 1..V
+    """The multi-token names of Depo and Brevo2 (paper App. A.1): a name of length l has l-1 tokens in 1..V
     and a final token in V+1..2V; names are numbered by length index li = l - min_len, then in base V.
 
     Returns (count int64 (nl,): V**l names of each length; off int64 (nl+1,): first code of each length, off[-1] =

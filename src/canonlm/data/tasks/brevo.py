@@ -1,7 +1,7 @@
-"""Brevo1 / Brevo2: list every vertex a query vertex depends on, in topological order (spec tasks.md §3; paper
+"""Brevo1 / Brevo2: list every vertex a query vertex depends on, in topological order (paper
 App. A.2).
 
-One instance (tasks.md §3.2):
+One instance (paper App. A.2):
 
     <bos> x1 y1 x2 y2 ... xm ym <query> q <ans> a1 ... ap [q] <eos>
 
@@ -25,16 +25,16 @@ One instance (tasks.md §3.2):
 * The m edges (parent, child) are listed in a uniformly random order.
 * Loss targets (``loss_on: answers``, paper = release): ``<ans>``, the answer tokens and ``<eos>``; ``all``: every
   token. Teacher-forced answer scoring is meaningless (the order is not unique), so instances carry no scored
-  answers: the metric is generative (:meth:`BrevoTask.evaluate`, tasks.md §3.4).
+  answers: the metric is generative (:meth:`BrevoTask.evaluate`).
 * Per-instance metadata: ``n``, ``depth`` (the minimum number of edges from a leaf to q inside q's ancestor sub-DAG,
-  tasks.md §3.2 item 7; metric group = min(depth, DEPTH_CAP)), ``n_leaves`` (Lf), ``query`` (q's construction
+  paper Fig. 9; metric group = min(depth, DEPTH_CAP)), ``n_leaves`` (Lf), ``query`` (q's construction
   index), ``n_edges`` (m), ``n_answer`` (answer vertices, q included when appended), ``prompt_len`` (tokens up to
   and including ``<ans>``).
 
-Vocabulary (``vocab: compact``, tasks.md §1.5): 0 = pad; names (Brevo1: 1..N; Brevo2: 1..V non-final and V+1..2V
+Vocabulary (``vocab: compact``): 0 = pad; names (Brevo1: 1..N; Brevo2: 1..V non-final and V+1..2V
 final name tokens); then ``<bos>``, ``<query>``, ``<ans>``, ``<eos>`` (``vocab_size = N + 5`` / ``2V + 5``).
 ``vocab: official`` keeps the name ids and uses the release's ``<bos>`` = 9999, ``<query>`` = 9997 and
-``<ans>`` = ``<eos>`` = 9998 (the release's collision, tasks.md §10.2 #11); ``vocab_size = 10000``. The instances
+``<ans>`` = ``<eos>`` = 9998 (the release's collision); ``vocab_size = 10000``. The instances
 are identical up to the id map; the validator only looks for ``<eos>`` after the prompt, so the collision is
 harmless there.
 
@@ -64,7 +64,7 @@ _COMMON = dict(max_degree=4, leaf_rounding="ceil", query_pool="last_quarter", an
                loss_on="answers", vocab="compact", tail="drop", seed=0, eval_num_samples=1000,
                max_instance_tokens="auto")
 DEFAULTS: dict[str, dict[str, Any]] = {
-    # tasks.md §3.2 item 8: Brevo1 N in {70, 90, 110}, one-token names, context 1024.
+    # paper App. A.2: Brevo1 N in {70, 90, 110}, one-token names, context 1024.
     "brevo1": dict(name="brevo1", N=70, vocab_V=None, min_len=1, max_len=1, context=1024, **_COMMON),
     # Brevo2 N in {30, 40, 50}, names of 2-4 tokens over V = 4 (+4 final tokens), context 1536.
     "brevo2": dict(name="brevo2", N=30, vocab_V=4, min_len=2, max_len=4, context=1536, **_COMMON),
@@ -291,7 +291,7 @@ def _brevo_kernel(keys, n_arr, multi, N, D, ceil_leaf, q_last, incl, loss_all, t
 
 # ---------------------------------------------------------------------------------------------- task
 class BrevoTask:
-    """Brevo task (tasks.md §3). Build with :func:`canonlm.data.tasks.build_task`.
+    """Brevo task (paper App. A.2). Build with :func:`canonlm.data.tasks.build_task`.
 
     Attributes:
         name: ``"brevo1"`` | ``"brevo2"``. cfg: the validated config (dict with every key of ``KEYS``).
@@ -450,7 +450,7 @@ class BrevoTask:
     # ------------------------------------------------------------------ sizes and lengths
     def size_probs(self) -> np.ndarray:
         """float64 (N+1,): P(n) of training instances, index = n (0 for n < 3); P(n) ∝ 1/(n + sqrt N)
-        (tasks.md §3.2 item 1)."""
+        (paper App. A.2)."""
         return size_law_probs(self._n_cdf)
 
     def max_edges(self, n: int) -> int:
@@ -552,7 +552,7 @@ class BrevoTask:
         cap = self.length_cap
         if cap is not None and cap < int(self._len_bound[n].max(initial=0)):
             # Redraw the (practically never seen) instances longer than the cap with the same n and a derived key,
-            # so every instance fits its window (tasks.md §3.2 item 8: measured max 1,081 < 1536 at Brevo2 N=50).
+            # so every instance fits its window (the release's measured max is 1,081 < 1536 at Brevo2 N=50).
             attempt = 0
             while True:
                 over = np.diff(offsets) > cap
@@ -583,13 +583,13 @@ class BrevoTask:
 
     # ------------------------------------------------------------------ generative evaluation
     def eval_samples(self, split: str) -> int:
-        """Default number of evaluation prompts (``eval_num_samples``, 1000 = tasks.md §10.2 #12)."""
+        """Default number of evaluation prompts (``eval_num_samples``, default 1000)."""
         check_split(split)
         return self.eval_num_samples
 
     @property
     def max_new_tokens(self) -> int:
-        """Generation cap: (N + 2) * max_len + 1 (N + 2 names and ``<eos>``, tasks.md §3.4)."""
+        """Generation cap: (N + 2) * max_len + 1 (N + 2 names and ``<eos>``)."""
         return (self.N + 2) * self.max_len + 1
 
     def prompts(self, split: str, idx: Any, seed: int | None = None) -> Prompts:
@@ -609,7 +609,7 @@ class BrevoTask:
                        meta={**b.meta, "full": full})
 
     def evaluate(self, lm: Any, split: str, idx: Any) -> dict[str, np.ndarray]:
-        """Generative accuracy (tasks.md §3.4): greedy generation from each prompt of :meth:`prompts`, accepted by
+        """Generative accuracy (paper App. A.2): greedy generation from each prompt of :meth:`prompts`, accepted by
         :meth:`check_answer`.
 
         Args: lm: :class:`canonlm.data.lm.LanguageModel`. split: val | test (train works too). idx: sample indices
@@ -667,7 +667,7 @@ class BrevoTask:
         return parents, q
 
     def answer_verdict(self, prompt: Any, generated: Any) -> tuple[bool, str]:
-        """Validate a generated answer against the prompt's graph (tasks.md §3.4).
+        """Validate a generated answer against the prompt's graph (paper App. A.2).
 
         Args: prompt: the prompt (or the whole instance) token ids; generated: the generated ids (after ``<ans>``).
         Returns (accepted, reason): reason is ``"ok"`` or the first failure among ``"no_eos"`` (the generation does

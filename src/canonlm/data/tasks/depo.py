@@ -1,6 +1,6 @@
-"""Depo1 / Depo2: k-hop traversal of an in-context cycle (spec tasks.md §2; paper App. A.1).
+"""Depo1 / Depo2: k-hop traversal of an in-context cycle (paper App. A.1).
 
-One instance (tasks.md §2.2):
+One instance (paper App. A.1):
 
     <bos> x1 y1 x2 y2 ... xn yn <query_k1> q1 <ans> a1 ... <query_kt> qt <ans> at [<eos>]
 
@@ -11,14 +11,14 @@ One instance (tasks.md §2.2):
 * The names are shuffled into a cycle name_0 -> name_1 -> ... -> name_{n-1} -> name_0; the n edges (x, succ(x))
   are listed in a uniformly random order.
 * t = min(n_queries, n) distinct sources q_j, uniformly chosen, each with depth k_j (train: uniform in 1..K;
-  eval: ``eval_k_mode``, tasks.md §2.4); the answer a_j is the k_j-th successor of q_j (wrapping around).
+  eval: ``eval_k_mode``, paper App. A.1); the answer a_j is the k_j-th successor of q_j (wrapping around).
 * Loss targets (``loss_on: answers``, paper): ``<ans>`` and the answer tokens (and ``<eos>`` when enabled);
   ``loss_on: all``: every token. Scored (metric) tokens: the answer tokens only, grouped by k.
 
-Vocabulary (``vocab: compact``, tasks.md §1.5): 0 = pad, 1..V = non-final name tokens, V+1..2V = final name tokens,
+Vocabulary (``vocab: compact``): 0 = pad, 1..V = non-final name tokens, V+1..2V = final name tokens,
 2V+1 = ``<bos>``, 2V+2 = ``<ans>``, 2V+2+k = ``<query_k>`` (k = 1..K), 2V+K+3 = ``<eos>`` (only if ``eos``);
 ``vocab_size = 2V + K + 3 (+1 with eos)``. ``vocab: official`` uses the release's ids (nodes 1..2V,
-``<query_k>`` = 9000+k, ``<ans>`` = 9500, ``<bos>`` = 9999 as in Brevo [gap, tasks.md §10.2 #4], ``<eos>`` = 9998
+``<query_k>`` = 9000+k, ``<ans>`` = 9500, ``<bos>`` = 9999 as in Brevo (undefined in the release), ``<eos>`` = 9998
 [gap, as Brevo's]) with ``vocab_size = 10000``; the instances are identical up to the id map.
 
 Generation is vectorised over many instances at once with the counter-based words of
@@ -42,7 +42,7 @@ from canonlm.data.tasks._common import (cached_namespace, check_bool, check_choi
 _COMMON = dict(n_queries=10, eos=False, loss_on="answers", vocab="compact", context=2048, tail="drop",
                eval_k_mode="powers_of_two", eval_k=None, seed=0)
 DEFAULTS: dict[str, dict[str, Any]] = {
-    # tasks.md §2.2 item 7: Depo1 N in {225, 300, 375}, K = 8, V = 50, names of 1-2 tokens.
+    # paper App. A.1: Depo1 N in {225, 300, 375}, K = 8, V = 50, names of 1-2 tokens.
     "depo1": dict(name="depo1", N=225, K=8, vocab_V=50, min_len=1, max_len=2, **_COMMON),
     # Depo2 N in {75, 100, 125}, K = 16, V = 4 (paper; release demo V = 3), names of 5-7 tokens.
     "depo2": dict(name="depo2", N=75, K=16, vocab_V=4, min_len=5, max_len=7, **_COMMON),
@@ -56,7 +56,7 @@ _OFFICIAL = dict(bos=9999, ans=9500, eos=9998, query_base=9000, vocab_size=10000
 
 
 class DepoTask:
-    """Depo task (tasks.md §2). Build with :func:`canonlm.data.tasks.build_task`.
+    """Depo task (paper App. A.1). Build with :func:`canonlm.data.tasks.build_task`.
 
     Attributes:
         name: ``"depo1"`` | ``"depo2"``. cfg: the validated config (dict with every key of ``KEYS``).
@@ -66,7 +66,7 @@ class DepoTask:
         bos_id, ans_id, eos_id (None without eos): special ids; ``query_id(k)`` -> id of ``<query_k>``.
         eval_ks: tuple of the depths eval queries use (powers_of_two: {1, 2, 4, ..} ∪ {K}; fixed: eval_k).
         chance: 1 / N, the whole-answer accuracy of guessing one of the n = N names of an eval instance (the floor
-            failing models sit at in the paper's tables, tasks.md §2.4).
+            failing models sit at in the paper's tables).
     Raises ConfigError (naming ``task.<key>``) for unknown keys, wrong types, N < 3, K < 1, vocab_V < 1,
     min_len > max_len, fewer distinct names than N, V**max_len > 2**40, unknown name / loss_on / vocab / tail /
     eval_k_mode, eval_k missing (fixed) or given (powers_of_two) or outside [1, K], official ids overflowing.
@@ -189,7 +189,7 @@ class DepoTask:
     # ------------------------------------------------------------------ sizes
     def size_probs(self) -> np.ndarray:
         """float64 (N+1,): P(n) of training instances, index = n (0 for n < 3); P(n) ∝ 1/(n + sqrt N)
-        (tasks.md §2.2 item 1)."""
+        (paper App. A.1)."""
         return size_law_probs(self._n_cdf)
 
     def _sum_longest(self, n: int) -> int:

@@ -1,4 +1,4 @@
-"""Full copy: reproduce a random permutation after a ``<query>`` token (spec tasks.md §7; paper Fig. 5).
+"""Full copy: reproduce a random permutation after a ``<query>`` token (paper Fig. 5).
 
 One instance (2n + 2 tokens, n = ``n_tokens``):
 
@@ -40,7 +40,7 @@ _MAX_TOKENS_PER_CALL = 2**27  # generate() splits larger requests into chunks (m
 
 
 class FullCopyTask:
-    """Full-copy task (tasks.md §7). Build with :func:`canonlm.data.tasks.build_task` (``"fullcopy"``).
+    """Full-copy task (paper Fig. 5). Build with :func:`canonlm.data.tasks.build_task` (``"fullcopy"``).
 
     Attributes:
         name: ``"fullcopy"``. cfg: the validated config. n_tokens, vocab, context, tail, seed: config.

@@ -1,6 +1,6 @@
-"""Lano: learning a hierarchical language (layered CFG) (spec tasks.md §6; paper App. A.5).
+"""Lano: learning a hierarchical language (layered CFG) (paper App. A.5).
 
-Training stream ``<bos> s1 <bos> s2 <bos> ...`` (tasks.md §6.3): one instance = ``<bos> sentence``, the next
+Training stream ``<bos> s1 <bos> s2 <bos> ...`` (paper App. A.5): one instance = ``<bos> sentence``, the next
 instance's ``<bos>`` closing it; loss on every token; packed left-aligned by :mod:`canonlm.data.packing`. Sentences
 are sampled top-down from the grammar, every non-terminal choosing one of its rules uniformly
 (:mod:`canonlm.data.cfg.sample`; counter-based, so instance (w, i) of a split is a pure function of (seed, grammar,
@@ -18,12 +18,12 @@ Sentence-length cap (``max_sentence_len``, [gap]): the exact longest sentence of
 counter); the rejected mass is tiny (official cfg3f at 512: 1.2e-6, cfg3j/cfg3k at 1536: < 1e-50) and is reported
 as :attr:`LanoTask.rejected_mass`. ``null`` = no cap (the context must then hold the grammar's longest sentence).
 
-Evaluation (tasks.md §6.4; ``eval_mode = "generate"``): from the prompt ``<bos>`` the model samples at
+Evaluation (paper App. A.5; ``eval_mode = "generate"``): from the prompt ``<bos>`` the model samples at
 ``eval_temperature`` until it emits ``<bos>``; a sample is correct iff it ends with ``<bos>`` and the sentence before
 it is non-empty and derivable (:func:`canonlm.data.cfg.check`). KL: for sample indices ``idx < kl_samples`` the
 split's sentence (idx, 0) is scored teacher-forced against the exact next-symbol law (:mod:`canonlm.data.cfg.inside`).
 
-Vocabulary (already compact, tasks.md §1.5): 0 = pad, 1..|T| = terminals, |T|+1 = ``<bos>`` (the release's
+Vocabulary (already compact): 0 = pad, 1..|T| = terminals, |T|+1 = ``<bos>`` (the release's
 ``eos_token``); ``vocab_size = |T| + 2``.
 """
 
@@ -56,7 +56,7 @@ _AUTO_MAX_REJECT = 1e-4  # max_sentence_len: auto may drop at most this much (of
 
 
 class LanoTask:
-    """Lano task (tasks.md §6). Build with :func:`canonlm.data.tasks.build_task` (``"lano"``).
+    """Lano task (paper App. A.5). Build with :func:`canonlm.data.tasks.build_task` (``"lano"``).
 
     Attributes:
         name: ``"lano"``. cfg: the validated config (every key of ``KEYS``). grammar: :class:`Grammar`.
@@ -247,7 +247,7 @@ class LanoTask:
         return check(self.grammar, sentences)
 
     def eval_samples(self, split: str) -> int:
-        """Generated samples per evaluation: ``eval_num_samples`` (default 500, [gap] tasks.md §10.2 #23)."""
+        """Generated samples per evaluation: ``eval_num_samples`` (default 500; the paper does not say)."""
         check_split(split)
         return self.eval_num_samples
 
@@ -277,7 +277,7 @@ class LanoTask:
         return ok
 
     def evaluate(self, lm, split: str, idx: Any) -> dict[str, np.ndarray]:
-        """Generation accuracy and KL of samples ``idx`` (tasks.md §6.4).
+        """Generation accuracy and KL of samples ``idx`` (paper App. A.5).
 
         Args: lm: :class:`canonlm.data.lm.LanguageModel` (vocabulary >= ``vocab_size``). split: train | val | test.
             idx: non-negative ints (n,), the sample indices.

@@ -1,6 +1,6 @@
-"""Mano: mental evaluation of a random prefix expression modulo 23 (spec tasks.md §5; paper App. A.4).
+"""Mano: mental evaluation of a random prefix expression modulo 23 (paper App. A.4).
 
-One instance (tasks.md §5.2, compact layout):
+One instance (paper App. A.4, compact layout):
 
     <bos> <len_ℓ> op ... operand ... <ans> answer          (2ℓ + 5 tokens)
 
@@ -16,7 +16,7 @@ e.g. ``<bos> <len_3> + * 4 5 - 7 1 <ans> 3`` = ((4*5) + (7-1)) mod 23, ℓ = 3.
   (attempt 1, 2, ...) [gap: the release restarts, the paper never uses div; keeping ℓ fixed keeps ℓ uniform].
 * Loss targets: every token (``loss_on: all``, paper) or ``<ans>`` and the answer token (``loss_on: answers``).
   Scored: the single answer token, metric group ℓ (``num_groups = L + 1``, group 0 unused); the paper's metric is
-  its teacher-forced accuracy at ℓ = L over every problem of the 1024-token windows (tasks.md §5.4).
+  its teacher-forced accuracy at ℓ = L over every problem of the 1024-token windows (paper App. A.4).
 
 Randomness (counter-based, :mod:`canonlm.data.seeding`; instance (w, i) of a split is a pure function of the seed,
 ``L``, ``ops``, ``mod``, the split, w and i): with ``key`` = the instance key,
@@ -31,7 +31,7 @@ Randomness (counter-based, :mod:`canonlm.data.seeding`; instance (w, i) of a spl
 The per-instance work runs in one numba kernel (``@njit(cache=True)``) drawing its words with
 :mod:`canonlm.data.seeding_numba`, which reproduces :func:`canonlm.data.seeding.words` bit for bit.
 
-Vocabulary, ``vocab: compact`` (tasks.md §1.5; n_ops = number of enabled operators, in the fixed order add, sub,
+Vocabulary, ``vocab: compact`` (n_ops = number of enabled operators, in the fixed order add, sub,
 mul, div):
 
 * ``knowledge_augment: false`` (paper): 0 = pad, 1..mod = operands 0..mod-1, mod+1..mod+n_ops = operators,
@@ -185,13 +185,13 @@ def _mano_kernel(keys, ell, offsets, op_code, mod, inv, ka, t_operand, t_op, t_b
 
 # ---------------------------------------------------------------------------------------------- the task
 class ManoTask:
-    """Mano task (tasks.md §5). Build with :func:`canonlm.data.tasks.build_task` (``"mano"``).
+    """Mano task (paper App. A.4). Build with :func:`canonlm.data.tasks.build_task` (``"mano"``).
 
     Attributes:
         name: ``"mano"``. cfg: the validated config (dict with every key of ``KEYS``; ``ops`` in canonical order).
         L, ops (tuple of operator names), mod, knowledge_augment, loss_on, vocab, context, tail, seed: config.
         vocab_size: int, pad id 0 included. pad_id: 0. num_groups: L + 1 (metric group = ℓ). group_name: ``"l"``.
-        chance: 1 / mod (guessing the answer token; tasks.md §5.4).
+        chance: 1 / mod (guessing the answer token).
         bos_id; ans_id (the single ``<ans>``: compact without knowledge_augment; else None).
         Id helpers (synonym 0 or, with knowledge_augment, 1): operand_id(v), op_id(op, s), bos_marker_id(s),
         len_id(ell, s), ans_marker_id(ell, s).

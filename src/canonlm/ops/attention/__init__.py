@@ -1,4 +1,4 @@
-"""Causal (GQA) softmax attention behind one dispatch point (spec models.md §2 "attention", §4.2, §5.4).
+"""Causal (GQA) softmax attention behind one dispatch point (``F.scaled_dot_product_attention``, flash-attn).
 
 Layout everywhere is flash-attn's **(B, T, H, D)** (time before heads); ``F.scaled_dot_product_attention`` wants
 (B, H, T, D), so the ``sdpa`` backend passes transposed *views* (no copy) and transposes the result back.
@@ -40,7 +40,7 @@ def flash_available() -> bool:
     """True when ``flash_attn.flash_attn_func`` can be imported (result cached; no CUDA check)."""
     try:
         from flash_attn import flash_attn_func  # noqa: F401
-    except Exception:  # ImportError, or an ABI mismatch raising OSError/RuntimeError (engineering.md P20)
+    except Exception:  # ImportError, or an ABI mismatch raising OSError/RuntimeError
         return False
     return True
 
@@ -155,7 +155,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                         scale: float | None = None) -> torch.Tensor:
-    """Explicit-math attention in float32 (float64 for float64 inputs; models.md §4.2); same shapes and semantics as
+    """Explicit-math attention in float32 (float64 for float64 inputs); same shapes and semantics as
     :func:`attention`.
 
     Materialises the ``(B, H, T, S)`` score matrix; autocast is disabled inside so the math stays in fp32.

@@ -1,4 +1,4 @@
-"""Canon op: residual causal depthwise 1-D convolution (paper eq. 4.1; spec models.md §1.1, §4.1, §6).
+"""Canon op: residual causal depthwise 1-D convolution (paper eq. 4.1; Dao-AILab ``causal_conv1d``).
 
 Public API (the model calls only these names)::
 
@@ -18,8 +18,8 @@ weight[:, 0] the token K-1 steps back)::
 
 Backends (``kernels.canon`` in the Hydra config; ``model.kernels.canon`` in errors):
 
-* ``reference`` -- ``F.conv1d`` on a left-padded (B, C, T) view (the oracle, spec §4.1 "Reference A").
-* ``torch``     -- shift-and-add on (B, T, C) (spec §4.1 "Reference B"); low-precision inputs accumulate in fp32.
+* ``reference`` -- ``F.conv1d`` on a left-padded (B, C, T) view (the oracle, as ``causal_conv1d_ref``).
+* ``torch``     -- shift-and-add on (B, T, C); low-precision inputs accumulate in fp32.
 * ``cpu``       -- native C kernel (``csrc/canon_cpu.c``, compiled on first use, OpenMP, fp32 and bf16 with fp32
   accumulation), exposed as the custom ops ``canonlm::canon_conv_fwd`` / ``canonlm::canon_conv_bwd``.
 * ``fla``       -- fla's Triton ``causal_conv1d(x, weight, bias, residual=x)`` (CUDA).
@@ -97,7 +97,7 @@ def _validate(x: Tensor, weight: Tensor, bias: Optional[Tensor], initial_state: 
 
 def causal_conv1d_reference(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, residual: bool = True,
                             activation: bool = False, initial_state: Optional[Tensor] = None) -> Tensor:
-    """Oracle (spec models.md §4.1 "Reference A"): ``F.conv1d(F.pad(x, (K-1, 0)), w.unsqueeze(1), b, groups=C)``.
+    """Oracle (as Dao-AILab ``causal_conv1d_ref``): ``F.conv1d(F.pad(x, (K-1, 0)), w.unsqueeze(1), b, groups=C)``.
 
     Args: x (B, T, C); weight (C, K); bias (C,) or None; initial_state (B, C, K-1) or None (prepended instead of the
     zero padding). Computes in ``promote_types(x.dtype, weight.dtype)`` and returns (B, T, C) in x.dtype.
@@ -121,10 +121,10 @@ def causal_conv1d_reference(x: Tensor, weight: Tensor, bias: Optional[Tensor] = 
 
 def causal_conv1d_torch(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, residual: bool = True,
                         activation: bool = False, initial_state: Optional[Tensor] = None) -> Tensor:
-    """Shift-and-add form (spec models.md §4.1 "Reference B"): ``y = [x +] act(b + sum_i w[:, i] * x_pad[:, i:i+T])``.
+    """Shift-and-add form: ``y = [x +] act(b + sum_i w[:, i] * x_pad[:, i:i+T])``.
 
     Works on (B, T, C) directly (no transpose). float16/bfloat16 inputs accumulate in float32 (plain bf16
-    accumulation errs by ~6e-2, spec §4.1). Shapes as in :func:`causal_conv1d_reference`; returns x.dtype.
+    accumulation errs by ~6e-2). Shapes as in :func:`causal_conv1d_reference`; returns x.dtype.
     """
     _validate(x, weight, bias, initial_state)
     B, T, C = x.shape
@@ -308,7 +308,7 @@ def causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, r
 # ----------------------------------------------------------------------------------------------------------------
 
 def causal_conv1d_state(x: Tensor, kernel_size: int, initial_state: Optional[Tensor] = None) -> Tensor:
-    """Decode state after a prefill (spec models.md §6): the last K raw inputs, (B, C, K), zero-left-padded.
+    """Decode state after a prefill (``causal_conv1d_update``'s): the last K raw inputs, (B, C, K), zero-left-padded.
 
     Args: x (B, T, C) the prefill inputs (before the residual add); kernel_size K >= 1; initial_state (B, C, K-1)
     history before x, or None. Returns (B, C, K) in x.dtype; column K-1 is the newest input. Feed ``state[:, :, 1:]``
@@ -345,7 +345,7 @@ def _select_step(backend: str, device: str, dtype: torch.dtype, C: int, K: int) 
 def causal_conv1d_step(x_t: Tensor, state: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *,
                        residual: bool = True, activation: bool = False,
                        backend: str = "auto") -> tuple[Tensor, Tensor]:
-    """Decode one token (spec models.md §4.1, §6).
+    """Decode one token (as Dao-AILab ``causal_conv1d_update``).
 
     Args:
         x_t: (B, C) new input; state: (B, C, K) the last K raw inputs (column K-1 newest); weight (C, K);

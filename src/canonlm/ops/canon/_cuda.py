@@ -1,8 +1,8 @@
 """CUDA fast paths for the Canon op: Dao-AILab ``causal_conv1d`` and fla's Triton ``causal_conv1d``.
 
 Both libraries are optional at run time and imported here lazily (inside functions), never when canonlm is imported
-(spec engineering.md §6.3, P20). Shapes follow :func:`canonlm.ops.canon.causal_conv1d`: x (B, T, C) channel-last,
-weight (C, K), bias (C,) or None, initial_state (B, C, K-1) = the previous K-1 raw inputs.
+(a missing library or an ABI mismatch = unavailable). Shapes follow :func:`canonlm.ops.canon.causal_conv1d`:
+x (B, T, C) channel-last, weight (C, K), bias (C,) or None, initial_state (B, C, K-1) = the previous K-1 raw inputs.
 
 * ``dao``: ``causal_conv1d.causal_conv1d_fn(x (B, C, T), weight (C, K), bias, seq_idx=None, initial_states
   (B, C, K-1), return_final_states=False, final_states_out=None, activation=None|"silu")``

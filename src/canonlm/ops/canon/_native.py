@@ -27,7 +27,7 @@ message (:func:`unavailable_reason`).
 OpenMP: torch's CPU wheels load ``libgomp.so.1``; the kernel links the same soname, so it shares torch's thread
 pool. Each call passes ``torch.get_num_threads()`` threads.
 
-Custom ops (so ``torch.compile(fullgraph=True)`` traces through without a graph break; spec models.md §1.6, P5):
+Custom ops (so ``torch.compile(fullgraph=True)`` traces through without a graph break; ``torch.library.custom_op``):
 
 * ``canonlm::canon_conv_fwd(x, weight, bias, initial_state, residual, activation) -> y``
 * ``canonlm::canon_conv_bwd(dy, x, weight, bias, initial_state, residual, activation, need_dinit)

@@ -1,4 +1,4 @@
-"""GDN op: the gated delta rule (spec models.md §3.2, §4.4, §5.3), chunked via the WY/UT form.
+"""GDN op: the gated delta rule (Yang et al. 2025; ``fla.ops.gated_delta_rule``), chunked via the WY/UT form.
 
 Public API (the model calls only these names)::
 
@@ -9,8 +9,8 @@ Public API (the model calls only these names)::
     resolve_backend(name, device, dtype) -> str
     BACKENDS, CONFIG_KEY
 
-Math, per batch row and head, in the ``[K, V]`` state convention of models.md §4.4 (S_t in R^{K x V}, the transpose
-of the ``d_v x d_k`` state of §3.2)::
+Math, per batch row and head, in the ``[K, V]`` state convention of fla (S_t in R^{K x V}, the transpose
+of the ``d_v x d_k`` state of Yang et al. 2025)::
 
     q_t, k_t <- q_t / sqrt(|q_t|^2 + 1e-6), k_t / sqrt(|k_t|^2 + 1e-6)      (only if use_qk_l2norm; fla's formula)
     a_t   = exp(g_t)                       g_t <= 0 log-space decay, a scalar per (token, head)
@@ -18,7 +18,7 @@ of the ``d_v x d_k`` state of §3.2)::
     S_t   = a_t S_{t-1} + k_t w_t^T        (= a_t S_{t-1} (I - beta_t k_t k_t^T) + beta_t k_t v_t^T)
     o_t^T = (scale q_t)^T S_t,             scale = K**-0.5 by default; S_0 = initial_state or 0.
 
-Chunked form (models.md §4.4 [derived]); a chunk of C positions with entry state S_0, in-chunk cumulative log decay
+Chunked form (derived from the recurrence); a chunk of C positions with entry state S_0, in-chunk cumulative log decay
 ``gamma_t = sum_{j<=t} g_j``, ``Gamma_t = exp(gamma_t)``, rows of K, V, Q the k_t, v_t, scale*q_t::
 
     (I + A) W = diag(beta) (V - diag(Gamma) K S_0),   A_tj = beta_t exp(gamma_t - gamma_j) k_t.k_j  (j < t, else 0)
@@ -135,7 +135,7 @@ def chunk_gated_delta_rule_reference(q: Tensor, k: Tensor, v: Tensor, g: Tensor,
                                      scale: Optional[float] = None, initial_state: Optional[Tensor] = None,
                                      output_final_state: bool = False, use_qk_l2norm: bool = True,
                                      chunk_size: int = 64) -> tuple[Tensor, Optional[Tensor]]:
-    """Gated delta rule in pure PyTorch, chunked via the WY/UT form (spec models.md §4.4; math in the module doc).
+    """Gated delta rule in pure PyTorch, chunked via the WY/UT form (math in the module doc).
 
     Args:
         q, k: (B, T, H, K); v: (B, T, H, V); any floating dtypes, one device.
@@ -273,7 +273,7 @@ def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
                            scale: Optional[float] = None, initial_state: Optional[Tensor] = None,
                            output_final_state: bool = False, use_qk_l2norm: bool = True, chunk_size: int = 64,
                            backend: str = "auto") -> tuple[Tensor, Optional[Tensor]]:
-    """GDN token mixing (gated delta rule; spec models.md §3.2, §4.4): see the module doc for the recurrence.
+    """GDN token mixing (gated delta rule, Yang et al. 2025): see the module doc for the recurrence.
 
     Args:
         q, k: (B, T, H, K); v: (B, T, H, V) (any T >= 1: prefill, T=1 decode steps, T not a multiple of chunk_size).

@@ -1,11 +1,11 @@
 """CUDA fast path for the GDN op: fla's Triton ``chunk_gated_delta_rule`` / ``fused_recurrent_gated_delta_rule``.
 
 fla (flash-linear-attention, ``fla-core``) is optional at run time and imported here lazily (inside functions), never
-when canonlm is imported (spec engineering.md §6.3/§6.4: on a machine without triton ``import fla.ops...`` fails, and
+when canonlm is imported (on a machine without triton ``import fla.ops...`` fails, and
 with triton the import alone costs 5-10 s). Shapes follow :func:`canonlm.ops.gdn.chunk_gated_delta_rule`:
 q, k (B, T, H, K); v (B, T, H, V); g, beta (B, T, H); state (B, H, K, V) in the ``[K, V]`` convention.
 
-Calls (fla-core 0.6.0, ``fla/ops/gated_delta_rule/{chunk,fused_recurrent}.py``; spec models.md §3.2, §5.3):
+Calls (fla-core 0.6.0, ``fla/ops/gated_delta_rule/{chunk,fused_recurrent}.py``):
 
 * ``chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
   use_qk_l2norm_in_kernel=False, ...) -> (o (B, T, H, V) in q.dtype, final_state (N, H, K, V) fp32 or None)``;
@@ -39,7 +39,7 @@ from canonlm.ops._dispatch import probe
 
 #: dtypes the fla GDN kernels may accept (fp32 only if :func:`chunk_refuses_fp32` is False).
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-#: at most this many tokens go to ``fused_recurrent_gated_delta_rule`` when autograd is off (spec models.md §3.2).
+#: at most this many tokens go to ``fused_recurrent_gated_delta_rule`` when autograd is off (as the official GDN2).
 RECURRENT_MAX_T = 64
 
 _probe_cache: dict = {}

@@ -1,4 +1,4 @@
-"""GLA op: gated linear attention with a per-key-channel forget gate (spec models.md §4.3, §5.3, §9).
+"""GLA op: gated linear attention with a per-key-channel forget gate (Yang et al. 2024; ``fla.ops.gla.chunk_gla``).
 
 Public API (the GLA mixer calls only these names)::
 
@@ -23,7 +23,7 @@ Backends (``model.kernels.gla`` in the config and in errors):
 * ``auto``      -- ``fla`` on a CUDA device when ``fla.ops.gla`` imports and dtype is float16/bfloat16/float32, else
   ``reference``.
 
-Reference algorithm (models.md §4.3). Time is cut into chunks of C = ``chunk_size`` positions; inside a chunk, with
+Reference algorithm (Yang et al. 2024). Time is cut into chunks of C = ``chunk_size`` positions; inside a chunk, with
 entry state ``S_0`` and the in-chunk cumulative log-gate ``b_t = sum_{j<=t} g_j`` (per key channel)::
 
     o_t   = (s q_t * exp(b_t))^T S_0  +  sum_{j<=t} [sum_c s q_{t,c} k_{j,c} exp(b_{t,c} - b_{j,c})] v_j
@@ -222,7 +222,7 @@ class _IntraChunk(torch.autograd.Function):
 def chunk_gla_reference(q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, scale: Optional[float] = None,
                         initial_state: Optional[Tensor] = None, output_final_state: bool = False,
                         chunk_size: int = 64) -> tuple[Tensor, Optional[Tensor]]:
-    """Chunked pure-PyTorch GLA (spec models.md §4.3; algorithm in the module docstring). The CPU path and the oracle
+    """Chunked pure-PyTorch GLA (algorithm in the module docstring). The CPU path and the oracle
     of the fused kernels.
 
     Args:

@@ -1,10 +1,10 @@
 """CUDA fast path for GLA: fla's Triton ``chunk_gla`` (training / prefill) and ``fused_recurrent_gla`` (decode).
 
 fla-core (and triton) are optional at run time and imported here lazily, inside functions, never when canonlm is
-imported (spec engineering.md §6.3). Shapes follow :func:`canonlm.ops.gla.chunk_gla`: q, k, g (B, T, H, K) with g the
+imported. Shapes follow :func:`canonlm.ops.gla.chunk_gla`: q, k, g (B, T, H, K) with g the
 log-space forget gate, v (B, T, H, V), state (B, H, K, V).
 
-Calls (spec models.md §5.3; checked against the installed fla-core 0.6.0, ``fla/ops/gla/chunk.py`` and
+Calls (checked against the installed fla-core 0.6.0, ``fla/ops/gla/chunk.py`` and
 ``fla/ops/gla/fused_recurrent.py``)::
 
     fla.ops.gla.chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False,
@@ -16,7 +16,7 @@ Calls (spec models.md §5.3; checked against the installed fla-core 0.6.0, ``fla
 fla-core >= 0.5 asserts ``initial_state.dtype == torch.float32`` and ``q.shape == k.shape == g.shape`` in
 ``chunk_gla``; both are ensured here (the caller validates the shapes). Both functions are differentiable w.r.t.
 q, k, v, g and initial_state (fla's autograd Functions). On CPU tensors they fail with ``RuntimeError: 0 active
-drivers`` (engineering.md §6.4), which is why :func:`canonlm.ops.gla.resolve_backend` refuses ``fla`` off CUDA.
+drivers``, which is why :func:`canonlm.ops.gla.resolve_backend` refuses ``fla`` off CUDA.
 """
 
 from __future__ import annotations

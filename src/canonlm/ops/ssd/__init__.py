@@ -1,4 +1,4 @@
-"""Mamba2 SSD scan (state-space duality, chunked) and the Mamba2 mixer core (spec models.md §1.3, §3.3, §4.5, §5.2).
+"""Mamba2 SSD scan (state-space duality, chunked) and the Mamba2 mixer core (Dao & Gu 2024; ``mamba_ssm``).
 
 Public API (the Mamba2 mixer calls only these names)::
 
@@ -25,7 +25,7 @@ Math, per batch row and head h (group g = h // (H // G) supplies B and C)::
     H_t  = exp(a_t) · H_{t-1} + x̄_t B_tᵀ                     (state H_t ∈ R^{P×N}, H_0 = initial_state or 0)
     y_t  = H_t C_t + D_h · x_t
 
-Chunked form (chunk Q; spec §4.5, the "SSD" algorithm of Dao & Gu 2024, written here from those formulas): with
+Chunked form (chunk Q; the "SSD" algorithm of Dao & Gu 2024, written here from those formulas): with
 ``L_ts = exp(Σ_{r=s+1}^{t} a_r)`` (s ≤ t, inside a chunk; computed as a masked cumulative sum of a, never as a ratio
 of exponentials) ::
 
@@ -163,7 +163,7 @@ def _validate(x, dt, A, B, C, D, dt_bias, initial_state) -> tuple[int, int, int,
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# pure-PyTorch reference (spec models.md §4.5)
+# pure-PyTorch reference (Dao & Gu 2024)
 # ----------------------------------------------------------------------------------------------------------------
 
 def _time_step(dt: Tensor, dt_bias: Optional[Tensor], dt_softplus: bool, dt_limit: tuple[float, float],
@@ -234,7 +234,7 @@ def ssd_scan_reference(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, *
                        D: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None, dt_softplus: bool = True,
                        dt_limit: Sequence[float] = (0.0, _INF), initial_state: Optional[Tensor] = None,
                        output_final_state: bool = False) -> tuple[Tensor, Optional[Tensor]]:
-    """Pure-PyTorch chunked SSD (spec models.md §4.5); the CPU path and the oracle of the fused kernels.
+    """Pure-PyTorch chunked SSD (Dao & Gu 2024); the CPU path and the oracle of the fused kernels.
 
     Args: see :func:`ssd_scan` (same shapes and semantics).
 
@@ -439,7 +439,7 @@ def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, *, chunk_si
              D: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None, dt_softplus: bool = True,
              dt_limit: Sequence[float] = (0.0, _INF), initial_state: Optional[Tensor] = None,
              output_final_state: bool = False, backend: str = "auto") -> tuple[Tensor, Optional[Tensor]]:
-    """Mamba2 SSD scan ``H_t = exp(Δ_t A_h) H_{t-1} + Δ_t x_t B_tᵀ``, ``y_t = H_t C_t + D_h x_t`` (spec §4.5).
+    """Mamba2 SSD scan ``H_t = exp(Δ_t A_h) H_{t-1} + Δ_t x_t B_tᵀ``, ``y_t = H_t C_t + D_h x_t`` (Dao & Gu 2024).
 
     Args:
         x: (B, T, H, P) inputs (heads × head dim), any floating dtype; T >= 1 (T = 1 is a decode step).
@@ -479,7 +479,7 @@ def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, *, chunk_si
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Mamba2 mixer core: conv1d over xBC -> SSD -> gated RMSNorm -> out-proj (spec §1.3, §3.3, §5.2)
+# Mamba2 mixer core: conv1d over xBC -> SSD -> gated RMSNorm -> out-proj (HF transformers ``Mamba2Mixer``)
 # ----------------------------------------------------------------------------------------------------------------
 
 def gated_rmsnorm(y: Tensor, z: Optional[Tensor], weight: Optional[Tensor], eps: float, ngroups: int = 1,
@@ -562,7 +562,7 @@ def split_conv1d_scan_reference(zxbcdt: Tensor, conv_weight: Tensor, conv_bias: 
                                 outproj_weight: Optional[Tensor], headdim: int, ngroups: int,
                                 norm_before_gate: bool = False,
                                 dt_limit: Sequence[float] = (0.0, _INF)) -> Tensor:
-    """Plain-torch Mamba2 mixer core (what ``mamba_split_conv1d_scan_combined`` fuses; spec §3.3, §5.2).
+    """Plain-torch Mamba2 mixer core (what ``mamba_split_conv1d_scan_combined`` fuses).
 
     ``zxbcdt`` (B, T, 2·H·P + 2·G·N + H) is split as ``[z (H·P), xBC (H·P + 2·G·N), dt (H)]``;
     ``xBC ← act(causal_conv1d(xBC, conv_weight (conv_dim, W), conv_bias))`` (non-residual, act = SiLU for
@@ -571,7 +571,7 @@ def split_conv1d_scan_reference(zxbcdt: Tensor, conv_weight: Tensor, conv_bias: 
     ``y ← gated_rmsnorm(y, z, rmsnorm_weight, rmsnorm_eps, ngroups, norm_before_gate)``; ``out = y W_outᵀ`` (no
     bias; skipped when ``outproj_weight`` is None).
 
-    ``noconv1d`` (Mamba2 without its conv, spec §1.3) is ``conv_weight[:, :] = [0, …, 0, 1]``, ``conv_bias=None``,
+    ``noconv1d`` (Mamba2 without its conv, Result 7.1) is ``conv_weight[:, :] = [0, …, 0, 1]``, ``conv_bias=None``,
     ``activation=None``: xBC passes through unchanged.
 
     Computes in float32 (float64 for float64 zxbcdt) with autocast disabled; differentiable w.r.t. every tensor.

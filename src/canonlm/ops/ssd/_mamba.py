@@ -1,7 +1,7 @@
-"""CUDA fast paths for the Mamba2 SSD scan: the mamba-ssm Triton kernels (spec models.md §3.3, §5.2).
+"""CUDA fast paths for the Mamba2 SSD scan: the mamba-ssm Triton kernels (``mamba_ssm.ops.triton``).
 
 mamba-ssm is optional at run time and imported here lazily (inside functions, only for CUDA tensors), never when
-canonlm is imported (spec engineering.md §6.3: it does not install usably without a CUDA build, and
+canonlm is imported (it does not install usably without a CUDA build, and
 ``mamba_ssm/__init__.py`` imports the compiled ``selective_scan_cuda``, so even its pure-Triton SSD kernel is not
 importable from a CPU-only install). Shapes follow :func:`canonlm.ops.ssd.ssd_scan`: x (B, T, H, P), dt (B, T, H),
 A (H,), B/C (B, T, G, N), D (H,) or (H, P), dt_bias (H,), state (B, H, P, N).

@@ -1,7 +1,7 @@
 /*
  * canonlm native CPU kernel for the Canon op: residual causal depthwise 1-D convolution.
  *
- * Math (paper eq. 4.1; spec models.md §1.1, §4.1), per batch row b, time t, channel c:
+ * Math (paper eq. 4.1), per batch row b, time t, channel c:
  *     z[t,c] = bias[c] + sum_{i=0}^{K-1} w[i,c] * x[t-K+1+i, c]       (x[t<0] = initial state, or 0)
  *     y[t,c] = (residual ? x[t,c] : 0) + (act ? silu(z) : z)
  * Backward, with g[t,c] = dy[t,c] * (act ? silu'(z[t,c]) : 1):
