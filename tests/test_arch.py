@@ -1,6 +1,7 @@
-"""LlamaCanon end to end: architecture matrix, dtypes, parameter counts re-derived from the spec, init, loss.
+"""LlamaCanon end to end: architecture matrix, dtypes, parameter counts re-derived by hand, init, loss.
 
-Spec: models.md §1.2 (placements/widths), §1.5 (overhead), §2 (block, init, z-loss), §9 (arch matrix, counts).
+Sources: paper §4 (Canon placements and widths), Result 2 (≈ 0.5 % overhead), official
+`huggingface/modeling_llama_canon.py` (block, init), lingua (z-loss).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def test_variants_forward_backward(kw):
 
 
 def test_canon_widths_follow_spec_table():
-    """models.md §1.2: A, C = d; B = (H + 2 H_kv)·d_head; D = 2·d_ff (gated) or d_ff (standard MLP = 4d)."""
+    """Paper §4: A, C = d; B = (H + 2 H_kv)·d_head; D = 2·d_ff (gated) or d_ff (standard MLP = 4d)."""
     cfg = build_model_config({"size": "2L128D", "n_kv_heads": 2}, canon={"set": "ABCD"}, vocab_size=V)
     blk = LlamaCanon(cfg).blocks[0]
     H, Hkv, dh = 4, 2, 32
@@ -155,7 +156,7 @@ def test_seq_len_limit_and_bad_input():
 
 
 def expected_params(L, d, H, Hkv, d_ff, Vocab, canon="", K=4, mlp="gated", qk_norm="none", tied=False):
-    """Re-derived from models.md §1.2/§1.5/§2: embedding + head + L·(attn + mlp + 2 norms + Canon) + final norm."""
+    """Re-derived by hand (paper §4): embedding + head + L·(attn + mlp + 2 norms + Canon) + final norm."""
     dh = d // H
     attn = d * (H + 2 * Hkv) * dh + H * dh * d
     mlp_p = (3 if mlp == "gated" else 2) * d * d_ff
@@ -174,18 +175,18 @@ def meta_model(size, canon="", **kw):
 
 def test_param_count_12L768D_canon_abcd():
     base, full = meta_model("12L768D"), meta_model("12L768D", "ABCD")
-    # models.md §1.5: 12·4·(2·768 + 2304 + 2·2048) = 380,928 extra weights
+    # 12·4·(2·768 + 2304 + 2·2048) = 380,928 extra weights
     assert full.num_params() - base.num_params() == 380_928 == 12 * 4 * (2 * 768 + 2304 + 2 * 2048)
     d, L, d_ff, Vocab = 768, 12, 2048, 32000
     assert base.num_params() == Vocab * d * 2 + L * (4 * d * d + 3 * d * d_ff + 2 * d) + d
     assert full.num_params() == expected_params(12, 768, 12, 12, 2048, Vocab, "ABCD")
-    # tasks.md §1.2: non-embedding ≈ 12·d²·L = 85M
+    # paper §3: non-embedding ≈ 12·d²·L = 85M
     assert abs(base.num_params(non_embedding=True) / (12 * d * d * L) - 1) < 0.001
-    # "≈ 0.45 %" overhead (models.md §1.5)
+    # "≈ 0.45 %" overhead (paper Result 2: about 0.5 %)
     assert 0.0044 < 380_928 / base.num_params(non_embedding=True) < 0.0046
 
 
-# d_ff for the gated MLP: 8d/3 rounded up to a multiple of 256 (models.md §2): 512 -> 1536, 256 -> 768.
+# d_ff for the gated MLP: 8d/3 rounded up to a multiple of 256 (lingua): 512 -> 1536, 256 -> 768.
 @pytest.mark.parametrize("size,kw,canon,exp", [
     ("8L512D", {}, "AC", dict(L=8, d=512, H=8, Hkv=8, d_ff=1536)),
     ("12L512D", {"n_kv_heads": 2, "qk_norm": "whole"}, "ABCD", dict(L=12, d=512, H=8, Hkv=2, d_ff=1536,
@@ -200,7 +201,7 @@ def test_param_counts_match_formula(size, kw, canon, exp):
 
 
 def test_lingua_1b_canon_overhead():
-    """models.md §1.5: 1B recipe (24L, d 2048, d_ff 5632) Canon-ABCD adds 86,016 per layer (2.06 M total)."""
+    """The official 1B recipe (24L, d 2048, d_ff 5632) Canon-ABCD adds 86,016 per layer (2.06 M total)."""
     kw = dict(d_ff=5632, n_heads=32)
     delta = meta_model("24L2048D", "ABCD", **kw).num_params() - meta_model("24L2048D", "", **kw).num_params()
     assert delta == 24 * 86_016

@@ -1,4 +1,4 @@
-"""Attention op and RoPE against explicit formulas (models.md §4.2, §5.4, §9)."""
+"""Attention op and RoPE against explicit formulas (SDPA, flash-attn; RoPE: Su et al. 2021)."""
 
 from __future__ import annotations
 
@@ -116,7 +116,7 @@ def test_rope_preserves_relative_scores():
 
 @pytest.mark.parametrize("rope_dim", [16, 8])
 def test_pairing_conversion_preserves_scores(rope_dim):
-    """models.md §4.2: permuting Wq/Wk rows per head (interleaved 2i -> i, 2i+1 -> i + r/2) turns interleaved RoPE
+    """Permuting Wq/Wk rows per head (interleaved 2i -> i, 2i+1 -> i + r/2) turns interleaved RoPE
     into half RoPE with identical q·k for every pair of positions."""
     torch.manual_seed(0)
     H, Dh, d, T = 2, 16, 24, 10

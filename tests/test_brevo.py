@@ -1,6 +1,6 @@
-"""Brevo generator and evaluator (spec tasks.md §3): instances are parsed back from their tokens alone and re-derived
+"""Brevo generator and evaluator (paper App. A.2): instances are parsed back from their tokens alone and re-derived
 with naive loops (DAG rules, ancestor set by DFS, topological order, depth by BFS); distributions are compared with
-the spec's formulas and with a plain-Python simulator of the generative process; the validator and evaluate() are
+the paper's formulas and with a plain-Python simulator of the generative process; the validator and evaluate() are
 checked with oracle / uniform / garbage models; every config error is checked."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ CAP = 8  # depth cap of the metric groups (documented in brevo.py)
 
 # ---------------------------------------------------------------------------------------------- oracle parser
 def ids_of(task):
-    """Special ids re-derived from the spec's layout (tasks.md §1.5 and the module docstring), not from the code."""
+    """Special ids re-derived from the documented layout (the module docstring), not from the code."""
     if task.vocab == "official":
         return dict(bos=9999, query=9997, ans=9998, eos=9998)
     k = task.N if task.name == "brevo1" else 2 * task.V
@@ -118,7 +118,7 @@ def is_acyclic(parents):
 
 
 def parse_and_check(task, inst, split):
-    """Every structural rule of tasks.md §3.2 that is visible in the tokens, plus the meta and the loss mask."""
+    """Every structural rule of paper App. A.2 that is visible in the tokens, plus the meta and the loss mask."""
     r = parse(task, inst.tokens)
     D = task.max_degree
     edges, parents, children, q, answer = r["edges"], r["parents"], r["children"], r["q"], r["answer"]
@@ -226,7 +226,7 @@ def chi2(counts, probs):
 
 
 def test_size_distribution_matches_spec():
-    """P(n) ∝ 1/(n + sqrt N) on 3..N (tasks.md §3.2 item 1): chi-square over 40k draws (df = 13; p ~ 1e-4 at 41)."""
+    """P(n) ∝ 1/(n + sqrt N) on 3..N (paper App. A.2): chi-square over 40k draws (df = 13; p ~ 1e-4 at 41)."""
     task = build_task("brevo1", dict(N=16))
     b = task.generate("train", np.arange(40000), np.zeros(40000, dtype=np.int64))
     counts = np.bincount(b.meta["n"], minlength=17)[3:]
@@ -271,7 +271,7 @@ def test_query_pool():
 
 
 def simulate(rng, n, D=4, ceil=True, q_last=False):
-    """Plain-Python re-implementation of the generative process of tasks.md §3.2 (vertices 0..n-1 in construction
+    """Plain-Python re-implementation of the generative process of paper App. A.2 (vertices 0..n-1 in construction
     order) -> statistics that the tokens reveal."""
     lf = rng.randint(1, (math.ceil((n - 1) / 4) if ceil else (n - 1) // 4) + 1)
     outdeg = [0] * n
@@ -364,7 +364,7 @@ def test_names_uniform():
 
 
 def test_release_settings_reproduce_measured_statistics():
-    """tasks.md §3.2 item 7-8, §3.3 [measured, release settings]: Brevo1 N=110 train mean 183 tokens, loss fraction
+    """Measured with the official generator at the release settings: Brevo1 N=110 train mean 183 tokens, loss fraction
     10.7%, n=N median 522 / depth mean 2.7; Brevo2 N=50 train mean 292, loss fraction 12.8%, n=N median 758."""
     rel = dict(leaf_rounding="floor", query_pool="last", answer_includes_query=True, vocab="official")
     for name, N, mean, frac, med in (("brevo1", 110, 183, 0.107, 522), ("brevo2", 50, 292, 0.128, 758)):

@@ -1,5 +1,5 @@
-"""Canon CUDA fast paths (dao = causal_conv1d_fn, fla = fla Triton causal_conv1d) against the reference (spec
-models.md §5.1, §5.3, §9), and the Llama-Canon model on the GPU: pinned Canon kernels and flash attention (forward,
+"""Canon CUDA fast paths (dao = causal_conv1d_fn, fla = fla Triton causal_conv1d) against the reference,
+and the Llama-Canon model on the GPU: pinned Canon kernels and flash attention (forward,
 gradients, KV-cache decode) against the same weights on the reference path, ``ops=fused`` placement, bf16 cached
 decode against one full forward, and a 2-GPU FSDP2 bf16 ``train.py`` smoke. Run with ``pytest -m gpu``; every test
 skips without CUDA or without the library.

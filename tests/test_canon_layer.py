@@ -1,4 +1,4 @@
-"""Canon module (canonlm.arch.canon.Canon) against independent oracles (models.md §1.1, §4.1, §9)."""
+"""Canon module (canonlm.arch.canon.Canon) against independent oracles (paper eq. 4.1; ``causal_conv1d_ref``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Canon op (canonlm.ops.canon) on CPU against independent oracles (spec models.md §1.1, §4.1, §6, §9).
+"""Canon op (canonlm.ops.canon) on CPU against independent oracles (paper eq. 4.1; Dao-AILab ``causal_conv1d``).
 
 Oracle: a plain Python loop over time steps and kernel taps in float64 (autograd through the loop gives the
 gradient oracle); it shares no code with the backends under test.
@@ -364,7 +364,7 @@ def test_native_build_cache(tmp_path, monkeypatch):
 
 
 def test_reference_is_the_documented_conv1d_formula():
-    """causal_conv1d_reference == F.conv1d(F.pad(x, (K-1, 0)), w.unsqueeze(1), b, groups=C) (spec §4.1)."""
+    """causal_conv1d_reference == F.conv1d(F.pad(x, (K-1, 0)), w.unsqueeze(1), b, groups=C)."""
     x, w, b, _, _ = _inputs(2, 9, 6, 4, seed=9)
     direct = torch.nn.functional.conv1d(torch.nn.functional.pad(x.transpose(1, 2), (3, 0)), w.unsqueeze(1), b,
                                         groups=6).transpose(1, 2)

@@ -1,4 +1,4 @@
-"""Capo / bioS(N) (spec tasks.md §4, §10.2 rows 16-20, §12.1).
+"""Capo / bioS(N) (Part 4.1 App. A.3; Part 3.3).
 
 Oracles: the asset files read directly; a text parser that splits a biography into sentences and matches each one
 against the template pools with the person's facts (from the population record); the tokenizer itself
@@ -469,7 +469,7 @@ def test_bits_formula_by_hand(task):
     N0 = 400 * 400 * 1000
     S0 = 2 * (12 * 28 * 200) * 200 * 300 * 100 * 263
     assert task.N0 == N0 and task.S0 == S0
-    assert abs(math.log2(S0) - 47.6) < 0.05  # tasks.md §4.4: log2 S0 ≈ 47.6 bits per person
+    assert abs(math.log2(S0) - 47.6) < 0.05  # Part 3.3: log2 S0 ≈ 47.6 bits per person
     d = 128
     info = dict(num_params=1_000_000, d_model=d, tie_embeddings=True)
     P = 1_000_000 - d  # the pad row never occurs; every other compact id does

@@ -1,6 +1,6 @@
-"""Lano grammars (spec tasks.md §6.2, §6.4): JSON format, family generator, sampler, recogniser, exact next-symbol
+"""Lano grammars (paper App. A.5): JSON format, family generator, sampler, recogniser, exact next-symbol
 law and KL. Oracles: brute-force enumeration of every rule combination of small grammars (string -> probability),
-plain-loop structure checks, the spec's formulas and measured facts."""
+plain-loop structure checks, the paper's formulas and measured facts."""
 
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def test_save_load_roundtrip(tmp_path):
     p = tmp_path / "g.json"
     save_grammar(g, p)
     d = json.loads(p.read_text())
-    # the official layout (tasks.md §6.2)
+    # the official layout (``Lano-cfg/configs/*.json``)
     assert d["depth"] == 7 and d["sizes"] == [1, 3, 3, 3, 3, 3, 3, 3] and d["eos_token"] == 4
     assert [n["children"] for n in d["all"][-1]] == [None] * 3
     assert [n["id"] for n in d["all"][-1]] == [1, 2, 3]
@@ -112,7 +112,7 @@ def test_official_files_load_and_resave_identically(tmp_path):
         out = json.loads((tmp_path / f"{name}.json").read_text())
         for k, v in src.items():
             assert out[k] == v, (name, k)
-    # rule totals stated in tasks.md §6.2
+    # rule totals of the official grammar files
     assert [load_grammar(LANO_DIR / f"{n}.json").num_rules for n in ("cfg3f", "cfg3j", "cfg3k")] == [54, 57, 68]
 
 
@@ -284,7 +284,7 @@ def test_official_grammars_sampled_accepted_mutations_rejected():
 
 @needs_official
 def test_official_cfg3f_sentence_lengths_match_spec():
-    # tasks.md §6.2 [measured] cfg3f: min / median / mean / max = 114 / 249 / 251 / 482 tokens
+    # measured on the official cfg3f: min / median / mean / max = 114 / 249 / 251 / 482 tokens
     g = load_grammar(LANO_DIR / "cfg3f.json")
     tok, off, att = sample_sentences(g, keys_of(20000, ns=21))
     L = np.diff(off)

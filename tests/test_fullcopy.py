@@ -1,4 +1,4 @@
-"""Full-copy task (spec tasks.md §7): instances are parsed back with ids from the documented layout; the first half
+"""Full-copy task (paper Fig. 5): instances are parsed back with ids from the documented layout; the first half
 must be a permutation of 1..n and the copy must equal it; loss / answer masks, uniformity, determinism, packing and
 config errors are checked."""
 

@@ -1,4 +1,4 @@
-"""Lano task (spec tasks.md §6): config validation, instance layout, packing, determinism, official grammar files
+"""Lano task (paper App. A.5): config validation, instance layout, packing, determinism, official grammar files
 through the task, and generative evaluation with an oracle model (logits = log of the exact next-symbol law) and a
 uniform one."""
 
@@ -49,7 +49,7 @@ def test_cpu_preset_composes_and_is_small():
     assert t.rejected_mass == 0.0
     paper = build_task("lano", dict(compose(["task=lano"]).task))
     assert paper.grammar_label == "cfg3f" and paper.context == 512 and paper.eval_samples("val") == 500
-    # the cfg3f family's longest sentence exceeds the 512 window: capped at 511 by rejection (tasks.md §6.3 [gap])
+    # the cfg3f family's longest sentence exceeds the 512 window: capped at 511 by rejection (not in the paper)
     assert longest(paper.grammar) > 511 and paper.max_instance_len("train") == 512
     assert 0 < paper.rejected_mass < 1e-3
 
@@ -206,7 +206,7 @@ def test_score_generations_rules():
 
 
 def test_auto_cap_refuses_a_window_that_drops_real_mass():
-    """max_sentence_len: auto may only drop a negligible tail of the length law (tasks.md §6.3: the paper's windows
+    """max_sentence_len: auto may only drop a negligible tail of the length law (the paper's windows
     hold its sentences); a too-short window is a ConfigError naming the context needed."""
     from canonlm.errors import ConfigError
 

@@ -1,4 +1,4 @@
-"""Model-level GPU checks of the linear zoo (models.md §9): each architecture with its fast paths (fla chunk kernels,
+"""Model-level GPU checks of the linear zoo: each architecture with its fast paths (fla chunk kernels,
 mamba_ssm's fused conv + SSD + gated norm + out-proj, Dao / fla causal conv) against the same weights on the
 pure-PyTorch references, in fp32 and under bf16 autocast, forward and gradients; cached decoding on the GPU against
 one full forward, in fp32 and bf16; and a 2-GPU FSDP2 bf16 training smoke through ``train.py``. Run with

@@ -1,6 +1,6 @@
-"""Mano generator (spec tasks.md §5, §10.2 rows 13-15): instances are parsed back from their tokens with ids derived
+"""Mano generator (paper App. A.4): instances are parsed back from their tokens with ids derived
 from the documented layouts, the prefix expression is re-evaluated with a naive recursive evaluator mod 23 and
-compared with the answer token; distributions are compared with the spec's; every config error is checked."""
+compared with the answer token; distributions are compared with the paper's; every config error is checked."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def id_map(task) -> dict[int, tuple]:
     n_ops = len(ops)
     m: dict[int, tuple] = {}
     syns = (0, 1) if ka else (0,)
-    if task.vocab == "official":  # tasks.md §1.5 / §5.2 item 4
+    if task.vocab == "official":  # the release's ids
         for v in range(mod):
             m[5000 + v] = ("operand", v, 0)
         for s in syns:
@@ -200,7 +200,7 @@ def test_estimate_lengths_are_exact_and_length_formula():
     np.testing.assert_array_equal(b.lengths, 2 * b.meta["ell"] + 5)
     assert task.max_instance_len("train") == task.max_instance_len("test") == 31
     assert task.min_instance_len("train") == 7 and task.min_instance_len("val") == 31
-    # mean training length 2 * (L+1)/2 + 5 = L + 6 (tasks.md §5.2 item 3: 16/19/22 for L = 10/13/16)
+    # mean training length 2 * (L+1)/2 + 5 = L + 6 (paper App. A.4: 16/19/22 for L = 10/13/16)
     assert abs(b.lengths.mean() - 19) < 0.6
 
 
@@ -216,8 +216,8 @@ def test_ell_uniform_in_train_and_L_in_eval():
 
 
 def test_tree_structure_operator_split_and_leaf_distributions():
-    """At l = L (val): root operator uniform over ops (1/3 each), root left size l1 uniform on 0..L-1 (tasks.md
-    §5.2 item 2), leaves uniform on 0..22, every operator uniform."""
+    """At l = L (val): root operator uniform over ops (1/3 each), root left size l1 uniform on 0..L-1 (paper
+    App. A.4), leaves uniform on 0..22, every operator uniform."""
     L = 5
     task = build_task("mano", dict(L=L))
     _, ts = trees(task, "val", 6000)
@@ -295,7 +295,7 @@ def test_official_ids_relabel_the_compact_stream():
             ko, vo, so = mo[u]
             assert (kc, sc) == (ko, so)
             assert vc == vo or (kc == "ans" and vc is None and vo == l)
-    # a few literal ids from tasks.md §5.2 item 4
+    # a few literal ids of the official `mano.py`
     o = build_task("mano", dict(L=16, vocab="official", knowledge_augment=True, ops=["add", "sub", "mul", "div"]))
     names = o.token_names()
     assert (names[9999], names[9998], names[160], names[161], names[164], names[165]) == (

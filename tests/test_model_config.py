@@ -1,4 +1,4 @@
-"""Every bad model input gives one ConfigError naming the key, the value and what is allowed (models.md §1.8, §2)."""
+"""Every bad model input gives one ConfigError naming the key, the value and what is allowed."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""GDN op (gated delta rule; spec models.md §3.2, §4.4, §5.3, §9): the chunked WY/UT reference against an independent
+"""GDN op (gated delta rule; Yang et al. 2025): the chunked WY/UT reference against an independent
 step-by-step float64 loop of the recurrence, against fla's naive references, and (``-m gpu``) fla's Triton kernels
 against the reference.
 
@@ -236,7 +236,7 @@ def test_bad_arguments():
 
 
 def test_import_is_lazy():
-    """Importing the op and resolving on CPU must not import fla (spec engineering.md §6.3/§6.4)."""
+    """Importing the op and resolving on CPU must not import fla."""
     code = ("import sys, torch; from canonlm.ops.gdn import resolve_backend, chunk_gated_delta_rule; "
             "resolve_backend('auto', 'cpu', torch.float32); "
             "bad = [m for m in sys.modules if m == 'fla' or m.startswith('fla.') or m == 'triton']; "

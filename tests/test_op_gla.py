@@ -1,4 +1,4 @@
-"""GLA op (canonlm.ops.gla) against independent oracles (spec models.md §4.3, §5.3, §9).
+"""GLA op (canonlm.ops.gla) against independent oracles (Yang et al. 2024; ``fla.ops.gla``).
 
 Oracle 1: ``canonlm.ops.gla.naive.gla_loop``, a plain step-by-step loop over time in float64 of the recurrence
 ``S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T``, ``o_t = S_t^T (scale * q_t)``; autograd through the loop gives the
@@ -106,7 +106,7 @@ def test_reference_matches_loop_oracle(T, chunk_size, init, gate):
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
 def test_extreme_gates_stay_finite(dtype):
     """Gates of -50 .. -250 per step (exp underflows) next to zero gates (no decay): no NaN/inf anywhere, forward and
-    backward, and the values still match the float64 loop (models.md §4.3: never exp(b_t) * exp(-b_j))."""
+    backward, and the values still match the float64 loop (never exp(b_t) * exp(-b_j))."""
     q, k, v, g, h0 = make(T=100, gate="huge", seed=3)
     g[:, 40:60] = 0.0  # a run without decay inside a chunk
     g[:, 5] = -1e4

@@ -1,4 +1,4 @@
-"""Mamba2 SSD op (canonlm.ops.ssd; spec models.md §1.3, §3.3, §4.5, §5.2, §9).
+"""Mamba2 SSD op (canonlm.ops.ssd; Dao & Gu 2024; ``mamba_ssm``).
 
 Oracles (independent of the code under test):
 
@@ -335,7 +335,7 @@ def test_split_reference_with_random_conv_matches_step_by_step_composition():
 
 
 def test_noconv1d_identity_kernel_passes_xBC_through():
-    """models.md §1.3: Mamba2 without its conv = identity kernel [0,0,0,1], no bias, no activation."""
+    """Paper Result 7.1: Mamba2 without its conv = identity kernel [0,0,0,1], no bias, no activation."""
     ts, dims = _mixer_inputs(seed=21)
     zxbcdt, conv_w, conv_b, dt_bias, A, D, norm_w, out_w = ts
     ident = torch.zeros_like(conv_w)
@@ -468,7 +468,7 @@ def test_bad_arguments_raise_value_error():
 def _fake_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None, seq_idx=None,
                      cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, INF), return_final_states=False,
                      return_varlen_states=False, state_dtype=None):
-    """mamba_chunk_scan_combined's documented contract (models.md §5.2), via the loop oracle."""
+    """mamba_chunk_scan_combined's documented contract, via the loop oracle."""
     assert x.dim() == 4 and dt.shape == x.shape[:3] and A.shape == (x.shape[2],) and A.dtype == torch.float32
     assert z is None and B.dtype == x.dtype == C.dtype and isinstance(chunk_size, int)
     y, h = ssd_loop(x.double(), dt.double(), A.double(), B.double(), C.double(),
@@ -479,7 +479,7 @@ def _fake_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, i
 
 
 def _fake_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):
-    """selective_state_update's documented contract (models.md §3.3): in-place state update, returns (B, H, P)."""
+    """selective_state_update's documented contract (mamba_ssm): in-place state update, returns (B, H, P)."""
     Bsz, H, P, N = state.shape
     G = B.shape[1]
     assert x.shape == (Bsz, H, P) and dt.shape == (Bsz, H, P) and A.shape == (H, P, N) and B.shape == (Bsz, G, N)
@@ -611,7 +611,7 @@ def test_gpu_split_conv1d_scan_matches_reference(monkeypatch, dtype, noconv):
     assert ssd.use_fused_split("auto", "cuda", dtype, 4, d_inner=128, conv_dim=192, nheads=8)
     calls = count_calls(monkeypatch, _mamba, "split_conv1d_scan")
     zxbcdt, conv_w, conv_b, dt_bias, A, D, norm_w, out_w = ts
-    if noconv:                                   # models.md §1.3 noconv1d: identity kernel, no bias, no activation
+    if noconv:                                   # noconv1d: identity kernel, no bias, no activation
         conv_w = torch.zeros_like(conv_w)
         conv_w[:, -1] = 1.0
         conv_b = None

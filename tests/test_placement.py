@@ -1,5 +1,5 @@
-"""Canon placement A/B/C/D inside a Llama block, against a forward written out from the spec's diagram
-(models.md §1.2): x -> RMSNorm -> [A] -> Wqkv -> [B on q|k|v] -> RoPE -> causal softmax attention -> Wo -> +x ->
+"""Canon placement A/B/C/D inside a Llama block, against a forward written out from the paper's diagram
+(paper §4): x -> RMSNorm -> [A] -> Wqkv -> [B on q|k|v] -> RoPE -> causal softmax attention -> Wo -> +x ->
 RMSNorm -> [C] -> W1|W3 -> [D on the concatenation] -> silu(gate) * up -> W2 -> +. Plain loops and explicit
 formulas only (no model code), fed the model's own parameters; Canon weights are random so a misplaced or missing
 Canon changes the output."""

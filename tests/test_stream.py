@@ -1,4 +1,4 @@
-"""Packing, scoring and the deterministic stream (spec tasks.md §1.1, §2.3-2.4, §11; engineering.md P15-P17).
+"""Packing, scoring and the deterministic stream (paper App. A).
 
 Oracles: a naive Python packer built only from ``task.instance`` and the packing rules of the spec/contract, a naive
 per-answer scoring loop, and stream identities (worker count, world size, resume)."""
