@@ -1,4 +1,4 @@
-"""Canon op micro-benchmark : fwd+bwd ms of one Canon at [B, T, C] per backend.
+"""Canon op micro-benchmark: fwd+bwd ms of one Canon at [B, T, C] per backend.
 
 Backends: reference (F.conv1d), torch (shift-and-add), cpu (native C kernel) and, for scale, a same-width
 nn.Linear(C, C). Widths default to the 4L/256D Llama's Canon widths (A/C 256, B 768, D 1408); fp32 and bf16 (x in

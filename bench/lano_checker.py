@@ -7,13 +7,13 @@ compatibility folder if present), otherwise canonlm's generated grammar of the s
   flipped (mostly invalid), and peak memory;
 * exact next-symbol DP (:func:`canonlm.data.cfg.next_symbol_probs`, what the KL needs): ms per sentence and for one
   sentence of the official reference length (305 tokens cfg3f, 625 tokens cfg3k), and peak memory;
-* sampler tokens/s (``<bos>`` counted, as §12.1 does): the raw kernel on batches of 1024 keys without a length cap,
+* sampler tokens/s (``<bos>`` counted, as officially): the raw kernel on batches of 1024 keys without a length cap,
   and ``LanoTask.generate`` with the paper context's cap, batches of 256.
 
-Ratios divide the official time by ours (official per-sentence times of §12.2: the midpoint of the stated range for
+Ratios divide the official time by ours (official per-sentence times, measured: the midpoint of the stated range for
 the validity DP -- cfg3f (2.5+9.7)/2 = 6.1 s, cfg3j (9.2+32.9)/2 = 21.05 s, cfg3k (14.0+27.9)/2 = 20.95 s; the
 stated single values for one flipped sentence -- 5.3 / 34.8 / 24.8 s -- and for the KL DP -- cfg3f 3.4 s at 305
-tokens, cfg3k 19.4 s at 625 tokens, none for cfg3j) and our rate by the official tokens/s of §12.1 (cfg3f
+tokens, cfg3k 19.4 s at 625 tokens, none for cfg3j) and our rate by the official tokens/s (cfg3f
 1,051,000; cfg3j 985,100; cfg3k 1,034,700). Note the official ranges were measured on particular sentences; ours
 are averages over fresh samples (their lengths are printed).
 

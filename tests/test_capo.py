@@ -469,7 +469,7 @@ def test_bits_formula_by_hand(task):
     N0 = 400 * 400 * 1000
     S0 = 2 * (12 * 28 * 200) * 200 * 300 * 100 * 263
     assert task.N0 == N0 and task.S0 == S0
-    assert abs(math.log2(S0) - 47.6) < 0.05  # Part 3.3: log2 S0 ≈ 47.6 bits per person
+    assert abs(math.log2(S0) - 47.6) < 0.05  # Part 3.3 Def. 4.3: log2 S0 ≈ 47.6 bits per person
     d = 128
     info = dict(num_params=1_000_000, d_model=d, tie_embeddings=True)
     P = 1_000_000 - d  # the pad row never occurs; every other compact id does

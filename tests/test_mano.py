@@ -19,7 +19,7 @@ OPS = ("add", "sub", "mul", "div")
 
 # ---------------------------------------------------------------------------------------------- oracle
 def id_map(task) -> dict[int, tuple]:
-    """id -> (kind, value, synonym) re-derived from the spec / module docstring layouts (not from the code).
+    """id -> (kind, value, synonym) re-derived from the module docstring layouts (not from the code).
 
     kinds: ("operand", v), ("op", name), ("bos", None), ("len", l), ("ans", l or None)."""
     L, mod, ka = task.L, task.mod, task.knowledge_augment

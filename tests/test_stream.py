@@ -1,6 +1,6 @@
 """Packing, scoring and the deterministic stream (paper App. A).
 
-Oracles: a naive Python packer built only from ``task.instance`` and the packing rules of the spec/contract, a naive
+Oracles: a naive Python packer built only from ``task.instance`` and the documented packing rules, a naive
 per-answer scoring loop, and stream identities (worker count, world size, resume)."""
 
 from __future__ import annotations

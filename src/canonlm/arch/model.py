@@ -489,7 +489,7 @@ class CanonLM(nn.Module):
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Number of parameters (shared/tied tensors counted once; DTensors by global size). ``non_embedding``
-        drops the token embedding and the LM head (the paper's "≈ 12·d²·layers" count, paper §3)."""
+        drops the token embedding and the LM head (the "≈ 12·d²·layers" count of paper §3)."""
         n = sum(p.numel() for p in self.parameters())
         if non_embedding:
             n -= self.tok_emb.weight.numel() + (0 if self.cfg.tie_embeddings else self.lm_head.weight.numel())

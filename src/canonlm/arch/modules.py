@@ -150,7 +150,7 @@ class LowRankLinear(nn.Sequential):
     """``Linear(d_in, rank, bias=False)`` then ``Linear(rank, d_out, bias)``: fla's low-rank gate projections (GLA
     forget gate ``gk_proj``, GLA5 / GDN2 output gate ``g_proj``; official linear models). Both halves carry
     ``split_init = rank``: under ``model.init=linear_0.02_split`` they get σ = √std / rank^¼ so the product keeps the
-    ≈ std entry scale of a full matrix (§3.4). Forward: ``(..., d_in) -> (..., d_out)``."""
+    ≈ std entry scale of a full matrix. Forward: ``(..., d_in) -> (..., d_out)``."""
 
     def __init__(self, d_in: int, rank: int, d_out: int, bias: bool = True):
         super().__init__(nn.Linear(d_in, rank, bias=False), nn.Linear(rank, d_out, bias=bias))

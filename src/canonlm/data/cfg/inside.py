@@ -283,7 +283,7 @@ def lano_kl(p_star: np.ndarray, model_logprobs: np.ndarray, symbol_ids: Sequence
             full-vocabulary probabilities of the C ids, not renormalised (they sum to 1 - m, m = the mass on other
             ids); the only renormalisation is then the smoothing's own division, so m changes the weight of the
             1e-5 smoothing relative to q (q~ = (q + 1e-5) / (1 - m + C 1e-5)).
-        weight: ``exact`` (default, the spec's formula): KL_t = sum_c p*(c) [log p~*(c) - log q~(c)];
+        weight: ``exact`` (default): KL_t = sum_c p*(c) [log p~*(c) - log q~(c)];
             ``smoothed``: KL_t = sum_c p~*(c) [log p~*(c) - log q~(c)] (a true KL of the smoothed laws).
     Smoothing of both laws: x~ = (x + 1e-5) / sum(x + 1e-5).
     Returns: mean over the n+1 positions of KL_t (float, nats). Raises ValueError for shape mismatches or unknown

@@ -1,7 +1,7 @@
 """Real-life evaluations of pretrained models (paper App. B).
 
-* :mod:`canonlm.data.reallife.multihop` -- 1-hop / 2-hop birth-year retrieval hidden in background text (§8).
-* :mod:`canonlm.data.reallife.babilong` -- Babilong qa1-qa5 prompts from local data and the label scorer (§9).
+* :mod:`canonlm.data.reallife.multihop` -- 1-hop / 2-hop birth-year retrieval hidden in background text (App. B).
+* :mod:`canonlm.data.reallife.babilong` -- Babilong qa1-qa5 prompts from local data and the label scorer.
 
 Both take a pluggable tokenizer (any callable ``text -> list[int]``, a ``tokenizers.Tokenizer``, a transformers
 tokenizer or :class:`canonlm.data.text.TextTokenizer`) and never touch the network. The model is reached only through

@@ -6,7 +6,7 @@ of the public releases: ``<root>/<qa>/<length>.json`` (RMT-team/babilong: a JSON
 ``<root>/<length>/<qa>.json[l]``, ``<root>/<qa>_<length>.json[l]`` and ``<root>/<length>/<qa>-*.parquet``
 (babilong-1k-samples; needs pyarrow).
 
-Prompt (§9, the release's qa1-qa5 variant): the answer-format sentence lives in the instruction, the few-shot
+Prompt (the release's qa1-qa5 variant): the answer-format sentence lives in the instruction, the few-shot
 examples are ``<context>\\n...\\n</context>\\n\\nQuestion: ...\\nAnswer: ...`` blocks, the post-prompt is empty, and
 :data:`TEMPLATE` (``{instruction}\\n\\n{examples}\\n\\n{post_prompt}<context>\\n{context}\\n</context>\\n\\n``
 ``Question: {question}\\nAnswer: ``) is filled and stripped, so prompts end in ``Answer:`` without the trailing
@@ -27,7 +27,7 @@ the only label left. The ``question_cut`` switch (API argument, CLI ``--question
 * ``"verbatim"`` (default): exactly what ``compare_answers`` does -- it searches for ``"Question"`` in the output it
   has already lower-cased, which never matches, so in effect no cut happens there (an output that rambles on into a
   new "Question: ..." line keeps that text, and any label in it counts).
-* ``"any_case"``: cut at "question" in any case, the reading of the spec's wording (more lenient: trailing
+* ``"any_case"``: cut at "question" in any case, the evident intent of that cut (more lenient: trailing
   "Question: ..." text is ignored).
 """
 
@@ -294,7 +294,7 @@ def format_prompt(context: str, question: str, *, instruction: str = "", example
 
 def build_prompt(sample: BabilongSample, *, use_instruction: bool = True, use_examples: bool = True,
                  use_post_prompt: bool = True, prompts: dict[str, dict[str, str]] | None = None) -> str:
-    """The §9 prompt of one sample with canonlm's own texts (:data:`PROMPTS`), or with ``prompts`` (a user set, e.g.
+    """The prompt of one sample with canonlm's own texts (:data:`PROMPTS`), or with ``prompts`` (a user set, e.g.
     from :func:`load_prompts`). ValueError if ``prompts`` has no entry for ``sample.qa``."""
     table = PROMPTS if prompts is None else prompts
     if sample.qa not in table:

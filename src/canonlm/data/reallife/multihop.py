@@ -21,8 +21,9 @@ One prompt of ``hop`` in {1, 2}, background length ``L`` tokens and index ``i`` 
 5. Prompt: 1-hop ``text + " " + "\\n\\nAnswer me: {name} was born in the year of "`` (trailing space kept);
    2-hop ``INSTRUCTION_2HOP + "<context>" + text + "</context>" + "\\n\\nAnswer me: {name} was born in the year of "``.
 
-Scoring (§8.3, a [gap] choice): greedy decoding of ``max_new_tokens = 8`` tokens; correct iff the first 4-digit
-number of the decoded continuation equals the target year. Chance for 2-hop: 1/3 (three candidate years).
+Scoring (canonlm's choice, unstated in the paper): greedy decoding of ``max_new_tokens = 8`` tokens; correct iff the
+first 4-digit number of the decoded continuation equals the target year. Chance for 2-hop: 1/3 (three candidate
+years).
 
 Randomness: counter-based SplitMix64 draws keyed by (seed, hop, index) for the facts and (seed, hop, L, index) for the
 background (:mod:`canonlm.data.seeding`'s scheme, in pure Python integers; no global RNG).
@@ -253,7 +254,7 @@ def _key(base: int, *coords: int) -> int:
 
 
 class MultiHopBuilder:
-    """Builds the §8 prompts from a local background corpus with a pluggable tokenizer.
+    """Builds the multi-hop prompts (paper App. B) from a local background corpus with a pluggable tokenizer.
 
     Args:
         tokenizer: any callable ``text -> ids`` or a tokenizer with ``encode`` (see
@@ -440,7 +441,7 @@ def extract_year(text: str) -> int | None:
 
 
 def score_multihop(output: str, target: int) -> bool:
-    """§8.3: True iff the first 4-digit number of the decoded continuation ``output`` equals ``target``."""
+    """True iff the first 4-digit number of the decoded continuation ``output`` equals ``target``."""
     return extract_year(output) == int(target)
 
 

@@ -6,8 +6,8 @@ One instance (paper App. A.2):
     <bos> x1 y1 x2 y2 ... xm ym <query> q <ans> a1 ... ap [q] <eos>
 
 * n in {3..N}, P(n) ∝ 1/(n + sqrt N) (train); n = N (val/test).
-* n distinct vertex names. Brevo1: one token each, drawn without replacement from 1..N. Brevo2 (as Depo, §2.2 item
-  2): a name has length l uniform in [min_len, max_len], its first l-1 tokens uniform in 1..V and its last token
+* n distinct vertex names. Brevo1: one token each, drawn without replacement from 1..N. Brevo2 (as Depo, paper
+  App. A.1): a name has length l uniform in [min_len, max_len], its first l-1 tokens uniform in 1..V and its last token
   uniform in V+1..2V; the names are the first n distinct ones of an i.i.d. stream of draws, then put in a uniformly
   random construction order (so the order never depends on how likely a name was to be drawn early).
 * DAG over the construction order 0..n-1: Lf uniform in {1, ..., R((n-1)/4) + 1} with R = ceil (``leaf_rounding:

@@ -37,7 +37,7 @@ mul, div):
 * ``knowledge_augment: false`` (paper): 0 = pad, 1..mod = operands 0..mod-1, mod+1..mod+n_ops = operators,
   mod+n_ops+1 = ``<bos>``, mod+n_ops+2 = ``<ans>``, mod+n_ops+2+ℓ = ``<len_ℓ>`` (ℓ = 1..L);
   ``vocab_size = mod + n_ops + L + 3``.
-* ``knowledge_augment: true`` (release synonyms, §10.2 #13): 0 = pad, 1..mod = operands, then the operators'
+* ``knowledge_augment: true`` (release synonyms): 0 = pad, 1..mod = operands, then the operators'
   first synonyms (n_ops ids), their second synonyms (n_ops), ``<bos>``, ``<bos'>``, then per ℓ = 1..L the pair
   ``<len_ℓ>``, ``<len_ℓ'>``, then per ℓ the length-specific answer markers ``<ans_ℓ>``, ``<ans_ℓ'>``;
   ``vocab_size = mod + 2 n_ops + 4L + 3``.
