@@ -55,3 +55,25 @@ def compose(overrides: list[str] | None = None, output_dir: str | os.PathLike | 
 @pytest.fixture
 def compose_cfg():
     return compose
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads these marks into the node ids
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`-n 2 --dist loadgroup`, as .ci/run runs): keep together what must not be split or
+    repeated across workers. Tests on the one-node SLURM cluster share one group (one cluster, started once); tests
+    that use an expensive module- or session-scoped fixture of this folder (a trained run, the interpreter tier's
+    results) share their module's group, so that fixture is built once, not once per worker."""
+    tests_dir = Path(__file__).resolve().parent
+    for item in items:
+        if item.get_closest_marker("slurm"):
+            item.add_marker(pytest.mark.xdist_group("slurm"))
+            continue
+        info = getattr(item, "_fixtureinfo", None)
+        for name in getattr(item, "fixturenames", ()):
+            defs = info.name2fixturedefs.get(name) if info else None
+            if not defs or defs[-1].scope not in ("module", "session"):
+                continue
+            src = getattr(defs[-1].func, "__code__", None)
+            if src and Path(src.co_filename).resolve().parent == tests_dir:
+                item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+                break
