@@ -15,7 +15,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from canonlm.train.resolvers import register_resolvers
+from canonlm.config.resolvers import register_resolvers
 
 register_resolvers()
 

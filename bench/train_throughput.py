@@ -50,7 +50,7 @@ def linear_model(arch: str, canon: str, backend: str) -> torch.nn.Module:
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
-    from canonlm.train.resolvers import register_resolvers
+    from canonlm.config.resolvers import register_resolvers
 
     register_resolvers()
     GlobalHydra.instance().clear()

@@ -37,7 +37,7 @@ def compose(overrides: list[str] | None = None, output_dir: str | os.PathLike | 
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import open_dict
 
-    from canonlm.train.resolvers import register_resolvers
+    from canonlm.config.resolvers import register_resolvers
 
     register_resolvers()
     GlobalHydra.instance().clear()

@@ -214,7 +214,7 @@ def test_load_model_places_after_the_move(tmp_path, monkeypatch):
     from omegaconf import OmegaConf
 
     from canonlm.eval.load import load_model
-    from canonlm.train.run import build_configs
+    from canonlm.config.build import build_configs
 
     run = tmp_path / "run"
     cfg = compose(["model.size=2L64D", "kernels.attention=flash"], output_dir=run)

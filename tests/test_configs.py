@@ -25,7 +25,7 @@ def test_every_group_option_composes(group, option, tmp_path):
     OmegaConf.resolve(cfg)
     if group in ("arch", "canon", "pos", "task"):
         from canonlm.errors import ConfigError
-        from canonlm.train.run import build_configs
+        from canonlm.config.build import build_configs
 
         if (group, option) == ("task", "text"):  # needs a prepared corpus: without one, a clear error
             with pytest.raises(ConfigError, match="task.data_dir"):
@@ -35,7 +35,7 @@ def test_every_group_option_composes(group, option, tmp_path):
 
 
 def _linear_canon_sets():
-    from canonlm.train.resolvers import linear_canon_sets
+    from canonlm.config.resolvers import linear_canon_sets
 
     return linear_canon_sets()
 
@@ -43,7 +43,7 @@ def _linear_canon_sets():
 @pytest.mark.parametrize("option", _linear_canon_sets())
 def test_linear_canon_options_compose(option, tmp_path):
     """canon=AbCD, canon=b, ... (in-memory options, models.md §1.3) compose onto conf/canon/_base.yaml."""
-    from canonlm.train.run import build_configs
+    from canonlm.config.build import build_configs
 
     cfg = compose(["arch=gdn", f"canon={option}"], output_dir=tmp_path)
     assert cfg.canon.set == option and cfg.canon.kernel == 4 and cfg.canon.residual is True
@@ -62,7 +62,7 @@ def test_linear_presets_default_to_canon_abcd_and_the_command_line_wins(tmp_path
 
 def test_mamba2_without_mlp_rejects_canon_cd(tmp_path):
     from canonlm.errors import ConfigError
-    from canonlm.train.run import build_configs
+    from canonlm.config.build import build_configs
 
     with pytest.raises(ConfigError, match="canon.set"):
         build_configs(compose(["arch=mamba2_nomlp", "canon=AbCD"], output_dir=tmp_path))
@@ -73,7 +73,8 @@ def test_every_experiment_composes_and_builds_on_meta(experiment, tmp_path):
     import torch
 
     from canonlm.arch.model import LlamaCanon
-    from canonlm.train.run import build_configs, validate_training
+    from canonlm.config.build import build_configs
+    from canonlm.train.run import validate_training
 
     cfg = compose([f"experiment={experiment}"], output_dir=tmp_path)
     if "grid" in experiment:  # the sweep's steps come from ${task.N}; resolve as a job would
@@ -100,7 +101,7 @@ def test_every_experiment_composes_and_builds_on_meta(experiment, tmp_path):
 def test_canon_subsets_all_selectable(tmp_path):
     from itertools import combinations
 
-    from canonlm.train.run import build_configs
+    from canonlm.config.build import build_configs
 
     for r in range(5):
         for letters in combinations("ABCD", r):
@@ -113,7 +114,7 @@ def test_canon_subsets_all_selectable(tmp_path):
 
 
 def test_issue_command_composes(tmp_path):
-    from canonlm.train.run import build_configs
+    from canonlm.config.build import build_configs
 
     cfg = compose(["arch=llama", "canon=ABCD", "pos=nope", "task=depo1", "model.size=12L768D"], output_dir=tmp_path)
     task, m = build_configs(cfg)
@@ -125,7 +126,7 @@ def test_issue_command_composes(tmp_path):
 @pytest.mark.parametrize("size,expect", [("8L512D", (8, 512, 8)), ("12L512D", (12, 512, 8)),
                                          ("8L768D", (8, 768, 12)), ("12L768D", (12, 768, 12))])
 def test_paper_sizes(size, expect, tmp_path):
-    from canonlm.train.run import build_configs
+    from canonlm.config.build import build_configs
 
     m = build_configs(compose([f"model.size={size}"], output_dir=tmp_path))[1]
     assert (m.n_layers, m.d_model, m.n_heads) == expect and m.head_dim == 64

@@ -20,7 +20,8 @@ hf = pytest.importorskip("canonlm.hf")
 
 from canonlm.arch.config import build_model_config  # noqa: E402
 from canonlm.arch.model import CanonLM  # noqa: E402
-from canonlm.eval.load import load_model, resolve_run  # noqa: E402
+from canonlm.config.rundir import resolve_run  # noqa: E402
+from canonlm.eval.load import load_model  # noqa: E402
 from canonlm.export import main as export_main  # noqa: E402
 
 DATA = Path(__file__).parent / "data"

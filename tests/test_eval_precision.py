@@ -23,9 +23,11 @@ import torch
 
 from canonlm.arch.model import CanonLM, compute_dtype_for
 from canonlm.errors import ConfigError
-from canonlm.eval.load import eval_precision, load_model, load_run_config
+from canonlm.config.rundir import load_run_config
+from canonlm.eval.load import eval_precision, load_model
 from canonlm.ops import attention as attention_ops
-from canonlm.train.run import PRECISIONS, build_configs
+from canonlm.config.build import build_configs
+from canonlm.config.rules import PRECISIONS
 
 from conftest import ROOT, compose
 

@@ -28,7 +28,7 @@ def _make_run(run: Path, overrides: list[str], seed: int = 0) -> Path:
     from omegaconf import OmegaConf
 
     from canonlm.arch.model import CanonLM
-    from canonlm.train.run import build_configs
+    from canonlm.config.build import build_configs
 
     cfg = compose([*TINY, *overrides], output_dir=run)
     _, mcfg = build_configs(cfg)

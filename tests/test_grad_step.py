@@ -138,7 +138,7 @@ def counted(monkeypatch):
     def fit(tmp_path, *, steps, every, clip=1.0, fused=True, poison=(), max_nonfinite=5, precision="32-true",
             plugins=()):
         from canonlm.train.datamodule import SyntheticDataModule
-        from canonlm.train.run import build_configs
+        from canonlm.config.build import build_configs
 
         cfg = compose(TINY)
         task, mcfg = build_configs(cfg)

@@ -27,7 +27,7 @@ def _hydra_cfg(overrides: list[str]):
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from canonlm.train.resolvers import register_resolvers
+    from canonlm.config.resolvers import register_resolvers
 
     register_resolvers()
     GlobalHydra.instance().clear()
@@ -55,7 +55,8 @@ def test_preset_is_a_multirun_whose_every_job_builds(preset, tmp_path):
     import torch
 
     from canonlm.arch.model import LlamaCanon
-    from canonlm.train.run import build_configs, validate_training
+    from canonlm.config.build import build_configs
+    from canonlm.train.run import validate_training
 
     from hydra.types import RunMode
 
@@ -99,7 +100,7 @@ def test_copy_is_one_layer_d16_rope_copy_length_64_with_and_without_canon(tmp_pa
     jobs = _jobs("copy", tmp_path)
     assert {c.canon.set for c in jobs} == {"", "ABCD"}
     for c in jobs:
-        from canonlm.train.run import build_configs
+        from canonlm.config.build import build_configs
 
         task, m = build_configs(c)
         assert c.task.name == "fullcopy" and c.task.n_tokens == 64 and c.task.context >= 2 * 64 + 2

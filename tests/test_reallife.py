@@ -642,7 +642,7 @@ def make_run(env, run_dir: Path):
     from omegaconf import OmegaConf
 
     from canonlm.arch.model import LlamaCanon
-    from canonlm.train.run import build_configs
+    from canonlm.config.build import build_configs
 
     cfg = compose(["task=text", f"task.data_dir={env['prep']}", "task.context=64", "model.size=2L64D"],
                   output_dir=run_dir)
@@ -658,7 +658,8 @@ def make_run(env, run_dir: Path):
 
 
 def test_load_model_round_trip(text_env, tmp_path):
-    from canonlm.eval.load import load_model, run_tokenizer
+    from canonlm.config.rundir import run_tokenizer
+    from canonlm.eval.load import load_model
 
     model = make_run(text_env, tmp_path / "run")
     lm = load_model(tmp_path / "run", device="cpu", max_seq_len=300)

@@ -19,7 +19,7 @@ PRESETS = ["depo1_cpu", "brevo1_cpu", "brevo2_cpu", "capo_cpu", "mano_cpu", "lan
 
 
 def _task(preset, **over):
-    from canonlm.train.run import build_configs
+    from canonlm.config.build import build_configs
 
     cfg = compose([f"task={preset}", *[f"task.{k}={v}" for k, v in over.items()]])
     task, _ = build_configs(cfg)
@@ -73,7 +73,7 @@ BAD = [
 @pytest.mark.parametrize("preset, over, key", BAD)
 def test_bad_task_input_is_one_config_error(preset, over, key):
     from canonlm.errors import ConfigError
-    from canonlm.train.run import build_configs
+    from canonlm.config.build import build_configs
 
     with pytest.raises(ConfigError) as e:
         build_configs(compose([f"task={preset}", *over]))
@@ -82,7 +82,7 @@ def test_bad_task_input_is_one_config_error(preset, over, key):
 
 def test_lano_bad_grammar_files(tmp_path):
     from canonlm.errors import ConfigError
-    from canonlm.train.run import build_configs
+    from canonlm.config.build import build_configs
 
     bad_json = tmp_path / "g.json"
     bad_json.write_text("{not json")

@@ -33,7 +33,7 @@ class Recorder(L.LightningModule):
 
 @pytest.fixture(scope="module")
 def task():
-    from canonlm.train.run import build_configs
+    from canonlm.config.build import build_configs
 
     cfg = compose(TINY)
     task, _ = build_configs(cfg)

@@ -1,11 +1,9 @@
 """canonlm: controlled architecture science on language models (Canon layers, synthetic pretraining tasks).
 
-Subpackages and what they may import:
-
-* ``canonlm.ops``   -- sequence ops (Canon causal depthwise conv, attention): pure-PyTorch references and fast paths.
-* ``canonlm.arch``  -- models (imports ``ops``; never ``train`` or ``data``).
-* ``canonlm.data``  -- task generators, packing, streams, evaluators (imports neither ``arch`` nor ``train``).
-* ``canonlm.train`` -- Lightning module, data module, run entry point (imports everything above).
+Parts, bottom to top: ``errors`` and ``utils``; ``ops`` (sequence ops) and ``data`` (tasks, streams, evaluators);
+``arch`` (models); ``config`` (composed config or run directory -> task, model config, tokenizer); ``hf``; ``eval``
+and ``train``; the commands ``generate``, ``export``, ``selfcheck``. What each may import is the table in the
+README's "Layout" section, enforced by ``tests/test_layers.py``.
 """
 
 __version__ = "0.1.0"

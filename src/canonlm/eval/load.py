@@ -3,8 +3,8 @@
 A training run (``python train.py ...``) lives in ``logs/<task_name>/runs/<run_name>/`` and holds
 ``.hydra/config.yaml`` (the composed config, written by Hydra), ``.hydra/hydra.yaml`` (Hydra's runtime: the original
 working directory) and ``checkpoints/last.ckpt`` (Lightning; model weights under ``state_dict`` with keys prefixed
-``model.``). :func:`load_model` rebuilds the model config exactly as training did
-(:func:`canonlm.train.run.build_configs`), builds :class:`canonlm.arch.model.CanonLM`, loads the weights, switches
+``model.``); :mod:`canonlm.config.rundir` finds and reads them. :func:`load_model` rebuilds the model config exactly
+as training did (:func:`canonlm.config.build.build_configs`), builds :class:`canonlm.arch.model.CanonLM`, loads the weights, switches
 to eval mode and wraps it in :class:`canonlm.data.lm.LanguageModel` (through a forward object that offers the
 model's ``new_cache()``, so generation decodes with caches instead of re-running every prefix).
 
@@ -26,17 +26,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Mapping
 
 import torch
 
+from canonlm.config.build import build_configs
+from canonlm.config.rules import PRECISIONS
+from canonlm.config.rundir import has_run_config, load_run_config, read_checkpoint, resolve_run
 from canonlm.data.lm import LanguageModel
 from canonlm.errors import ConfigError
 
-CHECKPOINT = Path("checkpoints") / "last.ckpt"
 #: ``precision=`` names kept from earlier versions: ``fp32`` = ``32-true``, ``bf16`` = ``bf16-mixed``.
 PRECISION_ALIASES = {"fp32": "32-true", "bf16": "bf16-mixed"}
 
@@ -82,10 +83,8 @@ class EvalPrecision:
 
 def check_precision(precision: str, key: str = "precision") -> str:
     """``precision`` with an alias replaced (``fp32`` -> ``32-true``, ``bf16`` -> ``bf16-mixed``): ``auto`` or a
-    ``trainer.precision`` name training accepts (``canonlm.train.run.PRECISIONS``). Raises ConfigError(key,
+    ``trainer.precision`` name training accepts (:data:`canonlm.config.rules.PRECISIONS`). Raises ConfigError(key,
     precision, allowed) for anything else."""
-    from canonlm.train.run import PRECISIONS
-
     allowed = ("auto", *PRECISIONS, *PRECISION_ALIASES)
     if precision not in allowed:
         raise ConfigError(key, precision, " | ".join(allowed))
@@ -118,8 +117,6 @@ def eval_precision(precision: str, device: torch.device | str, cfg: Any = None,
     Raises ConfigError("precision", value, allowed) for an unknown ``precision``, ConfigError("trainer.precision",
     value, allowed) when the run's config holds one training does not accept.
     """
-    from canonlm.train.run import PRECISIONS
-
     name = check_precision(precision)
     dev = torch.device(device)
     fsdp = None
@@ -183,110 +180,6 @@ class LoadedModel:
                     precision=self.precision.describe())
 
 
-def has_run_config(run_dir: str | Path) -> bool:
-    """Whether ``run_dir`` holds a training run's ``.hydra/config.yaml``."""
-    return (Path(run_dir) / ".hydra" / "config.yaml").is_file()
-
-
-def recorded_meta(ck: str | Path) -> dict[str, Any] | None:
-    """``checkpoint["canonlm"]`` of ``ck`` when it records the model config (``["model"]`` a dict), else None.
-    Reads with ``torch.load(weights_only=True)`` (memory-mapped when the file allows it, so tensors are not read).
-    Raises ValueError when the file cannot be read that way."""
-    state = _load_state(Path(ck), mmap=True)
-    meta = state.get("canonlm") if isinstance(state, dict) else None
-    return dict(meta) if isinstance(meta, dict) and isinstance(meta.get("model"), dict) else None
-
-
-def resolve_run(run: str | Path, ckpt: str | Path | None = None) -> tuple[Path, Path]:
-    """(run directory, checkpoint file) for ``run`` = a run directory or a ``.ckpt`` file (inside
-    ``<run>/checkpoints/``, or anywhere when it records its model: ``checkpoint["canonlm"]["model"]``). ``ckpt``
-    overrides the checkpoint (default ``<run>/checkpoints/last.ckpt``). Without ``.hydra/config.yaml`` the run
-    directory is the checkpoint's folder (the one above ``checkpoints/``).
-    Raises FileNotFoundError naming what is missing (a directory that is neither a run nor holds a checkpoint that
-    records its model), ValueError (a checkpoint without a run config that cannot be read)."""
-    p = Path(run).expanduser()
-    if p.is_file():
-        ck = p
-        run_dir = p.parent.parent if p.parent.name == "checkpoints" else p.parent
-    elif p.is_dir():
-        run_dir = p
-        ck = p / CHECKPOINT
-    else:
-        raise FileNotFoundError(f"--run {run}: no such run directory or checkpoint file")
-    if ckpt is not None:
-        ck = Path(ckpt).expanduser()
-    no_cfg = f"{run_dir} has no .hydra/config.yaml (not a run directory written by train.py)"
-    hydra = has_run_config(run_dir)
-    if not hydra and not ck.exists():
-        raise FileNotFoundError(no_cfg)
-    if ck.is_dir():
-        raise FileNotFoundError(f"{ck} is a directory (a distributed FSDP2 checkpoint); consolidate it to a single "
-                                "file first (lightning.pytorch.utilities.consolidate_checkpoint)")
-    if not ck.is_file():
-        raise FileNotFoundError(f"checkpoint {ck} does not exist")
-    if not hydra and recorded_meta(ck) is None:
-        raise FileNotFoundError(f"{no_cfg}, and checkpoint {ck} records no model config "
-                                "(checkpoint['canonlm']['model'])")
-    return run_dir.resolve(), ck.resolve()
-
-
-def task_config(run_dir: str | Path, ck: str | Path) -> dict[str, Any]:
-    """The resolved ``task`` node of a run (``.hydra/config.yaml``), else the checkpoint's recorded
-    ``checkpoint["canonlm"]["task"]`` (``{}`` if none), as :func:`load_model` sets ``LoadedModel.task_cfg``."""
-    if has_run_config(run_dir):
-        from omegaconf import OmegaConf
-
-        return OmegaConf.to_container(load_run_config(run_dir).task, resolve=True)
-    meta = recorded_meta(ck) or {}
-    return dict(meta.get("task") or {})
-
-
-def load_run_config(run_dir: str | Path):
-    """The run's composed config with Hydra-runtime paths made concrete (``paths.root_dir`` = the run's original
-    working directory from ``.hydra/hydra.yaml``, ``paths.output_dir`` = ``run_dir``), so it resolves outside Hydra;
-    a relative ``task.data_dir`` that does not exist from here is resolved against that working directory."""
-    from omegaconf import OmegaConf, open_dict
-
-    from canonlm.train.resolvers import register_resolvers
-
-    register_resolvers()
-    run_dir = Path(run_dir)
-    cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
-    cwd = None
-    hy = run_dir / ".hydra" / "hydra.yaml"
-    if hy.is_file():
-        cwd = OmegaConf.select(OmegaConf.load(hy), "hydra.runtime.cwd", default=None)
-    with open_dict(cfg):
-        if "paths" in cfg:
-            cfg.paths.root_dir = str(cwd or Path.cwd())
-            cfg.paths.output_dir = str(run_dir)
-            if "log_dir" in cfg.paths and "hydra:" in str(OmegaConf.to_container(cfg.paths)["log_dir"]):
-                cfg.paths.log_dir = str(Path(cfg.paths.root_dir) / "logs")
-        dd = OmegaConf.select(cfg, "task.data_dir", default=None)
-        if isinstance(dd, str) and dd and not Path(dd).is_absolute() and not Path(dd).exists() and cwd:
-            if (Path(cwd) / dd).exists():
-                cfg.task.data_dir = str(Path(cwd) / dd)
-    return cfg
-
-
-def _load_state(ck: Path, mmap: bool = False) -> dict[str, Any]:
-    """The checkpoint dict, read with ``torch.load(weights_only=True)`` (no pickled code runs; canonlm's own
-    checkpoints hold only tensors and plain values); ``mmap``: memory-map the tensors when the file format allows it
-    (for reading only the metadata). Raises ValueError naming the file when it cannot be read that way (damaged, or
-    a foreign file that pickles objects)."""
-    try:
-        if mmap:
-            try:
-                return torch.load(ck, map_location="cpu", weights_only=True, mmap=True)
-            except RuntimeError:  # not a zip-format file: read it whole below
-                pass
-        return torch.load(ck, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 -- reported with the reader's first line
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". ")[0]
-        raise ValueError(f"checkpoint {ck} cannot be read with torch.load(weights_only=True): {first[:300]}; "
-                         "canonlm never unpickles code from a checkpoint") from None
-
-
 def load_model(run: str | Path, *, ckpt: str | Path | None = None, device: str = "auto",
                max_seq_len: int | None = None, batch_size: int = 8, precision: str = "auto") -> LoadedModel:
     """Rebuild and load a trained model.
@@ -309,11 +202,10 @@ def load_model(run: str | Path, *, ckpt: str | Path | None = None, device: str =
         move), ValueError (bad device, an unreadable checkpoint, or weights that do not fit the model).
     """
     from canonlm.arch.model import CanonLM
-    from canonlm.train.run import build_configs
 
     check_precision(precision)
     run_dir, ck = resolve_run(run, ckpt)
-    state = _load_state(ck)
+    state = read_checkpoint(ck)
     if has_run_config(run_dir):
         cfg = load_run_config(run_dir)
         _, mcfg = build_configs(cfg)
@@ -384,19 +276,5 @@ class ModelForward:
             return self.model(ids) if cache is None else self.model(ids, cache)
 
 
-def run_tokenizer(task_cfg: dict[str, Any]) -> tuple[str | None, str | None]:
-    """(tokenizer path, eos token) recorded by a ``text`` run's prepared data (meta.json); (None, None) for other
-    tasks or when the meta is unreadable."""
-    if task_cfg.get("name") != "text" or not task_cfg.get("data_dir"):
-        return None, None
-    f = Path(task_cfg["data_dir"]) / "meta.json"
-    try:
-        t = json.loads(f.read_text()).get("tokenizer", {})
-    except (OSError, json.JSONDecodeError):
-        return None, None
-    return t.get("path"), t.get("eos_token")
-
-
 __all__ = ["EvalPrecision", "LoadedModel", "ModelForward", "check_precision", "eval_precision", "load_model",
-           "resolve_run", "load_run_config", "task_config", "has_run_config", "recorded_meta", "run_tokenizer",
-           "CHECKPOINT", "PRECISION_ALIASES"]
+           "PRECISION_ALIASES"]

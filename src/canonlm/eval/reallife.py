@@ -184,7 +184,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(a: argparse.Namespace) -> int:
     from canonlm.data.reallife import as_decoder, as_encoder
     from canonlm.data.text import load_tokenizer
-    from canonlm.eval.load import check_precision, load_model, resolve_run, run_tokenizer, task_config
+    from canonlm.config.rundir import resolve_run, run_tokenizer, task_config
+    from canonlm.eval.load import check_precision, load_model
 
     t0 = time.perf_counter()
     log = (lambda s: None) if a.quiet else (lambda s: print(s, file=sys.stderr, flush=True))

@@ -19,10 +19,11 @@ from typing import Any, Mapping
 import torch
 
 from canonlm.arch.config import ModelConfig
+from canonlm.config.build import build_configs
+from canonlm.config.rundir import CHECKPOINT, has_run_config, load_run_config, run_tokenizer, task_config
 from canonlm.hf.mapping import (InteropError, from_hf_config, from_hf_state_dict, hf_format, model_config_from_dict,
                                 structural_differences, to_hf_config, to_hf_state_dict)
 
-CKPT_IN_RUN = Path("checkpoints") / "last.ckpt"
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 IMPORTED_TASK = "hf_import"  # checkpoint["canonlm"]["task"]["name"] of an imported model
@@ -95,11 +96,12 @@ def _load_ckpt(path: Path) -> dict[str, Any]:
 def read_canonlm(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
     """``(ModelConfig, CanonLM state dict, checkpoint["canonlm"] meta)`` of a canonlm run directory (its
     ``checkpoints/last.ckpt``) or a checkpoint file. The config comes from ``checkpoint["canonlm"]["model"]``; a
-    checkpoint without it falls back to the run's ``.hydra/config.yaml`` (as ``canonlm.eval.load`` does). Raises
+    checkpoint without it falls back to the run's ``.hydra/config.yaml`` (:func:`canonlm.config.build.build_configs`
+    on :func:`canonlm.config.rundir.load_run_config`, as ``canonlm.eval.load`` does). Raises
     InteropError (nothing there, unreadable file, a distributed FSDP2 checkpoint directory, no config found)."""
     p = Path(path).expanduser()
-    if p.is_dir() and (p / CKPT_IN_RUN).exists():
-        ck, run_dir = p / CKPT_IN_RUN, p
+    if p.is_dir() and (p / CHECKPOINT).exists():
+        ck, run_dir = p / CHECKPOINT, p
     elif p.is_file():
         ck = p
         run_dir = p.parent.parent if p.parent.name == "checkpoints" else p.parent
@@ -107,7 +109,7 @@ def read_canonlm(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.
         raise InteropError(f"{p} is a distributed FSDP2 checkpoint directory; consolidate it to one file first "
                            "(lightning.pytorch.utilities.consolidate_checkpoint)")
     elif p.is_dir():
-        raise InteropError(f"{p} has no {CKPT_IN_RUN} (not a canonlm run directory)")
+        raise InteropError(f"{p} has no {CHECKPOINT} (not a canonlm run directory)")
     else:
         raise InteropError(f"{p}: no such run directory or checkpoint file")
     if ck.is_dir():
@@ -122,17 +124,12 @@ def read_canonlm(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.
         raise InteropError(f"checkpoint {ck} holds no model tensors (state_dict keys 'model.<name>')")
     if isinstance(meta.get("model"), Mapping):
         cfg = model_config_from_dict(meta["model"])
-    elif (run_dir / ".hydra" / "config.yaml").is_file():
-        from canonlm.eval.load import load_run_config
-        from canonlm.train.run import build_configs
-
+    elif has_run_config(run_dir):
         try:
             _, cfg = build_configs(load_run_config(run_dir))
         except Exception as e:  # noqa: BLE001 -- ConfigError and friends, reported as one line
             raise InteropError(f"{run_dir}: the run's config does not build: {e}") from None
-        from omegaconf import OmegaConf
-
-        meta = {"task": OmegaConf.to_container(load_run_config(run_dir).task, resolve=True)}
+        meta = {"task": task_config(run_dir, ck)}
     else:
         raise InteropError(f"checkpoint {ck} records no model config (checkpoint['canonlm']['model']) and has no run "
                            "directory with .hydra/config.yaml beside it")
@@ -171,8 +168,6 @@ def _tokenizer_files(meta: Mapping[str, Any]) -> list[Path]:
     task = meta.get("task") or {}
     if not isinstance(task, Mapping) or task.get("name") != "text":
         return []
-    from canonlm.eval.load import run_tokenizer
-
     tok, _ = run_tokenizer(dict(task))
     if not tok:
         return []
@@ -274,12 +269,12 @@ def import_hf(src: str | os.PathLike, out: str | os.PathLike) -> dict[str, Any]:
         tmp = _tmp_dir(out)
         try:
             (tmp / "checkpoints").mkdir()
-            torch.save(ck, tmp / CKPT_IN_RUN)
+            torch.save(ck, tmp / CHECKPOINT)
             _commit_dir(tmp, out)
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
-        path = out / CKPT_IN_RUN
+        path = out / CHECKPOINT
     c = cfg
     return {"out": str(path), "model_type": hcfg.get("model_type"), "tensors": len(sd),
             "model": f"{c.n_layers}L{c.d_model}D heads {c.n_heads}/{c.kv_heads} canon={c.canon.set or 'none'} "
@@ -291,7 +286,7 @@ def read_weights(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.
     """``(ModelConfig, CanonLM state dict)`` of a canonlm checkpoint / run directory, or of a Hugging Face directory
     (a directory with ``config.json``), converted in memory. Raises InteropError."""
     p = Path(path).expanduser()
-    if p.is_dir() and (p / "config.json").is_file() and not (p / CKPT_IN_RUN).exists():
+    if p.is_dir() and (p / "config.json").is_file() and not (p / CHECKPOINT).exists():
         cfg, sd, _ = hf_to_canonlm(p)
         return cfg, sd
     cfg, sd, _ = read_canonlm(p)

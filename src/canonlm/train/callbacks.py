@@ -8,6 +8,8 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback, ProgressBar, TQDMProgressBar
 
+from canonlm.config.rules import check_value
+
 
 def _fmt_time(s: float) -> str:
     s = int(max(s, 0))
@@ -168,20 +170,13 @@ class Preemption(Callback):
     job, which resumes by itself) continues from that step.
 
     Args: signal_name: ``"SIGUSR2"`` (submitit's default; NCCL may use USR1); requeue: run ``scontrol requeue``
-    on the warning signal; sigterm: also save on SIGTERM.
+    on the warning signal; sigterm: also save on SIGTERM. Raises ConfigError for a ``signal_name`` its rule in
+    :data:`canonlm.config.rules.TRAINING_RULES` refuses (not a catchable signal, or SIGTERM).
     """
 
     def __init__(self, signal_name: str = "SIGUSR2", requeue: bool = True, sigterm: bool = True):
         super().__init__()
-        import signal
-
-        if not isinstance(signal_name, str) or not isinstance(getattr(signal, signal_name, None), signal.Signals) \
-                or signal_name in ("SIGKILL", "SIGSTOP", "SIGTERM"):
-            from canonlm.errors import ConfigError
-
-            raise ConfigError("callbacks.preemption.signal_name", signal_name,
-                              "a catchable signal name other than SIGTERM, e.g. SIGUSR2 or SIGUSR1")
-        self.signal_name = signal_name
+        self.signal_name = check_value("callbacks.preemption.signal_name", signal_name)
         self.requeue = requeue
         self.sigterm = sigterm
         self._got = NONE
@@ -289,16 +284,13 @@ def StepCheckpoint(dirpath: str, every_n_train_steps: int = 500, keep_last: int 
     """Lightning ``ModelCheckpoint`` every ``every_n_train_steps`` optimizer steps plus ``last.ckpt``.
 
     ``keep_last``: keep only the N newest step checkpoints (``save_top_k=N`` ranked by the step; ``last.ckpt`` is
-    always kept); ``None`` keeps all. Existing names are replaced, never versioned (``last-v1.ckpt``). Raises :class:`canonlm.errors.ConfigError` for a value that is not a positive
-    integer."""
+    always kept); ``None`` keeps all. Existing names are replaced, never versioned (``last-v1.ckpt``). Raises
+    :class:`canonlm.errors.ConfigError` for a value its rule in :data:`canonlm.config.rules.TRAINING_RULES` refuses
+    (not a positive integer)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from canonlm.errors import ConfigError
-
-    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
-        raise ConfigError("callbacks.checkpoint.keep_last", keep_last, "null (keep all) or a positive integer")
-    if isinstance(every_n_train_steps, bool) or not isinstance(every_n_train_steps, int) or every_n_train_steps < 1:
-        raise ConfigError("callbacks.checkpoint.every_n_train_steps", every_n_train_steps, "a positive integer")
+    check_value("callbacks.checkpoint.keep_last", keep_last)
+    check_value("callbacks.checkpoint.every_n_train_steps", every_n_train_steps)
     top = {"save_top_k": -1} if keep_last is None else {"save_top_k": keep_last, "monitor": "step", "mode": "max"}
     # enable_version_counter=False: a name that exists (a resumed run's last.ckpt, a step redone after a requeue) is
     # replaced atomically, never turned into last-v1.ckpt beside it

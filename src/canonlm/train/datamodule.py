@@ -17,7 +17,7 @@ import lightning.pytorch as L
 import torch
 from torch.utils.data import DataLoader
 
-from canonlm.arch.config import ConfigError
+from canonlm.config.rules import micro_batch
 from canonlm.data.stream import SyntheticStream
 
 
@@ -68,12 +68,9 @@ class SyntheticDataModule(L.LightningDataModule):
         self.test_windows = int(test_windows)
 
     def micro_batch(self, world_size: int, accumulate: int) -> int:
-        """Windows per rank per micro-batch; raises ConfigError if ``batch_size`` does not divide evenly."""
-        parts = world_size * accumulate
-        if self.batch_size < 1 or self.batch_size % parts:
-            raise ConfigError("data.batch_size", self.batch_size,
-                              f"a positive multiple of world_size x accumulate_grad_batches = {world_size} x {accumulate}")
-        return self.batch_size // parts
+        """Windows per rank per micro-batch (:func:`canonlm.config.rules.micro_batch`); raises ConfigError if
+        ``batch_size`` does not divide evenly."""
+        return micro_batch(self.batch_size, world_size, accumulate)
 
     def _loader(self, split: str, start_step: int = 0, num_windows: int | None = None,
                 num_steps: int | None = None) -> DataLoader:

@@ -1,70 +1,47 @@
 """``run(cfg)``: validate the whole config, build task, model, data and trainer, train, test, report.
 
-Order (nothing is built, written or trained before every check has passed, and Lightning is imported only after
-them, so a bad value is reported in seconds):
+Order (nothing is written before every check has passed: a refused config leaves no ``.hydra/``, ``checkpoints/``
+or run log, and the run directory Hydra made for it is removed again):
 1. task (generator parameters, context window vs the largest instance), model config (sizes, Canon letters, RoPE
-   fraction), schedule, loss, kernels requested explicitly — each bad value raises
-   :class:`canonlm.errors.ConfigError` naming the key, the value and what is allowed;
+   fraction), kernels requested explicitly, schedule, and the training keys of
+   :data:`canonlm.config.rules.TRAINING_RULES` — each bad value raises :class:`canonlm.errors.ConfigError` naming
+   the key, the value and what is allowed; Lightning is not imported yet, so these answer in seconds;
 2. checkpoints: temp files of interrupted saves are removed; ``ckpt_path=auto`` (the default inside a Hydra
    multirun job, so a requeued sweep job resumes by itself) picks the newest loadable checkpoint and says which;
    an explicit path is read; either is refused with one message when it is truncated or was made by another model
    or task (:mod:`canonlm.train.checkpoint`); a run dir that already holds checkpoints or results is never
-   overwritten by a fresh run;
-3. run directory: writable, with room for one checkpoint. A refused config removes the (empty) run directory
-   Hydra made for it, so it leaves nothing behind; only then is the composed config written to ``.hydra/``;
-4. seed, model, Lightning Trainer, fit, test, ``results.json`` + accuracy table. A preemption (SIGTERM, or SLURM's
-   warning signal) or too many non-finite steps in a row stop training with ``last.ckpt`` saved and raise
-   :class:`canonlm.errors.RunStopped` (no test, no ``results.json``).
+   overwritten by a fresh run; ``init_from`` is read and compared with the model;
+3. Lightning: the ``trainer`` argument names against ``lightning.Trainer.__init__``, then the Trainer itself (its
+   own checks of the values, strategy and devices; constructing it writes nothing), ``data.batch_size`` against
+   the world size x ``accumulate_grad_batches`` it chose, and last the run directory: writable, with room for one
+   checkpoint. Lines for the run log are held in memory until here;
+4. ``.hydra/`` (config.yaml, hydra.yaml, overrides.yaml), seed, model, fit, test, ``results.json`` + accuracy
+   table. A preemption (SIGTERM, or SLURM's warning signal) or too many non-finite steps in a row stop training
+   with ``last.ckpt`` saved and raise :class:`canonlm.errors.RunStopped` (no test, no ``results.json``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from canonlm.arch.config import ModelConfig, build_model_config, position_encoding
-from canonlm.data.tasks import build_task
+from canonlm.arch.config import ModelConfig, position_encoding
+from canonlm.config.build import build_configs
+from canonlm.config.resolvers import register_resolvers
+from canonlm.config.rules import check_training, micro_batch, plain
 from canonlm.errors import ConfigError
-from canonlm.train.resolvers import register_resolvers
 from canonlm.utils.io import atomic_write_text
 
 register_resolvers()  # also in Hydra launcher workers (submitit pickles `main`; train.py's import never runs there)
 
 log = logging.getLogger("canonlm")
-
-STRATEGIES = ("auto", "ddp", "ddp_spawn", "fsdp2")
-PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16-true", "16-mixed", "64-true")
-
-
-def _container(node: Any) -> Any:
-    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
-
-
-def build_configs(cfg: DictConfig) -> tuple[Any, ModelConfig]:
-    """Validate and build (task, model config) from the composed config; raises ConfigError."""
-    task_cfg = _container(cfg.task)
-    task = build_task(task_cfg.get("name"), task_cfg)
-    for split in ("train", "val", "test"):
-        need = task.max_instance_len(split)
-        if int(task_cfg["context"]) < need:
-            raise ConfigError("task.context", task_cfg["context"],
-                              f"a window of at least {need} tokens (the longest {split} instance of {task.name})")
-    model = dict(_container(cfg.model))
-    model["ops"] = cfg.get("ops", "auto")
-    model["kernels"] = {k: v for k, v in (_container(cfg.get("kernels")) or {}).items() if v is not None}
-    for key, val in (task.model_overrides() if hasattr(task, "model_overrides") else {}).items():
-        if key in model and model[key] != val:  # what the task requires (Capo: tied embeddings, paper App. C)
-            log.info("task %s sets model.%s=%r (the config had %r)", task.name, key, val, model[key])
-        model[key] = val
-    mcfg = build_model_config(model, _container(cfg.canon), _container(cfg.pos),
-                              vocab_size=task.vocab_size, max_seq_len=int(task_cfg["context"]))
-    return task, mcfg
 
 
 def resolve_max_steps(cfg: DictConfig, task: Any) -> None:
@@ -84,76 +61,13 @@ def resolve_max_steps(cfg: DictConfig, task: Any) -> None:
 
 
 def validate_training(cfg: DictConfig) -> None:
-    """Checks of the training keys that Lightning would only report late (or never)."""
+    """Checks of the training keys that Lightning would only report late (or never): the learning-rate schedule's
+    own (:func:`canonlm.train.schedule.lr_multiplier`), then the declared table
+    (:data:`canonlm.config.rules.TRAINING_RULES`). Raises ConfigError for the first bad key."""
     from canonlm.train.schedule import lr_multiplier
 
-    lr_multiplier(_container(cfg.sched), 1)
-    z = cfg.loss.get("z_loss", "none")
-    if z not in ("none", "lingua", "palm"):
-        raise ConfigError("loss.z_loss", z, "none | lingua | palm")
-    zc = cfg.loss.get("z_coef")
-    if isinstance(zc, bool) or not isinstance(zc, (int, float)) or zc < 0:
-        raise ConfigError("loss.z_coef", zc, "a number >= 0")
-    betas = cfg.optim.get("betas")
-    if betas is not None and (len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)):
-        raise ConfigError("optim.betas", list(betas) if hasattr(betas, "__len__") else betas,
-                          "two numbers in [0, 1), e.g. [0.9, 0.98]")
-    for key, lo in (("eps", 0.0), ("weight_decay", -1e-12)):
-        v = cfg.optim.get(key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > lo):
-            raise ConfigError(f"optim.{key}", v, "a positive number" if key == "eps" else "a number >= 0")
-    name = cfg.strategy.get("name")
-    if name not in STRATEGIES:
-        raise ConfigError("strategy.name", name, " | ".join(STRATEGIES))
-    prec = str(cfg.trainer.get("precision"))
-    if prec not in PRECISIONS:
-        raise ConfigError("trainer.precision", prec, " | ".join(PRECISIONS))
-    steps = cfg.trainer.get("max_steps")
-    if not isinstance(steps, int) or steps < 1:
-        raise ConfigError("trainer.max_steps", steps, "a positive integer (training is step-based)")
-    lr = cfg.optim.get("lr")
-    if not isinstance(lr, (int, float)) or not lr > 0:
-        raise ConfigError("optim.lr", lr, "a positive float")
-    if cfg.get("ckpt_path") not in (None, "auto") and not Path(str(cfg.ckpt_path)).exists():
-        raise ConfigError("ckpt_path", cfg.ckpt_path, "null | auto | an existing checkpoint path")
-    for key in ("batch_size", "val_windows", "test_windows"):
-        v = cfg.data.get(key)
-        if not isinstance(v, int) or v < 1:
-            raise ConfigError(f"data.{key}", v, "a positive integer")
-    ck = (cfg.get("callbacks") or {}).get("checkpoint")
-    if ck is not None:
-        v = ck.get("keep_last")
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise ConfigError("callbacks.checkpoint.keep_last", v, "null (keep all) or a positive integer")
-        v = ck.get("every_n_train_steps")
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise ConfigError("callbacks.checkpoint.every_n_train_steps", v, "a positive integer")
-    pre = (cfg.get("callbacks") or {}).get("preemption")
-    if pre is not None:
-        import signal
-
-        v = pre.get("signal_name", "SIGUSR2")
-        if not isinstance(v, str) or not isinstance(getattr(signal, v, None), signal.Signals) \
-                or v in ("SIGKILL", "SIGSTOP", "SIGTERM"):
-            raise ConfigError("callbacks.preemption.signal_name", v,
-                              "a catchable signal name other than SIGTERM, e.g. SIGUSR2 or SIGUSR1")
-    v = cfg.get("max_nonfinite_steps", 5)
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ConfigError("max_nonfinite_steps", v, "a positive integer (consecutive skipped steps before the run stops)")
-    if not isinstance(cfg.data.get("num_workers"), int) or cfg.data.num_workers < 0:
-        raise ConfigError("data.num_workers", cfg.data.get("num_workers"), "an integer >= 0")
-    ge = cfg.data.get("gen_eval") or {}
-    unknown = sorted(set(ge) - {"samples", "batch_size", "on_val"})
-    if unknown:
-        raise ConfigError(f"data.gen_eval.{unknown[0]}", ge[unknown[0]], "a known key: samples, batch_size, on_val")
-    v = ge.get("samples")
-    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-        raise ConfigError("data.gen_eval.samples", v, "null (the task's default) or an integer >= 0")
-    v = ge.get("batch_size", 64)
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ConfigError("data.gen_eval.batch_size", v, "a positive integer")
-    if not isinstance(ge.get("on_val", True), bool):
-        raise ConfigError("data.gen_eval.on_val", ge.get("on_val"), "true | false")
+    lr_multiplier(plain(cfg.sched), 1)
+    check_training(cfg)
 
 
 def _device_of(cfg: DictConfig) -> torch.device:
@@ -161,6 +75,15 @@ def _device_of(cfg: DictConfig) -> torch.device:
     if acc in ("gpu", "cuda") or (acc == "auto" and torch.cuda.is_available()):
         return torch.device("cuda")
     return torch.device("cpu")
+
+
+def _declared_world_size(cfg: DictConfig) -> int | None:
+    """``trainer.devices`` x ``trainer.num_nodes`` when both are positive integers (the world size Lightning then
+    runs, or refuses), else None."""
+    devices, nodes = cfg.trainer.get("devices"), cfg.trainer.get("num_nodes", 1)
+    if all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (devices, nodes)):
+        return devices * nodes
+    return None
 
 
 def _strategy(cfg: DictConfig):
@@ -244,28 +167,6 @@ def _finished_results(cfg: DictConfig, output_dir: str) -> dict[str, Any] | None
     return results if int(results.get("steps", -1)) >= int(cfg.trainer.max_steps) else None
 
 
-def _remove_if_created(output_dir: Path, log_dir: Path, was_empty: bool) -> None:
-    """After a refused config: remove the run directory Hydra created for this process (it was empty when the run
-    started) and the parent folders that are left empty, up to ``paths.log_dir``. Never touches a folder that held
-    anything before."""
-    import shutil
-
-    if not was_empty or not output_dir.is_dir():
-        return
-    for h in logging.getLogger().handlers:  # the run log (delay=True: only opened once something was logged)
-        if isinstance(h, logging.FileHandler) and Path(h.baseFilename).parent == output_dir:
-            h.close()
-    shutil.rmtree(output_dir, ignore_errors=True)
-    stop = log_dir.resolve().parent
-    p = output_dir.resolve().parent
-    while p != stop and p != p.parent:
-        try:
-            p.rmdir()
-        except OSError:
-            break
-        p = p.parent
-
-
 def _save_hydra_files(cfg: DictConfig, output_dir: str) -> None:
     """Write ``.hydra/config.yaml``, ``hydra.yaml`` and ``overrides.yaml`` into the run directory, as Hydra's
     ``run_job`` does when ``hydra.output_subdir`` is set (canonlm sets it to null so that a refused config writes
@@ -303,44 +204,95 @@ def _check_init_from(path: str, mcfg: ModelConfig) -> None:
                           + "; ".join(diff[:6]) + " (value there vs here)")
 
 
-def prepare_run(cfg: DictConfig) -> tuple[Any, ModelConfig, str | None]:
-    """Every check that needs no Lightning, in order (module docstring, steps 1-3): returns (task, model config,
-    checkpoint to resume or None). Raises ConfigError (CheckpointError) with one message; on a refusal the run
-    directory Hydra made for this process is removed again."""
-    from canonlm.train.checkpoint import (check_compatible, check_run_dir, estimate_checkpoint_bytes,
-                                          remove_stale_temps)
+def _check_config(cfg: DictConfig) -> tuple[Any, ModelConfig, str | None, int]:
+    """Every check that needs no Lightning, in order (module docstring, steps 1-2): (task, model config, checkpoint
+    to resume or None, parameter count). Raises ConfigError (CheckpointError) with one message; writes nothing
+    (it only removes what interrupted saves left in ``checkpoints/``)."""
+    from canonlm.train.checkpoint import check_compatible, remove_stale_temps
 
     output_dir = Path(str(cfg.paths.output_dir))
-    was_empty = output_dir.is_dir() and not any(output_dir.iterdir())
-    try:
-        task, mcfg = build_configs(cfg)
-        resolve_max_steps(cfg, task)
-        validate_training(cfg)
-        device = _device_of(cfg)
-        from canonlm.arch.model import CanonLM, compute_dtype_for, resolve_backends
+    task, mcfg = build_configs(cfg)
+    resolve_max_steps(cfg, task)
+    validate_training(cfg)
+    world = _declared_world_size(cfg)
+    if world is not None:  # else Lightning decides it (devices=auto / -1 / a list): checked once the Trainer exists
+        micro_batch(cfg.data.batch_size, world, cfg.trainer.get("accumulate_grad_batches") or 1)
+    device = _device_of(cfg)
+    from canonlm.arch.model import CanonLM, compute_dtype_for, resolve_backends
 
-        resolve_backends(mcfg, device, compute_dtype_for(  # the dtype rule of LMModule.place_model
-            cfg.trainer.precision, cfg.strategy.get("param_dtype") if cfg.strategy.name == "fsdp2" else None))
-        with torch.device("meta"):
-            meta_model = CanonLM(mcfg)
-        shapes = {k: tuple(v.shape) for k, v in meta_model.state_dict().items()}
-        n_params = meta_model.num_params()
-        del meta_model
-        if launch_rank() == 0:
-            for line in remove_stale_temps(output_dir / "checkpoints"):
-                log.warning("%s", line)
-        task_cfg = _container(cfg.task)
-        ckpt = resolve_ckpt(cfg, str(output_dir), check=lambda info: check_compatible(info, mcfg, task_cfg, shapes))
-        init = cfg.get("init_from")
-        if init is not None and ckpt is None:
-            _check_init_from(str(init), mcfg)
-        if cfg.get("train", True) and cfg.get("callbacks") and (cfg.callbacks.get("checkpoint") is not None
-                                                                or cfg.callbacks.get("preemption") is not None):
-            check_run_dir(output_dir, estimate_checkpoint_bytes(n_params))
+    resolve_backends(mcfg, device, compute_dtype_for(  # the dtype rule of LMModule.place_model
+        cfg.trainer.precision, cfg.strategy.get("param_dtype") if cfg.strategy.name == "fsdp2" else None))
+    with torch.device("meta"):
+        meta_model = CanonLM(mcfg)
+    shapes = {k: tuple(v.shape) for k, v in meta_model.state_dict().items()}
+    n_params = meta_model.num_params()
+    del meta_model
+    if launch_rank() == 0:
+        for line in remove_stale_temps(output_dir / "checkpoints"):
+            log.warning("%s", line)
+    task_cfg = plain(cfg.task)
+    ckpt = resolve_ckpt(cfg, str(output_dir), check=lambda info: check_compatible(info, mcfg, task_cfg, shapes))
+    init = cfg.get("init_from")
+    if init is not None and ckpt is None:
+        _check_init_from(str(init), mcfg)
+    return task, mcfg, ckpt, n_params
+
+
+def prepare_run(cfg: DictConfig) -> tuple[Any, ModelConfig, str | None]:
+    """Every check that needs no Lightning (module docstring, steps 1-2): returns (task, model config, checkpoint to
+    resume or None). Raises ConfigError (CheckpointError) with one message; writes nothing."""
+    return _check_config(cfg)[:3]
+
+
+class _Hold(logging.Filter):
+    """Keeps the records a handler would write, instead of writing them (:func:`_nothing_written_until_checked`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.records.append(record)
+        return False
+
+
+@contextlib.contextmanager
+def _nothing_written_until_checked(output_dir: Path, log_dir: Path) -> Iterator[None]:
+    """Around the checks of a run: lines bound for the run log (``<run dir>/<task_name>.log``, Hydra's file handler)
+    are held in memory meanwhile (the console still shows them). When the body raises ConfigError they are dropped
+    and the run directory Hydra created for this process is removed again with the parent folders left empty, up to
+    ``paths.log_dir`` (only when it was empty at the start); otherwise they are written, in order, at the end."""
+    import shutil
+
+    was_empty = output_dir.is_dir() and not any(output_dir.iterdir())
+    files = [h for h in logging.getLogger().handlers
+             if isinstance(h, logging.FileHandler) and Path(h.baseFilename).resolve().parent == output_dir.resolve()]
+    hold = _Hold()
+    for h in files:
+        h.addFilter(hold)
+    refused = False
+    try:
+        yield
     except ConfigError:
-        _remove_if_created(output_dir, Path(str(cfg.paths.log_dir)), was_empty)
+        refused = True
         raise
-    return task, mcfg, ckpt
+    finally:
+        for h in files:
+            h.removeFilter(hold)
+            if refused:
+                h.close()
+            else:
+                for record in hold.records:
+                    h.handle(record)
+        if refused and was_empty and output_dir.is_dir():
+            shutil.rmtree(output_dir, ignore_errors=True)
+            stop, p = log_dir.resolve().parent, output_dir.resolve().parent
+            while p != stop and p != p.parent:
+                try:
+                    p.rmdir()
+                except OSError:
+                    break
+                p = p.parent
 
 
 class _DropTips(logging.Filter):
@@ -365,21 +317,34 @@ def _tidy_logging() -> None:
     warnings.filterwarnings("ignore", message=".*It is recommended to use `self.log\\(.*sync_dist=True.*")
 
 
-def run(cfg: DictConfig) -> dict[str, Any]:
-    """Train and evaluate as configured; returns the results dict also written to ``<run dir>/results.json``.
+def _trainer_kwargs(cfg: DictConfig) -> dict[str, Any]:
+    """The ``trainer`` node as ``lightning.Trainer`` keyword arguments, each name checked against the signature of
+    ``Trainer.__init__`` (``strategy``, ``callbacks``, ``logger`` and ``plugins`` come from their own config groups).
+    ``val_check_interval`` counts optimizer steps in the config and batches in Lightning: an integer is multiplied
+    by ``accumulate_grad_batches``. Raises ConfigError("trainer.<name>", value, the accepted names)."""
+    import inspect
 
-    Raises ConfigError (before anything is written) and :class:`RunStopped` (training stopped early with a saved
-    checkpoint)."""
-    # 1-3. validate everything before importing Lightning or writing anything
-    task, mcfg, ckpt = prepare_run(cfg)
-    output_dir = str(cfg.paths.output_dir)
-    done = _finished_results(cfg, output_dir)
-    if done is not None:
-        log.info("%s already finished (%d steps, results.json): not trained again", output_dir, done["steps"])
-        return done
-    if launch_rank() == 0:
-        _save_hydra_files(cfg, output_dir)
+    import lightning.pytorch as L
 
+    kwargs = plain(cfg.trainer)
+    kwargs.pop("_target_", None)
+    own = ("strategy", "callbacks", "logger", "plugins")
+    names = [n for n in inspect.signature(L.Trainer.__init__).parameters if n not in ("self", *own)]
+    for key, value in kwargs.items():
+        if key not in names:
+            raise ConfigError(f"trainer.{key}", value,
+                              ("set by the strategy / callbacks / logger config groups, not trainer.*" if key in own
+                               else "an argument of lightning.Trainer: " + ", ".join(names)))
+    accumulate = kwargs.get("accumulate_grad_batches") or 1
+    if isinstance(kwargs.get("val_check_interval"), int) and isinstance(accumulate, int):
+        kwargs["val_check_interval"] *= accumulate
+    return kwargs
+
+
+def _build_trainer(cfg: DictConfig, task: Any, output_dir: str) -> tuple[Any, Any, list[Any]]:
+    """(Trainer, data module, wandb logger nodes) as configured: Lightning's own checks of the ``trainer`` arguments,
+    the strategy and the devices run here (``lightning.Trainer`` writes nothing when constructed), then the batch
+    arithmetic of the world size it chose. Raises ConfigError."""
     import lightning.pytorch as L
     from hydra.utils import instantiate
     from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -387,52 +352,79 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     from canonlm.train.checkpoint import AtomicCheckpointIO
     from canonlm.train.datamodule import SyntheticDataModule
     from canonlm.train.loggers import JSONLLogger
-    from canonlm.train.module import LMModule
-    from canonlm.utils.allocator import tune_malloc
 
     _tidy_logging()
-    tune_malloc()  # keep freed activations in the process (canonlm.utils.allocator): ~20 % faster CPU steps
-
-    # 4. build: the Trainer first (Lightning's own argument checks, world size), then data and model
-    task_cfg = _container(cfg.task)
-    dm = SyntheticDataModule(task, task_cfg, batch_size=cfg.data.batch_size, num_workers=cfg.data.num_workers,
+    dm = SyntheticDataModule(task, plain(cfg.task), batch_size=cfg.data.batch_size, num_workers=cfg.data.num_workers,
                              val_windows=cfg.data.val_windows, test_windows=cfg.data.test_windows)
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
-    loggers = []
+    loggers, wandb_nodes = [], []
     for name, lg in (cfg.get("logger") or {}).items():
         if lg is None:
             continue
         if name == "wandb":  # stable id (a resume continues its run), sweep group, arch/canon/pos/task tags
             from canonlm.train.wandb_utils import logger_config
 
-            lg = logger_config(lg, cfg, output_dir, rank0=launch_rank() == 0)
+            lg = logger_config(lg, cfg, output_dir, rank0=False)  # wandb_init.json is written once checked
+            wandb_nodes.append(lg)
         loggers.append(instantiate(lg))
     loggers.append(JSONLLogger(output_dir))
-    trainer_kwargs = _container(cfg.trainer)
-    trainer_kwargs.pop("_target_", None)
-    accumulate = int(trainer_kwargs.get("accumulate_grad_batches") or 1)
-    if isinstance(trainer_kwargs.get("val_check_interval"), int):  # config: optimizer steps; Lightning: batches
-        trainer_kwargs["val_check_interval"] *= accumulate
+    kwargs = _trainer_kwargs(cfg)
     plugins: list[Any] = [] if cfg.strategy.name == "fsdp2" else [AtomicCheckpointIO()]
     if os.environ.get("SLURM_JOB_ID"):
         from lightning.pytorch.plugins.environments import SLURMEnvironment
 
         plugins.append(SLURMEnvironment(auto_requeue=False))  # the Preemption callback owns requeueing (P9)
     try:
-        trainer = L.Trainer(**trainer_kwargs, strategy=_strategy(cfg), callbacks=callbacks, logger=loggers,
-                            plugins=plugins)
-    except (MisconfigurationException, ValueError, TypeError) as e:
-        raise ConfigError("trainer", {k: v for k, v in trainer_kwargs.items() if k != "default_root_dir"},
+        trainer = L.Trainer(**kwargs, strategy=_strategy(cfg), callbacks=callbacks, logger=loggers, plugins=plugins)
+    except (MisconfigurationException, ValueError, TypeError, ImportError) as e:
+        raise ConfigError("trainer", {k: v for k, v in kwargs.items() if k != "default_root_dir"},
                           f"arguments Lightning accepts on this machine ({e})") from None
-    dm.micro_batch(trainer.world_size, trainer.accumulate_grad_batches)  # raises ConfigError before building
+    dm.micro_batch(trainer.world_size, trainer.accumulate_grad_batches)
+    return trainer, dm, wandb_nodes
 
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """Train and evaluate as configured; returns the results dict also written to ``<run dir>/results.json``.
+
+    Raises ConfigError (before anything is written) and :class:`RunStopped` (training stopped early with a saved
+    checkpoint)."""
+    from canonlm.train.checkpoint import check_run_dir, estimate_checkpoint_bytes
+
+    output_dir = str(cfg.paths.output_dir)
+    with _nothing_written_until_checked(Path(output_dir), Path(str(cfg.paths.log_dir))):
+        # 1-2. the config and the checkpoint choices, before Lightning is imported
+        task, mcfg, ckpt, n_params = _check_config(cfg)
+        done = _finished_results(cfg, output_dir)
+        if done is not None:
+            log.info("%s already finished (%d steps, results.json): not trained again", output_dir, done["steps"])
+            return done
+        # 3. Lightning's checks (trainer arguments, strategy, devices), the batch arithmetic, the run directory
+        trainer, dm, wandb_nodes = _build_trainer(cfg, task, output_dir)
+        if cfg.get("train", True) and cfg.get("callbacks") and (cfg.callbacks.get("checkpoint") is not None
+                                                                or cfg.callbacks.get("preemption") is not None):
+            check_run_dir(Path(output_dir), estimate_checkpoint_bytes(n_params))  # the one check that writes
+
+    # 4. write the config, seed, model, train, test
+    import lightning.pytorch as L
+    from hydra.utils import instantiate
+
+    from canonlm.train.module import LMModule
+    from canonlm.train.wandb_utils import write_init_file
+    from canonlm.utils.allocator import tune_malloc
+
+    if launch_rank() == 0:
+        _save_hydra_files(cfg, output_dir)
+        for node in wandb_nodes:
+            write_init_file(node, output_dir)
+    tune_malloc()  # keep freed activations in the process (canonlm.utils.allocator): ~20 % faster CPU steps
+    task_cfg = plain(cfg.task)
     L.seed_everything(int(cfg.seed), workers=False, verbose=False)
-    fsdp = _container(cfg.strategy) if cfg.strategy.name == "fsdp2" else None
-    module = LMModule(mcfg, optimizer=instantiate(cfg.optim), sched=_container(cfg.sched),
-                      total_steps=cfg.trainer.max_steps, loss=_container(cfg.loss), num_groups=task.num_groups,
+    fsdp = plain(cfg.strategy) if cfg.strategy.name == "fsdp2" else None
+    module = LMModule(mcfg, optimizer=instantiate(cfg.optim), sched=plain(cfg.sched),
+                      total_steps=cfg.trainer.max_steps, loss=plain(cfg.loss), num_groups=task.num_groups,
                       group_name=getattr(task, "group_name", "group"), compile=bool(cfg.get("compile", False)),
                       activation_checkpointing=bool(cfg.get("activation_checkpointing", False)), fsdp=fsdp,
-                      task=task, gen_eval=_container(cfg.data.get("gen_eval")) or {}, task_cfg=task_cfg,
+                      task=task, gen_eval=plain(cfg.data.get("gen_eval")) or {}, task_cfg=task_cfg,
                       max_nonfinite_steps=int(cfg.get("max_nonfinite_steps", 5)))
     if cfg.get("init_from") is not None and ckpt is None:  # weights only; a resumed checkpoint restores its own
         from canonlm.hf.io import load_init_weights
@@ -448,7 +440,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         log.info("task %s | vocab %d | context %d | model %s %dL %dD %dH canon=%r pos=%s | %.2fM params | "
                  "world size %d", task.name, task.vocab_size, task_cfg["context"], mcfg.arch, mcfg.n_layers,
                  mcfg.d_model, mcfg.n_heads, mcfg.canon.set, pos_type, n_params / 1e6, trainer.world_size)
-        for lg in loggers:
+        for lg in trainer.loggers:
             lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
 
     # 5. train + test

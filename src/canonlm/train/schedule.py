@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Mapping
 
-from canonlm.arch.config import ConfigError
+from canonlm.errors import ConfigError
 
 SCHEDULES = ("cosine", "linear", "constant", "wsd")
 

@@ -74,8 +74,8 @@ def run_tags(cfg: DictConfig) -> list[str]:
 
 def logger_config(lg: DictConfig, cfg: DictConfig, output_dir: str, rank0: bool = True) -> DictConfig:
     """The ``logger.wandb`` node with ``id``, ``group``, ``tags`` and ``job_type`` filled in (values set in the
-    config win; tags are the user's followed by :func:`run_tags`), ready for ``hydra.utils.instantiate``. On rank 0
-    also writes the resolved arguments to ``<output_dir>/wandb_init.json``."""
+    config win; tags are the user's followed by :func:`run_tags`), ready for ``hydra.utils.instantiate``. With
+    ``rank0`` also writes the resolved arguments to ``<output_dir>/wandb_init.json`` (:func:`write_init_file`)."""
     kw = OmegaConf.to_container(lg, resolve=True)
     sweep = multirun_sweep_dir()
     if kw.get("id") is None:  # a multirun job's run_name is the time of each attempt: name it by its sweep and job
@@ -86,11 +86,19 @@ def logger_config(lg: DictConfig, cfg: DictConfig, output_dir: str, rank0: bool 
     kw["job_type"] = kw.get("job_type") or "train"
     tags = [str(t) for t in (kw.get("tags") or [])]
     kw["tags"] = list(dict.fromkeys(tags + run_tags(cfg)))
+    node = OmegaConf.create(kw)
     if rank0:
-        info = {k: v for k, v in kw.items() if not k.startswith("_")}
-        info["mode"] = os.environ.get("WANDB_MODE") or ("offline" if kw.get("offline") else "online")
-        atomic_write_text(Path(output_dir) / INIT_FILE, json.dumps(info, indent=1, default=str))
-    return OmegaConf.create(kw)
+        write_init_file(node, output_dir)
+    return node
+
+
+def write_init_file(node: DictConfig, output_dir: str) -> None:
+    """Write the ``wandb.init`` arguments of a :func:`logger_config` node (its keys without a leading ``_``, plus the
+    ``mode`` it runs in: ``WANDB_MODE``, else offline / online) to ``<output_dir>/wandb_init.json``, atomically."""
+    kw = OmegaConf.to_container(node, resolve=True)
+    info = {k: v for k, v in kw.items() if not k.startswith("_")}
+    info["mode"] = os.environ.get("WANDB_MODE") or ("offline" if kw.get("offline") else "online")
+    atomic_write_text(Path(output_dir) / INIT_FILE, json.dumps(info, indent=1, default=str))
 
 
 def _report_group(roots: list[Path], runs: list[dict[str, Any]]) -> tuple[str, str]:
