@@ -18,14 +18,6 @@ ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "src" / "canonlm"
 README = ROOT / "README.md"
 
-# Imports the table forbids that another branch of issue 17 removes (``ops`` importing ``ConfigError`` through
-# ``canonlm.arch.config`` instead of ``canonlm.errors``). Empty this list when that branch is merged: an entry that
-# no longer matches an import fails the test, so it cannot outlive the fix.
-TEMPORARY_UNTIL_OPS_FIX_MERGES: list[tuple[str, str]] = [
-    ("ops/canon/__init__.py", "canonlm.arch.config"),
-    ("ops/attention/__init__.py", "canonlm.arch.config"),
-]
-
 
 def _part(name: str) -> str:
     """``ops/`` / ``errors.py`` / ``ops`` -> ``ops`` / ``errors`` (a table cell or a path under src/canonlm)."""
@@ -128,23 +120,15 @@ def test_the_table_is_layered():
 
 def test_no_module_imports_a_part_its_row_does_not_allow():
     table, graph = layout_table(), import_graph()
-    allowed_now = {(f, m) for f, m in TEMPORARY_UNTIL_OPS_FIX_MERGES}
-    used: set[tuple[str, str]] = set()
     bad = []
     for part, targets in sorted(graph.items()):
         for target, where in sorted(targets.items()):
             if target in table.get(part, set()):
                 continue
             for w in where:
-                file, mod = w.split(":")[0].removeprefix("src/canonlm/"), w.rsplit("[", 1)[1].rstrip("]")
-                if (file, mod) in allowed_now:
-                    used.add((file, mod))
-                    continue
                 bad.append(f"{w}\n    -> {part} may not import {target} (README.md, Layout: {part} may import "
                            f"{', '.join(sorted(table.get(part, set()))) or 'nothing'})")
     assert not bad, "imports that break the layers:\n" + "\n".join(bad)
-    stale = sorted(allowed_now - used)
-    assert not stale, f"TEMPORARY_UNTIL_OPS_FIX_MERGES lists imports that are gone; remove them: {stale}"
 
 
 @pytest.mark.parametrize("snippet, expected", [
