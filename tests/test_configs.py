@@ -42,7 +42,8 @@ def _linear_canon_sets():
 
 @pytest.mark.parametrize("option", _linear_canon_sets())
 def test_linear_canon_options_compose(option, tmp_path):
-    """canon=AbCD, canon=b, ... (in-memory options, models.md §1.3) compose onto conf/canon/_base.yaml."""
+    """canon=AbCD, canon=b, ... (in-memory options, the official ``canon_set`` strings) compose onto
+    conf/canon/_base.yaml."""
     from canonlm.config.build import build_configs
 
     cfg = compose(["arch=gdn", f"canon={option}"], output_dir=tmp_path)
@@ -88,7 +89,7 @@ def test_every_experiment_composes_and_builds_on_meta(experiment, tmp_path):
 
         if experiment == "capo_N50K":
             resolve_max_steps(cfg, task)
-            assert 40_000 < cfg.trainer.max_steps < 90_000  # paper-derived ~70k at ~85 tokens/bio (tasks.md §4.3)
+            assert 40_000 < cfg.trainer.max_steps < 90_000  # paper-derived ~70k at ~85 tokens/bio (Part 3.3)
         else:
             with open_dict(cfg):
                 cfg.trainer.max_steps = 1
@@ -133,7 +134,7 @@ def test_paper_sizes(size, expect, tmp_path):
 
 
 def test_paper_presets_match_appendix(tmp_path):
-    # tasks.md §1.3: Depo1 N=375 -> 112.5k steps, Depo2 N=125 -> 150k; batch 128 x 2048; AdamW (0.9, 0.98), 1e-6.
+    # paper App. A: Depo1 N=375 -> 112.5k steps, Depo2 N=125 -> 150k; batch 128 x 2048; AdamW (0.9, 0.98), 1e-6.
     cfg = compose(["experiment=depo1_N375"], output_dir=tmp_path)
     assert (cfg.task.N, cfg.task.K, cfg.task.context, cfg.data.batch_size) == (375, 8, 2048, 128)
     assert cfg.trainer.max_steps == 112_500 and cfg.sched.warmup_steps == 1000 and cfg.sched.min_lr_ratio == 0.1

@@ -1,5 +1,5 @@
-"""Depo generator (spec tasks.md §2): instances are parsed back from their tokens and re-solved with naive loops;
-distributions are compared with the spec's formulas; every config error is checked."""
+"""Depo generator (paper App. A.1): instances are parsed back from their tokens and re-solved with naive loops;
+distributions are compared with the paper's formulas; every config error is checked."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ TINY = dict(N=16, K=4, vocab_V=8, context=256)
 
 # ---------------------------------------------------------------------------------------------- oracle parser
 def ids_of(task):
-    """Token ids re-derived from the spec's layout (tasks.md §1.5 and the module docstring), not from the code."""
+    """Token ids re-derived from the layout in the module docstring, not from the code."""
     V, K = task.V, task.K
     if task.vocab == "official":
         return dict(bos=9999, ans=9500, q={9000 + k: k for k in range(1, K + 1)}, eos=9998)
@@ -165,8 +165,8 @@ def chi2(counts: np.ndarray, probs: np.ndarray) -> float:
     return float(((counts - exp) ** 2 / exp).sum())
 
 
-def test_size_distribution_matches_spec():
-    """P(n) ∝ 1/(n + sqrt N) on 3..N (tasks.md §2.2): chi-square over 40k draws (df = 13; p ~ 1e-4 at 41)."""
+def test_size_distribution_matches_paper():
+    """P(n) ∝ 1/(n + sqrt N) on 3..N (paper App. A.1): chi-square over 40k draws (df = 13; p ~ 1e-4 at 41)."""
     task = build_task("depo1", TINY)
     b = task.generate("train", np.arange(40000), np.zeros(40000, dtype=np.int64))
     counts = np.bincount(b.meta["n"], minlength=17)[3:]
@@ -191,7 +191,7 @@ def test_depth_distributions():
 
 
 def test_name_tokens_uniform_and_lengths():
-    """Prefix tokens uniform in 1..V, final tokens uniform in V+1..2V (tasks.md §2.2 item 2)."""
+    """Prefix tokens uniform in 1..V, final tokens uniform in V+1..2V (paper App. A.1)."""
     task = build_task("depo2", dict(N=20, K=4, vocab_V=4))
     toks = np.concatenate([task.instance("val", w).tokens for w in range(40)])
     V = 4
@@ -201,8 +201,8 @@ def test_name_tokens_uniform_and_lengths():
 
 
 def test_cycle_edge_order_and_queries_are_uniform_shuffles():
-    """The cycle, the edge listing and the query order must be uniform given the name set (tasks.md §2.2 items
-    3-4), independent of how the names were drawn. With 4 one-token and 16 two-token names (a one-token name is 4x
+    """The cycle, the edge listing and the query order must be uniform given the name set (paper
+    App. A.1), independent of how the names were drawn. With 4 one-token and 16 two-token names (a one-token name is 4x
     likelier per draw, so it tends to be drawn early) and n = 6, compare per-instance statistics with their exact
     expectations under uniform shuffles: short->short successor pairs a(a-1)/(n-1) for a short names; chained
     consecutive edges (dst_j == src_{j+1}) (n-1)/(n-1) * 1/(n-1) * (n-1) = 1; first query short a/n; successive

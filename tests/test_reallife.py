@@ -1,5 +1,5 @@
-"""Real-life evaluations: multi-hop birth-year prompts (tasks.md §8), Babilong prompts and scorer (§9), model loading
-and the ``python -m canonlm.eval.reallife`` command line.
+"""Real-life evaluations: multi-hop birth-year prompts (paper App. B), Babilong prompts and scorer (paper Fig. 23),
+model loading and the ``python -m canonlm.eval.reallife`` command line.
 
 Oracles: prompts are parsed back with regular expressions and the queried person's year re-derived from the parsed
 facts; background lengths re-counted with the tokenizer; Babilong scorer cases derived by hand from the rules; a fake
@@ -32,7 +32,7 @@ CORPUS = DATA / "corpus.txt"
 BABI = DATA / "babilong"
 INSTRUCTION = ("You will be asked questions about people's birth years, and the birth year descriptions are hidden in "
                "some random text. Some people's birth years are directly given, while others are given in the form "
-               "that `name1' was born in the same year as `name2'.\n\n")  # tasks.md §8.2, verbatim
+               "that `name1' was born in the same year as `name2'.\n\n")  # multihop-birthyear.py, verbatim
 NAMES = (["Ada", "Bram", "Cleo", "Dov"], ["Kai", "Lux"], ["Moss", "Nye", "Orr"])  # 24 full names
 NAME = r"[A-Z][a-z]+ [A-Z][a-z]+ [A-Z][a-z]+"
 FACT = re.compile(rf"({NAME}) was born in the year of (\d{{4}})\.")
@@ -136,7 +136,7 @@ def test_prompt_format_and_answer_rederived(ws, hop, L):
     for i in range(6):
         p = b.build(hop, L, i)
         f = parse(p)
-        assert p.text.endswith(" was born in the year of ")  # trailing space kept (§8.2)
+        assert p.text.endswith(" was born in the year of ")  # trailing space kept (multihop-birthyear.py)
         years = [int(y) for _, y in f["facts"]]
         names1 = [n for n, _ in f["facts"]]
         assert len(f["facts"]) == (5 if hop == 1 else 3)
@@ -373,7 +373,7 @@ def test_babilong_prompt_template():
         blocks = pr["examples"].split("\n\n<context>")
         assert len(blocks) >= 2 and all(block.fullmatch(b if k == 0 else "<context>" + b)
                                         for k, b in enumerate(blocks))
-        assert "Reply with" in pr["instruction"]  # the answer format lives in the instruction (§9)
+        assert "Reply with" in pr["instruction"]  # the answer format lives in the instruction (Babilong/prompts.py)
         # the example answers follow the scorer's rule: exactly one task label beyond those in the question
         if qa != "qa5":
             for b in block.findall(pr["examples"]):
@@ -466,7 +466,7 @@ def test_babilong_user_prompts_file(tmp_path):
     s = bl.load_babilong(BABI, "qa3", "0k")[0]
     p = mine["qa3"]
     want = (p["instruction"] + "\n\n" + p["examples"] + "\n\n" + p["post_prompt"] + "<context>\n" + s.input +
-            "\n</context>\n\nQuestion: " + s.question + "\nAnswer:")  # the §9 template, stripped
+            "\n</context>\n\nQuestion: " + s.question + "\nAnswer:")  # Babilong/prompts.py's template, stripped
     assert bl.build_prompt(s, prompts=prompts) == want
     # a subset of tasks, and extra Babilong tasks (qa6..) are fine
     sub = tmp_path / "sub.json"

@@ -1,4 +1,4 @@
-"""Properties every task shares (tasks.md §1.1, §11; issue 3 items 5, 7): streams identical for any DataLoader
+"""Properties every task shares (paper §3, App. A; issue 3 items 5, 7): streams identical for any DataLoader
 worker count, disjoint split namespaces, the batch contract, bad input rejected before training with the key named,
 and a few real training steps of each task through `train.py`."""
 
@@ -136,5 +136,5 @@ def test_every_task_trains_through_train_py(preset, tmp_path):
         assert res["model"]["tie_embeddings"]  # the task's model override reached the model (paper App. C)
         assert m["bits_per_param"] == pytest.approx(m["bits"] / m["params_counted"])
         assert m["bits_per_param"] < m["bits_per_param_max"]
-        # every person of the population is scored exactly once at test (tasks.md §4.4)
+        # every person of the population is scored exactly once at test (Part 3.3 Def. 4.3)
         assert test["by_group"]["1"]["answers"] == task.N

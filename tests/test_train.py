@@ -97,7 +97,7 @@ def test_overfit_one_batch(tmp_path):
 
 def test_gradient_accumulation_matches_full_batch(tmp_path):
     """8 windows in one micro-batch vs 2 micro-batches of 4: the loss is normalised by the loss tokens of the whole
-    optimizer step (P25), so the trained models agree."""
+    optimizer step, so the trained models agree."""
     common = ["trainer.val_check_interval=4", "test=false", "trainer.max_steps=4"]
     a = _run_in_process(common, tmp_path / "a")
     b = _run_in_process([*common, "trainer.accumulate_grad_batches=2"], tmp_path / "b")
@@ -109,8 +109,9 @@ def test_gradient_accumulation_matches_full_batch(tmp_path):
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_two_process_cpu_strategies_match_one_process(strategy, tmp_path):
     """The distributed path on 2 CPU processes (gloo) trains the same model as one process at the same global
-    batch: each rank gets its own half of every step's windows (a mesh giving both ranks the same batch, P1, or a
-    wrong cross-rank loss normalisation would change the result). FSDP2 runs with fp32 parameters here."""
+    batch: each rank gets its own half of every step's windows (a mesh giving both ranks the same batch, as
+    Lightning's "auto" mesh does, or a wrong cross-rank loss normalisation would change the result). FSDP2 runs
+    with fp32 parameters here."""
     args = [*TINY, "trainer.max_steps=6", "trainer.val_check_interval=3", "trainer.log_every_n_steps=1",
             "data.val_windows=16", "data.test_windows=16"]
     _train([*args, f"strategy={strategy}", "strategy.param_dtype=fp32" if strategy == "fsdp2" else "seed=42",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf
 
-# Paper training steps per (task, difficulty) (tasks.md §1.3).
+# Paper training steps per (task, difficulty) (paper App. A).
 PAPER_STEPS = {
     "depo1": {225: 87_500, 300: 100_000, 375: 112_500},
     "depo2": {75: 100_000, 100: 125_000, 125: 150_000},
@@ -12,7 +12,7 @@ PAPER_STEPS = {
     "brevo2": {30: 200_000, 40: 225_000, 50: 250_000},
     "mano": {10: 80_000, 13: 95_000, 16: 110_000},
 }
-# Paper context windows per (task, variant) where they depend on the variant (tasks.md §1.3).
+# Paper context windows per (task, variant) where they depend on the variant (paper App. A).
 PAPER_CONTEXT = {"lano": {"cfg3f": 512, "cfg3j": 1536, "cfg3k": 1536}}
 
 
@@ -57,7 +57,7 @@ def register_resolvers() -> None:
 
 
 def linear_canon_sets() -> list[str]:
-    """Names of the ``canon`` group options that contain the lowercase ``b`` of linear models (models.md §1.3):
+    """Names of the ``canon`` group options that contain the lowercase ``b`` of linear models (the paper's Canon-b):
     every subset of ``A b B C D`` (in that order) with ``b``, plus the official spellings ``AbbCD`` and ``bb``."""
     import itertools
 

@@ -2,5 +2,5 @@
 
 * :mod:`canonlm.eval.load` -- rebuild a trained model from a run directory or a Lightning checkpoint.
 * :mod:`canonlm.eval.reallife` -- ``python -m canonlm.eval.reallife``: multi-hop birth-year and Babilong accuracy
-  (spec tasks.md §8, §9) of a trained run.
+  (paper App. B, Fig. 23) of a trained run.
 """

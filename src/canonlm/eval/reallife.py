@@ -1,4 +1,4 @@
-"""Real-life evaluations of a trained run (spec tasks.md §8, §9).
+"""Real-life evaluations of a trained run (paper App. B, Fig. 23).
 
     python -m canonlm.eval.reallife --run <run dir | .ckpt> --task multihop|babilong [--tokenizer PATH]
         [--background FILE] [--babilong-dir DIR] [--lengths 0,1000,...] [--num-prompts 100] [--out results.json]

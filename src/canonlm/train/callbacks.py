@@ -1,4 +1,4 @@
-"""Callbacks: progress that works in a terminal and in batch logs (engineering.md P24); SLURM preemption."""
+"""Callbacks: progress that works in a terminal and in batch logs; SLURM preemption."""
 
 from __future__ import annotations
 

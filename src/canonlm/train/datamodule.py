@@ -2,9 +2,9 @@
 
 ``data.batch_size`` is the GLOBAL number of windows per optimizer step; each rank gets
 ``batch_size / (world_size * accumulate_grad_batches)`` windows per micro-batch, so the data seen per optimizer
-step is identical for any number of GPUs (tasks.md §1.1). The training stream starts at micro-batch
-``global_step * accumulate_grad_batches``, so a resumed run continues exactly where the checkpoint was written
-(engineering.md P15); the stream itself is a pure function of (seed, task, split, window index).
+step is identical for any number of GPUs (paper §3, App. A). The training stream starts at micro-batch
+``global_step * accumulate_grad_batches``, so a resumed run continues exactly where the checkpoint was written;
+the stream itself is a pure function of (seed, task, split, window index).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from canonlm.data.stream import SyntheticStream
 class StepGroups:
     """Iterate a loader in groups of ``accumulate`` micro-batches (one optimizer step) and add to every batch
     ``step_loss_tokens``: int64 0-d tensor, this rank's number of loss tokens (``loss_mask[:, 1:]``) in the whole
-    group. The module all-reduces it to normalise the step's loss by the global loss-token count (engineering.md
-    P25). Batches are otherwise passed through unchanged (dicts of (B, T) tensors)."""
+    group. The module all-reduces it to normalise the step's loss by the global loss-token count (not each
+    micro-batch's mean). Batches are otherwise passed through unchanged (dicts of (B, T) tensors)."""
 
     def __init__(self, loader: DataLoader, accumulate: int):
         self.loader, self.accumulate = loader, max(int(accumulate), 1)
@@ -106,7 +106,7 @@ class SyntheticDataModule(L.LightningDataModule):
 
     def _eval_windows(self, split: str, default: int) -> int:
         """Windows of an evaluation pass: the task's own count when it has one (Capo: every evaluated person's
-        rendering exactly once, tasks.md §4.4), else ``data.val_windows`` / ``data.test_windows``."""
+        rendering exactly once), else ``data.val_windows`` / ``data.test_windows``."""
         if hasattr(self.task, "eval_windows"):
             return max(1, int(self.task.eval_windows(split, self.window)))
         return default

@@ -1,12 +1,12 @@
 """LightningModule for causal-LM pretraining on masked synthetic streams.
 
-Loss (models.md §2, tasks.md §1.1): next-token cross-entropy (fp32) on the tokens whose ``loss_mask`` is set,
-normalised by the number of loss tokens summed over all data-parallel ranks (engineering.md P25), optional z-loss.
+Loss (paper App. A): next-token cross-entropy (fp32) on the tokens whose ``loss_mask`` is set,
+normalised by the number of loss tokens summed over all data-parallel ranks, optional z-loss.
 Validation/test: teacher-forced argmax predictions scored per answer (whole-answer exact match) and per answer
 token, grouped by the task's metric group (Depo: hop count k), reduced across ranks, plus the per-group summed NLL
 of the scored tokens (Capo's bits). Tasks with an ``evaluate`` hook (Brevo, Lano: generation accuracy; Lano: KL) are
 also evaluated by generation at the end of each validation and test pass, and ``finalize_metrics`` (Capo: bits per
-parameter) turns the tables into the task's headline numbers (spec tasks.md §3.4, §4.4, §6.4).
+parameter) turns the tables into the task's headline numbers (paper App. A; Capo: Part 3.3 Def. 4.3).
 """
 
 from __future__ import annotations
@@ -210,8 +210,9 @@ class LMModule(L.LightningModule):
         ``sum over micro-batches and ranks of loss_sum / (loss tokens of the whole step on all ranks)``:
         Lightning divides by ``accumulate_grad_batches`` and DDP/FSDP average over ranks, so the returned value is
         ``loss_sum * world * accumulate / n_step`` with ``n_step`` = all-reduced ``batch["step_loss_tokens"]``
-        (engineering.md P25). Keeps on the device (read at logging steps, :meth:`_read_device`) this micro-batch's
-        mean loss / nll over its loss tokens (all ranks), its loss-token count, and whether the loss is finite."""
+        (the global per-token mean). Keeps on the device (read at logging steps, :meth:`_read_device`) this
+        micro-batch's mean loss / nll over its loss tokens (all ranks), its loss-token count, and whether the loss
+        is finite."""
         _, out = self._loss(batch)
         world, accumulate = self.trainer.world_size, self.trainer.accumulate_grad_batches
         n_local = batch.get("step_loss_tokens", out["n_tokens"]).to(self.device, torch.float32)

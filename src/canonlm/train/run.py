@@ -46,7 +46,7 @@ log = logging.getLogger("canonlm")
 
 def resolve_max_steps(cfg: DictConfig, task: Any) -> None:
     """``trainer.max_steps: auto`` -> the task's own schedule (Capo: the steps that show every person
-    ``task.exposures`` times at ``data.batch_size`` windows per step, tasks.md §4.3), written into ``cfg``.
+    ``task.exposures`` times at ``data.batch_size`` windows per step, Part 3.3's 100 exposures), written into ``cfg``.
     Raises ConfigError for ``auto`` with a task that has no schedule of its own."""
     from omegaconf import open_dict
 
@@ -101,7 +101,7 @@ def _strategy(cfg: DictConfig):
     if devices in ("auto", -1):
         devices = torch.cuda.device_count() if torch.cuda.is_available() else 1
     world = int(devices) * int(cfg.trainer.get("num_nodes", 1))
-    # P1: always pass the data-parallel size explicitly (the "auto" defaults give every rank the same batch).
+    # Always pass the data-parallel size explicitly (the "auto" defaults give every rank the same batch).
     return AtomicModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
 
 
@@ -373,7 +373,7 @@ def _build_trainer(cfg: DictConfig, task: Any, output_dir: str) -> tuple[Any, An
     if os.environ.get("SLURM_JOB_ID"):
         from lightning.pytorch.plugins.environments import SLURMEnvironment
 
-        plugins.append(SLURMEnvironment(auto_requeue=False))  # the Preemption callback owns requeueing (P9)
+        plugins.append(SLURMEnvironment(auto_requeue=False))  # the Preemption callback owns requeueing
     try:
         trainer = L.Trainer(**kwargs, strategy=_strategy(cfg), callbacks=callbacks, logger=loggers, plugins=plugins)
     except (MisconfigurationException, ValueError, TypeError, ImportError) as e:

@@ -1,7 +1,7 @@
-"""Learning-rate schedules as multipliers of the peak lr (tasks.md §1.3; models.md §7.1).
+"""Learning-rate schedules as multipliers of the peak lr (paper App. A).
 
 All schedules take the total number of optimizer steps from the config (``trainer.max_steps``), never from
-Lightning's ``estimated_stepping_batches`` (engineering.md P15).
+Lightning's ``estimated_stepping_batches`` (Lightning #20550).
 """
 
 from __future__ import annotations
