@@ -11,6 +11,8 @@ tests/test_slurm.py, and look in /proc for every process that carries the folder
 from __future__ import annotations
 
 import os
+import re
+import socket
 import stat
 from pathlib import Path
 
@@ -40,6 +42,22 @@ def snapshot(top: Path) -> dict[str, tuple]:
 
 def etc_conf() -> str | None:
     return ETC_CONF.read_text() if ETC_CONF.exists() else None
+
+
+def etc_after_stop(before: str | None) -> str | None:
+    """What ``/etc/slurm/slurm.conf`` must hold once a second cluster has started and stopped, given what it held
+    before: the copy of a running cluster (something accepts connections on its ``SlurmctldPort``) is left as it is;
+    no file, or a stale copy of a cluster that is down (say, left by an earlier session), is taken over by the new
+    cluster, and its ``stop`` removes it (the script's docstring: "removes its /etc/slurm/slurm.conf copy")."""
+    if before is None:
+        return None
+    port = re.search(r"^SlurmctldPort=(\d+)", before, re.M)
+    if not before.startswith("# written by canonlm scripts/local_slurm.py") or port is None:
+        return before                                  # not the script's copy: never touched
+    with socket.socket() as s:
+        s.settimeout(5)
+        running = s.connect_ex(("127.0.0.1", int(port.group(1)))) == 0
+    return before if running else None
 
 
 def assert_refused(folder: Path, names: Path, what: str, top: Path) -> None:
@@ -138,7 +156,7 @@ def start_or_skip(folder: Path, *args: str):
 
 @pytest.mark.slurm
 def test_stop_ends_every_process_start_started(tmp_path):
-    folder, etc = tmp_path / "a" / "cluster", etc_conf()
+    folder, etc = tmp_path / "a" / "cluster", etc_after_stop(etc_conf())
     r = start_or_skip(folder)
     try:
         assert r.returncode == 0, f"{r.stdout}\n{r.stderr}"
@@ -163,7 +181,7 @@ def test_stop_ends_every_process_start_started(tmp_path):
 def test_failed_start_stops_what_it_started(tmp_path):
     """``--timeout 0``: the daemons start, the node cannot be idle yet, the start fails (exit code 4, the logs
     printed) and every process it started is stopped again."""
-    folder, etc = tmp_path / "cluster", etc_conf()
+    folder, etc = tmp_path / "cluster", etc_after_stop(etc_conf())
     r = start_or_skip(folder, "--timeout", "0")
     try:
         assert r.returncode == EXIT_FAILED and "did not become idle within 0 s" in r.stderr, r.stderr

@@ -39,6 +39,7 @@ small = {"canon_case": dict(B=1, T=40, C=16), "gla_case": dict(B=1, T=40, H=2, K
          "gdn_case": dict(B=1, T=40, H=2, K=16, V=16), "ssd_case": dict(B=1, T=40, H=2, P=16, G=1, N=16)}
 for name, kw in small.items():
     setattr(kernels, name, functools.partial(getattr(kernels, name), **kw))
+kernels.SPLIT_SHAPE = dict(B=1, T=40, H=2, P=8, G=1, N=16, W=4, out=16)   # widths still multiples of 8
 # Canon's `auto` on a CPU device picks the native C kernel; resolve it as on CUDA (fla: Dao's C++ op is not Triton)
 from canonlm.ops import canon
 resolve = canon.resolve_backend

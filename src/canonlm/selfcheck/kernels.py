@@ -295,10 +295,15 @@ def check_ssd_kernel(dt: str, mode: str, device: str = "cuda") -> Verdict:
                         tol_note("ssd", "mamba_ssm", dt))
 
 
+# The fused-split line's shape (batch, time, heads, head dim, groups, state size, conv width, out-projection width):
+# every width a multiple of 8, as causal-conv1d's channel-last kernel needs.
+SPLIT_SHAPE = dict(B=2, T=130, H=8, P=8, G=1, N=32, W=4, out=48)
+
+
 def check_ssd_split_kernel(dt: str, device: str = "cuda") -> Verdict:
     """Mamba2's fused ``mamba_split_conv1d_scan_combined`` (conv + SSD + gated RMSNorm + out-proj) vs
-    ``split_conv1d_scan_reference``, forward and backward (B=2, T=130, H=8, P=8, G=1, N=32, width 4, SiLU; every
-    width a multiple of 8, as causal-conv1d's channel-last kernel needs). SKIP with the reason when
+    ``split_conv1d_scan_reference``, forward and backward at :data:`SPLIT_SHAPE` (B=2, T=130, H=8, P=8, G=1, N=32,
+    width 4, SiLU). SKIP with the reason when
     ``canonlm.ops.ssd.fused_split_reason`` says the installed mamba-ssm / causal-conv1d pair cannot run it (the
     mixer then runs the conv and the scan separately, which the other SSD lines check)."""
     import torch
@@ -307,7 +312,7 @@ def check_ssd_split_kernel(dt: str, device: str = "cuda") -> Verdict:
 
     dtype = dtype_of(dt)
     kernel_prelude("ssd", "split", dtype, device)
-    Bsz, T, H, P, G, N, W, out = 2, 130, 8, 8, 1, 32, 4, 48
+    Bsz, T, H, P, G, N, W, out = (SPLIT_SHAPE[k] for k in ("B", "T", "H", "P", "G", "N", "W", "out"))
     d_inner, conv_dim = H * P, H * P + 2 * G * N
     why = ssd.fused_split_reason(device, dtype, W, d_inner=d_inner, conv_dim=conv_dim, nheads=H)
     if why is not None:
