@@ -92,8 +92,10 @@ fi
 if [ -z "$DRY" ]; then . .venv/bin/activate; fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 # pip byte-compiles every file it installs, one file after another (80 of the 210 s a fresh dev,interp install took on
-# 2 cores); here pip skips it and the venv is compiled once at the end on every core (compileall -j 0). pip reads the
-# environment variable of a --no-* flag inverted: PIP_NO_COMPILE=0 means --no-compile.
+# 2 cores). Here pip skips it: Python compiles each module on its first import and keeps the .pyc, so only what is
+# used gets compiled; where PYTHONDONTWRITEBYTECODE forbids that (every import would recompile), the venv is
+# compiled once at the end on every core (compileall -j 0). pip reads the environment variable of a --no-* flag
+# inverted: PIP_NO_COMPILE=0 means --no-compile.
 export PIP_NO_COMPILE=0
 torch_now=""    # "version cuda cxx11abi" of the torch in .venv, empty when none imports
 if [ -x "$VPY" ]; then
@@ -179,8 +181,8 @@ if has dev && [ -d ../shared/data/physicslm4/huggingface ]; then
     echo "[setup] WARNING: could not side-install transformers 4.51.3 into .cache/hf451; tests/test_interop.py will skip" >&2
   fi
 fi
-if [ -z "$DRY" ]; then
-  echo "[setup] byte-compiling .venv on every core"
+if [ -z "$DRY" ] && [ -n "${PYTHONDONTWRITEBYTECODE:-}" ]; then
+  echo "[setup] PYTHONDONTWRITEBYTECODE is set: byte-compiling .venv now, on every core"
   python -m compileall -q -j 0 .venv/lib/python*/site-packages >/dev/null 2>&1 || true
 fi
 if has cuda; then check_kernels || exit 1; fi

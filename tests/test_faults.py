@@ -268,6 +268,9 @@ def test_sigterm_saves_at_a_step_boundary_and_resume_equals_uninterrupted(tmp_pa
 
     args = ["trainer.max_steps=120", "trainer.val_check_interval=60", "callbacks.checkpoint.every_n_train_steps=50"]
     log = tmp_path / "s.out"
+    # the uninterrupted reference run "c" trains meanwhile, in its own process and run directory
+    ref = subprocess.Popen(_cmd([*args, "run_name=c"], tmp_path), stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=ENV)
     with open(log, "w") as out:
         proc = subprocess.Popen(_cmd([*args, "run_name=s"], tmp_path), stdout=out, stderr=subprocess.STDOUT,
                                 cwd=tmp_path, env=ENV)
@@ -289,7 +292,8 @@ def test_sigterm_saves_at_a_step_boundary_and_resume_equals_uninterrupted(tmp_pa
     assert prior > 0
     assert not (run / "results.json").exists() and "[test" not in text and f"[val @ step {step}]" not in text
     _train([*args, "run_name=s", "ckpt_path=auto"], tmp_path)
-    _train([*args, "run_name=c"], tmp_path)
+    _, err = ref.communicate(timeout=300)
+    assert ref.returncode == 0, err[-5000:]
     a, b = (json.loads((_run_dir(tmp_path, n) / "results.json").read_text()) for n in ("s", "c"))
     assert a["steps"] == b["steps"] == 120 and a["attempts"] == 2 and b["attempts"] == 1
     assert a["test"]["loss"] == b["test"]["loss"]  # bit-identical: same data, same state

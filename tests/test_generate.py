@@ -217,7 +217,8 @@ def test_bad_paths(tmp_path, capsys):
 
 def test_exported_and_imported_dirs(runs, tmp_path):
     """With canonlm.hf: an exported Hugging Face directory and a checkpoint imported back from it (no .hydra/)
-    generate the run's greedy tokens; prompts are token ids there (no task vocabulary, no tokenizer.json)."""
+    generate the run's greedy tokens. The export carries a tokenizer over the task's vocabulary, so the run's text
+    prompt works there; the imported checkpoint records no task vocabulary, so its prompts are token ids."""
     hf = pytest.importorskip("canonlm.hf")
     from canonlm.generate import GenerateError, load_generator, run
 
@@ -225,13 +226,16 @@ def test_exported_and_imported_dirs(runs, tmp_path):
     hf.import_hf(tmp_path / "exported", tmp_path / "imported.ckpt")
     ref = run([str(runs["llama"]), "--prompt", PROMPTS[0], "--max-new-tokens", "6"], out=io.StringIO())[0]
     ids = " ".join(map(str, ref["prompt_ids"]))
-    for src in ("exported", "imported.ckpt"):
-        g = load_generator(tmp_path / src, device="cpu")
-        assert g.codec.kind == "ids" and g.max_len == 128
-        rec = run([str(tmp_path / src), "--prompt", ids, "--max-new-tokens", "6"], out=io.StringIO())[0]
-        assert rec["continuation_ids"] == ref["continuation_ids"]
-        with pytest.raises(GenerateError, match="not an integer.*prompts are token ids because"):
-            run([str(tmp_path / src), "--prompt", PROMPTS[0]], out=io.StringIO())
+    g = load_generator(tmp_path / "exported", device="cpu")
+    assert g.codec.kind == "tokenizer" and g.max_len == 128
+    rec = run([str(tmp_path / "exported"), "--prompt", PROMPTS[0], "--max-new-tokens", "6"], out=io.StringIO())[0]
+    assert rec["prompt_ids"] == ref["prompt_ids"] and rec["continuation_ids"] == ref["continuation_ids"]
+    g = load_generator(tmp_path / "imported.ckpt", device="cpu")
+    assert g.codec.kind == "ids" and g.max_len == 128
+    rec = run([str(tmp_path / "imported.ckpt"), "--prompt", ids, "--max-new-tokens", "6"], out=io.StringIO())[0]
+    assert rec["continuation_ids"] == ref["continuation_ids"]
+    with pytest.raises(GenerateError, match="not an integer.*prompts are token ids because"):
+        run([str(tmp_path / "imported.ckpt"), "--prompt", PROMPTS[0]], out=io.StringIO())
 
 
 def test_codecs_tokenizer_and_ids_fallback():

@@ -1,8 +1,15 @@
-"""Hugging Face interop: canonlm's Llama <-> transformers ``LlamaForCausalLM`` and the official PhysicsLM4
-``LlamaCanonForCausalLM`` (release files ``configuration_llama_canon.py``, ``modeling_llama_canon.py``,
-``canon_helper.py``). The CLI is ``python -m canonlm.export``; see docs/huggingface.md.
+"""Hugging Face interop: every canonlm model -> a directory ``transformers.AutoModelForCausalLM`` loads (native
+``LlamaForCausalLM``, or canonlm's own modeling code), and the official PhysicsLM4 ``LlamaCanonForCausalLM``
+(release files ``configuration_llama_canon.py``, ``modeling_llama_canon.py``, ``canon_helper.py``) both ways, in
+config.json + safetensors and in the lingua layout of the released checkpoints. The CLI is
+``python -m canonlm.export``; see docs/huggingface.md.
 
 * :mod:`canonlm.hf.mapping` -- config and state-dict conversion both ways (pure functions, no transformers import).
+* :mod:`canonlm.hf.lingua` -- the lingua layout (``<dir>/<variant>/params.json`` + ``consolidated.pth``).
+* :mod:`canonlm.hf.tokenizer`, :mod:`canonlm.hf.card` -- the tokenizer, ``generation_config.json`` and model card
+  of an export.
+* :mod:`canonlm.hf.remote` -- the modeling code copied into ``canonlm``-format exports (imported by transformers
+  only).
 * :mod:`canonlm.hf.io` -- reading run directories / checkpoints / safetensors directories, atomic writing,
   :func:`load_init_weights` for training's ``init_from``.
 """

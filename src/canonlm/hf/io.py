@@ -21,6 +21,9 @@ import torch
 from canonlm.arch.config import ModelConfig
 from canonlm.config.build import build_configs
 from canonlm.config.rundir import CHECKPOINT, has_run_config, load_run_config, run_tokenizer, task_config
+from canonlm.hf import lingua
+from canonlm.hf.card import generation_config, model_card
+from canonlm.hf.tokenizer import export_tokenizer
 from canonlm.hf.mapping import (InteropError, from_hf_config, from_hf_state_dict, hf_format, model_config_from_dict,
                                 structural_differences, to_hf_config, to_hf_state_dict)
 
@@ -154,7 +157,35 @@ def _commit_dir(tmp: Path, out: Path) -> None:
             from None
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_stale_temporaries(out: Path) -> list[Path]:
+    """Delete the hidden temporaries ``.<out name>.tmp-<pid>`` (folders or files) that an export or import killed
+    by SIGKILL / a crash left beside ``out``: those whose process no longer exists (a live one is another export
+    at work and is left alone). Returns what was removed."""
+    gone = []
+    for p in out.parent.glob(f".{out.name}.tmp-*"):
+        pid = p.name.rsplit("-", 1)[1]
+        if not pid.isdigit() or int(pid) == os.getpid() or _pid_alive(int(pid)):
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+        gone.append(p)
+    return gone
+
+
 def _tmp_dir(out: Path) -> Path:
+    remove_stale_temporaries(out)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -162,64 +193,160 @@ def _tmp_dir(out: Path) -> Path:
     return tmp
 
 
-def _tokenizer_files(meta: Mapping[str, Any]) -> list[Path]:
-    """``tokenizer.json`` (+ ``tokenizer_config.json`` / ``special_tokens_map.json`` beside it) of a ``text`` run's
-    prepared data (its meta.json), or [] (synthetic tasks have their own id space and no tokenizer file)."""
-    task = meta.get("task") or {}
-    if not isinstance(task, Mapping) or task.get("name") != "text":
-        return []
-    tok, _ = run_tokenizer(dict(task))
-    if not tok:
-        return []
-    p = Path(tok)
-    if p.is_dir():
-        p = p / "tokenizer.json"
-    if not p.is_file() or p.suffix != ".json":
-        return []
-    extra = [p.parent / n for n in ("tokenizer_config.json", "special_tokens_map.json") if (p.parent / n).is_file()]
-    return [p, *extra]
+EXPORT_FORMATS = ("auto", "canonlm", "official", "llamacanon")
+REMOTE_DIR = Path(__file__).resolve().parent / "remote"
+REMOTE_FILES = ("configuration_canonlm.py", "modeling_canonlm.py")
+REMOTE_AUTO_MAP = {"AutoConfig": "configuration_canonlm.CanonLMConfig",
+                   "AutoModelForCausalLM": "modeling_canonlm.CanonLMForCausalLM"}
 
 
-def export_model(src: str | os.PathLike, out: str | os.PathLike) -> dict[str, Any]:
-    """Write a canonlm model (run directory or checkpoint file) as a Hugging Face directory ``out``.
+def remote_config(cfg: ModelConfig) -> dict[str, Any]:
+    """``config.json`` of the ``canonlm`` export format: ``model_type: "canonlm"``, ``auto_map`` naming the modeling
+    code copied beside it (:mod:`canonlm.hf.remote`), and the whole model config under ``canonlm``."""
+    return {"architectures": ["CanonLMForCausalLM"], "model_type": "canonlm", "auto_map": dict(REMOTE_AUTO_MAP),
+            "canonlm": dataclasses.asdict(cfg), "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+            "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+            "max_position_embeddings": cfg.max_seq_len, "tie_word_embeddings": False, "torch_dtype": "float32",
+            "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
 
-    ``out`` gets ``config.json`` (see :func:`canonlm.hf.mapping.to_hf_config`), ``model.safetensors`` (float32,
-    ``metadata={"format": "pt"}``) and, for a ``text`` run, the tokenizer files it recorded. A Llama without Canon,
-    QK-norm or partial RoPE becomes transformers ``LlamaForCausalLM`` (``model_type: "llama"``); otherwise the
-    official ``LlamaCanonForCausalLM`` format (``model_type: "LlamaCanon"`` with ``auto_map``), whose two class files
-    ``configuration_llama_canon.py`` / ``modeling_llama_canon.py`` (and ``canon_helper.py``) the user copies from the
-    official release -- the exporter does not ship them. Returns a summary dict (format, class, paths, tensors).
-    Raises InteropError (unexpressible model, bad source, ``out`` exists and is not empty); nothing is written then."""
+
+def _choose_format(cfg: ModelConfig, fmt: str) -> str:
+    if fmt not in EXPORT_FORMATS:
+        raise InteropError(f"--format={fmt!r}; allowed: {', '.join(EXPORT_FORMATS)}")
+    if fmt != "auto":
+        return fmt
+    try:
+        return "native" if hf_format(cfg) == "native" else "canonlm"
+    except InteropError:
+        return "canonlm"
+
+
+def export_model(src: str | os.PathLike, out: str | os.PathLike, *, fmt: str = "auto") -> dict[str, Any]:
+    """Write a canonlm model (run directory or checkpoint file) as a Hugging Face directory ``out`` that
+    ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
+
+    Formats (``fmt``):
+
+    * ``"auto"`` (default): ``"native"`` for a Llama without Canon, QK-norm or partial RoPE -- transformers'
+      own ``LlamaForCausalLM`` (``config.json`` from :func:`canonlm.hf.mapping.to_hf_config` + ``model.safetensors``;
+      loads with nothing else) --, else ``"canonlm"``.
+    * ``"canonlm"``: any canonlm model (Llama with Canon / partial RoPE / QK-norm, GLA, GDN, Mamba2): ``config.json``
+      (:func:`remote_config`), ``model.safetensors`` (keys ``model.<CanonLM key>``, float32) and the modeling code
+      of :mod:`canonlm.hf.remote`; ``from_pretrained(out, trust_remote_code=True)`` needs canonlm installed.
+    * ``"official"``: the lingua layout the released checkpoints ship in and the official
+      ``LlamaCanonForCausalLM.from_pretrained`` reads -- ``default/params.json`` + ``default/consolidated.pth``
+      (:func:`canonlm.hf.lingua.to_lingua`; RoPE converted to lingua's interleaved pairing) -- plus a
+      ``config.json`` whose ``auto_map`` names the official classes, so ``AutoModelForCausalLM.from_pretrained(out,
+      trust_remote_code=True)`` loads it once the release's ``configuration_llama_canon.py``,
+      ``modeling_llama_canon.py`` and ``canon_helper.py`` are placed beside it (the exporter never ships them).
+    * ``"llamacanon"``: the official ``LlamaCanonConfig`` fields (``model_type: "LlamaCanon"``) in ``config.json``
+      with the weights in safetensors under the official names; the official classes build it with
+      ``AutoModelForCausalLM.from_config`` + ``load_state_dict`` (their ``from_pretrained`` reads the lingua layout).
+
+    Every format also gets a tokenizer transformers loads (:func:`canonlm.hf.tokenizer.export_tokenizer`: the
+    prepared one of a ``text`` run, checked against its recorded SHA-256; a word-level one over a synthetic task's
+    vocabulary), the BOS / EOS / PAD ids in ``config.json``, ``generation_config.json`` and a model card
+    (``README.md``, :func:`canonlm.hf.card.model_card`). Stale temporaries of an export that was killed are removed
+    first (:func:`remove_stale_temporaries`). Returns a summary dict (format, class, paths, tensors, token ids).
+    Raises InteropError (a model the chosen format cannot express, unknown ``fmt``, bad source, a text run's
+    tokenizer missing or changed, ``out`` exists and is not empty); nothing is written then."""
     out = Path(out).expanduser().absolute()
     _check_out_dir(out)
     cfg, sd, meta = read_canonlm(src)
-    fmt = hf_format(cfg)
-    hcfg = to_hf_config(cfg)
-    tensors = to_hf_state_dict(cfg, sd)
-    toks = _tokenizer_files(meta)
+    shown = _choose_format(cfg, fmt)
+    tok, ids, tok_note = export_tokenizer(meta.get("task"), cfg.vocab_size)
+    tensors: dict[str, torch.Tensor] = {}
+    try:
+        if shown == "official":
+            params, state = lingua.to_lingua(cfg, sd, name=out.name)
+            icfg = dataclasses.replace(cfg, pos=dataclasses.replace(cfg.pos, pairing="interleaved"))
+            hcfg = to_hf_config(icfg, official=True)
+        elif shown == "canonlm":
+            hcfg = remote_config(cfg)
+            tensors = {f"model.{k}": v.detach().to("cpu", torch.float32).contiguous().clone() for k, v in sd.items()}
+        else:
+            hcfg = to_hf_config(cfg, official=shown == "llamacanon")
+            tensors = to_hf_state_dict(cfg, sd, official=shown == "llamacanon")
+    except InteropError as e:
+        raise InteropError(f"--format {shown}: {e} (--format canonlm, the default for such a model, exports every "
+                           "canonlm model)") from None
+    hcfg.update(ids)
+    seen: set[int] = set()
+    n_params = sum(v.numel() for v in sd.values() if not (v.data_ptr() in seen or seen.add(v.data_ptr())))
+    card = model_card(cfg, shown, meta, _run_dir_of(src), tok_note, n_params)
     from safetensors.torch import save_file
 
     tmp = _tmp_dir(out)
     try:
         (tmp / "config.json").write_text(json.dumps(hcfg, indent=2, sort_keys=True) + "\n")
-        save_file(tensors, str(tmp / SAFETENSORS), metadata={"format": "pt"})
-        for f in toks:
-            shutil.copyfile(f, tmp / f.name)
+        if shown == "official":
+            (tmp / lingua.DEFAULT_VARIANT).mkdir()
+            (tmp / lingua.DEFAULT_VARIANT / lingua.PARAMS).write_text(json.dumps(params, indent=2) + "\n")
+            torch.save({"model": state}, tmp / lingua.DEFAULT_VARIANT / lingua.WEIGHTS)
+            n_tensors = len(state)
+        else:
+            save_file(tensors, str(tmp / SAFETENSORS), metadata={"format": "pt"})
+            n_tensors = len(tensors)
+        if shown == "canonlm":
+            for f in REMOTE_FILES:
+                shutil.copyfile(REMOTE_DIR / f, tmp / f)
+        if tok is not None:
+            tok.save_pretrained(str(tmp))
+        (tmp / "generation_config.json").write_text(
+            json.dumps(generation_config(ids, cfg.max_seq_len), indent=2, sort_keys=True) + "\n")
+        (tmp / "README.md").write_text(card)
         _commit_dir(tmp, out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return {"out": str(out), "format": fmt, "class": hcfg["architectures"][0], "model_type": hcfg["model_type"],
-            "tensors": len(tensors), "tokenizer": [f.name for f in toks] or None}
+    return {"out": str(out), "format": shown, "class": hcfg["architectures"][0], "model_type": hcfg["model_type"],
+            "tensors": n_tensors, "tokenizer": type(tok).__name__ if tok is not None else None,
+            **{k: v for k, v in ids.items() if v is not None}}
 
 
-def hf_to_canonlm(src: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
+def _run_dir_of(src: str | os.PathLike) -> Path | None:
+    """The run directory of an export source (a run directory, or a checkpoint in ``<run>/checkpoints/``)."""
+    p = Path(src).expanduser()
+    if p.is_dir():
+        return p
+    if p.parent.name == "checkpoints":
+        return p.parent.parent
+    return None
+
+
+def hf_to_canonlm(src: str | os.PathLike, variant: str | None = None
+                  ) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
     """``(ModelConfig, CanonLM state dict (float32), hf config dict)`` of a Hugging Face directory (official
-    LlamaCanon or native Llama). Raises InteropError (see :func:`read_hf_dir`, :func:`~canonlm.hf.mapping.from_hf_config`,
-    :func:`~canonlm.hf.mapping.from_hf_state_dict`)."""
+    LlamaCanon or native Llama, safetensors) or of the official lingua layout (``<src>/<variant>/params.json`` +
+    ``consolidated.pth``, :mod:`canonlm.hf.lingua`). The lingua layout is read when ``variant`` is given or when
+    ``<src>/default/params.json`` exists; its config dict then also holds ``"_lingua"`` (variant, params, skipped
+    keys). Raises InteropError (see :func:`read_hf_dir`, :func:`canonlm.hf.lingua.read_lingua_dir`,
+    :func:`~canonlm.hf.mapping.from_hf_config`, :func:`~canonlm.hf.mapping.from_hf_state_dict`)."""
+    if variant is not None or lingua.is_lingua_dir(src):
+        v = variant or lingua.DEFAULT_VARIANT
+        hcfg, hsd, info = lingua.read_lingua_dir(src, v)
+        cfg = from_hf_config(hcfg)
+        sd = from_hf_state_dict(cfg, hsd, source=f"{Path(src) / v / lingua.WEIGHTS}")
+        return cfg, sd, {**hcfg, "_lingua": info}
     hcfg, hsd = read_hf_dir(src)
+    if hcfg.get("model_type") == "canonlm":  # canonlm's own export format: the model config is recorded whole
+        if not isinstance(hcfg.get("canonlm"), Mapping):
+            raise InteropError(f"{src}/config.json: model_type 'canonlm' without its 'canonlm' model config")
+        cfg = model_config_from_dict(hcfg["canonlm"])
+        sd = {k[len("model."):]: v.to(torch.float32) for k, v in hsd.items() if k.startswith("model.")}
+        _compare_keys(f"{src}", cfg, sd, other=sorted(k for k in hsd if not k.startswith("model.")))
+        return cfg, sd, hcfg
     cfg = from_hf_config(hcfg)
     return cfg, from_hf_state_dict(cfg, hsd, source=f"{src}"), hcfg
+
+
+def _compare_keys(what: str, cfg: ModelConfig, sd: Mapping[str, torch.Tensor], other: list[str]) -> None:
+    """Raise InteropError unless ``sd`` has exactly the keys and shapes of ``CanonLM(cfg)``."""
+    from canonlm.hf.mapping import compare_shapes, expected_canonlm_shapes
+
+    got = {k: tuple(v.shape) for k, v in sd.items()}
+    got.update({k: () for k in other})
+    compare_shapes(what, got, expected_canonlm_shapes(cfg))
 
 
 def checkpoint_dict(cfg: ModelConfig, sd: Mapping[str, torch.Tensor], source: Mapping[str, Any]) -> dict[str, Any]:
@@ -236,11 +363,12 @@ def checkpoint_dict(cfg: ModelConfig, sd: Mapping[str, torch.Tensor], source: Ma
                         "train_time_s": 0.0, "attempts": 0, "nonfinite_steps": 0}}
 
 
-def import_hf(src: str | os.PathLike, out: str | os.PathLike) -> dict[str, Any]:
-    """Convert a Hugging Face directory (official LlamaCanon or native Llama; sharded or not) into a canonlm
-    checkpoint. ``out`` ending in ``.ckpt`` is that file; anything else is a run directory that gets
-    ``checkpoints/last.ckpt``. Returns a summary dict. Raises InteropError (unmappable config, missing / unexpected /
-    mis-shaped tensors, ``out`` exists); nothing is written then."""
+def import_hf(src: str | os.PathLike, out: str | os.PathLike, *, variant: str | None = None) -> dict[str, Any]:
+    """Convert a Hugging Face directory (official LlamaCanon or native Llama; sharded or not) or a released
+    checkpoint in the official lingua layout (``<src>/<variant>/params.json`` + ``consolidated.pth``; see
+    :func:`hf_to_canonlm`) into a canonlm checkpoint. ``out`` ending in ``.ckpt`` is that file; anything else is a
+    run directory that gets ``checkpoints/last.ckpt``. Returns a summary dict. Raises InteropError (unmappable
+    config, missing / unexpected / mis-shaped tensors, ``out`` exists); nothing is written then."""
     out = Path(out).expanduser().absolute()
     as_file = out.suffix == ".ckpt"
     if as_file:
@@ -250,10 +378,14 @@ def import_hf(src: str | os.PathLike, out: str | os.PathLike) -> dict[str, Any]:
             raise InteropError(f"{out.parent} does not exist (the parent of the output file must exist)")
     else:
         _check_out_dir(out)
-    cfg, sd, hcfg = hf_to_canonlm(src)
+    cfg, sd, hcfg = hf_to_canonlm(src, variant)
     source = {"source": str(Path(src).expanduser().absolute()), "model_type": hcfg.get("model_type")}
+    li = hcfg.get("_lingua")
+    if li:
+        source.update(layout="lingua", variant=li["variant"])
     ck = checkpoint_dict(cfg, sd, source)
     if as_file:
+        remove_stale_temporaries(out)
         tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
         try:
             torch.save(ck, tmp)
@@ -277,6 +409,7 @@ def import_hf(src: str | os.PathLike, out: str | os.PathLike) -> dict[str, Any]:
         path = out / CHECKPOINT
     c = cfg
     return {"out": str(path), "model_type": hcfg.get("model_type"), "tensors": len(sd),
+            **({"layout": "lingua", "variant": li["variant"], "skipped": li["skipped"]} if li else {}),
             "model": f"{c.n_layers}L{c.d_model}D heads {c.n_heads}/{c.kv_heads} canon={c.canon.set or 'none'} "
                      f"pos={c.pos.type}({c.pos.pairing}, rope_dim {c.rope_dim}) qk_norm={c.qk_norm}"}
 
@@ -286,7 +419,7 @@ def read_weights(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.
     """``(ModelConfig, CanonLM state dict)`` of a canonlm checkpoint / run directory, or of a Hugging Face directory
     (a directory with ``config.json``), converted in memory. Raises InteropError."""
     p = Path(path).expanduser()
-    if p.is_dir() and (p / "config.json").is_file() and not (p / CHECKPOINT).exists():
+    if p.is_dir() and not (p / CHECKPOINT).exists() and ((p / "config.json").is_file() or lingua.is_lingua_dir(p)):
         cfg, sd, _ = hf_to_canonlm(p)
         return cfg, sd
     cfg, sd, _ = read_canonlm(p)

@@ -93,14 +93,15 @@ def hf_format(cfg: ModelConfig) -> str:
     return "official"
 
 
-def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
-    """The ``config.json`` dict for ``cfg`` (format chosen by :func:`hf_format`; raises its InteropError).
+def to_hf_config(cfg: ModelConfig, *, official: bool = False) -> dict[str, Any]:
+    """The ``config.json`` dict for ``cfg`` (format chosen by :func:`hf_format`, or the official one whenever
+    ``official``; raises its InteropError).
 
     Native: ``LlamaConfig`` fields (``rope_parameters`` for transformers 5.x and ``rope_theta`` for 4.x, both
     written). Official: ``LlamaCanonConfig`` fields plus ``auto_map`` naming ``configuration_llama_canon`` /
     ``modeling_llama_canon`` (the user places the official release's files beside ``config.json``).
     ``max_position_embeddings`` = ``cfg.max_seq_len`` (the trained context); ``torch_dtype`` float32."""
-    fmt = hf_format(cfg)
+    fmt = "official" if official and hf_format(cfg) else hf_format(cfg)
     theta = float(cfg.pos.theta)
     out: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM" if fmt == "native" else "LlamaCanonForCausalLM"],
@@ -129,14 +130,16 @@ def _canon_to_hf(w: torch.Tensor) -> torch.Tensor:
     return w.unsqueeze(1)  # (C, K) -> (C, 1, K)
 
 
-def to_hf_state_dict(cfg: ModelConfig, sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def to_hf_state_dict(cfg: ModelConfig, sd: Mapping[str, torch.Tensor], *, official: bool = False
+                     ) -> dict[str, torch.Tensor]:
     """canonlm ``CanonLM.state_dict()`` keys -> Hugging Face keys (module table), as fresh contiguous float tensors.
 
-    Native format with ``pos.pairing=interleaved``: the rows of every q / k head are permuted to ``half`` pairing
-    (:func:`canonlm.arch.positional.interleaved_to_half_permutation`; all q·k products are unchanged). Tied
+    Native format (:func:`hf_format`, unless ``official``) with ``pos.pairing=interleaved``: the rows of every q / k
+    head are permuted to ``half`` pairing (:func:`canonlm.arch.positional.interleaved_to_half_permutation`; all q·k
+    products are unchanged); the official format keeps the pairing (its ``rope_version`` says which). Tied
     embeddings: ``lm_head.weight`` is left out (transformers ties it). Raises InteropError (unexpressible config,
     missing / unexpected / mis-shaped tensors, checked against a ``meta``-device ``CanonLM(cfg)``)."""
-    fmt = hf_format(cfg)
+    fmt = "official" if official and hf_format(cfg) else hf_format(cfg)
     _check_canonlm_tensors(cfg, sd)
     H, Hkv, dh, L = cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.n_layers
     perm = (interleaved_to_half_permutation(dh, dh)
@@ -174,7 +177,7 @@ def to_hf_state_dict(cfg: ModelConfig, sd: Mapping[str, torch.Tensor]) -> dict[s
 def _check_canonlm_tensors(cfg: ModelConfig, sd: Mapping[str, torch.Tensor]) -> None:
     """Compare ``sd`` with the keys and shapes of ``CanonLM(cfg)`` built on the meta device; raise InteropError."""
     expected = expected_canonlm_shapes(cfg)
-    _compare("the canonlm checkpoint", {k: tuple(v.shape) for k, v in sd.items()}, expected)
+    compare_shapes("the canonlm checkpoint", {k: tuple(v.shape) for k, v in sd.items()}, expected)
 
 
 def expected_canonlm_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -187,7 +190,9 @@ def expected_canonlm_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
-def _compare(what: str, got: Mapping[str, tuple], expected: Mapping[str, tuple]) -> None:
+def compare_shapes(what: str, got: Mapping[str, tuple], expected: Mapping[str, tuple]) -> None:
+    """Raise InteropError naming the missing, unexpected and mis-shaped tensors of ``got`` (``{key: shape}``)
+    against ``expected``; ``what`` names the source in the message."""
     missing = sorted(set(expected) - set(got))
     unexpected = sorted(set(got) - set(expected))
     if missing or unexpected:
@@ -346,7 +351,7 @@ def from_hf_state_dict(cfg: ModelConfig, sd: Mapping[str, torch.Tensor], *,
     got = {k: tuple(v.shape) for k, v in sd.items() if not _IGNORED_HF.search(k)}
     if cfg.tie_embeddings:
         got.pop("lm_head.weight", None)
-    _compare(source, got, expected_hf_shapes(cfg))
+    compare_shapes(source, got, expected_hf_shapes(cfg))
     f = {k: v.detach().to("cpu", torch.float32) for k, v in sd.items() if k in got}
     out: dict[str, torch.Tensor] = {"tok_emb.weight": f["model.embed_tokens.weight"], "norm.weight": f["model.norm.weight"]}
     out["lm_head.weight"] = out["tok_emb.weight"] if cfg.tie_embeddings else f["lm_head.weight"]

@@ -1,0 +1,132 @@
+"""The tokenizer an export carries, as files ``transformers.AutoTokenizer.from_pretrained`` loads.
+
+* A ``text`` run: the tokenizer its prepared data recorded (``meta.json``: path, sha256), checked against that
+  checksum (:func:`canonlm.data.text.tokenizer_sha256`) -- a tokenizer that moved or changed since ``prepare`` stops
+  the export with one message --, re-saved through ``transformers.PreTrainedTokenizerFast`` with the run's EOS as
+  ``eos_token`` (and as ``pad_token`` when the tokenizer has no pad token), never adding a token: a tokenizer whose
+  ids reach past the model's vocabulary is refused.
+* A synthetic task (Depo, Brevo, Mano, Lano, full copy): a word-level tokenizer over the task's own vocabulary
+  (``task.token_names()``, id = index; tokens separated by spaces, or by ``.`` inside a multi-token name, as the
+  task prints them): ``pad_token`` = id 0,
+  ``bos_token`` / ``eos_token`` = the task's BOS / EOS ids when it has them. Decoding joins the names with spaces.
+* Capo (compact ids over a BPE) and imported models: no tokenizer (the export's model card says so).
+
+Errors are :class:`~canonlm.hf.mapping.InteropError`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+from canonlm.hf.mapping import InteropError
+
+SPECIALS = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+def _meta_tokenizer(task_cfg: Mapping[str, Any]) -> dict[str, Any]:
+    import json
+
+    f = Path(str(task_cfg.get("data_dir") or "")) / "meta.json"
+    try:
+        return dict(json.loads(f.read_text()).get("tokenizer") or {})
+    except (OSError, json.JSONDecodeError) as e:
+        raise InteropError(f"the run's prepared data {f} cannot be read ({e}); its tokenizer is needed for the "
+                           "export") from None
+
+
+def text_tokenizer(task_cfg: Mapping[str, Any], vocab_size: int):
+    """``(PreTrainedTokenizerFast, ids)`` for a ``text`` run; ``ids`` = ``{bos,eos,pad,unk}_token_id``.
+    Raises InteropError: no recorded tokenizer, the file missing or its SHA-256 not the one ``prepare`` recorded,
+    or ids past ``vocab_size``."""
+    from canonlm.data.text import TextTokenizer, tokenizer_sha256
+
+    rec = _meta_tokenizer(task_cfg)
+    path, want = rec.get("path"), rec.get("sha256")
+    if not path:
+        raise InteropError("the run's prepared data records no tokenizer (meta.json 'tokenizer.path')")
+    try:
+        got = tokenizer_sha256(path)
+    except FileNotFoundError:
+        raise InteropError(f"the run's tokenizer {path} (recorded by prepare in meta.json) no longer exists; put it "
+                           "back, or the export would carry no tokenizer or the wrong one") from None
+    if want and got != want:
+        raise InteropError(f"the run's tokenizer {path} changed since prepare (sha256 {got[:12]}..., recorded "
+                           f"{want[:12]}...); the model was trained with the recorded one -- restore it")
+    tok = TextTokenizer(path, eos_token=rec.get("eos_token"))
+    if tok.vocab_size > vocab_size:
+        raise InteropError(f"the tokenizer {path} has ids up to {tok.vocab_size - 1}, past the model's vocabulary "
+                           f"({vocab_size})")
+    from transformers import PreTrainedTokenizerFast
+
+    if tok._hf is not None:  # a transformers tokenizer directory: keep its class and settings
+        hf = tok._hf
+    else:
+        hf = PreTrainedTokenizerFast(tokenizer_object=tok._tk)
+    if tok.eos_token is not None and hf.eos_token != tok.eos_token:
+        hf.eos_token = tok.eos_token
+    if hf.pad_token is None and hf.eos_token is not None:
+        hf.pad_token = hf.eos_token
+    return hf, _ids(hf, vocab_size)
+
+
+def task_tokenizer(task: Any, vocab_size: int):
+    """``(PreTrainedTokenizerFast, ids)`` over a synthetic task's token names (module docstring), or ``(None, {})``
+    for a task without them (Capo's compact BPE ids). Duplicate names (unused ids) get ``#<id>`` appended."""
+    names = list(task.token_names()) if callable(getattr(task, "token_names", None)) else []
+    if not names or callable(getattr(task, "encode", None)):
+        return None, {}
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab: dict[str, int] = {}
+    for i, n in enumerate(names[:vocab_size]):
+        n = str(n).replace(" ", "_") or f"<id{i}>"
+        vocab[n if n not in vocab else f"{n}#{i}"] = i
+    inv = {i: n for n, i in vocab.items()}
+    specials = {"pad_token": inv.get(0)}
+    for key, attr in (("bos_token", "bos_id"), ("eos_token", "eos_id")):
+        i = getattr(task, attr, None)
+        if isinstance(i, int) and i in inv:
+            specials[key] = inv[i]
+    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
+    if any("." in n for n in vocab):
+        tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    else:  # the tasks print a multi-token name joined with "." (Depo's p3.e7): split there too
+        tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
+                                                    pre_tokenizers.Split(".", behavior="removed")])
+    hf = PreTrainedTokenizerFast(tokenizer_object=tk, **{k: v for k, v in specials.items() if v is not None})
+    if len(hf) > vocab_size:
+        raise InteropError(f"the task's tokenizer has {len(hf)} tokens, more than the model's vocabulary ({vocab_size})")
+    return hf, _ids(hf, vocab_size)
+
+
+def _ids(hf: Any, vocab_size: int) -> dict[str, int | None]:
+    out = {}
+    for key in SPECIALS:
+        i = getattr(hf, f"{key}_id", None)
+        out[f"{key}_id"] = int(i) if isinstance(i, int) and 0 <= i < vocab_size else None
+    return out
+
+
+def export_tokenizer(task_cfg: Mapping[str, Any] | None, vocab_size: int) -> tuple[Any, dict[str, int | None], str]:
+    """``(tokenizer or None, token ids for config.json / generation_config.json, note for the model card)`` of the
+    run whose ``checkpoint["canonlm"]["task"]`` is ``task_cfg``. Raises InteropError for a ``text`` run whose
+    recorded tokenizer is missing or changed (see :func:`text_tokenizer`)."""
+    name = (task_cfg or {}).get("name")
+    if not task_cfg or name == "hf_import":
+        return None, {}, "no tokenizer: the model was imported and records no task vocabulary (pass token ids)"
+    if name == "text":
+        hf, ids = text_tokenizer(task_cfg, vocab_size)
+        return hf, ids, "the tokenizer the run's data was prepared with (checksum verified)"
+    from canonlm.data.tasks import build_task
+
+    try:
+        task = build_task(name, dict(task_cfg))
+    except Exception as e:  # noqa: BLE001 -- the export still works without a tokenizer; say why
+        return None, {}, f"no tokenizer: task {name!r} could not be rebuilt here ({type(e).__name__})"
+    hf, ids = task_tokenizer(task, vocab_size)
+    if hf is None:
+        return None, {}, (f"no tokenizer: task {name!r} uses compact ids over its own BPE, which no transformers "
+                          "tokenizer reproduces (pass token ids; python -m canonlm.generate encodes its text)")
+    return hf, ids, f"a word-level tokenizer over task {name!r}'s vocabulary (tokens separated by spaces)"
