@@ -266,7 +266,7 @@ def test_export_of_a_flash_pinned_bf16_run(tmp_path):
 
     model = make_run(tmp_path / "run", ["trainer=gpu", "trainer.precision=bf16-mixed", "kernels.attention=flash"])
     info = hf.export_model(tmp_path / "run", tmp_path / "out")
-    assert info["format"] == "official"
+    assert info["format"] == "canonlm"  # a Canon model: canonlm's own format
     _, sd, hcfg = hf.hf_to_canonlm(tmp_path / "out")
     want = model.state_dict()
     assert hcfg["torch_dtype"] == "float32" and set(sd) <= set(want)

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import ROOT, compose
 
@@ -124,7 +125,28 @@ def test_two_process_cpu_strategies_match_one_process(strategy, tmp_path):
     assert dist["test"]["loss"] == pytest.approx(single["test"]["loss"], rel=1e-4)
     assert {k: v["answers"] for k, v in dist["test"]["by_group"].items()} == \
         {k: v["answers"] for k, v in single["test"]["by_group"].items()}
-    assert (runs / "dist" / "checkpoints" / "last.ckpt").exists()
+    ck = runs / "dist" / "checkpoints" / "last.ckpt"
+    assert ck.exists()
+    if strategy == "fsdp2":
+        _fsdp2_checkpoint_folder_is_read_directly(ck, args, dist, tmp_path)
+
+
+def _fsdp2_checkpoint_folder_is_read_directly(ck: Path, args: list[str], dist: dict, tmp_path: Path) -> None:
+    """The FSDP2 run's last.ckpt is a torch.distributed.checkpoint folder. Read directly, with no consolidation step,
+    by training's init_from on ONE process (testing it without training reproduces the 2-process run's test loss)
+    and by the exporter (the exported tensors are the checkpoint's, gathered whole)."""
+    from canonlm.config.rundir import is_distributed_checkpoint, read_distributed_checkpoint
+    from canonlm.hf import export_model, hf_to_canonlm, read_canonlm
+
+    assert ck.is_dir() and is_distributed_checkpoint(ck)
+    _train([*args, "run_name=from_fsdp2", f"init_from={ck}", "train=false"], tmp_path)
+    again = json.loads((tmp_path / "logs" / "train" / "runs" / "from_fsdp2" / "results.json").read_text())
+    assert again["test"]["loss"] == pytest.approx(dist["test"]["loss"], rel=1e-5)
+    cfg, sd, meta = read_canonlm(ck.parent.parent)
+    assert meta["model"]["d_model"] == 64 and read_distributed_checkpoint(ck)["global_step"] == 6
+    export_model(ck.parent.parent, tmp_path / "exported")
+    _, back, _ = hf_to_canonlm(tmp_path / "exported")
+    assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
 
 
 @pytest.mark.slow
@@ -161,3 +183,38 @@ def test_init_from_loads_weights_only(tmp_path):
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert p.returncode == 2 and "init_from=" in p.stderr and "canon.set" in p.stderr, p.stderr[-2000:]
     assert not (runs / "bad").exists()
+
+
+@pytest.mark.slow
+def test_fsdp2_checkpoint_resumes_at_other_world_sizes(tmp_path):
+    """A run trained with strategy=fsdp2 on 2 ranks, checkpointed at step 4 (a torch.distributed.checkpoint folder),
+    resumes on 1 rank and on 3 ranks: the model and AdamW state are resharded on load, the data stream is the same
+    for any world size (each step's global batch of 6 windows is split 3/3, 6, or 2/2/2), and the losses of the last
+    four steps (metrics.jsonl steps 4-7, counted from 0) continue those of the uninterrupted 2-rank run within float
+    tolerance (only the reduction order of the cross-rank sums changes with the world size)."""
+    from canonlm.train.metrics_file import read_metrics
+
+    args = [*TINY, "data.batch_size=6", "trainer.max_steps=8", "trainer.val_check_interval=4",
+            "trainer.log_every_n_steps=1", "data.val_windows=6", "data.test_windows=6", "strategy=fsdp2",
+            "strategy.param_dtype=fp32", "trainer=ddp_sim", "callbacks.checkpoint.every_n_train_steps=4"]
+    runs = tmp_path / "logs" / "train" / "runs"
+    _train([*args, "run_name=full"], tmp_path, timeout=600)
+    ck = runs / "full" / "checkpoints" / "step0000004.ckpt"
+    assert ck.is_dir() and (ck / ".metadata").is_file()
+    full = {r["step"]: r for r in read_metrics(runs / "full" / "metrics.jsonl")}
+    table = {}
+    for devices in (1, 3):
+        name = f"ws{devices}"
+        _train([*args, f"run_name={name}", f"trainer.devices={devices}", f"ckpt_path={ck}"], tmp_path, timeout=600)
+        rows = {r["step"]: r for r in read_metrics(runs / name / "metrics.jsonl")}
+        res = json.loads((runs / name / "results.json").read_text())
+        assert res["steps"] == 8 and min(s for s in rows if "train/loss" in rows[s]) == 4  # resumed at step 4
+        got = [rows[s]["train/loss"] for s in range(4, 8)]
+        want = [full[s]["train/loss"] for s in range(4, 8)]
+        assert got == pytest.approx(want, rel=1e-4), (devices, got, want)
+        table[devices] = (got, res["test"]["loss"])
+    ref = json.loads((runs / "full" / "results.json").read_text())["test"]["loss"]
+    print("world size 2 (uninterrupted):", [full[s]["train/loss"] for s in range(4, 8)], "test", ref)
+    for devices, (got, test) in table.items():
+        print(f"world size 2 -> {devices} at step 4:", got, "test", test)
+        assert test == pytest.approx(ref, rel=1e-4)

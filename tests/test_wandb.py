@@ -11,6 +11,7 @@ import os
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -55,8 +56,20 @@ def read_records(path: Path) -> list:
     return out
 
 
-def offline_runs(save_dir: Path) -> list[tuple[Path, dict]]:
-    """(offline run dir, {"run": run record, "history": keys, "config": keys}) per attempt, oldest first."""
+def offline_runs(save_dir: Path, timeout: float = 60.0) -> list[tuple[Path, dict]]:
+    """(offline run dir, {"run": run record, "history": keys, "config": keys}) per attempt, oldest first. wandb's
+    service process writes the transaction log (``run-*.wandb``) on its own schedule; on a loaded machine the run
+    record can land after ``run.finish()`` has returned, so the log is re-read until every attempt has its run record
+    or ``timeout`` seconds pass (then the records found so far are returned and the caller's asserts report them)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        out = _read_offline_runs(save_dir)
+        if all(info["run"] is not None for _, info in out) or time.monotonic() > deadline:
+            return out
+        time.sleep(0.5)
+
+
+def _read_offline_runs(save_dir: Path) -> list[tuple[Path, dict]]:
     out = []
     for d in sorted((save_dir / "wandb").glob("offline-run-*")):
         (f,) = d.glob("run-*.wandb")

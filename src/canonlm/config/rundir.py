@@ -7,6 +7,12 @@ A training run (``python train.py ...``) lives in ``logs/<task_name>/runs/<run_n
 a run's ``.hydra/config.yaml`` beside it (``python -m canonlm.export --from-hf`` output, or a training checkpoint
 copied out of its run directory) is a run too when it records its model in ``checkpoint["canonlm"]["model"]``.
 
+A run trained with ``strategy=fsdp2`` (Lightning's ``ModelParallelStrategy``) saves ``last.ckpt`` as a *directory*:
+a ``torch.distributed.checkpoint`` (DCP) folder (``.metadata`` + ``*.distcp`` shards holding ``state_dict`` and
+``optimizer_<i>``) plus ``meta.pt`` (everything else: step, loops, ``canonlm``). :func:`read_checkpoint` reads
+such a folder whole (model tensors gathered into full tensors, any world size), so export and evaluation take it
+directly.
+
 Nothing here unpickles: checkpoints are read with ``torch.load(weights_only=True)``. Rebuilding the model is
 :func:`canonlm.config.build.build_configs` on :func:`load_run_config`; loading it is :mod:`canonlm.eval.load`.
 """
@@ -62,10 +68,10 @@ def resolve_run(run: str | Path, ckpt: str | Path | None = None) -> tuple[Path, 
     hydra = has_run_config(run_dir)
     if not hydra and not ck.exists():
         raise FileNotFoundError(no_cfg)
-    if ck.is_dir():
-        raise FileNotFoundError(f"{ck} is a directory (a distributed FSDP2 checkpoint); consolidate it to a single "
-                                "file first (lightning.pytorch.utilities.consolidate_checkpoint)")
-    if not ck.is_file():
+    if ck.is_dir() and not is_distributed_checkpoint(ck):
+        raise FileNotFoundError(f"checkpoint {ck} is a directory without .metadata (neither a checkpoint file nor a "
+                                "distributed FSDP2 checkpoint)")
+    if not ck.exists():
         raise FileNotFoundError(f"checkpoint {ck} does not exist")
     if not hydra and recorded_meta(ck) is None:
         raise FileNotFoundError(f"{no_cfg}, and checkpoint {ck} records no model config "
@@ -106,11 +112,61 @@ def load_run_config(run_dir: str | Path):
     return cfg
 
 
+DCP_METADATA, FABRIC_META = ".metadata", "meta.pt"
+
+
+def is_distributed_checkpoint(ck: str | Path) -> bool:
+    """Whether ``ck`` is a distributed (FSDP2 / DCP) checkpoint folder: a directory with a ``.metadata`` file."""
+    return Path(ck).is_dir() and (Path(ck) / DCP_METADATA).is_file()
+
+
+def read_distributed_checkpoint(ck: str | Path, model_only: bool = True) -> dict[str, Any]:
+    """A distributed checkpoint folder (module docstring) as one checkpoint dict on the CPU: ``meta.pt`` (read with
+    ``torch.load(weights_only=True)``) plus ``"state_dict"`` = the full, unsharded model tensors, loaded with
+    ``torch.distributed.checkpoint.load`` into tensors shaped from the folder's ``.metadata`` (no process group
+    needed; any number of shards). ``model_only=False`` also loads every other tensor entry (``optimizer_<i>``, as
+    flat ``"<entry>.<key path>"`` keys). Raises ValueError naming the folder when it cannot be read."""
+    from torch.distributed.checkpoint import FileSystemReader, load
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    ck = Path(ck)
+    try:
+        reader = FileSystemReader(str(ck))
+        md = reader.read_metadata().state_dict_metadata
+        template: dict[str, dict[str, torch.Tensor]] = {}
+        for key, m in md.items():
+            if not isinstance(m, TensorStorageMetadata):
+                continue
+            top, _, rest = key.partition(".")
+            if model_only and top != "state_dict":
+                continue
+            template.setdefault(top, {})[rest] = torch.empty(tuple(m.size), dtype=m.properties.dtype)
+        load(template, storage_reader=reader)
+    except Exception as e:  # noqa: BLE001 -- DCP raises its own error types
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise ValueError(f"distributed checkpoint {ck} cannot be read with torch.distributed.checkpoint: "
+                         f"{first}") from None
+    meta = {}
+    if (ck / FABRIC_META).is_file():
+        meta = read_checkpoint(ck / FABRIC_META)
+    out = dict(meta)
+    out["state_dict"] = template.pop("state_dict", {})
+    for top, entries in template.items():
+        out.update({f"{top}.{k}": v for k, v in entries.items()})
+    return out
+
+
 def read_checkpoint(ck: str | Path, mmap: bool = False) -> dict[str, Any]:
     """The checkpoint dict, read with ``torch.load(weights_only=True)`` (no pickled code runs; canonlm's own
     checkpoints hold only tensors and plain values); ``mmap``: memory-map the tensors when the file format allows it
-    (for reading only the metadata). Raises ValueError naming the file when it cannot be read that way (damaged, or
-    a foreign file that pickles objects)."""
+    (for reading only the metadata). A distributed FSDP2 checkpoint folder is read with
+    :func:`read_distributed_checkpoint` (model tensors only; with ``mmap``, only its ``meta.pt``). Raises ValueError
+    naming the file when it cannot be read that way (damaged, or a foreign file that pickles objects)."""
+    if is_distributed_checkpoint(ck):
+        if mmap:
+            meta = Path(ck) / FABRIC_META
+            return read_checkpoint(meta, mmap=True) if meta.is_file() else {}
+        return read_distributed_checkpoint(ck)
     try:
         if mmap:
             try:
@@ -137,5 +193,5 @@ def run_tokenizer(task_cfg: dict[str, Any]) -> tuple[str | None, str | None]:
     return t.get("path"), t.get("eos_token")
 
 
-__all__ = ["CHECKPOINT", "has_run_config", "load_run_config", "read_checkpoint", "recorded_meta", "resolve_run",
+__all__ = ["CHECKPOINT", "has_run_config", "is_distributed_checkpoint", "read_distributed_checkpoint", "load_run_config", "read_checkpoint", "recorded_meta", "resolve_run",
            "run_tokenizer", "task_config"]

@@ -20,7 +20,8 @@ import torch
 
 from canonlm.arch.config import ModelConfig
 from canonlm.config.build import build_configs
-from canonlm.config.rundir import CHECKPOINT, has_run_config, load_run_config, run_tokenizer, task_config
+from canonlm.config.rundir import (CHECKPOINT, has_run_config, is_distributed_checkpoint, load_run_config,
+                                   read_distributed_checkpoint, task_config)
 from canonlm.hf import lingua
 from canonlm.hf.card import generation_config, model_card
 from canonlm.hf.tokenizer import export_tokenizer
@@ -86,6 +87,12 @@ def read_hf_dir(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torc
 
 
 def _load_ckpt(path: Path) -> dict[str, Any]:
+    if is_distributed_checkpoint(path):
+        try:
+            state = read_distributed_checkpoint(path)
+        except ValueError as e:
+            raise InteropError(str(e)) from None
+        return state
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001
@@ -101,23 +108,21 @@ def read_canonlm(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.
     ``checkpoints/last.ckpt``) or a checkpoint file. The config comes from ``checkpoint["canonlm"]["model"]``; a
     checkpoint without it falls back to the run's ``.hydra/config.yaml`` (:func:`canonlm.config.build.build_configs`
     on :func:`canonlm.config.rundir.load_run_config`, as ``canonlm.eval.load`` does). Raises
-    InteropError (nothing there, unreadable file, a distributed FSDP2 checkpoint directory, no config found)."""
+    InteropError (nothing there, unreadable file, no config found). A distributed FSDP2 checkpoint folder
+    (``last.ckpt`` of a ``strategy=fsdp2`` run) is read whole (:func:`canonlm.config.rundir.read_distributed_checkpoint`)."""
     p = Path(path).expanduser()
     if p.is_dir() and (p / CHECKPOINT).exists():
         ck, run_dir = p / CHECKPOINT, p
-    elif p.is_file():
+    elif p.is_file() or is_distributed_checkpoint(p):
         ck = p
         run_dir = p.parent.parent if p.parent.name == "checkpoints" else p.parent
-    elif p.is_dir() and (p / ".metadata").is_file():
-        raise InteropError(f"{p} is a distributed FSDP2 checkpoint directory; consolidate it to one file first "
-                           "(lightning.pytorch.utilities.consolidate_checkpoint)")
     elif p.is_dir():
         raise InteropError(f"{p} has no {CHECKPOINT} (not a canonlm run directory)")
     else:
         raise InteropError(f"{p}: no such run directory or checkpoint file")
-    if ck.is_dir():
-        raise InteropError(f"{ck} is a distributed FSDP2 checkpoint directory; consolidate it to one file first "
-                           "(lightning.pytorch.utilities.consolidate_checkpoint)")
+    if ck.is_dir() and not is_distributed_checkpoint(ck):
+        raise InteropError(f"{ck} is a directory without .metadata (neither a checkpoint file nor a distributed "
+                           "FSDP2 checkpoint)")
     state = _load_ckpt(ck)
     meta = state.get("canonlm") or {}
     sd = state.get("state_dict", state)
@@ -202,9 +207,12 @@ REMOTE_AUTO_MAP = {"AutoConfig": "configuration_canonlm.CanonLMConfig",
 
 def remote_config(cfg: ModelConfig) -> dict[str, Any]:
     """``config.json`` of the ``canonlm`` export format: ``model_type: "canonlm"``, ``auto_map`` naming the modeling
-    code copied beside it (:mod:`canonlm.hf.remote`), and the whole model config under ``canonlm``."""
+    code copied beside it (:mod:`canonlm.hf.remote`), and the model config under ``canonlm`` -- with the backend
+    choices reset (``ops: auto``, no ``kernels`` pins: a kernel the training machine pinned, e.g. flash, is chosen
+    again where the export is loaded)."""
+    portable = dataclasses.replace(cfg, ops="auto", kernels={})
     return {"architectures": ["CanonLMForCausalLM"], "model_type": "canonlm", "auto_map": dict(REMOTE_AUTO_MAP),
-            "canonlm": dataclasses.asdict(cfg), "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+            "canonlm": dataclasses.asdict(portable), "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
             "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
             "max_position_embeddings": cfg.max_seq_len, "tie_word_embeddings": False, "torch_dtype": "float32",
             "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
