@@ -144,6 +144,10 @@ def _fsdp2_checkpoint_folder_is_read_directly(ck: Path, args: list[str], dist: d
     assert again["test"]["loss"] == pytest.approx(dist["test"]["loss"], rel=1e-5)
     cfg, sd, meta = read_canonlm(ck.parent.parent)
     assert meta["model"]["d_model"] == 64 and read_distributed_checkpoint(ck)["global_step"] == 6
+    from canonlm.eval.load import load_model
+
+    lm = load_model(ck.parent.parent, device="cpu")                  # evaluation / generation's loader
+    assert all(torch.equal(v.float(), sd[k]) for k, v in lm.model.state_dict().items())
     export_model(ck.parent.parent, tmp_path / "exported")
     _, back, _ = hf_to_canonlm(tmp_path / "exported")
     assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
