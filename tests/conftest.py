@@ -27,6 +27,19 @@ ARCH_PRESETS = {
 }
 
 
+def perturb_(model) -> None:
+    """In place, without autograd: norm gains += 0.3 N(0, 1) and Canon taps x 2, so that a conversion that drops or
+    mixes up a norm gain or a Canon layer changes the logits (default init: gains 1, small taps)."""
+    import torch
+
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.add_(0.3 * torch.randn_like(p))
+            elif "canon" in n:
+                p.mul_(2.0)
+
+
 def compose(overrides: list[str] | None = None, output_dir: str | os.PathLike | None = None):
     """Compose conf/train.yaml with overrides (as `python train.py <overrides>` would) and return the DictConfig.
 

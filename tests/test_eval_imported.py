@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import perturb_
+
 pytest.importorskip("safetensors")
 hf = pytest.importorskip("canonlm.hf")
 
@@ -37,12 +39,7 @@ def imported(tmp_path_factory):
                                   max_seq_len=64), dict(set="ABCD", kernel=4), dict(type="rope"))
     torch.manual_seed(0)
     m = CanonLM(cfg).eval()
-    with torch.no_grad():  # non-trivial norm gains and Canon taps
-        for n, p in m.named_parameters():
-            if "norm" in n:
-                p.add_(0.3 * torch.randn_like(p))
-            elif "canon" in n:
-                p.mul_(2.0)
+    perturb_(m)  # non-trivial norm gains and Canon taps
     src = d / "orig" / "model.ckpt"
     src.parent.mkdir()
     torch.save(hf.checkpoint_dict(m.cfg, m.state_dict(), {}), src)

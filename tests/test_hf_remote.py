@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ARCH_PRESETS
+from conftest import ARCH_PRESETS, perturb_
 
 from canonlm.arch.config import build_model_config
 from canonlm.arch.model import CanonLM
@@ -53,12 +53,7 @@ def _model(name: str) -> CanonLM:
     cfg = build_model_config(dict(_SMALL, **model), canon, pos)
     torch.manual_seed(sum(map(ord, name)))
     m = CanonLM(cfg).eval()
-    with torch.no_grad():  # non-trivial norm gains and Canon taps
-        for n, p in m.named_parameters():
-            if "norm" in n:
-                p.add_(0.3 * torch.randn_like(p))
-            elif "canon" in n:
-                p.mul_(2.0)
+    perturb_(m)  # non-trivial norm gains and Canon taps
     return m
 
 

@@ -28,6 +28,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import perturb_
+
 from canonlm.arch.config import build_model_config
 from canonlm.arch.model import CanonLM
 from canonlm.export import main as export_main
@@ -121,6 +123,8 @@ WORKER = textwrap.dedent(r'''
     from transformers import AutoConfig, AutoModelForCausalLM
     from configuration_llama_canon import LlamaCanonConfig
     from modeling_llama_canon import LlamaCanonForCausalLM
+    sys.path.insert(0, sys.argv[3])  # tests/: conftest.perturb_ (non-trivial norm gains and Canon taps)
+    from conftest import perturb_ as perturb
     out = {}
     for job in json.load(open(sys.argv[1])):
         ids = torch.tensor(job["ids"])
@@ -128,12 +132,7 @@ WORKER = textwrap.dedent(r'''
             kw = dict(job["kwargs"]); shard = kw.pop("_shard", False)
             torch.manual_seed(job["seed"])
             m = LlamaCanonForCausalLM(LlamaCanonConfig(**kw)).eval()
-            with torch.no_grad():
-                for n, p in m.named_parameters():
-                    if "norm" in n:
-                        p.add_(0.3 * torch.randn_like(p))
-                    elif "canon" in n:
-                        p.mul_(2.0)
+            perturb(m)
             m.save_pretrained(job["dir"], safe_serialization=True, **({"max_shard_size": "40KB"} if shard else {}))
             info = {"files": sorted(os.listdir(job["dir"]))}
         elif job["op"] == "lingua":  # a released-style checkpoint: lingua layout, loaded by the official loader
@@ -146,12 +145,7 @@ WORKER = textwrap.dedent(r'''
                 num_key_value_heads=mp.get("n_kv_heads"), qk_norm=mp.get("qk_norm", False),
                 rope_dim=mp.get("rope_dim"), canon_set=mp.get("canon_set", ""), rope_theta=mp["rope_theta"],
                 rms_norm_eps=mp["norm_eps"], max_position_embeddings=p["data"]["seq_len"], rope_version="lingua"))
-            with torch.no_grad():
-                for n, q in m.named_parameters():
-                    if "norm" in n:
-                        q.add_(0.3 * torch.randn_like(q))
-                    elif "canon" in n:
-                        q.mul_(2.0)
+            perturb(m)
             ren = [("self_attn.q_proj", "attention.wq"), ("self_attn.k_proj", "attention.wk"),
                    ("self_attn.v_proj", "attention.wv"), ("self_attn.o_proj", "attention.wo"),
                    ("self_attn.", "attention."), ("mlp.gate_proj", "feed_forward.w1"),
@@ -210,12 +204,7 @@ def _canonlm_model(model: dict, canon: dict, pos: dict, seed: int) -> CanonLM:
     cfg = build_model_config(model, canon, pos)
     torch.manual_seed(seed)
     m = CanonLM(cfg).eval()
-    with torch.no_grad():  # non-trivial norm gains and Canon taps
-        for n, p in m.named_parameters():
-            if "norm" in n:
-                p.add_(0.3 * torch.randn_like(p))
-            elif "canon" in n:
-                p.mul_(2.0)
+    perturb_(m)  # non-trivial norm gains and Canon taps
     return m
 
 
@@ -277,7 +266,8 @@ def official(tmp_path_factory):
     (tmp / "worker.py").write_text(WORKER)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HF451), str(OFFICIAL)]), HF_HOME=str(tmp / "hf_home"),
                HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore")
-    r = subprocess.run([sys.executable, str(tmp / "worker.py"), str(tmp / "jobs.json"), str(tmp / "result.json")],
+    r = subprocess.run([sys.executable, str(tmp / "worker.py"), str(tmp / "jobs.json"), str(tmp / "result.json"),
+                        str(Path(__file__).resolve().parent)],
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return tmp, json.loads((tmp / "result.json").read_text()), exported
