@@ -87,14 +87,20 @@ def test_export_loads_with_auto_model_and_matches(name, tmp_path, capsys):
     assert (got == want).all(), (got, want)
 
 
-def test_left_padding_is_refused(tmp_path, capsys):
+def test_left_padding_runs_each_row_from_position_0(tmp_path, capsys):
+    """Batched generation pads on the left: each left-padded row must give the logits of its tokens alone."""
     m = _model("gla_AbCD")
     src = tmp_path / "m.ckpt"
     torch.save(checkpoint_dict(m.cfg, m.state_dict(), {}), src)
     assert export_main([str(src), str(tmp_path / "e")]) == 0
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "e", trust_remote_code=True).eval()
-    ids = torch.tensor([[1, 2, 3, 4]])
-    with pytest.raises(ValueError, match="left padding"):
-        hf(ids, attention_mask=torch.tensor([[0, 1, 1, 1]]))
-    right = hf(ids, attention_mask=torch.tensor([[1, 1, 1, 0]])).logits
-    assert torch.allclose(right, m(ids), atol=TOL, rtol=0)
+    ids = torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 8]])
+    with torch.no_grad():
+        out = hf(ids, attention_mask=torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])).logits
+        alone = m(ids[:1, 2:])
+        assert torch.allclose(out[0, 2:], alone[0], atol=TOL, rtol=0) and bool((out[0, :2] == 0).all())
+        assert torch.allclose(out[1], m(ids[1:])[0], atol=TOL, rtol=0)
+        right = hf(ids[1:], attention_mask=torch.tensor([[1, 1, 1, 0, 0]])).logits
+        assert torch.allclose(right[0, :3], m(ids[1:, :3])[0], atol=TOL, rtol=0)
+        with pytest.raises(ValueError, match="gap"):
+            hf(ids, attention_mask=torch.tensor([[1, 0, 1, 1, 1], [1, 1, 1, 1, 1]]))

@@ -89,6 +89,9 @@ def task_tokenizer(task: Any, vocab_size: int):
         i = getattr(task, attr, None)
         if isinstance(i, int) and i in inv:
             specials[key] = inv[i]
+    # a task without an end token (Depo without eos) still needs one for the tools that stop on it (transformers'
+    # generate, lm-evaluation-harness): the pad token, which the model is never trained to emit
+    specials.setdefault("eos_token", specials["pad_token"])
     tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
     if any("." in n for n in vocab):
         tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

@@ -7,10 +7,10 @@ logits are canonlm's. Weights: ``model.safetensors`` with the keys ``model.<Cano
 
 ``forward(input_ids, attention_mask=None, labels=None)`` returns ``CausalLMOutputWithPast`` with ``logits`` ``(B, T,
 V)`` and, with ``labels``, the mean next-token cross-entropy (labels shifted inside, ``-100`` ignored), as
-transformers' causal LMs do. Padding: canonlm models are causal and use absolute positions from 0, so inputs must be
-left-aligned (right padding, which lm-evaluation-harness uses); an ``attention_mask`` with a zero before a one in a
-row is refused. ``generate`` works through ``GenerationMixin`` without a KV cache (every step re-runs the prefix;
-``python -m canonlm.generate`` decodes with canonlm's cache).
+transformers' causal LMs do. Padding: canonlm models use absolute positions from the first token, so a left-padded
+row (what ``generate`` and lm-evaluation-harness use for batched generation) runs on its real tokens alone; right
+padding needs nothing; a mask with a gap is refused. ``generate`` works through ``GenerationMixin`` without a KV
+cache (every step re-runs the prefix; ``python -m canonlm.generate`` decodes with canonlm's cache).
 """
 
 from __future__ import annotations
@@ -65,15 +65,39 @@ class CanonLMForCausalLM(PreTrainedModel, GenerationMixin):
             self.model.rope_cos, self.model.rope_sin = cos, sin
             self._rope_device = input_ids.device
 
+    def _logits(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """Logits (B, T, V). Rows with left padding (``attention_mask`` 0...0 1...1, as transformers' ``generate``
+        and lm-evaluation-harness pad for generation) run on their tokens alone, so their first real token sits at
+        position 0 as in training; pad positions get zero logits. Right padding needs nothing (causal)."""
+        if attention_mask is None or attention_mask.dim() != 2 or bool(attention_mask[:, 0].all()):
+            self._check_no_holes(attention_mask)
+            return self.model(input_ids)
+        self._check_no_holes(attention_mask)
+        starts = (attention_mask.to(torch.int64).cumsum(1) == 0).sum(1).tolist()  # leading pads per row
+        rows = []
+        for r, s in enumerate(starts):
+            lg = self.model(input_ids[r:r + 1, s:])
+            rows.append(torch.nn.functional.pad(lg, (0, 0, s, 0)))
+        return torch.cat(rows, dim=0)
+
+    @staticmethod
+    def _check_no_holes(attention_mask: torch.Tensor | None) -> None:
+        if attention_mask is None or attention_mask.dim() != 2 or attention_mask.shape[1] < 2:
+            return
+        m = attention_mask.to(torch.int64)
+        first = (m.cumsum(1) == 0).sum(1, keepdim=True)                     # leading pads
+        pos = torch.arange(m.shape[1], device=m.device).unsqueeze(0)
+        body = (pos >= first)
+        # after the leading pads: ones, then possibly right padding (zeros); never a 1 after a 0
+        after = torch.where(body, m, torch.ones_like(m))
+        if bool((after[:, 1:] > after[:, :-1]).any()):
+            raise ValueError("attention_mask has a gap (a 0 between 1s after the padding): canonlm models read a "
+                             "contiguous sequence per row; pad on the left or the right only")
+
     def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
                 labels: torch.LongTensor | None = None, **kwargs) -> CausalLMOutputWithPast:
-        if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[1] > 1:
-            m = attention_mask.to(torch.int64)
-            if bool((m[:, 1:] > m[:, :-1]).any()):
-                raise ValueError("canonlm models use absolute positions from the first token: left padding (a 0 "
-                                 "before a 1 in attention_mask) is not supported; pad on the right")
         self._placed(input_ids)
-        logits = self.model(input_ids)
+        logits = self._logits(input_ids, attention_mask)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
