@@ -336,7 +336,8 @@ def test_log_dir_with_a_space_on_the_cluster(slurm_cluster, tmp_path):
 def test_two_rank_cpu_job_matches_one_process(strategy, slurm_cluster, oracle, tmp_path):
     """launch.py submits a 2-rank CPU job (2 tasks x 1 CPU) run through srun; Lightning takes ranks and world size
     from SLURM (SLURM_PROCID / SLURM_NTASKS: one process per task, none spawned), the ranks train one model over
-    gloo, each on its own half of every global batch: the final test loss equals the one-process oracle."""
+    gloo, each on its own half of every global batch: the final test loss equals the one-process oracle. FSDP2's
+    step-10 checkpoint then resumes as a 1-rank job on the cluster and ends at the oracle too."""
     extra = ["strategy.param_dtype=fp32"] if strategy == "fsdp2" else []
     sub = _submit(f"two_{strategy}", tmp_path / "logs", CPU2, [*RUN, f"strategy={strategy}", *extra])
     info = wait_job_end(sub.job, JOB_TIMEOUT, sub.files)
@@ -346,6 +347,18 @@ def test_two_rank_cpu_job_matches_one_process(strategy, slurm_cluster, oracle, t
     log = sub.log()
     assert "GLOBAL_RANK: 1, MEMBER: 2/2" in log, sub.report()  # rank 1 is srun's second task, not a spawned child
     _assert_matches_oracle(res, oracle, sub.report())
+    if strategy == "fsdp2":
+        # the 2-rank job's step-10 checkpoint (a torch.distributed.checkpoint folder) resumes as a 1-rank job: the
+        # state is resharded on load and the data stream does not depend on the world size, so it ends as the oracle
+        ck = sub.run / "checkpoints" / "step0000010.ckpt"
+        assert ck.is_dir() and (ck / ".metadata").is_file(), sub.report()
+        one = _submit("one_fsdp2", tmp_path / "logs", [*CPU2[:2], "--tasks-per-node", "1", *CPU2[4:]],
+                      [*RUN, "strategy=fsdp2", *extra, f"ckpt_path={ck}"])
+        info = wait_job_end(one.job, JOB_TIMEOUT, one.files)
+        assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", one.report()
+        res1 = one.results()
+        assert res1["world_size"] == 1, one.report()
+        _assert_matches_oracle(res1, oracle, one.report())
 
 
 @pytest.mark.slurm
