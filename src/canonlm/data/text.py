@@ -169,6 +169,16 @@ class TextTokenizer:
             return self._tk.id_to_token(int(i))
         return self._hf.convert_ids_to_tokens(int(i))
 
+    def as_transformers(self):
+        """This tokenizer as a transformers tokenizer object: the loaded ``AutoTokenizer`` (kind ``transformers``) or
+        a ``PreTrainedTokenizerFast`` around the ``tokenizers.Tokenizer`` (kind ``tokenizers``); no token is added.
+        Raises ImportError when transformers is not installed."""
+        if self._hf is not None:
+            return self._hf
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast(tokenizer_object=self._tk)
+
     def describe(self) -> dict[str, Any]:
         """JSON-able identity: path, kind, sha256, vocab_size, eos_id, eos_token."""
         return dict(path=self.path, kind=self.kind, sha256=self.sha256, vocab_size=self.vocab_size,

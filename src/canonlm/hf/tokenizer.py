@@ -57,12 +57,7 @@ def text_tokenizer(task_cfg: Mapping[str, Any], vocab_size: int):
     if tok.vocab_size > vocab_size:
         raise InteropError(f"the tokenizer {path} has ids up to {tok.vocab_size - 1}, past the model's vocabulary "
                            f"({vocab_size})")
-    from transformers import PreTrainedTokenizerFast
-
-    if tok._hf is not None:  # a transformers tokenizer directory: keep its class and settings
-        hf = tok._hf
-    else:
-        hf = PreTrainedTokenizerFast(tokenizer_object=tok._tk)
+    hf = tok.as_transformers()  # a transformers tokenizer directory keeps its class and settings
     if tok.eos_token is not None and hf.eos_token != tok.eos_token:
         hf.eos_token = tok.eos_token
     if hf.pad_token is None and hf.eos_token is not None:
