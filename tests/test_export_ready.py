@@ -136,3 +136,57 @@ def test_temporaries_of_a_killed_export_are_removed_at_the_next_start(tmp_path, 
     assert export_main([str(src), str(tmp_path / "out")]) == 0
     assert not stale.exists() and live.exists() and (tmp_path / "out" / "config.json").is_file()
     assert remove_stale_temporaries(tmp_path / "out") == []
+
+
+def test_capo_export_carries_its_bpe_renumbered_to_the_compact_ids(tmp_path, capsys):
+    """Oracle: the task's own encoder (``CapoTask.encode``: the BPE's ids mapped to compact ids) and decoder on
+    rendered biographies, and canonlm's greedy decoding of the same ids."""
+    task = OmegaConf.to_container(compose(["task=capo_cpu"]).task, resolve=True)
+    task["cache_dir"] = str(tmp_path / "cache")
+    from canonlm.data.tasks import build_task
+
+    t = build_task("capo", task)
+    V = t.vocab_size
+    src = _ckpt(tmp_path, task, V)
+    out = tmp_path / "export"
+    assert export_main([str(src), str(out)]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert (info["pad_token_id"], info["eos_token_id"]) == (0, t.eos_id)
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert (tok.pad_token, tok.pad_token_id, tok.eos_token, tok.eos_token_id) == ("<pad>", 0, "<|endoftext|>", t.eos_id)
+    texts = [t.biography_text(split, r, p) for split in ("train", "val") for r in range(2) for p in range(15)]
+    for text in texts:
+        want = t.encode(text).tolist()
+        assert tok(text, add_special_tokens=False)["input_ids"] == want, text
+        assert tok.decode(want) == t.decode(want) == text
+    both = t.encode(texts[0]).tolist() + [t.eos_id] + t.encode(texts[1]).tolist()
+    assert tok(texts[0] + "<|endoftext|>" + texts[1], add_special_tokens=False)["input_ids"] == both
+    gen = transformers.GenerationConfig.from_pretrained(out)
+    assert (gen.pad_token_id, gen.eos_token_id) == (0, t.eos_id)
+    assert "compact ids" in (out / "README.md").read_text()
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    prompt = tok(texts[0][:40], return_tensors="pt", add_special_tokens=False)["input_ids"]
+    hf_out = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)[0, prompt.shape[1]:]
+    from canonlm.generate import generate_ids
+    from canonlm.hf import load_canonlm_checkpoint
+
+    ours, _ = load_canonlm_checkpoint(src)
+    assert hf_out.tolist() == generate_ids(ours, [prompt[0].numpy()], 6)[0].tolist()
+
+
+def test_capo_export_stops_when_the_task_tokenizer_changed_or_is_gone(tmp_path, capsys):
+    task = OmegaConf.to_container(compose(["task=capo_cpu"]).task, resolve=True)
+    task["cache_dir"] = str(tmp_path / "cache")
+    from canonlm.data.tasks import build_task
+
+    V = build_task("capo", task).vocab_size
+    src = _ckpt(tmp_path, task, V + 3, name="other_vocab.ckpt")     # trained under another tokenizer
+    assert export_main([str(src), str(tmp_path / "e1")]) == 2
+    err = capsys.readouterr().err
+    assert "changed since training" in err and len(err.strip().splitlines()) == 1, err
+    gone = dict(task, tokenizer=str(tmp_path / "moved" / "tokenizer.json"))
+    src = _ckpt(tmp_path, gone, V, name="gone.ckpt")
+    assert export_main([str(src), str(tmp_path / "e2")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot be rebuilt" in err and "task.tokenizer" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "e1").exists() and not (tmp_path / "e2").exists()

@@ -9,7 +9,13 @@
   (``task.token_names()``, id = index; tokens separated by spaces, or by ``.`` inside a multi-token name, as the
   task prints them): ``pad_token`` = id 0,
   ``bos_token`` / ``eos_token`` = the task's BOS / EOS ids when it has them. Decoding joins the names with spaces.
-* Capo (compact ids over a BPE) and imported models: no tokenizer (the export's model card says so).
+* Capo: the task's byte-level BPE renumbered to its compact ids (Part 4.1 App. A.3 restricts the embedding to the
+  BPE ids that occur): every token that occurs in a biography gets its compact id 1..V, ``<|endoftext|>`` the task's
+  EOS id (V + 1), ``<pad>`` id 0; the BPE's other tokens (merge intermediates, bytes that never occur) keep their
+  merges but get ids from ``vocab_size`` on, which the model has no embedding for -- text outside the task's
+  biographies and questions cannot be fed to it. The rebuilt task's vocabulary must have the model's size, else
+  the task's tokenizer changed since training (the export stops).
+* Imported models: no tokenizer (the export's model card says so).
 
 Errors are :class:`~canonlm.hf.mapping.InteropError`.
 """
@@ -65,9 +71,54 @@ def text_tokenizer(task_cfg: Mapping[str, Any], vocab_size: int):
     return hf, _ids(hf, vocab_size)
 
 
+def capo_tokenizer(task: Any, vocab_size: int):
+    """``(PreTrainedTokenizerFast, ids)`` for a Capo task (:class:`canonlm.data.tasks.capo.CapoTask`): its
+    ``tokenizers`` BPE (``task.tokenizer``, original ids) with the vocabulary renumbered to the compact ids
+    (``task.compact_to_orig``), ``<pad>`` = 0 and ``<|endoftext|>`` = ``task.eos_id`` as special tokens; tokens that
+    never occur in a biography get ids ``vocab_size``, ``vocab_size + 1``, ... (in original-id order) so the BPE merges
+    still run. ``tokenizer(text)["input_ids"] == task.encode(text)`` for every text the task renders. Raises
+    InteropError when ``task.vocab_size != vocab_size`` (the task's tokenizer changed since training)."""
+    import json
+
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from canonlm.data.tasks.capo.tokenizer import EOS_TEXT
+
+    if int(task.vocab_size) != int(vocab_size):
+        raise InteropError(f"the Capo task rebuilt from the run's config has a vocabulary of {task.vocab_size} ids, "
+                           f"the model was trained with {vocab_size}: the task's tokenizer (task.tokenizer, or the "
+                           "BPE in its cache_dir) changed since training -- restore it")
+    spec = json.loads(task.tokenizer.to_str())
+    model = spec["model"]
+    if model.get("type") != "BPE":
+        raise InteropError(f"the Capo tokenizer is a {model.get('type')!r} model; only BPE is renumbered")
+    by_id = {int(i): s for s, i in model["vocab"].items()}
+    vocab: dict[str, int] = {"<pad>": 0}
+    for c, o in enumerate(task.compact_to_orig.tolist()):
+        if 1 <= c < task.eos_id:
+            vocab[by_id[int(o)]] = c
+    vocab[EOS_TEXT] = int(task.eos_id)
+    nxt = int(vocab_size)
+    for o in sorted(by_id):
+        if by_id[o] not in vocab:
+            vocab[by_id[o]] = nxt
+            nxt += 1
+    model["vocab"] = vocab
+    special = dict(single_word=False, lstrip=False, rstrip=False, normalized=False, special=True)
+    spec["added_tokens"] = [dict(id=0, content="<pad>", **special),
+                            dict(id=int(task.eos_id), content=EOS_TEXT, **special)]
+    hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)), pad_token="<pad>",
+                                 eos_token=EOS_TEXT)
+    return hf, _ids(hf, vocab_size)
+
+
 def task_tokenizer(task: Any, vocab_size: int):
-    """``(PreTrainedTokenizerFast, ids)`` over a synthetic task's token names (module docstring), or ``(None, {})``
-    for a task without them (Capo's compact BPE ids). Duplicate names (unused ids) get ``#<id>`` appended."""
+    """``(PreTrainedTokenizerFast, ids)`` over a synthetic task's token names (module docstring); for Capo (a task
+    with ``compact_to_orig``) :func:`capo_tokenizer`; ``(None, {})`` for a task with neither. Duplicate names (unused
+    ids) get ``#<id>`` appended."""
+    if getattr(task, "compact_to_orig", None) is not None and getattr(task, "tokenizer", None) is not None:
+        return capo_tokenizer(task, vocab_size)
     names = list(task.token_names()) if callable(getattr(task, "token_names", None)) else []
     if not names or callable(getattr(task, "encode", None)):
         return None, {}
@@ -110,7 +161,8 @@ def _ids(hf: Any, vocab_size: int) -> dict[str, int | None]:
 def export_tokenizer(task_cfg: Mapping[str, Any] | None, vocab_size: int) -> tuple[Any, dict[str, int | None], str]:
     """``(tokenizer or None, token ids for config.json / generation_config.json, note for the model card)`` of the
     run whose ``checkpoint["canonlm"]["task"]`` is ``task_cfg``. Raises InteropError for a ``text`` run whose
-    recorded tokenizer is missing or changed (see :func:`text_tokenizer`)."""
+    recorded tokenizer is missing or changed (see :func:`text_tokenizer`), a synthetic task that cannot be rebuilt
+    from its config here, or a Capo task whose vocabulary no longer has the model's size (:func:`capo_tokenizer`)."""
     name = (task_cfg or {}).get("name")
     if not task_cfg or name == "hf_import":
         return None, {}, "no tokenizer: the model was imported and records no task vocabulary (pass token ids)"
@@ -121,10 +173,14 @@ def export_tokenizer(task_cfg: Mapping[str, Any] | None, vocab_size: int) -> tup
 
     try:
         task = build_task(name, dict(task_cfg))
-    except Exception as e:  # noqa: BLE001 -- the export still works without a tokenizer; say why
-        return None, {}, f"no tokenizer: task {name!r} could not be rebuilt here ({type(e).__name__})"
+    except Exception as e:  # noqa: BLE001 -- any failure to rebuild the task: the export would lack its tokenizer
+        raise InteropError(f"the run's task {name!r} cannot be rebuilt here for its tokenizer ({type(e).__name__}: "
+                           f"{e}); restore what it reads (e.g. task.tokenizer, task.cache_dir, data files)") from None
     hf, ids = task_tokenizer(task, vocab_size)
     if hf is None:
-        return None, {}, (f"no tokenizer: task {name!r} uses compact ids over its own BPE, which no transformers "
-                          "tokenizer reproduces (pass token ids; python -m canonlm.generate encodes its text)")
+        return None, {}, f"no tokenizer: task {name!r} has no token names (pass token ids)"
+    if name == "capo":
+        return hf, ids, ("the task's byte-level BPE renumbered to its compact ids: the text of its biographies "
+                         "encodes exactly as in training; tokens that never occur in them get ids past the model's "
+                         f"vocabulary ({vocab_size}), so other text cannot be fed to the model")
     return hf, ids, f"a word-level tokenizer over task {name!r}'s vocabulary (tokens separated by spaces)"
