@@ -28,7 +28,9 @@ What ``start`` does, in order:
    answers (``munge -n | unmunge``), and records its pid in ``munged.pid`` at once (output in ``log/munged.out``);
    when it does not answer within 5 s it is stopped again. A munged it did not start is left alone.
 3. ``slurm.conf`` (in the folder): one node named as ``slurmd -C`` names this machine, with its CPUs, sockets,
-   cores and threads, and its memory less 10 % (at least 1 GiB) of headroom; controller and node on 127.0.0.1
+   cores and threads -- but at least ``--cpus`` CPUs (default 4: a 2-core machine is declared as one socket of 4
+   cores with ``SlurmdParameters=config_overrides``, so a 3- or 4-rank CPU job can be tested on it; the ranks then
+   share the real cores) --, and its memory less 10 % (at least 1 GiB) of headroom; controller and node on 127.0.0.1
    (``SlurmctldHost=localhost(127.0.0.1)``, ``NodeAddr=127.0.0.1``), ports 26817/26818 (``--ports``) so a real
    installation on 6817/6818 is not disturbed; ``SlurmUser=root``; no cgroups (``ProctrackType=proctrack/linuxproc``,
    ``TaskPlugin=task/none``, and no ``cgroup.conf``); ``select/cons_tres`` with ``CR_Core_Memory`` and
@@ -203,7 +205,8 @@ def _read(path: Path) -> str:
 class Cluster:
     """Paths and commands of the cluster kept in ``root`` (see the module docstring)."""
 
-    def __init__(self, root: Path, ctld_port: int = 26817, slurmd_port: int = 26818, cred_expire: int = 10):
+    def __init__(self, root: Path, ctld_port: int = 26817, slurmd_port: int = 26818, cred_expire: int = 10,
+                 min_cpus: int = 4):
         self.root = Path(os.path.abspath(root))  # not resolved: private_dir refuses a link on the way
         self.conf = self.root / "etc" / "slurm.conf"
         self.state = self.root / "state"
@@ -215,6 +218,7 @@ class Cluster:
         self.etc_owned = self.root / "etc-slurm-conf.written"  # /etc/slurm/slurm.conf is this cluster's copy
         self.header = f"{MARKER} for the one-node test cluster in {self.root}"
         self.ctld_port, self.slurmd_port, self.cred_expire = ctld_port, slurmd_port, cred_expire
+        self.min_cpus = min_cpus
 
     def exists(self) -> bool:
         """The folder exists and is safe to use (:func:`private_dir`; raises :class:`Refused`)."""
@@ -349,7 +353,9 @@ class Cluster:
 
     # ---- configuration ---------------------------------------------------------------------------------------
     def node_line(self) -> str:
-        """``slurmd -C``'s node line with the memory less headroom and the loopback address."""
+        """``slurmd -C``'s node line with the memory less headroom and the loopback address; a machine with fewer
+        than ``min_cpus`` CPUs is declared with ``min_cpus`` (one socket of that many cores; :meth:`render` then adds
+        ``SlurmdParameters=config_overrides`` so slurmd takes the declared count)."""
         r = subprocess.run([which("slurmd") or "slurmd", "-C"], capture_output=True, text=True, timeout=30,
                            env={**os.environ, "SLURM_CONF": "/dev/null"})
         first = next((ln for ln in r.stdout.splitlines() if ln.startswith("NodeName=")), None)
@@ -358,11 +364,18 @@ class Cluster:
         fields = dict(tok.split("=", 1) for tok in first.split())
         mem = int(fields.get("RealMemory", "2048"))
         fields["RealMemory"] = str(max(mem - max(1024, mem // 10), 512))
+        if int(fields.get("CPUs", "1")) < self.min_cpus:
+            fields.update(CPUs=str(self.min_cpus), Boards="1", SocketsPerBoard="1", CoresPerSocket=str(self.min_cpus),
+                          ThreadsPerCore="1")
         keep = ("NodeName", "CPUs", "Boards", "SocketsPerBoard", "CoresPerSocket", "ThreadsPerCore", "RealMemory")
         return " ".join(f"{k}={fields[k]}" for k in keep if k in fields) + " NodeAddr=127.0.0.1 State=UNKNOWN"
 
     def render(self, node_line: str) -> str:
         node = node_line.split()[0].split("=", 1)[1]
+        real = os.cpu_count() or 1
+        declared = int(dict(t.split("=", 1) for t in node_line.split()).get("CPUs", real))
+        overrides = ("# more CPUs declared than this machine has (--cpus): slurmd takes the declared count\n"
+                     "SlurmdParameters=config_overrides\n") if declared > real else ""
         return f"""{self.header}
 # (`python3 scripts/local_slurm.py stop` removes this copy; a file without the first line is never overwritten)
 ClusterName=canonlm
@@ -399,7 +412,7 @@ JobRequeue=1
 KillWait=30
 MinJobAge=600
 InactiveLimit=0
-{node_line}
+{overrides}{node_line}
 PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
 """
 
@@ -560,20 +573,24 @@ def _running(pid: int) -> bool:
 
 
 def _terminate(pid: int | None, wait: float = 10.0) -> bool:
-    """SIGTERM ``pid``, SIGKILL after ``wait`` seconds; True when there was a process."""
+    """SIGTERM ``pid``, SIGKILL after ``wait`` seconds, and return only once the process is gone (or a zombie; up
+    to 10 s more after SIGKILL, which ends any process but one stuck in the kernel); True when there was a
+    process. Raises :class:`StartFailed` when it still runs then."""
     if not pid:
         return False
     try:
         os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            if not _running(pid):
-                return True
-            time.sleep(0.05)
-        os.kill(pid, signal.SIGKILL)
+        for sig in (signal.SIGKILL, None):
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline:
+                if not _running(pid):
+                    return True
+                time.sleep(0.05)
+            if sig is not None:
+                os.kill(pid, sig)
     except ProcessLookupError:
-        pass
-    return True
+        return True
+    raise StartFailed(f"process {pid} still runs 10 s after SIGKILL")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -584,6 +601,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the node to become idle")
     ap.add_argument("--ports", default=os.environ.get("CANONLM_SLURM_PORTS", "26817,26818"),
                     help="slurmctld,slurmd ports (default: $CANONLM_SLURM_PORTS or 26817,26818)")
+    ap.add_argument("--cpus", type=int, default=4,
+                    help="CPUs the node declares at least (default 4): a machine with fewer is declared with this "
+                         "many (SlurmdParameters=config_overrides; TaskPlugin=task/none binds nothing), so jobs of "
+                         "up to that many 1-CPU ranks run on a 2-core machine")
     ap.add_argument("--cred-expire", type=int, default=10,
                     help="AuthInfo=cred_expire (seconds, >= 5); a requeued job waits this + 1 s (default 10)")
     args = ap.parse_args(argv)
@@ -599,7 +620,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"local_slurm: error: --cred-expire={args.cred_expire}; allowed: an integer >= 5 (seconds; Slurm "
               f"ignores smaller values)", file=sys.stderr)
         return EXIT_USAGE
-    cl = Cluster(Path(args.dir), ctld_port, slurmd_port, args.cred_expire)
+    if not 1 <= args.cpus <= 4096:
+        print(f"local_slurm: error: --cpus={args.cpus}; allowed: an integer from 1 to 4096", file=sys.stderr)
+        return EXIT_USAGE
+    cl = Cluster(Path(args.dir), ctld_port, slurmd_port, args.cred_expire, args.cpus)
     try:
         if args.action == "status":
             if cl.exists() and cl.is_up():

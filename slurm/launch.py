@@ -36,7 +36,9 @@ command can be run again. For grids of short runs use Hydra's submitit launcher 
 Nothing is injected into the batch script: every value written into it is checked as a whole before anything is
 written (``--partition``, ``--account``, ``--qos``: letters, digits, ``_ - .``; ``--name``: also ``+``; ``--mem``,
 ``--time``, ``--signal`` and the integers in sbatch's grammar; ``--log-dir`` and ``--python``: letters, digits,
-spaces and ``/ _ . - + @ :``, no space at the end; overrides: no control characters). The output paths are
+spaces and ``/ _ . - + @ :``, no space at the end; overrides: no control characters, and none of the keys the
+launcher sets itself -- ``run_name``, ``ckpt_path``, ``paths.log_dir``, ``trainer.num_nodes`` / ``accelerator`` /
+``devices``, ``callbacks.preemption.signal_name`` --, which the job would silently replace). The output paths are
 double-quoted in ``#SBATCH --output="..."`` (sbatch's own parser groups quoted characters; ``%`` would start a
 file name pattern, hence refused), and the ``cd`` and ``srun`` lines are shell-quoted (``shlex.quote``).
 
@@ -144,13 +146,31 @@ def check(args: argparse.Namespace) -> None:
             raise UsageError(f"--{flag.replace('_', '-')}", getattr(args, flag), PATH_ALLOWED)
 
 
+# keys the launcher sets itself (run_overrides); a user override of one would be silently replaced in the job
+SET_BY_LAUNCHER = {
+    "run_name": "--name",
+    "ckpt_path": "auto: the job resumes its own run; to continue a run at another size resubmit its --name with "
+                 "--resume and new --tasks-per-node / --gpus-per-node; to start from another run's weights pass "
+                 "init_from=<checkpoint>",
+    "paths.log_dir": "--log-dir",
+    "trainer.num_nodes": "--nodes",
+    "trainer.accelerator": "--gpus-per-node (0: cpu)",
+    "trainer.devices": "--gpus-per-node / --tasks-per-node",
+    "callbacks.preemption.signal_name": "--signal",
+}
+
+
 def check_overrides(overrides: list[str]) -> None:
     """The training overrides go into the script's ``srun`` line shell-quoted (``shlex.quote``), so any character
     is safe there but a control character (a newline would split the script's ``srun`` line; no Hydra override
-    has one); raises :class:`UsageError` naming the first override that has one."""
+    has one); a key the launcher sets itself (:data:`SET_BY_LAUNCHER`: ``run_name``, ``ckpt_path``, ...) would be
+    replaced in the job, so it is refused too. Raises :class:`UsageError` naming the first such override."""
     for o in overrides:
         if any(ord(c) < 32 or ord(c) == 127 for c in o):
             raise UsageError("override", o, "a Hydra override without control characters (newline, tab, ...)")
+        key = o.split("=", 1)[0].lstrip("+~")
+        if key in SET_BY_LAUNCHER:
+            raise UsageError("override", o, f"no {key}: the launcher sets it ({SET_BY_LAUNCHER[key]})")
 
 
 def run_overrides(args: argparse.Namespace, overrides: list[str]) -> list[str]:

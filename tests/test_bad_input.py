@@ -82,6 +82,10 @@ CASES = [
      False, False),
     ("nonfinite", ["max_nonfinite_steps=0"], "max_nonfinite_steps=0", None, False, False),
     ("sched", ["sched.name=step"], "sched.name='step'", None, False, False),
+    ("sched_warmup", ["sched.warmup_steps=abc"], "sched.warmup_steps='abc'", None, False, False),
+    ("sched_min_lr", ["sched.min_lr_ratio=abc"], "sched.min_lr_ratio='abc'", None, False, False),
+    ("sched_min_lr_range", ["sched.min_lr_ratio=1.5"], "sched.min_lr_ratio=1.5", None, False, False),
+    ("sched_decay", ["sched=wsd", "sched.decay_fraction=0"], "sched.decay_fraction=0", None, False, False),
     ("canon_set", ["canon.set=ABE"], "canon.set='ABE'", None, False, False),
     ("context", ["task.context=64"], "task.context=64", None, False, False),
     ("kernel", ["kernels.attention=flash"], "model.kernels.attention='flash'", None, False, True),
@@ -108,13 +112,13 @@ CASES = [
     # ---- Trainer arguments: names against Trainer.__init__, values by Lightning itself
     ("trainer_name", ["+trainer.max_stepz=5"], "trainer.max_stepz=5", None, True, False),
     ("trainer_own", ["+trainer.callbacks=null"], "trainer.callbacks=None", None, True, False),
-    ("trainer_value", ["trainer.max_epochs=-2"], "'max_epochs': -2", None, True, False),
-    ("accelerator_name", ["trainer.accelerator=abacus"], "accelerator='abacus'", None, True, False),
+    ("trainer_value", ["trainer.max_epochs=-2"], "trainer.max_epochs=-2", None, True, False),
+    ("accelerator_name", ["trainer.accelerator=abacus"], "trainer.accelerator='abacus'", None, True, False),
     # ---- strategy and device combinations
-    ("gpu", ["trainer.accelerator=gpu"], "'accelerator': 'gpu'", None, True, True),
-    ("ddp_gpu", ["strategy=ddp", "trainer.accelerator=gpu", "trainer.devices=2"], "'accelerator': 'gpu'", None,
+    ("gpu", ["trainer.accelerator=gpu"], "trainer.accelerator='gpu'", None, True, True),
+    ("ddp_gpu", ["strategy=ddp", "trainer.accelerator=gpu", "trainer.devices=2"], "trainer.accelerator='gpu'", None,
      True, True),
-    ("cpu_devices", ["trainer.accelerator=cpu", "trainer.devices=0"], "'devices': 0", None, True, False),
+    ("cpu_devices", ["trainer.accelerator=cpu", "trainer.devices=0"], "trainer.devices=0", None, True, False),
     # ---- the run directory (the last check: it probes checkpoints/ with a file)
     ("run_dir_unwritable", [], "paths.output_dir=", "checkpoints_is_a_file", True, False),
 ]

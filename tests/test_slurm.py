@@ -24,8 +24,8 @@ from _slurm_cluster import (EXIT_UNAVAILABLE, ClusterHandle, cluster_dir, job_in
 from conftest import ROOT, compose
 
 LAUNCH = ROOT / "slurm" / "launch.py"
-TINY = ["model.size=2L64D", "task.N=8", "task.K=4", "task.vocab_V=6", "task.context=128", "data.batch_size=8",
-        "data.val_windows=16", "data.test_windows=32", "trainer.log_every_n_steps=5"]
+TINY = ["model.size=2L64D", "task.N=8", "task.K=4", "task.vocab_V=6", "task.context=128", "data.batch_size=6",
+        "data.val_windows=12", "data.test_windows=24", "trainer.log_every_n_steps=5"]  # batches split over 1, 2, 3 ranks
 MAX_STEPS = 60
 RUN = [*TINY, f"trainer.max_steps={MAX_STEPS}", "trainer.val_check_interval=30",
        "callbacks.checkpoint.every_n_train_steps=10"]
@@ -157,6 +157,23 @@ def test_override_with_a_control_character_is_refused(override, tmp_path, capsys
                            override]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("launch: error: override=") and "allowed: " in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("override", ["ckpt_path=/runs/a/checkpoints/step0000010.ckpt", "run_name=other",
+                                      "paths.log_dir=/elsewhere", "trainer.devices=3", "+trainer.num_nodes=2",
+                                      "trainer.accelerator=gpu", "callbacks.preemption.signal_name=SIGUSR1"])
+def test_override_of_a_key_the_launcher_sets_is_refused(override, tmp_path, capsys):
+    """The job's srun line ends with the launcher's own run_name, ckpt_path=auto, paths.log_dir, trainer.* and
+    signal overrides, which win over the user's: a user value for one of those keys would be silently replaced
+    (ckpt_path=<another run's checkpoint> would train from scratch), so it is refused, naming the key and the flag
+    or route that sets it."""
+    assert _launch().main(["--name", "r1", "--gpus-per-node", "0", "--log-dir", str(tmp_path / "logs"), "--",
+                           "model.size=2L64D", override]) == 2
+    err = capsys.readouterr().err.strip()
+    key = override.split("=")[0].lstrip("+")
+    assert len(err.splitlines()) == 1 and err.startswith(f"launch: error: override={override!r}"), err
+    assert f"no {key}: the launcher sets it" in err, err
     assert list(tmp_path.iterdir()) == []
 
 
@@ -336,8 +353,19 @@ def test_log_dir_with_a_space_on_the_cluster(slurm_cluster, tmp_path):
 def test_two_rank_cpu_job_matches_one_process(strategy, slurm_cluster, oracle, tmp_path):
     """launch.py submits a 2-rank CPU job (2 tasks x 1 CPU) run through srun; Lightning takes ranks and world size
     from SLURM (SLURM_PROCID / SLURM_NTASKS: one process per task, none spawned), the ranks train one model over
-    gloo, each on its own half of every global batch: the final test loss equals the one-process oracle. FSDP2's
-    step-10 checkpoint then resumes as a 1-rank job on the cluster and ends at the oracle too."""
+    gloo, each on its own half of every global batch: the final test loss equals the one-process oracle.
+
+    FSDP2, a preempted run resubmitted at another size: the run directory as it stood at step 10 (checkpoint
+    ``step0000010.ckpt``, a torch.distributed.checkpoint folder, and the metrics up to then) is copied twice and
+    each copy is resubmitted by name with ``--resume`` (the job's ``ckpt_path=auto`` finds the checkpoint), once
+    with 1 rank and once with 3, side by side (the test cluster declares 4 CPUs on this 2-core machine). The model
+    and AdamW state are resharded on load and every step's global batch of 6 windows is the same for any world size
+    (split 3/3, 6 or 2/2/2), so both continue the 2-rank job's training losses (logged every 5 steps from step 10
+    to 59) within float tolerance and end at the oracle."""
+    import shutil
+
+    from canonlm.train.metrics_file import read_metrics
+
     extra = ["strategy.param_dtype=fp32"] if strategy == "fsdp2" else []
     sub = _submit(f"two_{strategy}", tmp_path / "logs", CPU2, [*RUN, f"strategy={strategy}", *extra])
     info = wait_job_end(sub.job, JOB_TIMEOUT, sub.files)
@@ -347,18 +375,43 @@ def test_two_rank_cpu_job_matches_one_process(strategy, slurm_cluster, oracle, t
     log = sub.log()
     assert "GLOBAL_RANK: 1, MEMBER: 2/2" in log, sub.report()  # rank 1 is srun's second task, not a spawned child
     _assert_matches_oracle(res, oracle, sub.report())
-    if strategy == "fsdp2":
-        # the 2-rank job's step-10 checkpoint (a torch.distributed.checkpoint folder) resumes as a 1-rank job: the
-        # state is resharded on load and the data stream does not depend on the world size, so it ends as the oracle
-        ck = sub.run / "checkpoints" / "step0000010.ckpt"
-        assert ck.is_dir() and (ck / ".metadata").is_file(), sub.report()
-        one = _submit("one_fsdp2", tmp_path / "logs", [*CPU2[:2], "--tasks-per-node", "1", *CPU2[4:]],
-                      [*RUN, "strategy=fsdp2", *extra, f"ckpt_path={ck}"])
-        info = wait_job_end(one.job, JOB_TIMEOUT, one.files)
-        assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", one.report()
-        res1 = one.results()
-        assert res1["world_size"] == 1, one.report()
-        _assert_matches_oracle(res1, oracle, one.report())
+    if strategy != "fsdp2":
+        return
+    ck = sub.run / "checkpoints" / "step0000010.ckpt"
+    assert ck.is_dir() and (ck / ".metadata").is_file(), sub.report()
+    full = {r["step"]: r["train/loss"] for r in read_metrics(sub.run / "metrics.jsonl") if "train/loss" in r}
+    cpus = subprocess.run(["sinfo", "-h", "-o", "%c"], capture_output=True, text=True, timeout=60).stdout.split()
+    assert cpus and int(cpus[0]) >= 4, (f"the test cluster declares {cpus} CPUs; the 1- and 3-rank jobs need 4 "
+                                        "(scripts/local_slurm.py stop, then start: it declares --cpus 4 by default)")
+    jobs = {}
+    for n in (1, 3):
+        name = f"resume_fsdp2_ws{n}"
+        run = sub.run.parent / name        # the run as it stood when the step-10 checkpoint was written
+        (run / "checkpoints").mkdir(parents=True)
+        shutil.copytree(ck, run / "checkpoints" / ck.name)
+        (run / "metrics.jsonl").write_text("".join(ln for ln in (sub.run / "metrics.jsonl").read_text().splitlines(True)
+                                                   if json.loads(ln)["step"] < 10))
+        jobs[n] = _submit(name, tmp_path / "logs", ["--resume", *CPU2[:2], "--tasks-per-node", str(n), *CPU2[4:]],
+                          [*RUN, "strategy=fsdp2", *extra])
+    table = [("2 (uninterrupted)", 0, MAX_STEPS, full[MAX_STEPS - 1], res["test"]["loss"])]
+    for n, job in jobs.items():
+        info = wait_job_end(job.job, JOB_TIMEOUT, job.files)
+        assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", job.report()
+        res_n = job.results()
+        assert res_n["world_size"] == n, job.report()
+        if n == 3:
+            assert "GLOBAL_RANK: 2, MEMBER: 3/3" in job.log(), job.report()
+        assert "ckpt_path=auto: resuming from" in job.files[2].read_text(), job.report()
+        rows = {r["step"]: r["train/loss"] for r in read_metrics(job.run / "metrics.jsonl")
+                if "train/loss" in r and r["step"] >= 10}
+        assert max(rows) == MAX_STEPS - 1 and len(rows) == 10, job.report()    # steps 14, 19, ..., 59
+        steps = sorted(rows)
+        assert [rows[s] for s in steps] == pytest.approx([full[s] for s in steps], rel=1e-4), job.report()
+        _assert_matches_oracle(res_n, oracle, job.report())
+        table.append((f"2 -> {n} at step 10", 10, res_n["steps"], rows[MAX_STEPS - 1], res_n["test"]["loss"]))
+    print("\nworld size | from step | steps | last train loss | test loss")
+    for row in table:
+        print(" | ".join(str(v) for v in row))
 
 
 @pytest.mark.slurm

@@ -23,6 +23,8 @@ from canonlm.errors import ConfigError
 
 #: ``strategy.name`` options (``conf/strategy/*.yaml``).
 STRATEGIES = ("auto", "ddp", "ddp_spawn", "fsdp2")
+#: ``sched.name`` options (:func:`canonlm.train.schedule.lr_multiplier`).
+SCHEDULES = ("cosine", "linear", "constant", "wsd")
 #: ``trainer.precision`` values training accepts (Lightning's names; see :func:`canonlm.eval.load.eval_precision`).
 PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16-true", "16-mixed", "64-true")
 
@@ -134,6 +136,13 @@ TRAINING_RULES: tuple[Rule | KnownKeys, ...] = (
     Rule("trainer.precision", " | ".join(PRECISIONS), choices=PRECISIONS),
     Rule("trainer.max_steps", "a positive integer (training is step-based)", int, min=1),
     Rule("optim.lr", "a positive float", float, above=0),
+    Rule("sched.name", " | ".join(SCHEDULES), choices=SCHEDULES),
+    Rule("sched.warmup_steps", "an integer >= 0 (optimizer steps of linear warm-up)", int, min=0, null=True,
+         optional=True),
+    Rule("sched.min_lr_ratio", "a number in [0, 1] (the final lr as a fraction of optim.lr)", float, min=0,
+         optional=True, test=lambda v: v <= 1),
+    Rule("sched.decay_fraction", "a number in (0, 1] (wsd: the last fraction of steps that decays)", float, above=0,
+         optional=True, test=lambda v: v <= 1),
     Rule("ckpt_path", "null | auto | an existing checkpoint path", null=True, optional=True, test=_existing_or_auto),
     Rule("data.batch_size", _POSITIVE, int, min=1),
     Rule("trainer.accumulate_grad_batches", _POSITIVE, int, min=1, optional=True),
@@ -187,5 +196,5 @@ def micro_batch(batch_size: int, world_size: int, accumulate: int) -> int:
     return batch_size // parts
 
 
-__all__ = ["PRECISIONS", "STRATEGIES", "KnownKeys", "Rule", "TRAINING_RULES", "check_training", "check_value",
+__all__ = ["PRECISIONS", "SCHEDULES", "STRATEGIES", "KnownKeys", "Rule", "TRAINING_RULES", "check_training", "check_value",
            "micro_batch", "plain"]

@@ -180,18 +180,25 @@ def read_checkpoint(ck: str | Path, mmap: bool = False) -> dict[str, Any]:
                          "canonlm never unpickles code from a checkpoint") from None
 
 
+def tokenizer_record(task_cfg: dict[str, Any]) -> dict[str, Any]:
+    """The ``tokenizer`` record a ``text`` run's prepared data keeps in ``<task.data_dir>/meta.json`` (``path``,
+    ``sha256``, ``eos_token``, as :mod:`canonlm.data.prepare` writes it); ``{}`` when it has none. Raises OSError
+    (no such file) and ValueError (not JSON)."""
+    f = Path(str(task_cfg.get("data_dir") or "")) / "meta.json"
+    return dict(json.loads(f.read_text()).get("tokenizer") or {})
+
+
 def run_tokenizer(task_cfg: dict[str, Any]) -> tuple[str | None, str | None]:
-    """(tokenizer path, eos token) recorded by a ``text`` run's prepared data (meta.json); (None, None) for other
-    tasks or when the meta is unreadable."""
+    """(tokenizer path, eos token) recorded by a ``text`` run's prepared data (:func:`tokenizer_record`); (None,
+    None) for other tasks or when the meta is unreadable."""
     if task_cfg.get("name") != "text" or not task_cfg.get("data_dir"):
         return None, None
-    f = Path(task_cfg["data_dir"]) / "meta.json"
     try:
-        t = json.loads(f.read_text()).get("tokenizer", {})
-    except (OSError, json.JSONDecodeError):
+        t = tokenizer_record(task_cfg)
+    except (OSError, ValueError):
         return None, None
     return t.get("path"), t.get("eos_token")
 
 
 __all__ = ["CHECKPOINT", "has_run_config", "is_distributed_checkpoint", "read_distributed_checkpoint", "load_run_config", "read_checkpoint", "recorded_meta", "resolve_run",
-           "run_tokenizer", "task_config"]
+           "run_tokenizer", "task_config", "tokenizer_record"]

@@ -31,12 +31,12 @@ SPECIALS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 
 def _meta_tokenizer(task_cfg: Mapping[str, Any]) -> dict[str, Any]:
-    import json
+    from canonlm.config.rundir import tokenizer_record
 
-    f = Path(str(task_cfg.get("data_dir") or "")) / "meta.json"
     try:
-        return dict(json.loads(f.read_text()).get("tokenizer") or {})
-    except (OSError, json.JSONDecodeError) as e:
+        return tokenizer_record(dict(task_cfg))
+    except (OSError, ValueError) as e:
+        f = Path(str(task_cfg.get("data_dir") or "")) / "meta.json"
         raise InteropError(f"the run's prepared data {f} cannot be read ({e}); its tokenizer is needed for the "
                            "export") from None
 

@@ -61,13 +61,13 @@ def resolve_max_steps(cfg: DictConfig, task: Any) -> None:
 
 
 def validate_training(cfg: DictConfig) -> None:
-    """Checks of the training keys that Lightning would only report late (or never): the learning-rate schedule's
-    own (:func:`canonlm.train.schedule.lr_multiplier`), then the declared table
-    (:data:`canonlm.config.rules.TRAINING_RULES`). Raises ConfigError for the first bad key."""
+    """Checks of the training keys that Lightning would only report late (or never): the declared table
+    (:data:`canonlm.config.rules.TRAINING_RULES`, the ``sched.*`` keys included), then the learning-rate schedule
+    built once (:func:`canonlm.train.schedule.lr_multiplier`). Raises ConfigError for the first bad key."""
     from canonlm.train.schedule import lr_multiplier
 
-    lr_multiplier(plain(cfg.sched), 1)
     check_training(cfg)
+    lr_multiplier(plain(cfg.sched), 1)
 
 
 def _device_of(cfg: DictConfig) -> torch.device:
@@ -341,6 +341,21 @@ def _trainer_kwargs(cfg: DictConfig) -> dict[str, Any]:
     return kwargs
 
 
+def _lightning_key(message: str, kwargs: dict[str, Any]) -> str | None:
+    """The ``trainer`` argument a ``lightning.Trainer`` error is about: the first of ``kwargs``'s names the message
+    mentions (```max_epochs` must be ...``, ``Trainer(devices=0)``, ``accelerator='abacus'``), else ``accelerator``
+    for a device that is not there ("No supported gpu backend found!"), else None."""
+    import re
+
+    hits = [(m.start(), k) for k in kwargs if k != "default_root_dir"
+            for m in [re.search(rf"(?<![A-Za-z_]){re.escape(k)}(?![A-Za-z_])", message)] if m]
+    if hits:
+        return min(hits)[1]
+    if "accelerator" in kwargs and re.search(r"\b(gpu|cuda|mps|tpu|backend)\b", message, flags=re.I):
+        return "accelerator"
+    return None
+
+
 def _build_trainer(cfg: DictConfig, task: Any, output_dir: str) -> tuple[Any, Any, list[Any]]:
     """(Trainer, data module, wandb logger nodes) as configured: Lightning's own checks of the ``trainer`` arguments,
     the strategy and the devices run here (``lightning.Trainer`` writes nothing when constructed), then the batch
@@ -377,8 +392,11 @@ def _build_trainer(cfg: DictConfig, task: Any, output_dir: str) -> tuple[Any, An
     try:
         trainer = L.Trainer(**kwargs, strategy=_strategy(cfg), callbacks=callbacks, logger=loggers, plugins=plugins)
     except (MisconfigurationException, ValueError, TypeError, ImportError) as e:
-        raise ConfigError("trainer", {k: v for k, v in kwargs.items() if k != "default_root_dir"},
-                          f"arguments Lightning accepts on this machine ({e})") from None
+        key = _lightning_key(str(e), kwargs)
+        if key is None:
+            raise ConfigError("trainer", {k: v for k, v in kwargs.items() if k != "default_root_dir"},
+                              f"arguments Lightning accepts on this machine ({e})") from None
+        raise ConfigError(f"trainer.{key}", kwargs[key], f"a value Lightning accepts on this machine ({e})") from None
     dm.micro_batch(trainer.world_size, trainer.accumulate_grad_batches)
     return trainer, dm, wandb_nodes
 

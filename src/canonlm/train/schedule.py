@@ -9,9 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Mapping
 
-from canonlm.errors import ConfigError
-
-SCHEDULES = ("cosine", "linear", "constant", "wsd")
+from canonlm.config.rules import check_value
 
 
 def lr_multiplier(cfg: Mapping[str, Any], total_steps: int) -> Callable[[int], float]:
@@ -20,20 +18,13 @@ def lr_multiplier(cfg: Mapping[str, Any], total_steps: int) -> Callable[[int], f
     cfg keys: ``name`` (cosine | linear | constant | wsd), ``warmup_steps`` (linear warm-up from 0 over this many
     steps), ``min_lr_ratio`` (final multiplier), ``decay_fraction`` (wsd only: last fraction of steps that decays).
     cosine: ``r + (1 - r) * (1 + cos(pi * p)) / 2`` with p the post-warm-up progress in [0, 1]; linear:
-    ``1 - (1 - r) * p``. Raises ConfigError for an unknown name or out-of-range values.
+    ``1 - (1 - r) * p``. Raises ConfigError for a value the rules of ``sched.*``
+    (:data:`canonlm.config.rules.TRAINING_RULES`) refuse.
     """
-    name = cfg.get("name")
-    if name not in SCHEDULES:
-        raise ConfigError("sched.name", name, " | ".join(SCHEDULES))
-    warmup = int(cfg.get("warmup_steps", 0) or 0)
-    r = float(cfg.get("min_lr_ratio", 0.0))
-    if warmup < 0:
-        raise ConfigError("sched.warmup_steps", warmup, "an integer >= 0")
-    if not 0.0 <= r <= 1.0:
-        raise ConfigError("sched.min_lr_ratio", r, "a float in [0, 1]")
-    decay_fraction = float(cfg.get("decay_fraction", 0.2))
-    if name == "wsd" and not 0.0 < decay_fraction <= 1.0:
-        raise ConfigError("sched.decay_fraction", decay_fraction, "a float in (0, 1]")
+    name = check_value("sched.name", cfg.get("name"))
+    warmup = int(check_value("sched.warmup_steps", cfg.get("warmup_steps", 0)) or 0)
+    r = float(check_value("sched.min_lr_ratio", cfg.get("min_lr_ratio", 0.0)))
+    decay_fraction = float(check_value("sched.decay_fraction", cfg.get("decay_fraction", 0.2)))
     total = max(int(total_steps), 1)
 
     def f(step: int) -> float:
