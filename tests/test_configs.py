@@ -160,7 +160,7 @@ BAD = [
     (["model.size=4L100D", "model.n_heads=4"], "even head_dim"),     # head_dim 25 cannot be rotated
     (["loss.z_coef=abc"], "loss.z_coef='abc'"),
     (["optim.betas=[0.9]"], "optim.betas=[0.9]"),
-    (["trainer.accelerator=gpu"], "invalid config: trainer="),       # Lightning's own check, before any model
+    (["trainer.accelerator=gpu"], "invalid config: trainer.accelerator='gpu'"),       # Lightning's own check, before any model
     (["data.batch_size=10", "trainer.accumulate_grad_batches=4"], "data.batch_size=10"),
 ]
 
