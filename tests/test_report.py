@@ -110,20 +110,24 @@ EXPECTED_DEFAULT = """\
 canon.set=none pos.type=nope
 task.N \\ model.size |        2L64D
                  16 |    5.0/ 20.0
+100 steps (410K tokens) per run; each cell the best of optim.lr in {{0.001, 0.002}} (2 runs per cell); seed=0
 
 canon.set=none pos.type=rope
 task.N \\ model.size |        2L64D
                  16 |   12.0/ 25.0
+100 steps (410K tokens) per run; each cell the best of optim.lr in {{0.001, 0.002}} (2 runs per cell); seed=0
 
 canon.set=ABCD pos.type=nope
 task.N \\ model.size |        2L64D
                  16 |   55.0/ 85.0
+100 steps (410K tokens) per run; each cell the best of optim.lr in {{0.001, 0.002}} (2 runs per cell); seed=0
 
 canon.set=ABCD pos.type=rope
 task.N \\ model.size |        2L64D
                  16 |   60.0/ 95.0
+100 steps (410K tokens) per run; each cell the best of optim.lr in {{0.001, 0.002}} (2 runs per cell); seed=0
 
-cells: acc@K / acc@K/2 (%); the best run over learning rates and seeds (test split, else val)
+cells: acc@K / acc@K/2 (%) (test split, else val)
 
 unfinished or failed: {s}/8 (last step 30 from metrics.jsonl)
 unfinished or failed: {s}/9 (results.json has no test or val result; no metrics.jsonl)
@@ -291,3 +295,111 @@ def test_report_position_rule_is_the_models():
         run = {"config": {"model": {"arch": arch}, "pos": {"type": "rope", "fraction": 1.0}}}
         assert _value(run, "pos.type") == position_encoding(arch, "rope"), arch
         assert (_value(run, "pos.fraction") is None) == (position_encoding(arch, "rope") == "none"), arch
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Cells compare like with like: only the best-of keys (lr, seeds) and keys that cannot change a result may differ
+# ---------------------------------------------------------------------------------------------------------------
+
+def _set(cfg: dict, dotted: str, value) -> dict:
+    *path, last = dotted.split(".")
+    node = cfg
+    for part in path:
+        node = node.setdefault(part, {})
+    node[last] = value
+    return cfg
+
+
+def _run_with(root, name, acc, changes: dict, lr=1e-3):
+    """A finished Depo run (N=16, 2L64D, acc@8 = acc) whose hparams.json is ``_config`` with ``changes`` applied."""
+    d = _run(root, name, 16, "2L64D", lr, acc, acc / 2)
+    cfg = _config(16, "2L64D", lr)
+    for k, v in changes.items():
+        _set(cfg, k, v)
+    (d / "hparams.json").write_text(json.dumps(cfg))
+    return d
+
+
+# (key, value of the weaker run, value of the stronger run): each can change a result
+RESULT_KEYS = [("trainer.max_steps", 600, 100000), ("canon.kernel", 2, 4), ("canon.residual", False, True),
+               ("canon.activation", True, False), ("pos.theta", 500.0, 10000.0), ("pos.pairing", "interleaved", "half"),
+               ("data.batch_size", 32, 64), ("optim.weight_decay", 0.0, 0.1), ("model.n_heads", 2, 4),
+               ("sched.name", "constant", "cosine"), ("loss.z_loss", "palm", "none"), ("task.context", 128, 256)]
+
+
+@pytest.mark.parametrize("key, weak, strong", RESULT_KEYS, ids=[k for k, _, _ in RESULT_KEYS])
+def test_runs_that_differ_in_a_result_key_never_share_a_cell(tmp_path, capsys, key, weak, strong):
+    """Oracle: by hand, each run is the only run of its own table (the stronger one does not absorb the weaker)."""
+    _run_with(tmp_path, "a", 0.20, {key: weak})
+    _run_with(tmp_path, "b", 0.90, {key: strong}, lr=2e-3)
+    assert main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"{key}={weak}\n" in out and f"{key}={strong}\n" in out, out
+    assert "20.0/ 10.0" in out and "90.0/ 45.0" in out, out
+    assert out.count("(1 run per cell)") == 2 and "best of" not in out, out
+    runs = load_runs(tmp_path)
+    with pytest.raises(ValueError, match=rf"{key}=({weak} vs {strong}|{strong} vs {weak})"):
+        table(runs, "task.N", "model.size")
+
+
+def test_the_issue_example_three_runs_are_three_tables(tmp_path, capsys):
+    """Residual on / off, kernel 4 / 2, 600 / 100,000 steps: formerly one cell taken from the 100,000-step run."""
+    _run_with(tmp_path, "a", 0.30, {"canon.residual": True, "canon.kernel": 4, "trainer.max_steps": 600})
+    _run_with(tmp_path, "b", 0.50, {"canon.residual": False, "canon.kernel": 4, "trainer.max_steps": 600})
+    _run_with(tmp_path, "c", 0.95, {"canon.residual": True, "canon.kernel": 2, "trainer.max_steps": 100000})
+    assert main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    print(out)
+    titles = [ln for ln in out.splitlines() if ln.startswith("canon.")]
+    assert titles == ["canon.kernel=2 canon.residual=True trainer.max_steps=100000",
+                      "canon.kernel=4 canon.residual=True trainer.max_steps=600",
+                      "canon.kernel=4 canon.residual=False trainer.max_steps=600"], out
+    assert [ln.split("|")[1].strip() for ln in out.splitlines() if ln.startswith("                 16 |")] == \
+        ["95.0/ 47.5", "30.0/ 15.0", "50.0/ 25.0"], out
+
+
+def test_neutral_keys_and_best_of_keys_share_a_cell(tmp_path, capsys):
+    """Runs that differ only in paths, names, loggers, checkpoint cadence, the resume choice and the worker count,
+    and in learning rate and seeds: one cell, the best of the four, the protocol stated."""
+    neutral = {"run_name": "x", "paths.output_dir": "/x", "logger.csv.save_dir": "/x",
+               "callbacks.checkpoint.every_n_train_steps": 100, "data.num_workers": 4, "ckpt_path": "auto",
+               "trainer.log_every_n_steps": 5}
+    for i, (lr, seed, acc) in enumerate([(1e-3, 1, 0.3), (1e-3, 2, 0.4), (3e-3, 1, 0.8), (3e-3, 2, 0.6)]):
+        ch = {k: (f"{v}{i}" if isinstance(v, str) else v * (i + 1)) for k, v in neutral.items()}
+        _run_with(tmp_path, f"r{i}", acc, {**ch, "seed": seed}, lr=lr)
+    assert main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("task.N \\ model.size |        2L64D\n                 16 |   80.0/ 40.0\n"), out
+    assert ("100 steps (410K tokens) per run; each cell the best of optim.lr in {0.001, 0.003} x seed in {1, 2} "
+            "(4 runs per cell)") in out, out
+
+
+def test_best_of_names_other_keys(tmp_path, capsys):
+    _run_with(tmp_path, "a", 0.2, {"optim.weight_decay": 0.0})
+    _run_with(tmp_path, "b", 0.7, {"optim.weight_decay": 0.1})
+    assert main([str(tmp_path), "--best-of", "optim.lr,seed,optim.weight_decay", "--json",
+                 str(tmp_path / "r.json")]) == 0
+    out = capsys.readouterr().out
+    assert "70.0/ 35.0" in out and "20.0" not in out and "optim.weight_decay in {0.0, 0.1} (2 runs per cell)" in out
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["tables"][0]["protocol"]["best_of"]["optim.weight_decay"] == ["0.0", "0.1"]
+    for bad, why in (("task.N", "--rows / --cols"), ("paths.output_dir", "cannot change a result"), ("a b", "not a")):
+        assert main([str(tmp_path), "--best-of", bad]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith("report: error: --best-of") and why in err, err
+
+
+def test_every_figure_and_table_states_budget_learning_rates_and_seeds(tmp_path):
+    """The --out files of the README sweep: table.md, report.json and each figure's caption name the steps, the
+    tokens, the learning rates and the runs per cell (what the oracle, _sweep_2x2, put there)."""
+    from canonlm.train.report import build_outputs, find_unfinished
+
+    s = _sweep_2x2(tmp_path)
+    runs = load_runs(s)
+    files = build_outputs([s], runs, find_unfinished(s, runs), "task.N", "model.size")
+    want = "100 steps (410K tokens) per run; each cell the best of optim.lr in {0.001, 0.002} (2 runs per cell); seed=0"
+    assert (f"Cells: acc@K / acc@K/2 (%) (test split, else val). {want}." in files["table.md"].decode())
+    doc = json.loads(files["report.json"])
+    assert [t["protocol"]["text"] for t in doc["tables"]] == [want] * 4
+    figs = doc["figures"]
+    assert figs and all(want in f["caption"] for f in figs), [f["caption"] for f in figs]

@@ -41,8 +41,7 @@ NA_HATCH = (0.62, 0.62, 0.62, 1.0)  # ... hatched in a darker grey
 NA_HATCH_PATTERN = "//"
 CELL_W, CELL_H = 1.2, 0.6           # inches per heat-map cell
 PROBE = 0.14                        # probe pixel: this fraction of a cell below its top edge, centred
-_LEGEND = ("Each cell: the best run over the learning rates and seeds; grey hatched: no finished run (n/a); "
-           "*: another run of the cell is unfinished")
+_LEGEND = "grey hatched: no finished run (n/a); *: another run of the cell is unfinished"
 
 
 def scale(tables: list[dict[str, Any]]) -> tuple[float, float, str]:
@@ -84,10 +83,15 @@ def heatmap(tables: list[dict[str, Any]], *, rows: str, cols: str, title: str,
             unplaced: list[str] | None = None, ncols: int | None = None) -> tuple[bytes, dict[str, Any]]:
     """Fig. 7-style heat map(s) of one or several settings' tables (``canonlm.train.report.layout`` items), one
     panel each, side by side (``ncols`` per line, default up to 4) with one shared colour bar; the figure's title
-    ``title``, each panel's title its setting. ``unplaced``: unfinished runs that have no config (named under the
-    figure)."""
+    ``title``, each panel's title its setting, the caption each table's budget and best-of protocol (``protocol`` of
+    :func:`canonlm.train.report.layout`: steps, tokens, learning rates, seeds, runs per cell) and the legend.
+    ``unplaced``: unfinished runs that have no config (named under the figure). ``info["caption"]`` is that text."""
     vmin, vmax, slabel = scale(tables)
-    note = _LEGEND
+    # the caption: each table's budget and best-of protocol (``canonlm.train.report.protocol``), once if shared
+    protos = list(dict.fromkeys(t["protocol"]["text"] for t in tables if t.get("protocol")))
+    if len(protos) > 1:
+        protos = [f"[{t['title'] or t['name']}] {t['protocol']['text']}" for t in tables if t.get("protocol")]
+    note = "".join(f"{x}. " for x in protos) + _LEGEND[0].upper() + _LEGEND[1:]
     n = len(tables)
     nc = min(n, ncols or 4)
     nr = math.ceil(n / nc)
@@ -152,7 +156,7 @@ def heatmap(tables: list[dict[str, Any]], *, rows: str, cols: str, title: str,
                       "probe_px": [int(round(x)), int(round(H - y))]})
     png = _png(fig)
     info = {"size_px": [int(round(fig.bbox.width)), int(round(H))], "dpi": DPI, "cmap": CMAP, "vmin": vmin,
-            "vmax": vmax, "scale": slabel, "cells": cells}
+            "vmax": vmax, "scale": slabel, "cells": cells, "caption": note}
     return png, info
 
 
@@ -255,9 +259,13 @@ def curves(t: dict[str, Any], *, rows: str, cols: str, title: str) -> tuple[byte
     # a narrow figure (one or two cells) gets the title over two lines instead of cutting it off
     sep = "\n" if nc < 3 else " -- "
     fig.suptitle(f"{title}{sep}learning curves (best run per cell)", fontsize=10)
+    caption = (t.get("protocol") or {}).get("text", "")
+    if caption:  # the budget and the best-of protocol (canonlm.train.report.protocol)
+        fig.supxlabel(textwrap.fill(caption + ".", width=int(fig.get_figwidth() * 15)), fontsize=7)
     fig.canvas.draw()
     png = _png(fig)
-    return png, {"size_px": [int(round(fig.bbox.width)), int(round(fig.bbox.height))], "dpi": DPI, "cells": cells}
+    return png, {"size_px": [int(round(fig.bbox.width)), int(round(fig.bbox.height))], "dpi": DPI, "cells": cells,
+                 "caption": caption}
 
 
 def _last(run_dir: str) -> int:

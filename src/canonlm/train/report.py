@@ -1,16 +1,20 @@
 """Paper-style tables and figures from a sweep: ``python -m canonlm.train.report <sweep or run dirs...> [--rows task.N]
-[--cols model.size] [--k K1,K2] [--json out.json] [--out DIR [--force]]``.
+[--cols model.size] [--k K1,K2] [--best-of KEYS] [--json out.json] [--out DIR [--force]]``.
 
 Reads every run below the folders: its ``results.json`` (written by ``train.py`` when the run ends) and the resolved
 config ``hparams.json`` beside it. Runs are put in cells by the values of the ``--rows`` and ``--cols`` config keys,
-and a cell shows its best run over the learning rates and seeds it holds: the paper reports, for each cell, the best
-of the learning rates it tried (Allen-Zhu, 2025, Physics of Language Models Part 4.1). A run whose metric is NaN
-(diverged) never wins a cell.
+and a cell shows its best run over the ``--best-of`` keys (default ``optim.lr,seed,task.seed``: the learning rates
+and seeds it holds): the paper reports, for each cell, the best of the learning rates it tried (Allen-Zhu, 2025,
+Physics of Language Models Part 4.1, Fig. 7). A run whose metric is NaN (diverged) never wins a cell.
 
-When the runs also differ in other keys that define *what* is compared (``IDENTITY``: task, architecture, Canon set,
-positional encoding, qk-norm, MLP, model size, task parameters), one table is printed per combination of the keys
-that vary, headed by that setting, e.g. ``canon.set=ABCD pos.type=rope``; runs of different settings never share a
-cell. The README's 2 x 2 sweep ``python train.py -m canon=none,ABCD pos=rope,nope`` thus gives four one-cell tables
+Runs share a cell only when their resolved configs are equal in every other key that can change a result: only the
+keys that cannot (``NEUTRAL``: paths, run names, loggers, checkpoint cadence, the resume choice, the loader's worker
+count) are ignored. Runs that differ in anything else -- Canon set, positions, ``trainer.max_steps``,
+``canon.kernel``, ``optim.weight_decay``, ... -- are split into one table per combination of the keys that vary,
+headed by that setting, e.g. ``canon.set=ABCD pos.type=rope`` or ``trainer.max_steps=600``. Under each table its
+budget (steps, tokens per run) and what its cells are the best of (e.g. ``each cell the best of optim.lr in {0.001,
+0.003} x seed in {1, 2} (4 runs per cell)``) are printed, and written into ``table.md``, ``report.json`` and the
+figures' captions. The README's 2 x 2 sweep ``python train.py -m canon=none,ABCD pos=rope,nope`` thus gives four one-cell tables
 by default, or one 2 x 2 table with ``--rows canon.set --cols pos.type``. An empty Canon set is labelled ``none``.
 
 A cell is the test split's (else the validation split's) number: Depo ``acc@K / acc@K/2`` in percent (whole-answer
@@ -174,9 +178,44 @@ def _kind(run: dict[str, Any]) -> str:
     return "answer accuracy (%)"
 
 
-# Keys that define *what* is compared; within one cell only the lr and the seeds may vary (the paper's "best of").
+# The keys named first in a setting's title (the paper's axes); every other config key is compared too.
 IDENTITY = ("task.name", "model.arch", "canon.set", "pos.type", "pos.fraction", "model.qk_norm", "model.mlp",
             "model.size", "task.N", "task.K", "task.L", "task.grammar")
+# The keys a cell takes its best run over (``--best-of``): the learning rate and the seeds (training and data), the
+# paper's protocol (Part 4.1 Fig. 7: the best of several learning rates).
+BEST_OF = ("optim.lr", "seed", "task.seed")
+# Keys that cannot change a result (and the nodes below them): where files go, names, logging, checkpoint cadence
+# and the resume choice, the data loader's worker count (the stream is the same for any count).
+NEUTRAL = ("run_name", "task_name", "tags", "paths", "logger", "callbacks.checkpoint", "callbacks.progress",
+           "callbacks.lr_monitor", "callbacks.preemption", "ckpt_path", "trainer.default_root_dir",
+           "trainer.log_every_n_steps", "trainer.enable_progress_bar", "trainer.enable_model_summary",
+           "data.num_workers")
+
+
+def _under(key: str, prefixes: tuple[str, ...] | list[str]) -> bool:
+    return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
+def _flat_keys(d: dict[str, Any], prefix: str = "") -> list[str]:
+    out = []
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out += _flat_keys(v, f"{prefix}{k}.")
+        else:
+            out.append(f"{prefix}{k}")
+    return out
+
+
+def compared_keys(runs: list[dict[str, Any]], rows: str, cols: str,
+                  best_of: tuple[str, ...] = BEST_OF) -> list[str]:
+    """The keys whose values must be equal for runs to share a cell: every key of the runs' resolved configs
+    (``hparams.json``; :data:`IDENTITY` for runs without one) except ``rows`` / ``cols``, the ``best_of`` keys
+    and the :data:`NEUTRAL` ones; :data:`IDENTITY` first, then the others sorted."""
+    every = set(IDENTITY)
+    for r in runs:
+        every |= set(_flat_keys(r.get("config") or {}))
+    keep = [k for k in every if not (k in (rows, cols) or _under(k, best_of) or _under(k, NEUTRAL))]
+    return [k for k in IDENTITY if k in keep] + sorted(k for k in keep if k not in IDENTITY)
 
 # Where results.json keeps an identity key, for runs without hparams.json.
 _FROM_RESULTS = {"task.name": ("task",), "model.arch": ("model", "arch"), "canon.set": ("model", "canon"),
@@ -231,14 +270,16 @@ def _rank(c: tuple[float, float]) -> tuple[float, float]:
     return (float("-inf") if c[0] != c[0] else c[0], 0.0 if c[1] != c[1] else c[1])
 
 
-def table(runs: list[dict[str, Any]], rows: str, cols: str) -> dict[str, dict[str, dict[str, Any]]]:
+def table(runs: list[dict[str, Any]], rows: str, cols: str,
+          best_of: tuple[str, ...] = BEST_OF) -> dict[str, dict[str, dict[str, Any]]]:
     """{row label: {col label: {"acc": (hi, lo), "dir": best run dir, "runs": n}}} of runs of ONE setting: best by
-    acc@K then acc@K/2 over the runs of a cell, which may differ only in learning rate and seeds (the paper's
-    best-of); runs that differ in an identity key (Canon set, positions, architecture, task, ...) raise ValueError
-    naming it (``tables`` splits a sweep into settings first). NaN (diverged) loses."""
+    acc@K then acc@K/2 over the runs of a cell, which may differ only in the ``best_of`` keys (learning rate and
+    seeds: the paper's best-of) and the keys that cannot change a result (:data:`NEUTRAL`); runs that differ in any
+    other config key (:func:`compared_keys`: Canon set, positions, steps, kernel size, ...) raise ValueError naming
+    the keys and values (``tables`` splits a sweep into settings first). NaN (diverged) loses."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
     ident: dict[tuple[str, str], tuple] = {}
-    keys = [k for k in IDENTITY if k not in (rows, cols)]
+    keys = compared_keys(runs, rows, cols, best_of)
     for r in runs:
         c = cell(r)
         if c is None:
@@ -258,12 +299,14 @@ def table(runs: list[dict[str, Any]], rows: str, cols: str) -> dict[str, dict[st
     return out
 
 
-def tables(runs: list[dict[str, Any]], rows: str, cols: str) -> list[dict[str, Any]]:
-    """One table per setting: the runs (with a test or val result) are split by the identity keys other than
-    ``rows`` / ``cols`` that take more than one value among them. Each item: ``{"setting": {key: label},
-    "title": "key=label key=label", "cells": table(...)}``, in the order none < numbers < strings by length."""
-    keys = [k for k in IDENTITY if k not in (rows, cols)]
+def tables(runs: list[dict[str, Any]], rows: str, cols: str,
+           best_of: tuple[str, ...] = BEST_OF) -> list[dict[str, Any]]:
+    """One table per setting: the runs (with a test or val result) are split by the compared keys
+    (:func:`compared_keys`) that take more than one value among them. Each item: ``{"setting": {key: label},
+    "title": "key=label key=label", "cells": table(...), "protocol": protocol(...)}``, in the order none < numbers
+    < strings by length."""
     evaluated = [r for r in runs if cell(r) is not None]
+    keys = compared_keys(evaluated, rows, cols, best_of)
     sigs = [{k: label(k, _value(r, k)) for k in keys} for r in evaluated]
     varying = [k for k in keys if len({s[k] for s in sigs}) > 1]
     groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
@@ -272,9 +315,45 @@ def tables(runs: list[dict[str, Any]], rows: str, cols: str) -> list[dict[str, A
     out = []
     for g in sorted(groups, key=lambda t: tuple(_order(x) for x in t)):
         setting = dict(zip(varying, g))
+        cells = table(groups[g], rows, cols, best_of)
         out.append({"setting": setting, "title": " ".join(f"{k}={v}" for k, v in setting.items()),
-                    "cells": table(groups[g], rows, cols)})
+                    "cells": cells, "protocol": protocol(groups[g], best_of, cells)})
     return out
+
+
+def _tokens(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(n)
+
+
+def protocol(runs: list[dict[str, Any]], best_of: tuple[str, ...],
+             cells: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """What a table's cells are the best of, and its budget, from its finished runs: ``best_of`` {key: sorted
+    labels}, ``steps`` / ``tokens`` (sorted distinct ``results.json`` ``steps`` / ``tokens_seen``),
+    ``runs_per_cell`` [min, max] and ``text``, e.g. ``600 steps (1.23M tokens) per run; each cell the best of
+    optim.lr in {0.001, 0.003} x seed in {1, 2} (4 runs per cell)``."""
+    vals = {k: sorted({label(k, _value(r, k)) for r in runs}, key=_order) for k in best_of}
+    steps = sorted({int(r["steps"]) for r in runs if isinstance(r.get("steps"), int)})
+    tokens = sorted({int(r["tokens_seen"]) for r in runs if isinstance(r.get("tokens_seen"), int)})
+    counts = [e["runs"] for row in cells.values() for e in row.values()] or [0]
+    per = [min(counts), max(counts)]
+    budget = (" or ".join(str(x) for x in steps) + " steps" if steps else "steps unknown")
+    if tokens:
+        budget += f" ({' or '.join(_tokens(t) for t in tokens)} tokens)"
+    varied = [k for k in best_of if len(vals[k]) > 1]
+    fixed = [f"{k}={vals[k][0]}" for k in best_of if len(vals[k]) == 1 and vals[k][0] != "None"]
+    n = f"{per[0]} run{'s' if per[0] != 1 else ''}" if per[0] == per[1] else f"{per[0]}-{per[1]} runs"
+    if varied:
+        what = "each cell the best of " + " x ".join(f"{k} in {{{', '.join(vals[k])}}}" for k in varied)
+        what += f" ({n} per cell)"
+    else:
+        what = f"one setting per cell ({n} per cell)"
+    if fixed:
+        what += "; " + ", ".join(fixed)
+    return {"best_of": vals, "steps": steps, "tokens": tokens, "runs_per_cell": per,
+            "text": f"{budget} per run; {what}"}
 
 
 def _fmt(e: dict[str, Any] | None) -> str:
@@ -369,7 +448,8 @@ def _slug(setting: dict[str, str]) -> str:
     return re.sub(r"[^A-Za-z0-9._=-]+", "-", "_".join(f"{k}={v}" for k, v in setting.items())).replace("=", "-")
 
 
-def layout(runs: list[dict[str, Any]], placed: list[dict[str, Any]], rows: str, cols: str) -> list[dict[str, Any]]:
+def layout(runs: list[dict[str, Any]], placed: list[dict[str, Any]], rows: str, cols: str,
+           best_of: tuple[str, ...] = BEST_OF) -> list[dict[str, Any]]:
     """The paper's tables with nothing dropped: like ``tables`` (one per setting, best run over the learning rates
     per cell, Fig. 7 of Allen-Zhu 2025 reports the best of four), but the settings, row values and column values
     also come from the unfinished or failed runs (``place_unfinished``), and every (row, column) pair of a task is a
@@ -379,10 +459,10 @@ def layout(runs: list[dict[str, Any]], placed: list[dict[str, Any]], rows: str, 
     ``col_values``, ``kind``, ``bits`` and ``cells[r][c]`` = ``{"status": ok | diverged | unfinished | failed |
     missing, "acc": (acc@K, acc@K/2) or None, "value": colour value (percent, or bits) or None, "text", "dir"
     (best run), "runs" (finished runs), "unfinished": [dirs of this cell's unfinished or failed runs]}``."""
-    keys = [k for k in IDENTITY if k not in (rows, cols)]
     evaluated = [r for r in runs if cell(r) is not None]
     others = [u for u in placed if u.get("config")]
     every = evaluated + others
+    keys = compared_keys(every, rows, cols, best_of)
     sigs = [{k: label(k, _value(r, k)) for k in keys} for r in every]
     varying = [k for k in keys if len({s[k] for s in sigs}) > 1]
     groups: dict[tuple[str, ...], list[int]] = {}
@@ -403,7 +483,7 @@ def layout(runs: list[dict[str, Any]], placed: list[dict[str, Any]], rows: str, 
         unf = [every[i] for i in idx if i >= len(evaluated)]
         first = every[idx[0]]
         task = task_of[idx[0]]
-        best = table(fin, rows, cols) if fin else {}
+        best = table(fin, rows, cols, best_of) if fin else {}
         rvals = sorted(rv_task[task], key=_order)
         cvals = sorted(cv_task[task], key=_order)
         kinds = {_kind(r) for r in fin}
@@ -445,7 +525,7 @@ def layout(runs: list[dict[str, Any]], placed: list[dict[str, Any]], rows: str, 
                     "named": named, "slug": _slug(setting),
                     "group": {k: v for k, v in setting.items() if k not in PANEL_KEYS},
                     "task": task, "row_values": rvals, "col_values": cvals, "kind": kind, "bits": bits,
-                    "cells": cells})
+                    "cells": cells, "protocol": protocol(fin, best_of, best)})
     return out
 
 
@@ -455,8 +535,7 @@ def markdown(lay: list[dict[str, Any]], rows: str, cols: str, roots: list[Path],
     run over the learning rates (``n/a (unfinished)`` etc. where there is none), then the unfinished runs."""
     lines = ["# Sweep report", "", "Runs below: " + ", ".join(f"`{r}`" for r in roots), ""]
     for t in lay:
-        lines += [f"## {t['name']}", "", f"Cells: {t['kind']}, the best run over learning rates and seeds "
-                  "(test split, else val).", ""]
+        lines += [f"## {t['name']}", "", f"Cells: {t['kind']} (test split, else val). {t['protocol']['text']}.", ""]
         lines.append(f"| {rows} \\ {cols} | " + " | ".join(t["col_values"]) + " |")
         lines.append("|---|" + "---:|" * len(t["col_values"]))
         for rv in t["row_values"]:
@@ -499,14 +578,14 @@ def _json_cell(c: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_outputs(roots: list[Path], runs: list[dict[str, Any]], unfinished: list[dict[str, Any]], rows: str,
-                  cols: str) -> dict[str, bytes]:
+                  cols: str, best_of: tuple[str, ...] = BEST_OF) -> dict[str, bytes]:
     """Every file of ``--out``, by name, rendered in memory (nothing is written here): ``table.md``, one CSV per
     setting, one Fig. 7-style heat map per setting, side-by-side panels for the settings that differ only in Canon
     set or positions, learning curves per setting, and ``report.json`` (tables, unfinished runs, figure geometry)."""
     from canonlm.train import figures
 
     placed = place_unfinished(unfinished, runs)
-    lay = layout(runs, placed, rows, cols)
+    lay = layout(runs, placed, rows, cols, best_of)
     files: dict[str, bytes] = {}
     figs: list[dict[str, Any]] = []
     per_setting: dict[str, list[str]] = {}
@@ -552,6 +631,7 @@ def build_outputs(roots: list[Path], runs: list[dict[str, Any]], unfinished: lis
     files["table.md"] = markdown(lay, rows, cols, roots, placed, per_setting).encode()
     doc = {"roots": [str(r) for r in roots], "rows": rows, "cols": cols,
            "tables": [{"setting": t["setting"], "title": t["title"], "name": t["name"], "kind": t["kind"],
+                       "protocol": t["protocol"],
                        "row_values": t["row_values"], "col_values": t["col_values"],
                        "csv": f"table{'-' + t['slug'] if t['slug'] else ''}.csv",
                        "cells": {r: {c: _json_cell(e) for c, e in row.items()} for r, row in t["cells"].items()}}
@@ -589,6 +669,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cols", default="model.size", help="config key of the columns (default: model.size)")
     ap.add_argument("--k", metavar="K1,K2", help="Depo cells: accuracy at these two hop counts, e.g. 1,2 (default: K "
                     "and K/2, the paper's layout; at CPU budgets only k=1 is learnt)")
+    ap.add_argument("--best-of", default=",".join(BEST_OF), metavar="KEY,KEY",
+                    help="config keys a cell takes its best run over (default: %(default)s: the learning rate and "
+                         "the seeds); runs that differ in any other key that can change a result are never merged")
     ap.add_argument("--json", type=Path, help="also write every table and the unfinished runs to this file")
     ap.add_argument("--out", type=Path, help="write table.md, CSV tables, PNG figures and report.json here")
     ap.add_argument("--force", action="store_true", help="with --out: replace files of the same names")
@@ -607,6 +690,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"report: error: --k {args.k!r}: two positive hop counts are allowed, e.g. --k 1,2",
                   file=sys.stderr)
             return 2
+    best_of = tuple(k.strip() for k in args.best_of.split(",") if k.strip())
+    clash = [k for k in best_of if k in (args.rows, args.cols) or _under(k, NEUTRAL)]
+    if clash or any(not re.fullmatch(r"[A-Za-z_][\w.]*", k) for k in best_of):
+        why = (f"{clash[0]} is {'--rows / --cols' if clash[0] in (args.rows, args.cols) else 'a key that cannot change a result'}"
+               if clash else "not a list of config keys")
+        print(f"report: error: --best-of {args.best_of!r}: {why}; allowed: comma-separated config keys other than "
+              "--rows and --cols, e.g. optim.lr,seed,task.seed", file=sys.stderr)
+        return 2
     bad = [str(r) for r in args.roots if not r.is_dir()]
     if bad:
         print(f"report: error: {', '.join(bad)} {'is' if len(bad) == 1 else 'are'} not a directory", file=sys.stderr)
@@ -647,7 +738,7 @@ def main(argv: list[str] | None = None) -> int:
     unfinished = [u for u in unfinished if u["dir"] not in done]
     files = None
     if args.out is not None:
-        files = build_outputs(list(args.roots), runs, unfinished, args.rows, args.cols)
+        files = build_outputs(list(args.roots), runs, unfinished, args.rows, args.cols, best_of)
         err = write_outputs(args.out, files, args.force)
         if err:
             print(f"report: error: {err}", file=sys.stderr)
@@ -656,7 +747,7 @@ def main(argv: list[str] | None = None) -> int:
             from canonlm.train.wandb_utils import log_report
 
             print(f"wandb: report logged in {log_report(args.out, files, list(args.roots), runs)}", file=sys.stderr)
-    ts = tables(runs, args.rows, args.cols)
+    ts = tables(runs, args.rows, args.cols, best_of)
     for key in (args.rows, args.cols):
         if ts and all(_value(r, key) is None for r in runs if cell(r) is not None):
             print(f"report: note: no run sets {key}; its value shows as None", file=sys.stderr)
@@ -666,9 +757,10 @@ def main(argv: list[str] | None = None) -> int:
         if t["title"]:
             print(t["title"])
         print("\n".join(format_table(t["cells"], args.rows, args.cols)))
+        print(t["protocol"]["text"])
     if ts:
         kinds = sorted({e["kind"] for t in ts for row in t["cells"].values() for e in row.values()})
-        print(f"\ncells: {', '.join(kinds)}; the best run over learning rates and seeds (test split, else val)")
+        print(f"\ncells: {', '.join(kinds)} (test split, else val)")
     else:
         print("no finished runs")
     if unfinished:
@@ -677,7 +769,7 @@ def main(argv: list[str] | None = None) -> int:
             print(_unfinished_line(u))
     if args.json:
         doc = {"rows": args.rows, "cols": args.cols,
-               "tables": [{"setting": t["setting"], "title": t["title"],
+               "tables": [{"setting": t["setting"], "title": t["title"], "protocol": t["protocol"],
                            "cells": {r: {c: {"acc": [_finite(x) for x in e["acc"]], "dir": e["dir"],
                                              "runs": e["runs"]} for c, e in row.items()}
                                      for r, row in t["cells"].items()}} for t in ts],
