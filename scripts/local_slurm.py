@@ -8,7 +8,8 @@
 Folder: ``--dir`` or ``$CANONLM_SLURM_DIR`` (default ``/run/canonlm-slurm``, in a folder only root can write to)
 holds everything the cluster writes: ``etc/slurm.conf``, ``state/`` (slurmctld), ``spool/`` (slurmd),
 ``log/slurmctld.log``, ``log/slurmd.log``, the daemons' output (``log/*.out``) and the pid files of every daemon
-it started (``slurmctld.pid``, ``slurmd.pid``, ``munged.pid``). Needs only the Python standard library (run it with the system ``python3``).
+it started (``slurmctld.pid``, ``slurmd.pid``, ``munged.pid``: this script's records, apart from the daemons' own
+pid files in ``run/``, which a daemon truncates and rewrites while it starts). Needs only the Python standard library (run it with the system ``python3``).
 
 The folder is private (root runs daemons that read its config; whoever could write there could run code as root).
 Every action (``start``, ``stop``, ``status``) first checks it and refuses it, with exit code 2 and one message
@@ -212,8 +213,11 @@ class Cluster:
         self.state = self.root / "state"
         self.spool = self.root / "spool"
         self.logs = self.root / "log"
-        self.ctld_pid = self.root / "slurmctld.pid"
+        self.ctld_pid = self.root / "slurmctld.pid"  # this script's records of the daemons it started
         self.slurmd_pid = self.root / "slurmd.pid"
+        # the daemons' own pid files (slurm.conf's SlurmctldPidFile / SlurmdPidFile), apart from the records: a
+        # daemon truncates and rewrites its file while starting, and a record read then would be empty
+        self.daemon_run = self.root / "run"
         self.munged_pid = self.root / "munged.pid"  # a munged this script started
         self.etc_owned = self.root / "etc-slurm-conf.written"  # /etc/slurm/slurm.conf is this cluster's copy
         self.header = f"{MARKER} for the one-node test cluster in {self.root}"
@@ -389,8 +393,8 @@ CredType=cred/munge
 AuthInfo=cred_expire={self.cred_expire}
 StateSaveLocation={self.state}
 SlurmdSpoolDir={self.spool}
-SlurmctldPidFile={self.ctld_pid}
-SlurmdPidFile={self.slurmd_pid}
+SlurmctldPidFile={self.daemon_run}/slurmctld.pid
+SlurmdPidFile={self.daemon_run}/slurmd.pid
 SlurmctldLogFile={self.logs}/slurmctld.log
 SlurmdLogFile={self.logs}/slurmd.log
 SlurmctldDebug=info
@@ -476,7 +480,7 @@ PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
                           "two free ports; stop the other cluster or choose --ports")
         self.ensure_installed()
         private_dir(self.root, create=True)
-        for d in (self.conf.parent, self.state, self.spool, self.logs):
+        for d in (self.conf.parent, self.state, self.spool, self.logs, self.daemon_run):
             private_dir(d, create=True, folder=self.root)
         try:
             self._start_daemons(timeout)
