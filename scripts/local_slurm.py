@@ -548,12 +548,33 @@ PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
             if _terminate(self._alive(pid_file, comm)):
                 stopped.append(comm)
             pid_file.unlink(missing_ok=True)
+        for pid, comm in self._strays():  # e.g. a child a daemon forked while it was being stopped mid-start
+            if _terminate(pid):
+                stopped.append(f"{comm} (pid {pid}, unrecorded)")
         if self.etc_owned.exists():
             if self._etc_header() == self.header:
                 ETC_CONF.unlink()
             self.etc_owned.unlink()
         if not quiet:
             say(f"stopped {', '.join(stopped)}" if stopped else f"nothing of {self.root} was running")
+
+    def _strays(self) -> list[tuple[int, str]]:
+        """(pid, name) of the Slurm processes still running with this cluster's ``SLURM_CONF`` in their environment
+        (every daemon this script starts gets it, and their children inherit it): a child a daemon forked while it
+        started, which no pid file records. Processes whose environment cannot be read are skipped."""
+        want = f"SLURM_CONF={self.conf}".encode()
+        out = []
+        for d in Path("/proc").iterdir():
+            if not d.name.isdigit():
+                continue
+            try:
+                comm = (d / "comm").read_text().strip()
+                if comm in ("slurmctld", "slurmd", "slurmscriptd", "slurmstepd") and \
+                        want in (d / "environ").read_bytes().split(b"\0") and _running(int(d.name)):
+                    out.append((int(d.name), comm))
+            except OSError:
+                continue
+        return out
 
     def logs_text(self) -> str:
         return "\n".join(f"--- {p} ---\n{_tail(p)}" for p in (self.logs / "slurmctld.log", self.logs / "slurmd.log"))
