@@ -87,7 +87,7 @@ def heatmap(tables: list[dict[str, Any]], *, rows: str, cols: str, title: str,
     :func:`canonlm.train.report.layout`: steps, tokens, learning rates, seeds, runs per cell) and the legend.
     ``unplaced``: unfinished runs that have no config (named under the figure). ``info["caption"]`` is that text."""
     vmin, vmax, slabel = scale(tables)
-    # the caption: each table's budget and best-of protocol (``canonlm.train.report.protocol``), once if shared
+    # the caption: each table's budget and best-of protocol (``canonlm.train.cells.protocol``), once if shared
     protos = list(dict.fromkeys(t["protocol"]["text"] for t in tables if t.get("protocol")))
     if len(protos) > 1:
         protos = [f"[{t['title'] or t['name']}] {t['protocol']['text']}" for t in tables if t.get("protocol")]
@@ -260,7 +260,7 @@ def curves(t: dict[str, Any], *, rows: str, cols: str, title: str) -> tuple[byte
     sep = "\n" if nc < 3 else " -- "
     fig.suptitle(f"{title}{sep}learning curves (best run per cell)", fontsize=10)
     caption = (t.get("protocol") or {}).get("text", "")
-    if caption:  # the budget and the best-of protocol (canonlm.train.report.protocol)
+    if caption:  # the budget and the best-of protocol (canonlm.train.cells.protocol)
         fig.supxlabel(textwrap.fill(caption + ".", width=int(fig.get_figwidth() * 15)), fontsize=7)
     fig.canvas.draw()
     png = _png(fig)

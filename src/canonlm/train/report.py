@@ -52,308 +52,8 @@ from typing import Any
 
 from canonlm.utils.io import atomic_write_bytes, atomic_write_text
 
-from canonlm.train.metrics_file import read_metrics
-
-
-def _get(d: dict[str, Any], dotted: str) -> Any:
-    for part in dotted.split("."):
-        d = d.get(part, {}) if isinstance(d, dict) else {}
-    return d if d != {} else None
-
-
-def _natural(p: Path | str) -> list[Any]:
-    """Sort key that puts multirun job 2 before job 10."""
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", str(p))]
-
-
-def load_runs(root: Path) -> list[dict[str, Any]]:
-    """Each finished run: its results.json plus its resolved config (``hparams.json`` beside it) and ``dir``.
-    A results.json that does not parse is left out here (``find_unfinished`` lists it)."""
-    runs = []
-    for res in sorted(Path(root).rglob("results.json"), key=_natural):
-        try:
-            r = json.loads(res.read_text())
-        except (OSError, ValueError):
-            continue
-        if not isinstance(r, dict):
-            continue
-        hp = res.parent / "hparams.json"
-        try:
-            r["config"] = json.loads(hp.read_text()) if hp.exists() else {}
-        except (OSError, ValueError):
-            r["config"] = {}
-        r["dir"] = str(res.parent)
-        runs.append(r)
-    return runs
-
-
-def last_step(run_dir: Path) -> int | None:
-    """The last step logged in ``<run_dir>/metrics.jsonl`` (resumes and torn lines handled), None if none."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        return None
-    try:
-        rows = read_metrics(path)
-    except OSError:
-        return None
-    return rows[-1]["step"] if rows else None
-
-
-def find_unfinished(root: Path, runs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
-    """Run directories below ``root`` that hold ``.hydra/``, ``metrics.jsonl`` or ``checkpoints/`` but no usable
-    results.json (missing, unreadable, or without any test / val result), each ``{"dir", "last_step", "reason"}``."""
-    root = Path(root)
-    runs = load_runs(root) if runs is None else runs
-    evaluated = {r["dir"] for r in runs if cell(r) is not None}
-    finished = {r["dir"] for r in runs}
-    dirs: set[Path] = set()
-    dirs |= {p.parent for p in root.rglob(".hydra") if p.is_dir()}
-    dirs |= {p.parent for p in root.rglob("checkpoints") if p.is_dir()}
-    dirs |= {p.parent for p in root.rglob("metrics.jsonl") if p.is_file()}
-    dirs |= {Path(r["dir"]) for r in runs}  # finished runs without a test / val result
-    dirs |= {p.parent for p in root.rglob("results.json")}  # unreadable results.json
-    out = []
-    for d in sorted(dirs, key=_natural):
-        if str(d) in evaluated:
-            continue
-        res = d / "results.json"
-        if not res.exists():
-            reason = "no results.json"
-        elif str(d) in finished:
-            reason = "results.json has no test or val result"
-        else:
-            reason = "unreadable results.json"
-        out.append({"dir": str(d), "last_step": last_step(d), "reason": reason})
-    return out
-
-
-def _depo_ks(run: dict[str, Any]) -> tuple[int, int] | None:
-    """The two hop counts a Depo cell shows: ``run["report_k"]`` (``--k``), else (K, K/2); None for other tasks."""
-    K = _get(run["config"], "task.K") or run.get("task_config", {}).get("K")
-    if not K or not str(run.get("task", "depo")).startswith("depo"):
-        return None
-    return tuple(run["report_k"]) if run.get("report_k") else (int(K), int(K) // 2)
-
-
-def cell(run: dict[str, Any]) -> tuple[float, float] | None:
-    """The two numbers of a run's cell from its test (else val) split, or None if absent: Depo (acc at k=K, acc at
-    k=K/2), or at the hop counts of ``--k`` (``run["report_k"]``); full copy (whole-copy, per-token accuracy);
-    otherwise one number and NaN (generation accuracy, bits per parameter, answer accuracy)."""
-    split = run.get("test") or run.get("val")
-    if not split:
-        return None
-    nan = float("nan")
-    if "generate" in split:
-        return split["generate"]["acc"], nan
-    if "bits_per_param" in (split.get("task_metrics") or {}):
-        return split["task_metrics"]["bits_per_param"], nan
-    ks = _depo_ks(run)
-    if ks is None:
-        o = split.get("overall") or {}
-        if o.get("acc") is None:
-            return None
-        if str(run.get("task")) == "fullcopy" and o.get("token_acc") is not None:
-            return o["acc"], o["token_acc"]
-        return o["acc"], nan
-    by = split.get("by_group") or {}
-    hi, lo = by.get(str(ks[0])), by.get(str(ks[1]))
-    if hi is None:
-        return None
-    return hi["acc"], (lo["acc"] if lo else float("nan"))
-
-
-def _kind(run: dict[str, Any]) -> str:
-    """What a run's cell shows (the legend under the tables); the same cases as ``cell``. Two numbers are named
-    ``first / second (%)``; the colour of a figure cell is the first."""
-    split = run.get("test") or run.get("val") or {}
-    if "generate" in split:
-        return "generation accuracy (%)"
-    if "bits_per_param" in (split.get("task_metrics") or {}):
-        return "bits per parameter"
-    ks = _depo_ks(run)
-    if ks is not None:
-        return "acc@K / acc@K/2 (%)" if not run.get("report_k") else f"acc@{ks[0]} / acc@{ks[1]} (%)"
-    if str(run.get("task")) == "fullcopy":
-        return "whole-copy acc / per-token acc (%)"
-    return "answer accuracy (%)"
-
-
-# The keys named first in a setting's title (the paper's axes); every other config key is compared too.
-IDENTITY = ("task.name", "model.arch", "canon.set", "pos.type", "pos.fraction", "model.qk_norm", "model.mlp",
-            "model.size", "task.N", "task.K", "task.L", "task.grammar")
-# The keys a cell takes its best run over (``--best-of``): the learning rate and the seeds (training and data), the
-# paper's protocol (Part 4.1 Fig. 7: the best of several learning rates).
-BEST_OF = ("optim.lr", "seed", "task.seed")
-# Keys that cannot change a result (and the nodes below them): where files go, names, logging, checkpoint cadence
-# and the resume choice, the data loader's worker count (the stream is the same for any count).
-NEUTRAL = ("run_name", "task_name", "tags", "paths", "logger", "callbacks.checkpoint", "callbacks.progress",
-           "callbacks.lr_monitor", "callbacks.preemption", "ckpt_path", "trainer.default_root_dir",
-           "trainer.log_every_n_steps", "trainer.enable_progress_bar", "trainer.enable_model_summary",
-           "data.num_workers")
-
-
-def _under(key: str, prefixes: tuple[str, ...] | list[str]) -> bool:
-    return any(key == p or key.startswith(p + ".") for p in prefixes)
-
-
-def _flat_keys(d: dict[str, Any], prefix: str = "") -> list[str]:
-    out = []
-    for k, v in d.items():
-        if isinstance(v, dict) and v:
-            out += _flat_keys(v, f"{prefix}{k}.")
-        else:
-            out.append(f"{prefix}{k}")
-    return out
-
-
-def compared_keys(runs: list[dict[str, Any]], rows: str, cols: str,
-                  best_of: tuple[str, ...] = BEST_OF) -> list[str]:
-    """The keys whose values must be equal for runs to share a cell: every key of the runs' resolved configs
-    (``hparams.json``; :data:`IDENTITY` for runs without one) except ``rows`` / ``cols``, the ``best_of`` keys
-    and the :data:`NEUTRAL` ones; :data:`IDENTITY` first, then the others sorted."""
-    every = set(IDENTITY)
-    for r in runs:
-        every |= set(_flat_keys(r.get("config") or {}))
-    keep = [k for k in every if not (k in (rows, cols) or _under(k, best_of) or _under(k, NEUTRAL))]
-    return [k for k in IDENTITY if k in keep] + sorted(k for k in keep if k not in IDENTITY)
-
-# Where results.json keeps an identity key, for runs without hparams.json.
-_FROM_RESULTS = {"task.name": ("task",), "model.arch": ("model", "arch"), "canon.set": ("model", "canon"),
-                 "pos.type": ("model", "pos"), "model.qk_norm": ("model", "qk_norm")}
-
-
-def _value(run: dict[str, Any], key: str) -> Any:
-    """A run's value of ``key``; ``pos.*`` of a linear model (GLA, GDN, Mamba2: no positional encoding, whatever
-    the ``pos`` group says) is ``none`` / None, as train.py logs it. The rule is
-    ``canonlm.arch.config.position_encoding``'s, restated here because importing ``canonlm.arch`` loads torch (2 s)
-    and the report reads JSON only."""
-    if key.startswith("pos.") and _raw_value(run, "model.arch") in ("gla", "gdn", "mamba2"):
-        return "none" if key == "pos.type" else None
-    return _raw_value(run, key)
-
-
-def _raw_value(run: dict[str, Any], key: str) -> Any:
-    if key == "model.size" and run.get("model", {}).get("size"):  # the built size (n_layers / d_model overrides)
-        return run["model"]["size"]
-    if run.get("config"):
-        return _get(run["config"], key)
-    if key in _FROM_RESULTS:
-        return _get(run, ".".join(_FROM_RESULTS[key]))
-    if key.startswith("task."):
-        return _get(run.get("task_config") or {}, key[len("task."):])
-    return None
-
-
-def label(key: str, value: Any) -> str:
-    """How a config value is printed: an empty (or null) Canon set is ``none``."""
-    if key == "canon.set" and value in (None, ""):
-        return "none"
-    return str(value)
-
-
-def _order(lab: str) -> tuple:
-    """Sort key of labels: none first, then numbers by value, then strings by length (8L512D before 12L512D, A
-    before AB before ABCD)."""
-    if lab in ("none", "None", ""):
-        return (0, 0.0, "")
-    try:
-        x = float(lab)
-        if x == x:
-            return (1, x, "")
-    except ValueError:
-        pass
-    return (2, len(lab), lab)
-
-
-def _rank(c: tuple[float, float]) -> tuple[float, float]:
-    """Cell order: acc@K, then acc@K/2; NaN (diverged) loses, a missing acc@K/2 counts as 0."""
-    return (float("-inf") if c[0] != c[0] else c[0], 0.0 if c[1] != c[1] else c[1])
-
-
-def table(runs: list[dict[str, Any]], rows: str, cols: str,
-          best_of: tuple[str, ...] = BEST_OF) -> dict[str, dict[str, dict[str, Any]]]:
-    """{row label: {col label: {"acc": (hi, lo), "dir": best run dir, "runs": n}}} of runs of ONE setting: best by
-    acc@K then acc@K/2 over the runs of a cell, which may differ only in the ``best_of`` keys (learning rate and
-    seeds: the paper's best-of) and the keys that cannot change a result (:data:`NEUTRAL`); runs that differ in any
-    other config key (:func:`compared_keys`: Canon set, positions, steps, kernel size, ...) raise ValueError naming
-    the keys and values (``tables`` splits a sweep into settings first). NaN (diverged) loses."""
-    out: dict[str, dict[str, dict[str, Any]]] = {}
-    ident: dict[tuple[str, str], tuple] = {}
-    keys = compared_keys(runs, rows, cols, best_of)
-    for r in runs:
-        c = cell(r)
-        if c is None:
-            continue
-        rv, cv = label(rows, _value(r, rows)), label(cols, _value(r, cols))
-        sig = tuple(label(k, _value(r, k)) for k in keys)
-        prev = ident.setdefault((rv, cv), sig)
-        if prev != sig:
-            diff = [f"{k}={a} vs {b}" for k, a, b in zip(keys, prev, sig) if a != b]
-            raise ValueError(f"cell ({rows}={rv}, {cols}={cv}) mixes runs that differ in {', '.join(diff)}")
-        best = out.setdefault(rv, {}).get(cv)
-        n = 1 + (best["runs"] if best else 0)
-        if best is None or _rank(c) > best["key"]:
-            bits = "bits_per_param" in ((r.get("test") or r.get("val") or {}).get("task_metrics") or {})
-            out[rv][cv] = {"acc": c, "key": _rank(c), "dir": r["dir"], "bits": bits, "kind": _kind(r)}
-        out[rv][cv]["runs"] = n
-    return out
-
-
-def tables(runs: list[dict[str, Any]], rows: str, cols: str,
-           best_of: tuple[str, ...] = BEST_OF) -> list[dict[str, Any]]:
-    """One table per setting: the runs (with a test or val result) are split by the compared keys
-    (:func:`compared_keys`) that take more than one value among them. Each item: ``{"setting": {key: label},
-    "title": "key=label key=label", "cells": table(...), "protocol": protocol(...)}``, in the order none < numbers
-    < strings by length."""
-    evaluated = [r for r in runs if cell(r) is not None]
-    keys = compared_keys(evaluated, rows, cols, best_of)
-    sigs = [{k: label(k, _value(r, k)) for k in keys} for r in evaluated]
-    varying = [k for k in keys if len({s[k] for s in sigs}) > 1]
-    groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
-    for r, s in zip(evaluated, sigs):
-        groups.setdefault(tuple(s[k] for k in varying), []).append(r)
-    out = []
-    for g in sorted(groups, key=lambda t: tuple(_order(x) for x in t)):
-        setting = dict(zip(varying, g))
-        cells = table(groups[g], rows, cols, best_of)
-        out.append({"setting": setting, "title": " ".join(f"{k}={v}" for k, v in setting.items()),
-                    "cells": cells, "protocol": protocol(groups[g], best_of, cells)})
-    return out
-
-
-def _tokens(n: int) -> str:
-    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            return f"{n / size:.3g}{unit}"
-    return str(n)
-
-
-def protocol(runs: list[dict[str, Any]], best_of: tuple[str, ...],
-             cells: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
-    """What a table's cells are the best of, and its budget, from its finished runs: ``best_of`` {key: sorted
-    labels}, ``steps`` / ``tokens`` (sorted distinct ``results.json`` ``steps`` / ``tokens_seen``),
-    ``runs_per_cell`` [min, max] and ``text``, e.g. ``600 steps (1.23M tokens) per run; each cell the best of
-    optim.lr in {0.001, 0.003} x seed in {1, 2} (4 runs per cell)``."""
-    vals = {k: sorted({label(k, _value(r, k)) for r in runs}, key=_order) for k in best_of}
-    steps = sorted({int(r["steps"]) for r in runs if isinstance(r.get("steps"), int)})
-    tokens = sorted({int(r["tokens_seen"]) for r in runs if isinstance(r.get("tokens_seen"), int)})
-    counts = [e["runs"] for row in cells.values() for e in row.values()] or [0]
-    per = [min(counts), max(counts)]
-    budget = (" or ".join(str(x) for x in steps) + " steps" if steps else "steps unknown")
-    if tokens:
-        budget += f" ({' or '.join(_tokens(t) for t in tokens)} tokens)"
-    varied = [k for k in best_of if len(vals[k]) > 1]
-    fixed = [f"{k}={vals[k][0]}" for k in best_of if len(vals[k]) == 1 and vals[k][0] != "None"]
-    n = f"{per[0]} run{'s' if per[0] != 1 else ''}" if per[0] == per[1] else f"{per[0]}-{per[1]} runs"
-    if varied:
-        what = "each cell the best of " + " x ".join(f"{k} in {{{', '.join(vals[k])}}}" for k in varied)
-        what += f" ({n} per cell)"
-    else:
-        what = f"one setting per cell ({n} per cell)"
-    if fixed:
-        what += "; " + ", ".join(fixed)
-    return {"best_of": vals, "steps": steps, "tokens": tokens, "runs_per_cell": per,
-            "text": f"{budget} per run; {what}"}
+from canonlm.train.cells import (BEST_OF, NEUTRAL, _depo_ks, _kind, _natural, _order, _under, _value, cell,
+                                 compared_keys, find_unfinished, label, load_runs, protocol, table, tables)
 
 
 def _fmt(e: dict[str, Any] | None) -> str:
@@ -660,6 +360,54 @@ def write_outputs(out: Path, files: dict[str, bytes], force: bool) -> str | None
     return None
 
 
+def _checked(args: argparse.Namespace) -> tuple[tuple[int, int] | None, tuple[str, ...]]:
+    """``(--k hop counts or None, --best-of keys)``; ValueError with the message for a bad value or a folder that
+    is not a directory (nothing is read or written before)."""
+    ks = None
+    if args.k is not None:
+        try:
+            ks = tuple(int(x) for x in args.k.split(","))
+        except ValueError:
+            ks = ()
+        if len(ks) != 2 or min(ks) < 1:
+            raise ValueError(f"--k {args.k!r}: two positive hop counts are allowed, e.g. --k 1,2")
+    best_of = tuple(k.strip() for k in args.best_of.split(",") if k.strip())
+    clash = [k for k in best_of if k in (args.rows, args.cols) or _under(k, NEUTRAL)]
+    if clash or not best_of or any(not re.fullmatch(r"[A-Za-z_][\w.]*", k) for k in best_of):
+        why = ("not a list of config keys" if not clash else f"{clash[0]} is --rows / --cols"
+               if clash[0] in (args.rows, args.cols) else f"{clash[0]} is a key that cannot change a result")
+        raise ValueError(f"--best-of {args.best_of!r}: {why}; allowed: comma-separated config keys other than --rows "
+                         "and --cols, e.g. optim.lr,seed,task.seed")
+    bad = [str(r) for r in args.roots if not r.is_dir()]
+    if bad:
+        raise ValueError(f"{', '.join(bad)} {'is' if len(bad) == 1 else 'are'} not a directory")
+    return ks, best_of
+
+
+def _read_roots(roots: list[Path]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
+    """``(finished runs, unfinished runs, roots without any run)`` below ``roots``; a run found under two roots
+    counts once."""
+    runs: list[dict[str, Any]] = []
+    unfinished: list[dict[str, Any]] = []
+    empty = []
+    seen: set[str] = set()
+    seen_u: set[str] = set()
+    for root in roots:
+        rr = load_runs(root)
+        uu = find_unfinished(root, rr)
+        if not rr and not uu:
+            empty.append(str(root))
+        for r in rr:
+            if str(Path(r["dir"]).resolve()) not in seen:
+                seen.add(str(Path(r["dir"]).resolve()))
+                runs.append(r)
+        for u in uu:
+            if str(Path(u["dir"]).resolve()) not in seen_u:
+                seen_u.add(str(Path(u["dir"]).resolve()))
+                unfinished.append(u)
+    return runs, unfinished, empty
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m canonlm.train.report", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -680,46 +428,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.wandb and args.out is None:
         ap.error("--wandb needs --out (the figures it logs are the files written there)")
-    ks = None
-    if args.k is not None:
-        try:
-            ks = tuple(int(x) for x in args.k.split(","))
-        except ValueError:
-            ks = ()
-        if len(ks) != 2 or min(ks) < 1:
-            print(f"report: error: --k {args.k!r}: two positive hop counts are allowed, e.g. --k 1,2",
-                  file=sys.stderr)
-            return 2
-    best_of = tuple(k.strip() for k in args.best_of.split(",") if k.strip())
-    clash = [k for k in best_of if k in (args.rows, args.cols) or _under(k, NEUTRAL)]
-    if clash or any(not re.fullmatch(r"[A-Za-z_][\w.]*", k) for k in best_of):
-        why = (f"{clash[0]} is {'--rows / --cols' if clash[0] in (args.rows, args.cols) else 'a key that cannot change a result'}"
-               if clash else "not a list of config keys")
-        print(f"report: error: --best-of {args.best_of!r}: {why}; allowed: comma-separated config keys other than "
-              "--rows and --cols, e.g. optim.lr,seed,task.seed", file=sys.stderr)
+    try:
+        ks, best_of = _checked(args)
+    except ValueError as e:
+        print(f"report: error: {e}", file=sys.stderr)
         return 2
-    bad = [str(r) for r in args.roots if not r.is_dir()]
-    if bad:
-        print(f"report: error: {', '.join(bad)} {'is' if len(bad) == 1 else 'are'} not a directory", file=sys.stderr)
-        return 2
-    runs: list[dict[str, Any]] = []
-    unfinished: list[dict[str, Any]] = []
-    empty = []
-    seen: set[str] = set()
-    seen_u: set[str] = set()
-    for root in args.roots:
-        rr = load_runs(root)
-        uu = find_unfinished(root, rr)
-        if not rr and not uu:
-            empty.append(str(root))
-        for r in rr:
-            if str(Path(r["dir"]).resolve()) not in seen:
-                seen.add(str(Path(r["dir"]).resolve()))
-                runs.append(r)
-        for u in uu:
-            if str(Path(u["dir"]).resolve()) not in seen_u:
-                seen_u.add(str(Path(u["dir"]).resolve()))
-                unfinished.append(u)
+    runs, unfinished, empty = _read_roots(args.roots)
     if ks is not None:
         for r in runs:
             r["report_k"] = ks
