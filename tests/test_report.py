@@ -289,7 +289,7 @@ def test_linear_models_have_no_position_encoding_in_tables_and_titles(tmp_path, 
 def test_report_position_rule_is_the_models():
     # the report restates canonlm.arch.config.position_encoding (it stays torch-free): both must agree on every arch
     from canonlm.arch.config import ARCHS, position_encoding
-    from canonlm.train.report import _value
+    from canonlm.train.report import value as _value
 
     for arch in ARCHS:
         run = {"config": {"model": {"arch": arch}, "pos": {"type": "rope", "fraction": 1.0}}}
@@ -362,10 +362,13 @@ def test_neutral_keys_and_best_of_keys_share_a_cell(tmp_path, capsys):
     """Runs that differ only in paths, names, loggers, checkpoint cadence, the resume choice and the worker count,
     and in learning rate and seeds: one cell, the best of the four, the protocol stated."""
     neutral = {"run_name": "x", "paths.output_dir": "/x", "logger.csv.save_dir": "/x",
-               "callbacks.checkpoint.every_n_train_steps": 100, "data.num_workers": 4, "ckpt_path": "auto",
-               "trainer.log_every_n_steps": 5}
+               "callbacks.checkpoint.every_n_train_steps": 100, "data.num_workers": 4, "trainer.log_every_n_steps": 5,
+               "trainer.devices": 2, "activation_checkpointing": 1}
     for i, (lr, seed, acc) in enumerate([(1e-3, 1, 0.3), (1e-3, 2, 0.4), (3e-3, 1, 0.8), (3e-3, 2, 0.6)]):
         ch = {k: (f"{v}{i}" if isinstance(v, str) else v * (i + 1)) for k, v in neutral.items()}
+        ch["ckpt_path"] = None if i % 2 else "auto"          # a fresh start or a resume of the run's own checkpoints
+        if i == 3:
+            ch["callbacks"] = None                           # callbacks=none: a node null in one run only
         _run_with(tmp_path, f"r{i}", acc, {**ch, "seed": seed}, lr=lr)
     assert main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
@@ -383,7 +386,8 @@ def test_best_of_names_other_keys(tmp_path, capsys):
     assert "70.0/ 35.0" in out and "20.0" not in out and "optim.weight_decay in {0.0, 0.1} (2 runs per cell)" in out
     doc = json.loads((tmp_path / "r.json").read_text())
     assert doc["tables"][0]["protocol"]["best_of"]["optim.weight_decay"] == ["0.0", "0.1"]
-    for bad, why in (("task.N", "--rows / --cols"), ("paths.output_dir", "cannot change a result"), ("a b", "not a")):
+    for bad, why in (("task.N", "--rows, --cols or task.name"), ("task", "--rows, --cols or task.name"),
+                     ("paths.output_dir", "cannot change a result"), ("a b", "not a"), ("optim.lrr", "no run sets")):
         assert main([str(tmp_path), "--best-of", bad]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and err.startswith("report: error: --best-of") and why in err, err
@@ -403,3 +407,49 @@ def test_every_figure_and_table_states_budget_learning_rates_and_seeds(tmp_path)
     assert [t["protocol"]["text"] for t in doc["tables"]] == [want] * 4
     figs = doc["figures"]
     assert figs and all(want in f["caption"] for f in figs), [f["caption"] for f in figs]
+
+
+def test_a_key_that_follows_the_rows_does_not_split_the_table(tmp_path, capsys):
+    """A paper grid sets trainer.max_steps from N (depo1_grid): one N x size table whose protocol names the rule,
+    not one table per step count."""
+    for i, (N, steps, acc) in enumerate([(16, 600, 0.9), (24, 900, 0.7), (32, 1200, 0.5)]):
+        d = _run_with(tmp_path, f"r{i}", acc, {"task.N": N, "trainer.max_steps": steps})
+        res = json.loads((d / "results.json").read_text())
+        res["task_config"]["N"] = N
+        (d / "results.json").write_text(json.dumps(res))
+    assert main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("task.N \\ model.size |        2L64D\n                 16 |   90.0/ 45.0\n"
+                          "                 24 |   70.0/ 35.0\n                 32 |   50.0/ 25.0\n"), out
+    assert "trainer.max_steps follows task.N (16: 600, 24: 900, 32: 1200)" in out, out
+
+
+def test_whole_numbers_as_int_or_float_are_one_value(tmp_path, capsys):
+    _run_with(tmp_path, "a", 0.3, {"pos.fraction": 1, "optim.weight_decay": 0})
+    _run_with(tmp_path, "b", 0.6, {"pos.fraction": 1.0, "optim.weight_decay": 0.0}, lr=2e-3)
+    assert main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("task.N \\ model.size |        2L64D\n                 16 |   60.0/ 30.0\n"), out
+    assert "(2 runs per cell)" in out
+
+
+def test_a_seed_axis_is_left_out_of_the_default_best_of(tmp_path, capsys):
+    """mini/copy's layout: --cols seed, each column one run; the default best-of is then the learning rate only."""
+    _run_with(tmp_path, "a", 0.3, {"seed": 1})
+    _run_with(tmp_path, "b", 0.6, {"seed": 2})
+    assert main([str(tmp_path), "--cols", "seed"]) == 0
+    out = capsys.readouterr().out
+    assert "task.N \\ seed |            1 |            2\n" in out and "(1 run per cell); optim.lr=0.001" in out, out
+    assert main([str(tmp_path), "--cols", "seed", "--best-of", "optim.lr,seed"]) == 2
+    assert "seed is (or holds) --rows, --cols or task.name" in capsys.readouterr().err
+
+
+def test_per_cell_learning_rate_sets_are_stated_as_such(tmp_path, capsys):
+    """A grid with its own learning rates per model size: the protocol says each cell has its own set."""
+    for i, (size, lr, acc) in enumerate([("2L64D", 1e-3, 0.3), ("2L64D", 2e-3, 0.4), ("4L64D", 1e-2, 0.5),
+                                         ("4L64D", 2e-2, 0.6)]):
+        d = _run(tmp_path, f"r{i}", 16, size, lr, acc, acc / 2)
+    assert main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "each cell the best of optim.lr in its own set per cell ({0.001, 0.002} / {0.01, 0.02}) (2 runs per cell)" \
+        in out, out

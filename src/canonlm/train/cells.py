@@ -26,7 +26,7 @@ def _get(d: dict[str, Any], dotted: str) -> Any:
     return d if d != {} else None
 
 
-def _natural(p: Path | str) -> list[Any]:
+def natural_key(p: Path | str) -> list[Any]:
     """Sort key that puts multirun job 2 before job 10."""
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", str(p))]
 
@@ -35,7 +35,7 @@ def load_runs(root: Path) -> list[dict[str, Any]]:
     """Each finished run: its results.json plus its resolved config (``hparams.json`` beside it) and ``dir``.
     A results.json that does not parse is left out here (``find_unfinished`` lists it)."""
     runs = []
-    for res in sorted(Path(root).rglob("results.json"), key=_natural):
+    for res in sorted(Path(root).rglob("results.json"), key=natural_key):
         try:
             r = json.loads(res.read_text())
         except (OSError, ValueError):
@@ -78,7 +78,7 @@ def find_unfinished(root: Path, runs: list[dict[str, Any]] | None = None) -> lis
     dirs |= {Path(r["dir"]) for r in runs}  # finished runs without a test / val result
     dirs |= {p.parent for p in root.rglob("results.json")}  # unreadable results.json
     out = []
-    for d in sorted(dirs, key=_natural):
+    for d in sorted(dirs, key=natural_key):
         if str(d) in evaluated:
             continue
         res = d / "results.json"
@@ -92,7 +92,7 @@ def find_unfinished(root: Path, runs: list[dict[str, Any]] | None = None) -> lis
     return out
 
 
-def _depo_ks(run: dict[str, Any]) -> tuple[int, int] | None:
+def depo_ks(run: dict[str, Any]) -> tuple[int, int] | None:
     """The two hop counts a Depo cell shows: ``run["report_k"]`` (``--k``), else (K, K/2); None for other tasks."""
     K = _get(run["config"], "task.K") or run.get("task_config", {}).get("K")
     if not K or not str(run.get("task", "depo")).startswith("depo"):
@@ -112,7 +112,7 @@ def cell(run: dict[str, Any]) -> tuple[float, float] | None:
         return split["generate"]["acc"], nan
     if "bits_per_param" in (split.get("task_metrics") or {}):
         return split["task_metrics"]["bits_per_param"], nan
-    ks = _depo_ks(run)
+    ks = depo_ks(run)
     if ks is None:
         o = split.get("overall") or {}
         if o.get("acc") is None:
@@ -127,7 +127,7 @@ def cell(run: dict[str, Any]) -> tuple[float, float] | None:
     return hi["acc"], (lo["acc"] if lo else float("nan"))
 
 
-def _kind(run: dict[str, Any]) -> str:
+def cell_kind(run: dict[str, Any]) -> str:
     """What a run's cell shows (the legend under the tables); the same cases as ``cell``. Two numbers are named
     ``first / second (%)``; the colour of a figure cell is the first."""
     split = run.get("test") or run.get("val") or {}
@@ -135,7 +135,7 @@ def _kind(run: dict[str, Any]) -> str:
         return "generation accuracy (%)"
     if "bits_per_param" in (split.get("task_metrics") or {}):
         return "bits per parameter"
-    ks = _depo_ks(run)
+    ks = depo_ks(run)
     if ks is not None:
         return "acc@K / acc@K/2 (%)" if not run.get("report_k") else f"acc@{ks[0]} / acc@{ks[1]} (%)"
     if str(run.get("task")) == "fullcopy":
@@ -149,15 +149,23 @@ IDENTITY = ("task.name", "model.arch", "canon.set", "pos.type", "pos.fraction", 
 # The keys a cell takes its best run over (``--best-of``): the learning rate and the seeds (training and data), the
 # paper's protocol (Part 4.1 Fig. 7: the best of several learning rates).
 BEST_OF = ("optim.lr", "seed", "task.seed")
-# Keys that cannot change a result (and the nodes below them): where files go, names, logging, checkpoint cadence
-# and the resume choice, the data loader's worker count (the stream is the same for any count).
+# Keys that cannot change a result (and the nodes below them): where files go, names, logging, checkpoint cadence,
+# progress, profiling, sanity checks, caches; the data loader's worker count and the world size (the data stream and
+# the global batch are the same for any count; only the reduction order of cross-rank sums changes); activation
+# checkpointing and the GLA chunk length (the same math, recomputed or chunked). Backend choices (``ops``,
+# ``kernels.*``, ``compile``, ``optim.fused``) stay compared: their numerics differ.
 NEUTRAL = ("run_name", "task_name", "tags", "paths", "logger", "callbacks.checkpoint", "callbacks.progress",
-           "callbacks.lr_monitor", "callbacks.preemption", "ckpt_path", "trainer.default_root_dir",
-           "trainer.log_every_n_steps", "trainer.enable_progress_bar", "trainer.enable_model_summary",
-           "data.num_workers")
+           "callbacks.lr_monitor", "callbacks.preemption", "trainer.default_root_dir", "trainer.log_every_n_steps",
+           "trainer.enable_progress_bar", "trainer.enable_model_summary", "trainer.profiler",
+           "trainer.num_sanity_val_steps", "trainer.devices", "trainer.num_nodes", "data.num_workers",
+           "data.gen_eval.batch_size", "task.cache_dir", "activation_checkpointing", "model.chunk_size")
+# Keys that cannot change a result at these values only: a fresh start or a resume of the run's own checkpoints
+# (another path continues another run).
+NEUTRAL_VALUES = {"ckpt_path": (None, "auto")}
 
 
-def _under(key: str, prefixes: tuple[str, ...] | list[str]) -> bool:
+def under(key: str, prefixes: tuple[str, ...] | list[str]) -> bool:
+    """``key`` is one of ``prefixes`` or a key below one (``a.b`` is under ``a``)."""
     return any(key == p or key.startswith(p + ".") for p in prefixes)
 
 
@@ -173,21 +181,57 @@ def _flat_keys(d: dict[str, Any], prefix: str = "") -> list[str]:
 
 def compared_keys(runs: list[dict[str, Any]], rows: str, cols: str,
                   best_of: tuple[str, ...] = BEST_OF) -> list[str]:
-    """The keys whose values must be equal for runs to share a cell: every key of the runs' resolved configs
-    (``hparams.json``; :data:`IDENTITY` for runs without one) except ``rows`` / ``cols``, the ``best_of`` keys
-    and the :data:`NEUTRAL` ones; :data:`IDENTITY` first, then the others sorted."""
+    """The keys whose values must be equal for runs to share a cell: every leaf key of the runs' resolved configs
+    (``hparams.json``; :data:`IDENTITY` for runs without one; a node that is a mapping in one run and empty or null
+    in another counts by its leaves) except ``rows`` / ``cols``, the ``best_of`` keys and the :data:`NEUTRAL` ones;
+    :data:`IDENTITY` first, then the others sorted."""
     every = set(IDENTITY)
     for r in runs:
         every |= set(_flat_keys(r.get("config") or {}))
-    keep = [k for k in every if not (k in (rows, cols) or _under(k, best_of) or _under(k, NEUTRAL))]
+    leaves = {k for k in every if not any(o.startswith(k + ".") for o in every)}
+    keep = [k for k in leaves if not (k in (rows, cols) or under(k, best_of) or under(k, NEUTRAL))]
     return [k for k in IDENTITY if k in keep] + sorted(k for k in keep if k not in IDENTITY)
+
+
+def compared_label(run: dict[str, Any], key: str) -> str:
+    """A run's value of a compared key as it is compared: numbers as floats (``1`` and ``1.0`` are one value),
+    :data:`NEUTRAL_VALUES` as one value, else :func:`label`."""
+    v = value(run, key)
+    if key in NEUTRAL_VALUES and v in NEUTRAL_VALUES[key]:
+        return "(neutral)"
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        v = float(v)
+    return label(key, v)
+
+
+def axis_keys(runs: list[dict[str, Any]], keys: list[str], rows: str, cols: str) -> dict[str, str]:
+    """``{key: "rows" | "cols"}`` for the keys of ``keys`` that vary among ``runs`` but follow the row or the column
+    value (one value per row, or per column): a paper grid's step budget that grows with N (``trainer.max_steps``
+    follows ``task.N``), the keys only one architecture has when the columns are ``model.arch``. The
+    :data:`IDENTITY` keys never follow an axis. They do not split a table; :func:`protocol` names them."""
+    out = {}
+    for k in keys:
+        if k in IDENTITY:  # the paper's setting keys always split (a GLA column is never a Llama table's column)
+            continue
+        vals = {compared_label(r, k) for r in runs}
+        if len(vals) < 2:
+            continue
+        for axis, ax in (("rows", rows), ("cols", cols)):
+            seen: dict[str, set[str]] = {}
+            for r in runs:
+                seen.setdefault(label(ax, value(r, ax)), set()).add(compared_label(r, k))
+            if all(len(v) == 1 for v in seen.values()):
+                out[k] = axis
+                break
+    return out
+
 
 # Where results.json keeps an identity key, for runs without hparams.json.
 _FROM_RESULTS = {"task.name": ("task",), "model.arch": ("model", "arch"), "canon.set": ("model", "canon"),
                  "pos.type": ("model", "pos"), "model.qk_norm": ("model", "qk_norm")}
 
 
-def _value(run: dict[str, Any], key: str) -> Any:
+def value(run: dict[str, Any], key: str) -> Any:
     """A run's value of ``key``; ``pos.*`` of a linear model (GLA, GDN, Mamba2: no positional encoding, whatever
     the ``pos`` group says) is ``none`` / None, as train.py logs it. The rule is
     ``canonlm.arch.config.position_encoding``'s, restated here because importing ``canonlm.arch`` loads torch (2 s)
@@ -216,7 +260,7 @@ def label(key: str, value: Any) -> str:
     return str(value)
 
 
-def _order(lab: str) -> tuple:
+def label_order(lab: str) -> tuple:
     """Sort key of labels: none first, then numbers by value, then strings by length (8L512D before 12L512D, A
     before AB before ABCD)."""
     if lab in ("none", "None", ""):
@@ -237,52 +281,57 @@ def _rank(c: tuple[float, float]) -> tuple[float, float]:
 
 def table(runs: list[dict[str, Any]], rows: str, cols: str,
           best_of: tuple[str, ...] = BEST_OF) -> dict[str, dict[str, dict[str, Any]]]:
-    """{row label: {col label: {"acc": (hi, lo), "dir": best run dir, "runs": n}}} of runs of ONE setting: best by
-    acc@K then acc@K/2 over the runs of a cell, which may differ only in the ``best_of`` keys (learning rate and
-    seeds: the paper's best-of) and the keys that cannot change a result (:data:`NEUTRAL`); runs that differ in any
-    other config key (:func:`compared_keys`: Canon set, positions, steps, kernel size, ...) raise ValueError naming
-    the keys and values (``tables`` splits a sweep into settings first). NaN (diverged) loses."""
+    """{row label: {col label: {"acc": (hi, lo), "dir": best run dir, "runs": n, "best_of": {key: labels}}}} of runs
+    of ONE setting: best by acc@K then acc@K/2 over the runs of a cell, which may differ only in the ``best_of`` keys
+    (learning rate and seeds: the paper's best-of) and the keys that cannot change a result (:data:`NEUTRAL`); runs
+    that differ in any other config key (:func:`compared_keys`: Canon set, positions, steps, kernel size, ...) raise
+    ValueError naming the keys and values (``tables`` splits a sweep into settings first). NaN (diverged) loses."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
-    ident: dict[tuple[str, str], tuple] = {}
+    ident: dict[tuple[str, str], tuple[tuple, dict[str, Any]]] = {}
     keys = compared_keys(runs, rows, cols, best_of)
     for r in runs:
         c = cell(r)
         if c is None:
             continue
-        rv, cv = label(rows, _value(r, rows)), label(cols, _value(r, cols))
-        sig = tuple(label(k, _value(r, k)) for k in keys)
-        prev = ident.setdefault((rv, cv), sig)
+        rv, cv = label(rows, value(r, rows)), label(cols, value(r, cols))
+        sig = tuple(compared_label(r, k) for k in keys)
+        prev, first = ident.setdefault((rv, cv), (sig, r))
         if prev != sig:
-            diff = [f"{k}={a} vs {b}" for k, a, b in zip(keys, prev, sig) if a != b]
+            diff = [f"{k}={label(k, value(first, k))} vs {label(k, value(r, k))}"
+                    for k, a, b in zip(keys, prev, sig) if a != b]
             raise ValueError(f"cell ({rows}={rv}, {cols}={cv}) mixes runs that differ in {', '.join(diff)}")
         best = out.setdefault(rv, {}).get(cv)
         n = 1 + (best["runs"] if best else 0)
+        seen = best["best_of"] if best else {k: set() for k in best_of}
+        for k in best_of:
+            seen[k].add(label(k, value(r, k)))
         if best is None or _rank(c) > best["key"]:
             bits = "bits_per_param" in ((r.get("test") or r.get("val") or {}).get("task_metrics") or {})
-            out[rv][cv] = {"acc": c, "key": _rank(c), "dir": r["dir"], "bits": bits, "kind": _kind(r)}
-        out[rv][cv]["runs"] = n
+            out[rv][cv] = {"acc": c, "key": _rank(c), "dir": r["dir"], "bits": bits, "kind": cell_kind(r)}
+        out[rv][cv].update(runs=n, best_of=seen)
     return out
 
 
 def tables(runs: list[dict[str, Any]], rows: str, cols: str,
            best_of: tuple[str, ...] = BEST_OF) -> list[dict[str, Any]]:
     """One table per setting: the runs (with a test or val result) are split by the compared keys
-    (:func:`compared_keys`) that take more than one value among them. Each item: ``{"setting": {key: label},
-    "title": "key=label key=label", "cells": table(...), "protocol": protocol(...)}``, in the order none < numbers
-    < strings by length."""
+    (:func:`compared_keys`) that take more than one value among them, except the keys that follow the rows or the
+    columns (:func:`axis_keys`). Each item: ``{"setting": {key: label}, "title": "key=label key=label", "cells":
+    table(...), "protocol": protocol(...)}``, in the order none < numbers < strings by length."""
     evaluated = [r for r in runs if cell(r) is not None]
     keys = compared_keys(evaluated, rows, cols, best_of)
-    sigs = [{k: label(k, _value(r, k)) for k in keys} for r in evaluated]
-    varying = [k for k in keys if len({s[k] for s in sigs}) > 1]
+    axis = axis_keys(evaluated, keys, rows, cols)
+    sigs = [{k: compared_label(r, k) for k in keys} for r in evaluated]
+    varying = [k for k in keys if len({s[k] for s in sigs}) > 1 and k not in axis]
     groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
     for r, s in zip(evaluated, sigs):
         groups.setdefault(tuple(s[k] for k in varying), []).append(r)
     out = []
-    for g in sorted(groups, key=lambda t: tuple(_order(x) for x in t)):
-        setting = dict(zip(varying, g))
+    for g in sorted(groups, key=lambda t: tuple(label_order(x) for x in t)):
+        setting = {k: label(k, value(groups[g][0], k)) for k in varying}
         cells = table(groups[g], rows, cols, best_of)
         out.append({"setting": setting, "title": " ".join(f"{k}={v}" for k, v in setting.items()),
-                    "cells": cells, "protocol": protocol(groups[g], best_of, cells)})
+                    "cells": cells, "protocol": protocol(groups[g], best_of, cells, rows, cols)})
     return out
 
 
@@ -293,29 +342,53 @@ def _tokens(n: int) -> str:
     return str(n)
 
 
-def protocol(runs: list[dict[str, Any]], best_of: tuple[str, ...],
-             cells: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
-    """What a table's cells are the best of, and its budget, from its finished runs: ``best_of`` {key: sorted
-    labels}, ``steps`` / ``tokens`` (sorted distinct ``results.json`` ``steps`` / ``tokens_seen``),
+def _values(labels: set[str] | list[str]) -> str:
+    return "{" + ", ".join(sorted(labels, key=label_order)) + "}"
+
+
+def protocol(runs: list[dict[str, Any]], best_of: tuple[str, ...], cells: dict[str, dict[str, dict[str, Any]]],
+             rows: str = "", cols: str = "") -> dict[str, Any]:
+    """What a table's cells are the best of, and its budget, from its finished runs (``cells``: :func:`table`'s):
+    ``best_of`` {key: sorted labels over the table}, ``steps`` / ``tokens`` (sorted distinct ``results.json``
+    ``steps`` / ``tokens_seen``), ``follows`` {key: {row or column value: label}} (:func:`axis_keys`),
     ``runs_per_cell`` [min, max] and ``text``, e.g. ``600 steps (1.23M tokens) per run; each cell the best of
-    optim.lr in {0.001, 0.003} x seed in {1, 2} (4 runs per cell)``."""
-    vals = {k: sorted({label(k, _value(r, k)) for r in runs}, key=_order) for k in best_of}
+    optim.lr in {0.001, 0.003} x seed in {1, 2} (4 runs per cell)``; a key whose values differ between cells is
+    ``optim.lr in its own set per cell (...)``."""
+    if not runs:
+        return {"best_of": {}, "steps": [], "tokens": [], "follows": {}, "runs_per_cell": [0, 0],
+                "text": "no finished run"}
+    vals = {k: sorted({label(k, value(r, k)) for r in runs}, key=label_order) for k in best_of}
     steps = sorted({int(r["steps"]) for r in runs if isinstance(r.get("steps"), int)})
     tokens = sorted({int(r["tokens_seen"]) for r in runs if isinstance(r.get("tokens_seen"), int)})
-    counts = [e["runs"] for row in cells.values() for e in row.values()] or [0]
+    entries = [e for row in cells.values() for e in row.values()]
+    counts = [e["runs"] for e in entries] or [0]
     per = [min(counts), max(counts)]
-    budget = (" or ".join(str(x) for x in steps) + " steps" if steps else "steps unknown")
+    budget = " or ".join(str(x) for x in steps) + " steps" if steps else "steps unknown"
     if tokens:
         budget += f" ({' or '.join(_tokens(t) for t in tokens)} tokens)"
-    varied = [k for k in best_of if len(vals[k]) > 1]
-    fixed = [f"{k}={vals[k][0]}" for k in best_of if len(vals[k]) == 1 and vals[k][0] != "None"]
+    unknown = sum(1 for r in runs if not isinstance(r.get("steps"), int))
+    if steps and unknown:
+        budget += f" (unknown for {unknown} run{'s' if unknown > 1 else ''})"
+    parts, fixed = [], []
+    for k in best_of:
+        per_cell = {frozenset(e["best_of"][k]) for e in entries if "best_of" in e}
+        if len(per_cell) > 1:
+            sets = sorted(per_cell, key=lambda v: (len(v), sorted(label_order(x) for x in v)))
+            parts.append(f"{k} in its own set per cell ({' / '.join(_values(v) for v in sets)})")
+        elif len(vals[k]) > 1:
+            parts.append(f"{k} in {_values(vals[k])}")
+        elif vals[k] and vals[k][0] != "None":
+            fixed.append(f"{k}={vals[k][0]}")
     n = f"{per[0]} run{'s' if per[0] != 1 else ''}" if per[0] == per[1] else f"{per[0]}-{per[1]} runs"
-    if varied:
-        what = "each cell the best of " + " x ".join(f"{k} in {{{', '.join(vals[k])}}}" for k in varied)
-        what += f" ({n} per cell)"
-    else:
-        what = f"one setting per cell ({n} per cell)"
+    what = ("each cell the best of " + " x ".join(parts) if parts else "one setting per cell") + f" ({n} per cell)"
     if fixed:
         what += "; " + ", ".join(fixed)
-    return {"best_of": vals, "steps": steps, "tokens": tokens, "runs_per_cell": per,
+    follows: dict[str, dict[str, str]] = {}
+    keys = compared_keys(runs, rows, cols, best_of) if rows and cols else []
+    for k, axis in axis_keys(runs, keys, rows, cols).items():
+        ax = rows if axis == "rows" else cols
+        follows[k] = {label(ax, value(r, ax)): label(k, value(r, k)) for r in runs}
+        what += f"; {k} follows {ax} (" + ", ".join(f"{a}: {b}" for a, b in sorted(
+            follows[k].items(), key=lambda t: label_order(t[0]))) + ")"
+    return {"best_of": vals, "steps": steps, "tokens": tokens, "follows": follows, "runs_per_cell": per,
             "text": f"{budget} per run; {what}"}

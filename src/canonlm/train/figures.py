@@ -255,7 +255,7 @@ def curves(t: dict[str, Any], *, rows: str, cols: str, title: str) -> tuple[byte
                 ax.set_ylabel("val accuracy (%)", fontsize=8)
     if handles:
         fig.legend([handles[g] for g in sorted(handles)], [handles[g].get_label() for g in sorted(handles)],
-                   loc="outside lower center", ncols=min(len(handles), 8), fontsize=8)
+                   loc="outside right upper", fontsize=8)  # the caption (supxlabel) takes the bottom
     # a narrow figure (one or two cells) gets the title over two lines instead of cutting it off
     sep = "\n" if nc < 3 else " -- "
     fig.suptitle(f"{title}{sep}learning curves (best run per cell)", fontsize=10)

@@ -52,8 +52,9 @@ from typing import Any
 
 from canonlm.utils.io import atomic_write_bytes, atomic_write_text
 
-from canonlm.train.cells import (BEST_OF, NEUTRAL, _depo_ks, _kind, _natural, _order, _under, _value, cell,
-                                 compared_keys, find_unfinished, label, load_runs, protocol, table, tables)
+from canonlm.train.cells import (BEST_OF, NEUTRAL, axis_keys, cell, cell_kind, compared_keys, compared_label,
+                                 depo_ks, find_unfinished, label, label_order, load_runs, natural_key, protocol,
+                                 table, tables, under, value)
 
 
 def _fmt(e: dict[str, Any] | None) -> str:
@@ -67,8 +68,8 @@ def _fmt(e: dict[str, Any] | None) -> str:
 
 def format_table(cells: dict[str, dict[str, dict[str, Any]]], rows: str, cols: str) -> list[str]:
     """The text lines of one table: a corner ``rows \\ cols``, then one line per row value."""
-    colvals = sorted({c for row in cells.values() for c in row}, key=_order)
-    rowvals = sorted(cells, key=_order)
+    colvals = sorted({c for row in cells.values() for c in row}, key=label_order)
+    rowvals = sorted(cells, key=label_order)
     corner = f"{rows} \\ {cols}"
     w0 = max([len(corner)] + [len(r) for r in rowvals])
     texts = {(r, c): _fmt(cells[r].get(c)) for r in rowvals for c in colvals}
@@ -163,36 +164,37 @@ def layout(runs: list[dict[str, Any]], placed: list[dict[str, Any]], rows: str, 
     others = [u for u in placed if u.get("config")]
     every = evaluated + others
     keys = compared_keys(every, rows, cols, best_of)
-    sigs = [{k: label(k, _value(r, k)) for k in keys} for r in every]
-    varying = [k for k in keys if len({s[k] for s in sigs}) > 1]
+    axis = axis_keys(every, keys, rows, cols)
+    sigs = [{k: compared_label(r, k) for k in keys} for r in every]
+    varying = [k for k in keys if len({s[k] for s in sigs}) > 1 and k not in axis]
     groups: dict[tuple[str, ...], list[int]] = {}
-    for i, s in enumerate(sigs):
-        groups.setdefault(tuple(s[k] for k in varying), []).append(i)
+    for i, sig in enumerate(sigs):
+        groups.setdefault(tuple(sig[k] for k in varying), []).append(i)
     # row / column values per task: a setting that lacks a (row, col) pair its task has elsewhere shows it missing
-    task_of = [label("task.name", _value(r, "task.name")) for r in every]
+    task_of = [label("task.name", value(r, "task.name")) for r in every]
     rv_task: dict[str, set[str]] = {}
     cv_task: dict[str, set[str]] = {}
     for r, t in zip(every, task_of):
-        rv_task.setdefault(t, set()).add(label(rows, _value(r, rows)))
-        cv_task.setdefault(t, set()).add(label(cols, _value(r, cols)))
+        rv_task.setdefault(t, set()).add(label(rows, value(r, rows)))
+        cv_task.setdefault(t, set()).add(label(cols, value(r, cols)))
     out = []
-    for g in sorted(groups, key=lambda t: tuple(_order(x) for x in t)):
+    for g in sorted(groups, key=lambda t: tuple(label_order(x) for x in t)):
         idx = groups[g]
-        setting = dict(zip(varying, g))
+        setting = {k: label(k, value(every[idx[0]], k)) for k in varying}
         fin = [every[i] for i in idx if i < len(evaluated)]
         unf = [every[i] for i in idx if i >= len(evaluated)]
         first = every[idx[0]]
         task = task_of[idx[0]]
         best = table(fin, rows, cols, best_of) if fin else {}
-        rvals = sorted(rv_task[task], key=_order)
-        cvals = sorted(cv_task[task], key=_order)
-        kinds = {_kind(r) for r in fin}
+        rvals = sorted(rv_task[task], key=label_order)
+        cvals = sorted(cv_task[task], key=label_order)
+        kinds = {cell_kind(r) for r in fin}
         kind = kinds.pop() if len(kinds) == 1 else ("mixed" if kinds else "answer accuracy (%)")
         bits = kind == "bits per parameter"
         cells: dict[str, dict[str, dict[str, Any]]] = {}
         for rv in rvals:
             for cv in cvals:
-                mine = [u["dir"] for u in unf if (label(rows, _value(u, rows)), label(cols, _value(u, cols)))
+                mine = [u["dir"] for u in unf if (label(rows, value(u, rows)), label(cols, value(u, cols)))
                         == (rv, cv)]
                 e = best.get(rv, {}).get(cv)
                 if e is not None and e["acc"][0] == e["acc"][0]:
@@ -215,9 +217,9 @@ def layout(runs: list[dict[str, Any]], placed: list[dict[str, Any]], rows: str, 
                                      default=None)
                 cells.setdefault(rv, {})[cv] = c
         named = {"task.name": task}
-        named.update({k: label(k, _value(first, k)) for k in _TITLE_KEYS})
+        named.update({k: label(k, value(first, k)) for k in _TITLE_KEYS})
         if named.get("pos.type") == "partial_rope":
-            named["pos.fraction"] = label("pos.fraction", _value(first, "pos.fraction"))
+            named["pos.fraction"] = label("pos.fraction", value(first, "pos.fraction"))
         named.update(setting)
         named = {_TITLE_KEYS.get(k, k): v for k, v in named.items() if k not in ("task.name", rows, cols)}
         name = f"{task}: " + " ".join(f"{k}={v}" for k, v in named.items())
@@ -225,7 +227,7 @@ def layout(runs: list[dict[str, Any]], placed: list[dict[str, Any]], rows: str, 
                     "named": named, "slug": _slug(setting),
                     "group": {k: v for k, v in setting.items() if k not in PANEL_KEYS},
                     "task": task, "row_values": rvals, "col_values": cvals, "kind": kind, "bits": bits,
-                    "cells": cells, "protocol": protocol(fin, best_of, best)})
+                    "cells": cells, "protocol": protocol(fin, best_of, best, rows, cols)})
     return out
 
 
@@ -320,7 +322,7 @@ def build_outputs(roots: list[Path], runs: list[dict[str, Any]], unfinished: lis
         vary = [k for k in PANEL_KEYS if k in ts[0]["setting"]]
         ncols = None
         if len(vary) == 2:
-            second = sorted({t["setting"][vary[1]] for t in ts}, key=_order)
+            second = sorted({t["setting"][vary[1]] for t in ts}, key=label_order)
             if len(ts) == len({t["setting"][vary[0]] for t in ts}) * len(second):
                 ncols = len(second)
         png, info = figures.heatmap(ts, rows=rows, cols=cols, title=title, unplaced=unplaced, ncols=ncols)
@@ -371,13 +373,17 @@ def _checked(args: argparse.Namespace) -> tuple[tuple[int, int] | None, tuple[st
             ks = ()
         if len(ks) != 2 or min(ks) < 1:
             raise ValueError(f"--k {args.k!r}: two positive hop counts are allowed, e.g. --k 1,2")
-    best_of = tuple(k.strip() for k in args.best_of.split(",") if k.strip())
-    clash = [k for k in best_of if k in (args.rows, args.cols) or _under(k, NEUTRAL)]
-    if clash or not best_of or any(not re.fullmatch(r"[A-Za-z_][\w.]*", k) for k in best_of):
-        why = ("not a list of config keys" if not clash else f"{clash[0]} is --rows / --cols"
-               if clash[0] in (args.rows, args.cols) else f"{clash[0]} is a key that cannot change a result")
-        raise ValueError(f"--best-of {args.best_of!r}: {why}; allowed: comma-separated config keys other than --rows "
-                         "and --cols, e.g. optim.lr,seed,task.seed")
+    if args.best_of is None:
+        best_of = tuple(k for k in BEST_OF if k not in (args.rows, args.cols))
+    else:
+        best_of = tuple(k.strip() for k in args.best_of.split(",") if k.strip())
+        axes = (args.rows, args.cols, "task.name")
+        clash = [k for k in best_of if under(k, NEUTRAL) or any(a == k or a.startswith(k + ".") for a in axes)]
+        if clash or not best_of or any(not re.fullmatch(r"[A-Za-z_][\w.]*", k) for k in best_of):
+            why = ("not a list of config keys" if not clash else f"{clash[0]} is a key that cannot change a result"
+                   if under(clash[0], NEUTRAL) else f"{clash[0]} is (or holds) --rows, --cols or task.name")
+            raise ValueError(f"--best-of {args.best_of!r}: {why}; allowed: comma-separated config keys other than "
+                             "--rows and --cols, e.g. optim.lr,seed,task.seed")
     bad = [str(r) for r in args.roots if not r.is_dir()]
     if bad:
         raise ValueError(f"{', '.join(bad)} {'is' if len(bad) == 1 else 'are'} not a directory")
@@ -417,9 +423,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cols", default="model.size", help="config key of the columns (default: model.size)")
     ap.add_argument("--k", metavar="K1,K2", help="Depo cells: accuracy at these two hop counts, e.g. 1,2 (default: K "
                     "and K/2, the paper's layout; at CPU budgets only k=1 is learnt)")
-    ap.add_argument("--best-of", default=",".join(BEST_OF), metavar="KEY,KEY",
-                    help="config keys a cell takes its best run over (default: %(default)s: the learning rate and "
-                         "the seeds); runs that differ in any other key that can change a result are never merged")
+    ap.add_argument("--best-of", default=None, metavar="KEY,KEY",
+                    help=f"config keys a cell takes its best run over (default: {','.join(BEST_OF)}, the learning "
+                         "rate and the seeds, less --rows / --cols); runs that differ in any other key that can change "
+                         "a result are never merged")
     ap.add_argument("--json", type=Path, help="also write every table and the unfinished runs to this file")
     ap.add_argument("--out", type=Path, help="write table.md, CSV tables, PNG figures and report.json here")
     ap.add_argument("--force", action="store_true", help="with --out: replace files of the same names")
@@ -437,15 +444,20 @@ def main(argv: list[str] | None = None) -> int:
     if ks is not None:
         for r in runs:
             r["report_k"] = ks
-        depo = [r for r in runs if _depo_ks(r) is not None]
+        depo = [r for r in runs if depo_ks(r) is not None]
         evaluated = {g for r in depo for g in ((r.get("test") or r.get("val") or {}).get("by_group") or {})}
         if depo and str(ks[0]) not in evaluated:
             print(f"report: error: --k {args.k}: no Depo run has an accuracy at k={ks[0]} (evaluated at k in "
-                  f"{{{', '.join(sorted(evaluated, key=_natural))}}})", file=sys.stderr)
+                  f"{{{', '.join(sorted(evaluated, key=natural_key))}}})", file=sys.stderr)
             return 2
     if empty:
         print(f"report: error: no runs below {', '.join(empty)} (no results.json, metrics.jsonl, checkpoints/ or "
               ".hydra/)", file=sys.stderr)
+        return 2
+    unset = [k for k in best_of if args.best_of is not None and all(value(r, k) is None for r in runs)]
+    if runs and unset:
+        print(f"report: error: --best-of {args.best_of!r}: no run sets {unset[0]} (a typo? the runs' keys are in "
+              "their hparams.json)", file=sys.stderr)
         return 2
     # a finished run counted in two roots is one run; an unfinished one found again as finished stays finished
     done = {r["dir"] for r in runs if cell(r) is not None}
@@ -463,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wandb: report logged in {log_report(args.out, files, list(args.roots), runs)}", file=sys.stderr)
     ts = tables(runs, args.rows, args.cols, best_of)
     for key in (args.rows, args.cols):
-        if ts and all(_value(r, key) is None for r in runs if cell(r) is not None):
+        if ts and all(value(r, key) is None for r in runs if cell(r) is not None):
             print(f"report: note: no run sets {key}; its value shows as None", file=sys.stderr)
     for i, t in enumerate(ts):
         if i:
