@@ -453,3 +453,22 @@ def test_per_cell_learning_rate_sets_are_stated_as_such(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "each cell the best of optim.lr in its own set per cell ({0.001, 0.002} / {0.01, 0.02}) (2 runs per cell)" \
         in out, out
+
+
+def test_an_unfinished_run_with_unresolved_values_joins_its_setting(tmp_path):
+    """A run killed before hparams.json: Hydra's .hydra/config.yaml keeps ``${...}`` and ``auto``; the run is put in
+    its cell (n/a, unfinished) of the setting its other values match, not in a table of its own."""
+    from canonlm.train.report import build_outputs, find_unfinished
+
+    _run_with(tmp_path, "done", 0.5, {"trainer.max_steps": 600})
+    killed = tmp_path / "killed"
+    (killed / ".hydra").mkdir(parents=True)
+    cfg = _set(_set(_config(16, "4L64D", 1e-3), "trainer.max_steps", "${canonlm_steps:depo1,16}"), "data.batch_size",
+               "auto")
+    (killed / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
+    runs = load_runs(tmp_path)
+    doc = json.loads(build_outputs([tmp_path], runs, find_unfinished(tmp_path, runs), "task.N", "model.size")
+                     ["report.json"])
+    assert len(doc["tables"]) == 1, [t["title"] for t in doc["tables"]]
+    cells = doc["tables"][0]["cells"]["16"]
+    assert cells["2L64D"]["status"] == "ok" and cells["4L64D"]["status"] == "unfinished", cells

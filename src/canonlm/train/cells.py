@@ -193,10 +193,18 @@ def compared_keys(runs: list[dict[str, Any]], rows: str, cols: str,
     return [k for k in IDENTITY if k in keep] + sorted(k for k in keep if k not in IDENTITY)
 
 
+#: What :func:`compared_label` returns for a value an unfinished run's Hydra config leaves unresolved.
+UNKNOWN = "(unresolved)"
+
+
 def compared_label(run: dict[str, Any], key: str) -> str:
     """A run's value of a compared key as it is compared: numbers as floats (``1`` and ``1.0`` are one value),
-    :data:`NEUTRAL_VALUES` as one value, else :func:`label`."""
+    :data:`NEUTRAL_VALUES` as one value, :data:`UNKNOWN` for an interpolation (``${...}``) or ``auto`` in a config
+    read from ``.hydra/config.yaml`` (``run["config_unresolved"]``: an unfinished run that never wrote
+    ``hparams.json``), else :func:`label`."""
     v = value(run, key)
+    if run.get("config_unresolved") and isinstance(v, str) and ("${" in v or v == "auto"):
+        return UNKNOWN
     if key in NEUTRAL_VALUES and v in NEUTRAL_VALUES[key]:
         return "(neutral)"
     if isinstance(v, (int, float)) and not isinstance(v, bool):

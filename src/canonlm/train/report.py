@@ -54,7 +54,7 @@ from canonlm.utils.io import atomic_write_bytes, atomic_write_text
 
 from canonlm.train.cells import (BEST_OF, NEUTRAL, axis_keys, cell, cell_kind, compared_keys, compared_label,
                                  depo_ks, find_unfinished, label, label_order, load_runs, natural_key, protocol,
-                                 table, tables, under, value)
+                                 table, tables, under, value, UNKNOWN)
 
 
 def _fmt(e: dict[str, Any] | None) -> str:
@@ -132,6 +132,7 @@ def place_unfinished(unfinished: list[dict[str, Any]], runs: list[dict[str, Any]
         r = dict(by_dir.get(u["dir"], {}))
         if not r.get("config"):
             r["config"] = _run_config(d)
+            r["config_unresolved"] = not (d / "hparams.json").is_file()  # Hydra's file: interpolations unresolved
         r.update(dir=u["dir"], last_step=u["last_step"], reason=u["reason"],
                  status=_REASON_STATUS.get(u["reason"], "failed"))
         out.append(r)
@@ -166,10 +167,19 @@ def layout(runs: list[dict[str, Any]], placed: list[dict[str, Any]], rows: str, 
     keys = compared_keys(every, rows, cols, best_of)
     axis = axis_keys(every, keys, rows, cols)
     sigs = [{k: compared_label(r, k) for k in keys} for r in every]
-    varying = [k for k in keys if len({s[k] for s in sigs}) > 1 and k not in axis]
+    varying = [k for k in keys if len({s[k] for s in sigs} - {UNKNOWN}) > 1 and k not in axis]
     groups: dict[tuple[str, ...], list[int]] = {}
+    pending = []
     for i, sig in enumerate(sigs):
-        groups.setdefault(tuple(sig[k] for k in varying), []).append(i)
+        g = tuple(sig[k] for k in varying)
+        if UNKNOWN in g:
+            pending.append(i)
+        else:
+            groups.setdefault(g, []).append(i)
+    for i in pending:  # an unfinished run with unresolved values joins the setting its other values match
+        g = tuple(sigs[i][k] for k in varying)
+        match = next((h for h in groups if all(a in (UNKNOWN, b) for a, b in zip(g, h))), g)
+        groups.setdefault(match, []).append(i)
     # row / column values per task: a setting that lacks a (row, col) pair its task has elsewhere shows it missing
     task_of = [label("task.name", value(r, "task.name")) for r in every]
     rv_task: dict[str, set[str]] = {}
