@@ -223,6 +223,7 @@ class Cluster:
         self.header = f"{MARKER} for the one-node test cluster in {self.root}"
         self.ctld_port, self.slurmd_port, self.cred_expire = ctld_port, slurmd_port, cred_expire
         self.min_cpus = min_cpus
+        self.cpus_raised = False  # node_line declared more CPUs than slurmd -C found
 
     def exists(self) -> bool:
         """The folder exists and is safe to use (:func:`private_dir`; raises :class:`Refused`)."""
@@ -368,7 +369,8 @@ class Cluster:
         fields = dict(tok.split("=", 1) for tok in first.split())
         mem = int(fields.get("RealMemory", "2048"))
         fields["RealMemory"] = str(max(mem - max(1024, mem // 10), 512))
-        if int(fields.get("CPUs", "1")) < self.min_cpus:
+        self.cpus_raised = int(fields.get("CPUs", "1")) < self.min_cpus
+        if self.cpus_raised:
             fields.update(CPUs=str(self.min_cpus), Boards="1", SocketsPerBoard="1", CoresPerSocket=str(self.min_cpus),
                           ThreadsPerCore="1")
         keep = ("NodeName", "CPUs", "Boards", "SocketsPerBoard", "CoresPerSocket", "ThreadsPerCore", "RealMemory")
@@ -376,10 +378,8 @@ class Cluster:
 
     def render(self, node_line: str) -> str:
         node = node_line.split()[0].split("=", 1)[1]
-        real = os.cpu_count() or 1
-        declared = int(dict(t.split("=", 1) for t in node_line.split()).get("CPUs", real))
         overrides = ("# more CPUs declared than this machine has (--cpus): slurmd takes the declared count\n"
-                     "SlurmdParameters=config_overrides\n") if declared > real else ""
+                     "SlurmdParameters=config_overrides\n") if self.cpus_raised else ""
         return f"""{self.header}
 # (`python3 scripts/local_slurm.py stop` removes this copy; a file without the first line is never overwritten)
 ClusterName=canonlm
@@ -542,21 +542,30 @@ PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
         daemon recorded in the folder's pid files; remove this folder's ``/etc/slurm/slurm.conf`` copy."""
         if self._alive(self.ctld_pid, "slurmctld") and self._alive(self.slurmd_pid, "slurmd"):
             self._cancel_jobs()
-        stopped = []
-        for pid_file, comm in ((self.slurmd_pid, "slurmd"), (self.ctld_pid, "slurmctld"),
-                               (self.munged_pid, "munged")):
-            if _terminate(self._alive(pid_file, comm)):
-                stopped.append(comm)
-            pid_file.unlink(missing_ok=True)
+        stopped, stuck = [], []
+        procs = [(self._alive(pid_file, comm), comm, pid_file) for pid_file, comm in
+                 ((self.slurmd_pid, "slurmd"), (self.ctld_pid, "slurmctld"), (self.munged_pid, "munged"))]
+        for pid, comm, pid_file in procs:
+            try:
+                if _terminate(pid):
+                    stopped.append(comm)
+                pid_file.unlink(missing_ok=True)
+            except StartFailed as e:  # go on with the others; the record stays for the next stop
+                stuck.append(f"{comm}: {e}")
         for pid, comm in self._strays():  # e.g. a child a daemon forked while it was being stopped mid-start
-            if _terminate(pid):
-                stopped.append(f"{comm} (pid {pid}, unrecorded)")
+            try:
+                if _terminate(pid):
+                    stopped.append(f"{comm} (pid {pid}, unrecorded)")
+            except StartFailed as e:
+                stuck.append(f"{comm}: {e}")
         if self.etc_owned.exists():
             if self._etc_header() == self.header:
                 ETC_CONF.unlink()
             self.etc_owned.unlink()
         if not quiet:
             say(f"stopped {', '.join(stopped)}" if stopped else f"nothing of {self.root} was running")
+        if stuck:
+            raise StartFailed("could not stop " + "; ".join(stuck))
 
     def _strays(self) -> list[tuple[int, str]]:
         """(pid, name) of the Slurm processes still running with this cluster's ``SLURM_CONF`` in their environment
@@ -599,8 +608,8 @@ def _running(pid: int) -> bool:
 
 def _terminate(pid: int | None, wait: float = 10.0) -> bool:
     """SIGTERM ``pid``, SIGKILL after ``wait`` seconds, and return only once the process is gone (or a zombie; up
-    to 10 s more after SIGKILL, which ends any process but one stuck in the kernel); True when there was a
-    process. Raises :class:`StartFailed` when it still runs then."""
+    to ``wait`` seconds more after SIGKILL, which ends any process but one stuck in the kernel); True when there
+    was a process. Raises :class:`StartFailed` when it still runs then."""
     if not pid:
         return False
     try:
@@ -615,7 +624,7 @@ def _terminate(pid: int | None, wait: float = 10.0) -> bool:
                 os.kill(pid, sig)
     except ProcessLookupError:
         return True
-    raise StartFailed(f"process {pid} still runs 10 s after SIGKILL")
+    raise StartFailed(f"process {pid} still runs {wait:.0f} s after SIGKILL")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -168,9 +168,13 @@ def check_overrides(overrides: list[str]) -> None:
     for o in overrides:
         if any(ord(c) < 32 or ord(c) == 127 for c in o):
             raise UsageError("override", o, "a Hydra override without control characters (newline, tab, ...)")
-        key = o.split("=", 1)[0].lstrip("+~")
+        key, _, val = o.partition("=")
+        key = key.lstrip("+~")
         if key in SET_BY_LAUNCHER:
             raise UsageError("override", o, f"no {key}: the launcher sets it ({SET_BY_LAUNCHER[key]})")
+        if key in ("callbacks", "callbacks.preemption") and (o.startswith("~") or val in ("none", "null", "~")):
+            raise UsageError("override", o, "the preemption callback kept: the job saves and requeues itself through "
+                                            "it (callbacks.preemption.signal_name is set by --signal)")
 
 
 def run_overrides(args: argparse.Namespace, overrides: list[str]) -> list[str]:

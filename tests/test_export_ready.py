@@ -161,6 +161,9 @@ def test_capo_export_carries_its_bpe_renumbered_to_the_compact_ids(tmp_path, cap
         assert tok.decode(want) == t.decode(want) == text
     both = t.encode(texts[0]).tolist() + [t.eos_id] + t.encode(texts[1]).tolist()
     assert tok(texts[0] + "<|endoftext|>" + texts[1], add_special_tokens=False)["input_ids"] == both
+    assert tok(texts[2])["input_ids"] == t.encode(texts[2]).tolist()      # the default call adds nothing either
+    outside = tok("Zyxqwv 12345 @@", add_special_tokens=False)["input_ids"]
+    assert max(outside) >= V                                               # never in a biography: past the embedding
     gen = transformers.GenerationConfig.from_pretrained(out)
     assert (gen.pad_token_id, gen.eos_token_id) == (0, t.eos_id)
     assert "compact ids" in (out / "README.md").read_text()
@@ -172,6 +175,8 @@ def test_capo_export_carries_its_bpe_renumbered_to_the_compact_ids(tmp_path, cap
 
     ours, _ = load_canonlm_checkpoint(src)
     assert hf_out.tolist() == generate_ids(ours, [prompt[0].numpy()], 6)[0].tolist()
+    with pytest.raises(ValueError, match="never trained on"):              # one clear error, not an IndexError
+        model(torch.tensor([outside]))
 
 
 def test_capo_export_stops_when_the_task_tokenizer_changed_or_is_gone(tmp_path, capsys):

@@ -162,7 +162,8 @@ def test_override_with_a_control_character_is_refused(override, tmp_path, capsys
 
 @pytest.mark.parametrize("override", ["ckpt_path=/runs/a/checkpoints/step0000010.ckpt", "run_name=other",
                                       "paths.log_dir=/elsewhere", "trainer.devices=3", "+trainer.num_nodes=2",
-                                      "trainer.accelerator=gpu", "callbacks.preemption.signal_name=SIGUSR1"])
+                                      "trainer.accelerator=gpu", "callbacks.preemption.signal_name=SIGUSR1",
+                                      "callbacks=none", "callbacks.preemption=null", "~callbacks.preemption"])
 def test_override_of_a_key_the_launcher_sets_is_refused(override, tmp_path, capsys):
     """The job's srun line ends with the launcher's own run_name, ckpt_path=auto, paths.log_dir, trainer.* and
     signal overrides, which win over the user's: a user value for one of those keys would be silently replaced
@@ -171,9 +172,9 @@ def test_override_of_a_key_the_launcher_sets_is_refused(override, tmp_path, caps
     assert _launch().main(["--name", "r1", "--gpus-per-node", "0", "--log-dir", str(tmp_path / "logs"), "--",
                            "model.size=2L64D", override]) == 2
     err = capsys.readouterr().err.strip()
-    key = override.split("=")[0].lstrip("+")
+    key = override.split("=")[0].lstrip("+~")
     assert len(err.splitlines()) == 1 and err.startswith(f"launch: error: override={override!r}"), err
-    assert f"no {key}: the launcher sets it" in err, err
+    assert f"no {key}: the launcher sets it" in err or "the preemption callback kept" in err, err
     assert list(tmp_path.iterdir()) == []
 
 
@@ -406,7 +407,7 @@ def test_two_rank_cpu_job_matches_one_process(strategy, slurm_cluster, oracle, t
                 if "train/loss" in r and r["step"] >= 10}
         assert max(rows) == MAX_STEPS - 1 and len(rows) == 10, job.report()    # steps 14, 19, ..., 59
         steps = sorted(rows)
-        assert [rows[s] for s in steps] == pytest.approx([full[s] for s in steps], rel=1e-4), job.report()
+        assert [rows[s] for s in steps] == pytest.approx([full[s] for s in steps], rel=1e-6), job.report()
         _assert_matches_oracle(res_n, oracle, job.report())
         table.append((f"2 -> {n} at step 10", 10, res_n["steps"], rows[MAX_STEPS - 1], res_n["test"]["loss"]))
     print("\nworld size | from step | steps | last train loss | test loss")

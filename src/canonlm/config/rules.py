@@ -141,8 +141,8 @@ TRAINING_RULES: tuple[Rule | KnownKeys, ...] = (
          optional=True),
     Rule("sched.min_lr_ratio", "a number in [0, 1] (the final lr as a fraction of optim.lr)", float, min=0,
          optional=True, test=lambda v: v <= 1),
-    Rule("sched.decay_fraction", "a number in (0, 1] (wsd: the last fraction of steps that decays)", float, above=0,
-         optional=True, test=lambda v: v <= 1),
+    Rule("sched.decay_fraction", "a number in (0, 1] (wsd: the last fraction of steps that decays; checked for "
+         "every schedule)", float, above=0, optional=True, test=lambda v: v <= 1),
     Rule("ckpt_path", "null | auto | an existing checkpoint path", null=True, optional=True, test=_existing_or_auto),
     Rule("data.batch_size", _POSITIVE, int, min=1),
     Rule("trainer.accumulate_grad_batches", _POSITIVE, int, min=1, optional=True),

@@ -183,9 +183,14 @@ def read_checkpoint(ck: str | Path, mmap: bool = False) -> dict[str, Any]:
 def tokenizer_record(task_cfg: dict[str, Any]) -> dict[str, Any]:
     """The ``tokenizer`` record a ``text`` run's prepared data keeps in ``<task.data_dir>/meta.json`` (``path``,
     ``sha256``, ``eos_token``, as :mod:`canonlm.data.prepare` writes it); ``{}`` when it has none. Raises OSError
-    (no such file) and ValueError (not JSON)."""
-    f = Path(str(task_cfg.get("data_dir") or "")) / "meta.json"
-    return dict(json.loads(f.read_text()).get("tokenizer") or {})
+    (no ``data_dir``, no such file) and ValueError (not a JSON object)."""
+    if not task_cfg.get("data_dir"):
+        raise FileNotFoundError("the run's task config has no data_dir (its prepared data)")
+    f = Path(str(task_cfg["data_dir"])) / "meta.json"
+    meta = json.loads(f.read_text())
+    if not isinstance(meta, dict) or not isinstance(meta.get("tokenizer") or {}, dict):
+        raise ValueError(f"{f} is not the JSON object prepare writes")
+    return dict(meta.get("tokenizer") or {})
 
 
 def run_tokenizer(task_cfg: dict[str, Any]) -> tuple[str | None, str | None]:

@@ -94,6 +94,11 @@ def capo_tokenizer(task: Any, vocab_size: int):
     if model.get("type") != "BPE":
         raise InteropError(f"the Capo tokenizer is a {model.get('type')!r} model; only BPE is renumbered")
     by_id = {int(i): s for s, i in model["vocab"].items()}
+    by_id.update({int(a["id"]): a["content"] for a in spec.get("added_tokens") or [] if int(a["id"]) not in by_id})
+    used = [int(o) for c, o in enumerate(task.compact_to_orig.tolist()) if 1 <= c < task.eos_id]
+    missing = [o for o in used if o not in by_id]
+    if missing:
+        raise InteropError(f"the Capo tokenizer has no token with id {missing[0]}, which the task's vocabulary uses")
     vocab: dict[str, int] = {"<pad>": 0}
     for c, o in enumerate(task.compact_to_orig.tolist()):
         if 1 <= c < task.eos_id:
@@ -106,6 +111,7 @@ def capo_tokenizer(task: Any, vocab_size: int):
             nxt += 1
     model["vocab"] = vocab
     special = dict(single_word=False, lstrip=False, rstrip=False, normalized=False, special=True)
+    spec["post_processor"] = None  # a template (<s> ... </s>) would insert ids of the old numbering
     spec["added_tokens"] = [dict(id=0, content="<pad>", **special),
                             dict(id=int(task.eos_id), content=EOS_TEXT, **special)]
     hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)), pad_token="<pad>",

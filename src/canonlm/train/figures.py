@@ -3,7 +3,7 @@ canvas (no pyplot, no display, no global backend switch).
 
 * :func:`heatmap` -- the heat maps of the paper's Fig. 7 (Allen-Zhu, 2025, Physics of Language Models Part 4.1):
   rows the task difficulty (e.g. Depo's N), columns the model sizes, each cell the best run over the learning rates
-  of the sweep, its number printed in the cell (Depo ``acc@K / acc@K/2``) and its colour the first number
+  and seeds it holds (the caption states them, with the budget), its number printed in the cell (Depo ``acc@K / acc@K/2``) and its colour the first number
   (accuracy in percent on a fixed 0-100 scale; Capo bits per parameter from 0). Several settings (Canon sets,
   positional encodings) are drawn as side-by-side panels with one shared colour scale. A cell without a finished
   run is light grey and hatched, with ``unfinished`` / ``failed`` / ``missing`` / ``diverged`` written in it.

@@ -152,8 +152,8 @@ def _slug(setting: dict[str, str]) -> str:
 
 def layout(runs: list[dict[str, Any]], placed: list[dict[str, Any]], rows: str, cols: str,
            best_of: tuple[str, ...] = BEST_OF) -> list[dict[str, Any]]:
-    """The paper's tables with nothing dropped: like ``tables`` (one per setting, best run over the learning rates
-    per cell, Fig. 7 of Allen-Zhu 2025 reports the best of four), but the settings, row values and column values
+    """The paper's tables with nothing dropped: like ``tables`` (one per setting, best run over the ``best_of`` keys
+    per cell -- Fig. 7 of Allen-Zhu 2025 reports the best of four learning rates), but the settings, row values and column values
     also come from the unfinished or failed runs (``place_unfinished``), and every (row, column) pair of a task is a
     cell of each of its settings. Each item: ``setting`` / ``title`` (the keys that vary), ``name`` (task and
     (arch, canon, pos) always named; ``named`` the same as a dict), ``slug``, ``group`` (the setting without

@@ -344,14 +344,16 @@ def _trainer_kwargs(cfg: DictConfig) -> dict[str, Any]:
 def _lightning_key(message: str, kwargs: dict[str, Any]) -> str | None:
     """The ``trainer`` argument a ``lightning.Trainer`` error is about: the first of ``kwargs``'s names the message
     mentions (```max_epochs` must be ...``, ``Trainer(devices=0)``, ``accelerator='abacus'``), else ``accelerator``
-    for a device that is not there ("No supported gpu backend found!"), else None."""
+    when a device accelerator was asked for and the message is about that device ("No supported gpu backend
+    found!"), else None (the whole ``trainer`` node is named)."""
     import re
 
     hits = [(m.start(), k) for k in kwargs if k != "default_root_dir"
             for m in [re.search(rf"(?<![A-Za-z_]){re.escape(k)}(?![A-Za-z_])", message)] if m]
     if hits:
         return min(hits)[1]
-    if "accelerator" in kwargs and re.search(r"\b(gpu|cuda|mps|tpu|backend)\b", message, flags=re.I):
+    if str(kwargs.get("accelerator")) in ("gpu", "cuda", "mps", "tpu") and \
+            re.search(r"\b(gpu|cuda|mps|tpu)\b", message, flags=re.I):
         return "accelerator"
     return None
 
@@ -389,8 +391,9 @@ def _build_trainer(cfg: DictConfig, task: Any, output_dir: str) -> tuple[Any, An
         from lightning.pytorch.plugins.environments import SLURMEnvironment
 
         plugins.append(SLURMEnvironment(auto_requeue=False))  # the Preemption callback owns requeueing
+    strategy = _strategy(cfg)
     try:
-        trainer = L.Trainer(**kwargs, strategy=_strategy(cfg), callbacks=callbacks, logger=loggers, plugins=plugins)
+        trainer = L.Trainer(**kwargs, strategy=strategy, callbacks=callbacks, logger=loggers, plugins=plugins)
     except (MisconfigurationException, ValueError, TypeError, ImportError) as e:
         key = _lightning_key(str(e), kwargs)
         if key is None:

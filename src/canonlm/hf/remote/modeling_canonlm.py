@@ -97,6 +97,11 @@ class CanonLMForCausalLM(PreTrainedModel, GenerationMixin):
     def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
                 labels: torch.LongTensor | None = None, **kwargs) -> CausalLMOutputWithPast:
         self._placed(input_ids)
+        V = self.model.cfg.vocab_size
+        if input_ids.numel() and (int(input_ids.max()) >= V or int(input_ids.min()) < 0):
+            # a tokenizer whose ids reach past the embedding (Capo's: BPE tokens no biography holds get ids >= V)
+            raise ValueError(f"input_ids hold id {int(input_ids.max())} (or a negative one); the model's vocabulary "
+                             f"has ids 0..{V - 1}: the text holds tokens the model was never trained on")
         logits = self._logits(input_ids, attention_mask)
         loss = None
         if labels is not None:
