@@ -95,6 +95,24 @@ def test_canon_effect_is_the_default_depo_rope_nope_times_canon_none_abcd_two_se
         assert 0 < c.trainer.max_steps <= default.trainer.max_steps
 
 
+def test_depth_follows_the_paper_protocol_on_a_two_hop_depo(tmp_path):
+    """The issue: Llama with and without Canon-ABCD, RoPE and NoPE, at least 2 learning rates x 2 seeds; a Depo with
+    1-token names where k = 2 is the deepest question (the report's acc@2); with and without Canon see the same
+    task, data, model size, steps and learning rates."""
+    jobs = _jobs("depth", tmp_path)
+    grid = {(c.pos.type, c.canon.set, c.optim.lr, c.seed) for c in jobs}
+    lrs, seeds = {c.optim.lr for c in jobs}, {c.seed for c in jobs}
+    assert len(lrs) >= 2 and len(seeds) >= 2 and len(jobs) == len(grid)
+    assert grid == set(itertools.product(["rope", "nope"], ["", "ABCD"], sorted(lrs), sorted(seeds)))
+    first = jobs[0]
+    for c in jobs:
+        assert c.task.name == "depo1" and c.task.K == 2 and c.task.min_len == c.task.max_len == 1
+        assert c.task == first.task and c.model.size == first.model.size and c.model.arch == "llama"
+        assert c.trainer.max_steps == first.trainer.max_steps and c.data.batch_size == first.data.batch_size
+    h = _hydra_cfg(["experiment=mini/depth"]).hydra.callbacks.report
+    assert (h.rows, h.cols, h.k) == ("canon.set", "pos.type", "1,2")
+
+
 def test_copy_is_one_layer_d16_rope_copy_length_64_with_and_without_canon(tmp_path):
     """The issue's probe setting (Fig. 5 at small scale): 1 layer, d_model=16, RoPE, copy length 64."""
     jobs = _jobs("copy", tmp_path)
