@@ -266,7 +266,7 @@ def test_run_dir_check_refuses_a_folder_the_user_cannot_write(tmp_path):
 def test_sigterm_saves_at_a_step_boundary_and_resume_equals_uninterrupted(tmp_path):
     from canonlm.train.metrics_file import read_metrics
 
-    args = ["trainer.max_steps=120", "trainer.val_check_interval=60", "callbacks.checkpoint.every_n_train_steps=50"]
+    args = ["trainer.max_steps=60", "trainer.val_check_interval=30", "callbacks.checkpoint.every_n_train_steps=25"]
     log = tmp_path / "s.out"
     # the uninterrupted reference run "c" trains meanwhile, in its own process and run directory
     ref = subprocess.Popen(_cmd([*args, "run_name=c"], tmp_path), stdout=subprocess.DEVNULL,
@@ -275,7 +275,7 @@ def test_sigterm_saves_at_a_step_boundary_and_resume_equals_uninterrupted(tmp_pa
         proc = subprocess.Popen(_cmd([*args, "run_name=s"], tmp_path), stdout=out, stderr=subprocess.STDOUT,
                                 cwd=tmp_path, env=ENV)
         deadline = time.time() + 240
-        while "[step 60/" not in log.read_text() and proc.poll() is None and time.time() < deadline:
+        while "[step 30/" not in log.read_text() and proc.poll() is None and time.time() < deadline:
             time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(timeout=120)
@@ -285,7 +285,7 @@ def test_sigterm_saves_at_a_step_boundary_and_resume_equals_uninterrupted(tmp_pa
     assert saved and "stopping (SIGTERM)" in saved[0], text[-3000:]
     step = int(saved[0].split(" at step ")[1].split(";")[0])
     run = _run_dir(tmp_path, "s")
-    assert 60 <= step < 120 and step % 50, step  # saved at the signal's step, not at a periodic checkpoint
+    assert 30 <= step < 60 and step % 25, step  # saved at the signal's step, not at a periodic checkpoint
     ck = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
     assert ck["global_step"] == step
     prior = ck["canonlm"]["train_time_s"]  # the first attempt's training time, saved with the signal's checkpoint
@@ -295,12 +295,12 @@ def test_sigterm_saves_at_a_step_boundary_and_resume_equals_uninterrupted(tmp_pa
     _, err = ref.communicate(timeout=300)
     assert ref.returncode == 0, err[-5000:]
     a, b = (json.loads((_run_dir(tmp_path, n) / "results.json").read_text()) for n in ("s", "c"))
-    assert a["steps"] == b["steps"] == 120 and a["attempts"] == 2 and b["attempts"] == 1
+    assert a["steps"] == b["steps"] == 60 and a["attempts"] == 2 and b["attempts"] == 1
     assert a["test"]["loss"] == b["test"]["loss"]  # bit-identical: same data, same state
-    assert a["train_time_s"] > round(prior, 1)  # both attempts counted (the resumed one trained 120 - step steps)
+    assert a["train_time_s"] > round(prior, 1)  # both attempts counted (the resumed one trained 60 - step steps)
     rows = read_metrics(run / "metrics.jsonl")
     steps = [r["step"] for r in rows]
-    assert steps == sorted(set(steps)) and steps[-1] >= 115
+    assert steps == sorted(set(steps)) and steps[-1] >= 55
 
 
 def test_nonfinite_steps_are_skipped_then_stop_the_run_with_a_checkpoint(tmp_path):

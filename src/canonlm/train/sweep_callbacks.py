@@ -4,8 +4,8 @@
 prints the sweep's tables (``canonlm.train.report`` over the sweep directory, nothing written) and the command that
 writes them with the figures, e.g.::
 
-    report: python -m canonlm.train.report logs/mini_canon_effect/multiruns/<time> --rows canon.set \\
-        --cols pos.type --k 1,2 --out logs/mini_canon_effect/multiruns/<time>/report
+    report: python -m canonlm.train.report logs/mini_depth/multiruns/<time> --rows canon.set \\
+        --cols pos.type --k 1,2 --out logs/mini_depth/multiruns/<time>/report
 
 The ``experiment=mini/*`` presets set ``hydra.callbacks.report.rows / cols / k`` to the layout that answers their
 question. A failing report never fails the sweep: its error is printed instead of the tables.
