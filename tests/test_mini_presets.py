@@ -207,7 +207,7 @@ def test_report_callback_survives_a_failing_report(tmp_path, capsys):
 @pytest.mark.slow
 def test_depth_preset_end_to_end_at_toy_size(tmp_path):
     """``python train.py -m experiment=mini/depth`` as a user runs it (shrunk by overrides to seconds, one lr and
-    one seed: four jobs), the report at the end with acc@1 / acc@2 per (Canon set, positions), and the report
+    one seed: four jobs), the report at the end with acc@2 / acc@1 per (Canon set, positions), and the report
     command."""
     tiny = ["model.size=2L64D", "trainer.max_steps=2", "trainer.val_check_interval=2", "data.val_windows=8",
             "data.test_windows=8", "data.batch_size=4", "callbacks.progress.force=lines"]
@@ -218,6 +218,6 @@ def test_depth_preset_end_to_end_at_toy_size(tmp_path):
     assert "Launching 4 jobs locally" in p.stdout + p.stderr
     sweeps = list((tmp_path / "logs" / "mini_depth" / "multiruns").iterdir())
     assert len(sweeps) == 1 and len(list(sweeps[0].rglob("results.json"))) == 4
-    assert "canon.set \\ pos.type |" in p.stdout and "acc@1 / acc@2 (%)" in p.stdout
+    assert "canon.set \\ pos.type |" in p.stdout and "acc@2 / acc@1 (%)" in p.stdout
     last = p.stdout.strip().splitlines()[-1]
-    assert last.startswith("report (tables") and f"{sweeps[0]} --rows canon.set --cols pos.type --k 1,2" in last
+    assert last.startswith("report (tables") and f"{sweeps[0]} --rows canon.set --cols pos.type --k 2,1" in last
