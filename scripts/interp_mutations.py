@@ -58,6 +58,16 @@ MUTATIONS = {
                          "o, ht = fused(q, k, v, gk=g, scale=scale, initial_state=h0,",
                          "o, ht = fused(q, k, v, gk=g, scale=scale, initial_state=None,",
                          ["gla_decode-fp32"], "GLA decode: the recurrent state not passed to fused_recurrent_gla"),
+    "canon_fold_twice": ("ops/canon/_cuda.py",
+                         "residual=x if residual and not fold else None, initial_state=state,",
+                         "residual=x if residual else None, initial_state=state,",
+                         ["canon_residual_state-fp32"], "Canon (fla): residual folded into the weight and also "
+                                                         "passed as fla's residual (added twice)"),
+    "canon_fold_tap": ("ops/canon/_fold.py",
+                       "return torch.cat([weight[:, :-1], weight[:, -1:] + 1], dim=1)",
+                       "return torch.cat([weight[:, :1] + 1, weight[:, 1:]], dim=1)",
+                       ["canon_residual_state-fp32"], "Canon: residual folded into the oldest tap instead of the "
+                                                      "current token's"),
     "canon_step_residual": ("ops/canon/_cuda.py",
                             "y, new_state = upd(x_t, new_state, x_t if residual else None, weight, bias,",
                             "y, new_state = upd(x_t, new_state, None, weight, bias,",

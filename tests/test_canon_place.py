@@ -287,3 +287,35 @@ def test_cpu_kernel_limit_is_checked_at_place_too():
     assert {n.rsplit(".", 1)[-1]: b for n, b in model.canon_backends.items()} == {
         "canon_a": "torch", "conv_q": "cpu", "conv_k": "cpu", "conv_v": "cpu", "canon_c": "torch", "canon_d": "torch"}
     model(torch.zeros(1, 4, dtype=torch.long))
+
+
+# ------------------------------------------------------------------------------------------------ compiled
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_compiled_auto_runs_every_canon_layer_on_the_torch_path(fake_cuda, arch):
+    """``place(..., compiled=True)`` on CUDA: an ``auto`` request puts every Canon layer (and short conv) on the
+    ``torch`` shift-and-add path that inductor can fuse (fla's dispatch is a graph break); the modules carry it, so the
+    forward and the decode step dispatch to it too. Uncompiled, the same model gets the kernels again."""
+    model = CanonLM(model_cfg(arch, "d60", "auto"))
+    layers = canon_layers(model)
+    assert model.place(CUDA, torch.bfloat16, compiled=True)["canon"] == "torch"
+    assert set(model.canon_backends.values()) == {"torch"} and model.canon_backends.keys() == layers.keys()
+    for m in layers.values():
+        assert m.backend == "torch"
+        assert canon_ops._select(m.backend, "cuda", torch.bfloat16, m.channels, m.kernel) == "torch"
+        assert canon_ops._select_step(m.backend, "cuda", torch.bfloat16, m.channels, m.kernel) == "torch"
+    assert model.place(CUDA, torch.bfloat16)["canon"] == "dao+fla"
+    assert {m.backend for m in layers.values()} == {"auto"}
+
+
+@pytest.mark.parametrize("request_", ["fused", "fla"])
+def test_compiled_keeps_a_pinned_or_fused_kernel(fake_cuda, request_):
+    """A kernel the user asked for by name (``kernels.canon=fla``) or ``ops=fused`` is kept under compile."""
+    model = CanonLM(model_cfg("llama", "d60", request_))
+    got = model.place(CUDA, torch.bfloat16, compiled=True)["canon"]
+    assert got == ("dao+fla" if request_ == "fused" else "fla")
+
+
+def test_compiled_auto_on_cpu_keeps_the_cpu_choice():
+    """On the CPU, compiled or not, ``auto`` keeps its CPU choice (the native kernel is a custom op, no graph break)."""
+    model = CanonLM(model_cfg("llama", "d60", "auto"))
+    assert model.place("cpu", torch.float32, compiled=True) == model.place("cpu", torch.float32)

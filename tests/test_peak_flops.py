@@ -76,3 +76,16 @@ def test_mfu_is_logged_only_for_a_known_device(device_name, tmp_path, counted, m
     per_token = flops.flops_per_token(module.model.cfg, 128, training=True)["total"]
     for m in perf:
         assert m["perf/mfu"] == pytest.approx(m["perf/tokens_per_s"] * per_token / peak, rel=1e-9)
+
+
+def test_first_step_seconds_are_logged_once(tmp_path, counted):
+    """``perf/first_step_s``: logged once, at the first optimizer step of the fit, positive and no longer than the
+    whole fit took (timed around ``trainer.fit`` here: an independent clock)."""
+    import time
+
+    t0 = time.perf_counter()
+    module, trainer, rows = counted(tmp_path, steps=4, every=2)
+    wall = time.perf_counter() - t0
+    firsts = [m["perf/first_step_s"] for _, m in rows if "perf/first_step_s" in m]
+    assert len(firsts) == 1 and 0 < firsts[0] < wall
+    assert module.first_step_s == pytest.approx(firsts[0])

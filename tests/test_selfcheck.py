@@ -1,7 +1,10 @@
-"""``python -m canonlm.selfcheck``: the CPU run end to end (report, SKIP lines, refusal to overwrite), the verdict
-rules (a fallback to the reference is never a PASS), the fp32 tolerance rule (``TRITON_F32_DEFAULT``), the counting of
-the kernels that really ran, and the GPU harness dry-run on the CPU with the fast backends resolving there and every
-fast entry point replaced by a CPU stand-in computing the reference."""
+"""``python -m canonlm.selfcheck``: the CPU run end to end (report, SKIP lines, compile / check times, refusal to
+overwrite), the lines of the full and ``--quick`` plans, the time budget (lines stopped or not run, SKIP with the
+reason; a crashed worker; the exit code; nothing left running), the verdict rules (a fallback to the reference is never
+a PASS), the fp32 tolerance rule (``TRITON_F32_DEFAULT``), first-config autotuning on a real Triton ``Autotuner``, the
+counting of the kernels that really ran, and the GPU harness dry-run on the CPU with the fast backends resolving there
+and every fast entry point replaced by a CPU stand-in computing the reference (the compile-friendly Canon line runs
+for real, compiled by inductor for the CPU)."""
 
 from __future__ import annotations
 
@@ -9,8 +12,11 @@ import contextlib
 import json
 import math
 import os
+import re
 import subprocess
 import sys
+import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -20,11 +26,13 @@ import torch
 from canonlm.errors import ConfigError
 from canonlm.ops import backend_calls, forget_backend_choices
 from canonlm.selfcheck import environment as env
-from canonlm.selfcheck import kernels, models, numerics, training
+from canonlm.selfcheck import kernels, models, numerics, plan, training, triton_hooks, verdict
 from canonlm.selfcheck.report import write_report
+from canonlm.selfcheck.runner import LineSpec
 from canonlm.selfcheck.verdict import FAIL, PASS, SKIP, Skip, judge_kernel, run_check
 
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA behaviour")
+HERE = Path(__file__).resolve().parent
 
 
 def _selfcheck(args, cwd, timeout=400):
@@ -33,21 +41,48 @@ def _selfcheck(args, cwd, timeout=400):
                           timeout=timeout, cwd=cwd, env=env)
 
 
-def _rows(report: str) -> dict[str, tuple[str, str]]:
-    """{check name: (status, detail)} from the report's checks table."""
+def _rows(report: str) -> dict[str, dict]:
+    """{line name: {status, compile, check, kernels, detail}} from the report's checks table (times as floats, None
+    when empty)."""
     out = {}
     for line in report.split("## Checks", 1)[1].splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
-        if len(cells) == 4 and cells[0] in (PASS, FAIL, SKIP):
-            out[cells[1]] = (cells[0], cells[2])
+        if len(cells) == 6 and cells[0] in (PASS, FAIL, SKIP):
+            out[cells[1]] = dict(status=cells[0], compile=float(cells[2]) if cells[2] else None,
+                                 check=float(cells[3]) if cells[3] else None, kernels=cells[4], detail=cells[5])
     return out
+
+
+#: A printed result line: ``[STATUS] name (compile 1.2 s, check 0.3 s): detail`` (or ``(not run)``).
+PRINTED = re.compile(r"^\[(PASS|FAIL|SKIP)\] (.+?) \((compile (\d+\.\d) s(?: \[[^\]]*\])?, check (\d+\.\d) s|not run|"
+                     r"stopped after (\d+\.\d) s)\): (.*)$")
+
+
+def _printed(stderr: str) -> dict[str, tuple]:
+    """{line name: (status, compile s or None, check s or None, detail)} from the lines printed as results came."""
+    out = {}
+    for line in stderr.splitlines():
+        m = PRINTED.match(line)
+        if m:
+            c, k = m.group(4), m.group(5)
+            out[m.group(2)] = (m.group(1), None if c is None else float(c), None if k is None else float(k),
+                               m.group(7))
+    return out
+
+
+#: The CPU lines of a --quick run (docs/selfcheck.md): no bf16 native line, training llama only.
+QUICK_CPU = ["cpu canon/cpu native kernel fp32 fwd+bwd", "cpu canon reference + decode step vs loop (fp64)",
+             "cpu attention sdpa fp32 fwd+bwd + decode"] + \
+    [f"cpu {op} chunked reference vs recurrence (fp64) fwd+bwd" for op in ("gla", "gdn", "ssd")] + \
+    [f"cpu model {a} decode == full forward (fp32)" for a in ("llama", "gla", "gdn", "mamba2")] + \
+    ["cpu train llama canon=ABCD 2L64D 5 steps"]
 
 
 @CPU_ONLY
 @pytest.mark.slow
-def test_cpu_run_writes_the_report_and_never_passes_gpu_lines(tmp_path):
+def test_cpu_quick_run_writes_the_report_with_compile_and_check_times(tmp_path, capsys):
     out = tmp_path / "r.md"
-    p = _selfcheck(["--out", str(out)], tmp_path)
+    p = _selfcheck(["--quick", "--out", str(out)], tmp_path)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert env.NO_CUDA_MESSAGE in p.stdout
     report = out.read_text()
@@ -56,24 +91,242 @@ def test_cpu_run_writes_the_report_and_never_passes_gpu_lines(tmp_path):
     for name in ("torch", "lightning", "triton", "fla-core", "flash-attn", "causal-conv1d", "mamba-ssm"):
         assert f"| {name} |" in versions, name
     assert "| CUDA (torch build) |" in versions
-    rows = _rows(report)
+    rows, printed = _rows(report), _printed(p.stderr)
+    assert set(printed) == set(rows)  # every line printed as it came, and in the report
     gpu = {n: r for n, r in rows.items() if not n.startswith("cpu ")}
     cpu = {n: r for n, r in rows.items() if n.startswith("cpu ")}
     assert any(n.startswith("kernel gla/fla") for n in gpu) and any(n.startswith("fsdp2") for n in gpu)
     assert any(n.startswith("train ") for n in gpu) and any(n.startswith("model ") for n in gpu)
-    assert all(r == (SKIP, env.NO_CUDA) for r in gpu.values()), gpu
-    assert len(cpu) >= 10 and all(r[0] == PASS for r in cpu.values()), cpu
-    for arch in ("llama", "gla", "gdn", "mamba2"):
-        assert "tokens/s" in next(r[1] for n, r in cpu.items() if n.startswith(f"cpu train {arch} "))
-    # what ran is counted, in the training subprocess too (the CPU runs: SDPA, the native Canon kernel)
-    assert "attention=sdpa:" in next(r[1] for n, r in cpu.items() if n.startswith("cpu train llama "))
-    assert "ran canon=cpu:" in cpu["cpu canon/cpu native kernel fp32 fwd+bwd"][1]
+    assert all((r["status"], r["detail"], r["compile"], r["check"]) == (SKIP, env.NO_CUDA, None, None)
+               for r in gpu.values()), gpu
+    assert all(printed[n][:3] == (SKIP, None, None) for n in gpu)  # printed "(not run)"
+    assert list(cpu) == QUICK_CPU
+    assert all(r["status"] == PASS for r in cpu.values()), cpu
+    # every CPU line states its compile and check times, in the report and as printed
+    for n, r in cpu.items():
+        assert r["compile"] is not None and r["check"] is not None, (n, r)
+        assert printed[n][1:3] == (r["compile"], r["check"]), (n, printed[n], r)
+    train = cpu["cpu train llama canon=ABCD 2L64D 5 steps"]
+    assert train["compile"] >= 1.0 and train["check"] > 0  # a train.py start-up (python, torch, lightning) > 1 s
+    assert "tokens/s" in train["detail"] and "attention=sdpa:" in train["detail"]  # counted in the subprocess
+    assert "ran canon=cpu:" in cpu["cpu canon/cpu native kernel fp32 fwd+bwd"]["detail"]
     assert f"- fp32 precision of Triton tl.dot: {numerics.triton_fp32_precision()} (" in report
-    # an existing report is not overwritten
+    assert "- time budget: 120 s (--budget-s): every line finished within it" in report
+    assert "- kernel cache: Triton " in report and "- autotune: first config that runs" in report
+    assert "(11 PASS, 0 FAIL," in report
+    # an existing report is not overwritten (refused before anything runs)
+    from canonlm.selfcheck.__main__ import main
+
     before = out.read_text()
-    p2 = _selfcheck(["--out", str(out)], tmp_path, timeout=60)
-    assert p2.returncode == 2 and "exists" in p2.stderr and "--force" in p2.stderr
-    assert out.read_text() == before
+    assert main(["--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "exists" in err and "--force" in err and out.read_text() == before
+
+
+def test_full_and_quick_plans(capsys):
+    """The lines of both modes, as docs/selfcheck.md lists them (an independent list: names built here from the
+    documented rules, not read from the plan), their groups, and ``--list``."""
+    full = plan.build_plan(plan.Options(), cuda=True, n_gpu=1)
+    quick = plan.build_plan(plan.Options(quick=True), cuda=True, n_gpu=1)
+    kernel = {dt: [f"kernel canon/{b} {dt} {m}" for b in ("dao", "fla") for m in ("fwd+bwd", "decode")]
+              + [f"kernel canon/torch compiled {dt} fwd+bwd"]
+              + [f"kernel attention/{b} {dt} {m}" for b in ("sdpa", "flash") if not (b == "flash" and dt == "fp32")
+                 for m in ("fwd+bwd", "decode")]
+              + [f"kernel {o} {dt} {m}" for o in ("gla/fla", "gdn/fla", "ssd/mamba_ssm") for m in ("fwd+bwd", "decode")]
+              + [f"kernel ssd/mamba_ssm fused split {dt} fwd+bwd"] for dt in ("fp32", "bf16")}
+    archs = ("llama", "gla", "gdn", "mamba2")
+    sets = {"llama": "ABCD", "gla": "AbCD", "gdn": "AbCD", "mamba2": "AbCD"}
+    want_full = kernel["fp32"] + kernel["bf16"] \
+        + [n for a in archs for n in (f"model {a} fast vs reference (cuda, bf16)",
+                                      f"model {a} decode == full forward (cuda, fp32)")] \
+        + [f"train {a} canon={sets[a]} 12L768D 20 steps (1 GPU, bf16-mixed)" for a in archs] \
+        + [f"fsdp2 {a} canon={sets[a]} 12L768D 20 steps (all GPUs)" for a in ("llama", "gla")]
+    want_quick = kernel["bf16"] + [f"model {a} decode == full forward (cuda, fp32)" for a in archs] \
+        + [f"train {a} canon={sets[a]} 4L256D 10 steps (1 GPU, bf16-mixed)" for a in ("llama", "gla")] \
+        + ["fsdp2 llama canon=ABCD 4L256D 10 steps (all GPUs)"] + QUICK_CPU
+    want_full += [QUICK_CPU[0], "cpu canon/cpu native kernel bf16 fwd+bwd"] + QUICK_CPU[1:] + \
+        [f"cpu train {a} canon={sets[a]} 2L64D 5 steps" for a in archs[1:]]
+    assert [s.name for s in full] == want_full
+    assert [s.name for s in quick] == want_quick
+    for specs in (full, quick):
+        # one process per kernel family and dtype, per model architecture, per training run
+        for s in specs:
+            if s.name.startswith("kernel "):
+                dt = "bf16" if " bf16 " in s.name else "fp32"
+                fam = next(f for f in ("split", "canon", "attention", "gla", "gdn", "ssd") if f in s.name)
+                assert s.group == ("canon" if fam == "attention" else fam) + " " + dt, s
+                assert s.device == "cuda" and not s.heavy and s.static is None
+            elif s.name.startswith(("train ", "fsdp2 ")):
+                assert s.heavy and s.device == "cuda"
+            elif s.name.startswith("cpu "):
+                assert s.device == "cpu" and s.group.startswith("cpu")
+        assert all(s.static == [SKIP, "needs >= 2 GPUs (1 visible)"] for s in specs if s.name.startswith("fsdp2"))
+        train = [s for s in specs if s.name.startswith("train ")]
+        assert all(s.args[0]["autotune"] == "first" and f"data.batch_size=8" in s.args[0]["overrides"]
+                   for s in train)
+    no_cuda = plan.build_plan(plan.Options(quick=True), cuda=False, n_gpu=0)
+    assert all(s.static == [SKIP, env.NO_CUDA] for s in no_cuda if not s.name.startswith("cpu "))
+    two = plan.build_plan(plan.Options(size="4L128D", steps=3, autotune="full"), cuda=True, n_gpu=2)
+    m2 = next(s for s in two if s.name.startswith("train mamba2"))
+    assert m2.name == "train mamba2 canon=AbCD 4L128D 3 steps (1 GPU, bf16-mixed)" and m2.args[0]["autotune"] == "full"
+    assert all(s.static is None for s in two if s.name.startswith("fsdp2"))
+    from canonlm.selfcheck.__main__ import main
+
+    assert main(["--list", "--quick"]) == 0
+    listed = [ln.split("  [", 1)[0] for ln in capsys.readouterr().out.splitlines()]
+    assert listed == [s.name for s in plan.build_plan(plan.Options(quick=True), torch.cuda.is_available(),
+                                                      torch.cuda.device_count())]
+
+
+@pytest.mark.parametrize("argv, msg", [(["--steps", "1"], "--steps 1: allowed: an integer >= 2"),
+                                       (["--budget-s", "0"], "--budget-s 0.0: allowed"),
+                                       (["--jobs", "0"], "--jobs 0: allowed"),
+                                       (["--size", "big"], "--size big: allowed: one of")])
+def test_bad_options_are_refused_before_anything_runs(argv, msg, tmp_path, capsys):
+    from canonlm.selfcheck.__main__ import main
+
+    out = tmp_path / "r.md"
+    assert main([*argv, "--out", str(out)]) == 2
+    assert msg in capsys.readouterr().err and not out.exists()
+
+
+@pytest.mark.slow
+def test_budget_stops_lines_with_the_reason_and_the_exit_code_stays_right(tmp_path, monkeypatch, capsys):
+    """A planted plan through the real command and real workers: a line's compile / check split comes back from its
+    worker; a FAIL is a FAIL; a worker that dies fails the line it ran and the rest of its group runs in a new
+    worker; at the 5 s budget the line still running is stopped and the next one not run, both SKIP with the
+    reason; the command returns at once with exit code 1 (a FAIL), writes the report, and leaves no process
+    behind. The lines are the standard library's (``os.path.split("PASS/x")`` is ``("PASS", "x")``) and
+    ``test_selfcheck_interp.planted_line`` (a module that imports no torch), so the workers start in a fraction of
+    a second."""
+    from canonlm.selfcheck import __main__ as cli
+
+    lines = [
+        LineSpec("a planted FAIL", "a", "os.path:split", ["FAIL/planted failure"], est_s=30),
+        LineSpec("a hangs", "a", "time:sleep", [600]),
+        LineSpec("a never starts", "a", "os.path:split", ["PASS/x"]),
+        LineSpec("b crashes", "b", "os:_exit", [3], est_s=20),
+        LineSpec("b after the crash", "b", "os.path:split", ["PASS/ran in a new worker"]),
+        LineSpec("c timed", "c", "test_selfcheck_interp:planted_line", [], {"compile_s": 0.6, "check_s": 0.3},
+                 est_s=10),
+        LineSpec("d static", "d", static=[SKIP, "no CUDA"]),
+    ]
+    monkeypatch.setattr(cli, "build_plan", lambda opts, cuda, n_gpu: lines)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])))
+    out = tmp_path / "r.md"
+    t0 = time.perf_counter()
+    rc = cli.main(["--out", str(out), "--budget-s", "5", "--jobs", "3"])
+    elapsed = time.perf_counter() - t0
+    err = capsys.readouterr().err
+    assert rc == 1, err
+    assert elapsed < 5 + 8, elapsed  # the budget, the stop (SIGTERM, then SIGKILL after 2 s), the report
+    rows, printed = _rows(out.read_text()), _printed(err)
+    assert set(printed) == set(rows) == {s.name for s in lines}
+    assert (rows["a planted FAIL"]["status"], rows["a planted FAIL"]["detail"]) == (FAIL, "planted failure")
+    hang = rows["a hangs"]
+    assert hang["status"] == SKIP and hang["compile"] is None and hang["check"] is None
+    assert re.fullmatch(r"stopped after \d+ s: the 5 s budget was spent while it ran; rerun with --budget-s 10 "
+                        r"\(the kernel cache makes a second run faster\)", hang["detail"]), hang
+    assert printed["a hangs"][0] == SKIP and "stopped after" in err
+    assert (rows["a never starts"]["status"], rows["a never starts"]["detail"]) == (
+        SKIP, "not run: the 5 s budget was spent; rerun with --budget-s 10 (the kernel cache makes a second run "
+              "faster)")
+    assert rows["b crashes"]["status"] == FAIL
+    assert rows["b crashes"]["detail"].startswith("the worker process died (exit 3) while this line ran")
+    assert (rows["b after the crash"]["status"], rows["b after the crash"]["detail"]) == (PASS, "ran in a new worker")
+    timed = rows["c timed"]
+    assert timed["status"] == PASS and 0.6 <= timed["compile"] < 2.0 and 0.3 <= timed["check"] < 2.0, timed
+    assert (rows["d static"]["status"], rows["d static"]["compile"]) == (SKIP, None)
+    report = out.read_text()
+    assert "- time budget: 5 s (--budget-s): 1 lines not run and 1 stopped by it (SKIP)" in report
+    assert "(2 PASS, 2 FAIL, 3 SKIP)" in report
+    kept = re.search(r"run directory \(training runs, worker logs\) kept in (\S+)", err).group(1)
+    assert (Path(kept) / "selfcheck-plan.json").is_file()
+    left = [p for p in Path("/proc").glob("[0-9]*") if kept in _cmdline(p)]
+    assert not left, "worker processes still running"
+
+
+def _cmdline(proc: Path) -> str:
+    try:
+        return (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def test_time_split_of_a_line():
+    """Compile time is the time spent inside ``compiling()`` (nested blocks once) plus what ``add_compile_time``
+    adds (a subprocess's start-up); check time is the rest of the line's wall time."""
+    def line():
+        with verdict.compiling():
+            time.sleep(0.2)
+            with verdict.compiling():
+                time.sleep(0.1)
+        time.sleep(0.15)
+        time.sleep(0.05)  # a subprocess's start-up, measured by the line and added as compile time
+        verdict.add_compile_time(0.05, built=3, loaded=2)
+        return PASS, "ok"
+
+    r = run_check("timed", line)
+    assert 0.35 <= r.compile_s < 0.6 and 0.15 <= r.check_s < 0.4, r
+    assert abs(r.compile_s + r.check_s - r.seconds) < 1e-9 and r.kernels == {"built": 3, "loaded": 2}
+    r = run_check("fails", lambda: (_ for _ in ()).throw(RuntimeError("boom")))
+    assert r.status == FAIL and r.compile_s == 0.0 and r.kernels == {}  # the clock starts afresh for each line
+
+
+def test_first_config_autotune_on_a_real_triton_autotuner(monkeypatch):
+    """A real ``triton.runtime.autotuner.Autotuner`` over a stand-in kernel (no GPU here): inside
+    ``first_config_autotune`` the first config that compiles is run once and used, later configs are never tried,
+    nothing is benchmarked or written to Triton's disk cache, and the choice is not left in the autotuner's cache;
+    a choice made before (a full autotune) is used as it is; outside the context Triton's methods are back."""
+    pytest.importorskip("triton")
+    from triton.runtime.autotuner import Autotuner, Config
+    from triton.runtime.errors import OutOfResources
+
+    calls = []
+
+    def body(x, n, BLOCK):  # the Python function under the "kernel" (Autotuner reads its name)
+        raise AssertionError("not called")
+
+    class Kernel:
+        def __init__(self):
+            self.fn, self.arg_names = body, ["x", "n", "BLOCK"]
+
+        def run(self, *args, BLOCK, **kw):
+            calls.append(BLOCK)
+            if BLOCK == 16:
+                raise OutOfResources(1, 0, "shared memory")
+
+    configs = [Config({"BLOCK": b}) for b in (16, 32, 64)]
+    tuner = Autotuner(Kernel(), ["x", "n", "BLOCK"], configs, ["n"], None, None, cache_results=True)
+    monkeypatch.setattr(Autotuner, "check_disk_cache", lambda *a: pytest.fail("Triton's disk cache was used"))
+    run, bench = Autotuner.run, Autotuner._bench
+    x = torch.zeros(4)
+    with triton_hooks.first_config_autotune() as why:
+        assert why is None
+        tuner.run(x, 128)
+        assert calls == [16, 32, 32]  # 16 fails to compile, 32 runs once as the "benchmark", then the real call
+        assert tuner.cache == {} and tuner.cache_results is True
+        tuner.run(x, 128)
+        assert calls == [16, 32, 32, 32]  # remembered: no second tuning
+        tuner.cache[(256, "torch.float32")] = configs[2]  # tuned before, e.g. restored from the kernel cache
+        tuner.run(x, 256)
+        assert calls[-1] == 64 and tuner.cache == {(256, "torch.float32"): configs[2]}
+    assert (Autotuner.run, Autotuner._bench) == (run, bench)
+
+
+def test_kernel_counts_chain_to_the_listener_already_set(monkeypatch):
+    """``count_compiles`` hooks Triton's real compilation listener knob (``compile`` calls it once per kernel binary,
+    ``cache_hit`` True when it came from the disk cache; no GPU here to compile, so the knob is called as ``compile``
+    calls it) and keeps calling a listener that was set before."""
+    triton = pytest.importorskip("triton")
+    seen = []
+    monkeypatch.setattr(triton.knobs.compilation, "listener", lambda **kw: seen.append(kw["cache_hit"]))
+    monkeypatch.setattr(triton_hooks, "_listening", [False])
+    monkeypatch.setattr(triton_hooks, "counts", {"built": 0, "loaded": 0})
+    assert triton_hooks.count_compiles() and triton_hooks.count_compiles()  # idempotent
+    for hit in (False, False, True):
+        triton.knobs.compilation.listener(src=None, metadata={}, metadata_group={}, times=None, cache_hit=hit)
+    assert triton_hooks.kernel_counts() == {"built": 2, "loaded": 1} and seen == [False, False, True]
 
 
 def test_fallback_to_reference_is_fail():
@@ -264,7 +517,7 @@ def test_gpu_kernel_harness_dry_run_on_cpu(fake_gpu):
     """Every kernel line (bf16) and the model lines pass on the CPU with the fast entry points called -- and each line
     saw exactly its fast backends run; flash-attn, "not installed", is SKIP with the reason."""
     results = kernels.run_kernel_checks("cpu", ("bf16",))
-    assert len(results) == 15
+    assert len(results) == 16
     for r in results:
         if r.backend == "flash":
             assert (r.status, r.detail) == (SKIP, "flash-attn not installed"), r
@@ -272,6 +525,14 @@ def test_gpu_kernel_harness_dry_run_on_cpu(fake_gpu):
         assert r.status == PASS, (r.name, r.detail)
         assert set(r.ran) == {r.op} and set(r.ran[r.op]) == {r.backend} and r.ran[r.op][r.backend] >= 1, r
         assert r.errors and max(r.errors.values()) <= r.tol == 6e-2
+        assert r.compile_s is not None and r.check_s is not None
+    # the compile-friendly Canon path, compiled by inductor (for the CPU here): traced once per Canon use, one graph,
+    # and its compile (dynamo + inductor, several seconds) is the line's compile time, not its check time
+    compiled = next(r for r in results if r.backend == "torch")
+    assert compiled.name == "kernel canon/torch compiled bf16 fwd+bwd" and compiled.ran == {"canon": {"torch": 2}}
+    assert "inductor: 1 graph" in compiled.detail and set(compiled.errors) == {
+        "canon.y", "shortconv.y", "dx", "dw", "db", "dinit"}
+    assert compiled.compile_s > 0.5 and compiled.compile_s > compiled.check_s, compiled
     assert [r.op for r in kernels.run_kernel_checks("cpu", ("bf16",), ops=["gdn"])] == ["gdn", "gdn"]
     for arch in models.PRESETS:
         v = models.check_model_decode(arch, "cpu", "2L64D")
@@ -279,6 +540,22 @@ def test_gpu_kernel_harness_dry_run_on_cpu(fake_gpu):
         assert set(v.ran["cached"]) == {"canon", models.MIXER_OP[arch]}
     v = models.check_model_fast_vs_reference("gla", "cpu", "2L64D")  # 2 layers x (Canon-A/C/D, short convs q/k/v)
     assert v.status == PASS and v.ran == {"fwd+bwd": {"canon": {"dao": 12}, "gla": {"fla": 2}}}, v.detail
+
+
+def test_compiled_canon_line_fails_on_a_graph_break(monkeypatch):
+    """``fullgraph``: a graph break in the torch Canon path is an error, so the line FAILs instead of passing on an
+    eager fallback (dynamo raises while tracing, before inductor compiles anything)."""
+    import canonlm.ops.canon as canon
+
+    path = canon.causal_conv1d_torch
+
+    def with_break(*a, **k):
+        torch._dynamo.graph_break()
+        return path(*a, **k)
+
+    monkeypatch.setattr(canon, "causal_conv1d_torch", with_break)
+    r = run_check("kernel canon/torch compiled fp32 fwd+bwd", lambda: kernels.check_canon_compiled("fp32", "cpu"))
+    assert r.status == FAIL and "graph" in r.detail.lower(), r.detail
 
 
 def test_kernel_line_counts_the_calls_of_the_fast_entry_point(fake_gpu, monkeypatch):

@@ -4,9 +4,12 @@ interpreter (the harness of tests/_triton_interp.py).
 tests/test_selfcheck.py checks the self-check's logic with the fast kernels replaced by their references; here its
 own GPU harness (backend resolution, the kernel-call counters that prove a fast path ran, the float64 comparisons and
 tolerances, the verdicts) runs the real libraries: every Triton kernel line (Canon ``fla``, GLA, GDN, SSD, the fused
-Mamba2 split) must PASS with the fast backend seen running. The lines of the CUDA C++ kernels (Canon ``dao``,
-attention ``flash``/``sdpa`` on CUDA) cannot run here and are left out. The self-check's GPU shapes are shrunk (B=1,
-short T, two heads, head dim 16) so the interpreter finishes in minutes; the code paths are the same.
+Mamba2 split) must PASS with the fast backend seen running, and report its compile time (the first call of each
+kernel variant, interpreted here) apart from its check time. The lines of the CUDA C++ kernels (Canon ``dao``,
+attention ``flash``/``sdpa`` on CUDA) cannot run here and are left out, and so is the compiled Canon line (inductor,
+not a library's Triton kernel: tests/test_selfcheck.py runs it with inductor's CPU backend). The self-check's GPU
+shapes are shrunk (B=1, short T, two heads, head dim 16) so the interpreter finishes in minutes; the code paths are
+the same. The lines run under the self-check's first-config autotuning, as in a worker.
 """
 
 from __future__ import annotations
@@ -44,17 +47,33 @@ kernels.SPLIT_SHAPE = dict(B=1, T=40, H=2, P=8, G=1, N=16, W=4, out=16)   # widt
 from canonlm.ops import canon
 resolve = canon.resolve_backend
 canon.resolve_backend = lambda name, device, *a, **k: resolve("fla" if name == "auto" else name, device, *a, **k)
+from canonlm.selfcheck.triton_hooks import install_first_config_autotune
+assert install_first_config_autotune() is None
 rows = []
 for name, op, fast, fn in kernels.kernel_checks("cpu", ("fp32", "bf16")):
-    if op == "attention" or fast == "dao":
-        continue                         # CUDA C++ kernels: not Triton, cannot run here
+    if op == "attention" or fast in ("dao", "torch"):
+        continue                         # CUDA C++ kernels, and inductor's: not a library's Triton kernel
     launches.clear()
     r = run_check(name, fn)
     rows.append({"name": name, "op": op, "fast": fast, "status": r.status, "detail": r.detail,
-                 "seconds": round(r.seconds, 1), "launches": sum(launches.values())})
+                 "seconds": r.seconds, "compile_s": r.compile_s, "launches": sum(launches.values())})
     print(name, r.status, round(r.seconds, 1), file=sys.stderr, flush=True)
 print("RESULT " + json.dumps(rows))
 '''
+
+
+def planted_line(compile_s: float = 0.0, check_s: float = 0.0):
+    """A planted line for tests/test_selfcheck.py's budget test, run in a self-check worker: ``compile_s`` inside
+    ``compiling()``, then ``check_s``. It lives here because this module imports no torch, so a worker that imports
+    it starts in a fraction of a second."""
+    import time
+
+    from canonlm.selfcheck.verdict import PASS, compiling
+
+    with compiling():
+        time.sleep(compile_s)
+    time.sleep(check_s)
+    return PASS, "planted"
 
 
 @pytest.fixture(scope="module")
@@ -75,3 +94,6 @@ def test_selfcheck_kernel_lines_pass_on_the_real_triton_kernels(lines):
     assert not bad, bad
     idle = [r["name"] for r in lines if r["launches"] == 0]
     assert not idle, f"lines that launched no Triton kernel: {idle}"
+    # the first calls (interpreted kernels) are compile time, the float64 reference and the comparison check time
+    untimed = [r["name"] for r in lines if not (0 < r["compile_s"] <= r["seconds"])]
+    assert not untimed, f"lines without a compile time: {untimed}"

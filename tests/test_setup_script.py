@@ -45,6 +45,7 @@ def _repo(tmp_path: Path) -> Path:
     repo = tmp_path / "repo"
     (repo / "scripts").mkdir(parents=True)
     shutil.copy(SCRIPT, repo / "scripts" / "setup.sh")
+    shutil.copy(ROOT / "pyproject.toml", repo / "pyproject.toml")          # the extras it checks names against
     return repo
 
 
@@ -135,8 +136,11 @@ def test_gpu_plan_pins_a_torch_every_kernel_wheel_exists_for(tmp_path):
 
 
 @pytest.mark.parametrize("installed, replaced", [(("2.8.0+cu128", "12.8"), False), (("2.8.1+cu126", "12.6"), False),
-                                                 (("2.13.0+cpu", None), True), (("2.9.1+cu128", "12.8"), True)])
-def test_gpu_plan_keeps_a_matching_torch_and_replaces_another(tmp_path, installed, replaced):
+                                                 (("2.9.1+cu128", "12.8"), False), (("2.11.0+cu130", "13.0"), False),
+                                                 (("2.13.0+cpu", None), True), (("2.6.0+cu124", "12.4"), True)])
+def test_gpu_plan_keeps_a_cuda_torch_from_2_7_and_replaces_another(tmp_path, installed, replaced):
+    """A CUDA build of torch >= 2.7 in .venv is kept (a cluster's or a container's torch); a CPU build or an older
+    CUDA build is replaced by the pinned one. A kept torch that is not the kernels' 2.8 / CUDA 12 gets a warning."""
     repo = _repo(tmp_path)
     _fake_venv(repo, torch=installed)
     res = _setup(repo, "cuda", gpu=True)
@@ -150,6 +154,7 @@ def test_gpu_plan_keeps_a_matching_torch_and_replaces_another(tmp_path, installe
     else:
         assert torch_cmds == [] and "already installed" in res.stdout
         assert not any("uninstall" in c for c in cmds)
+        assert ("may not exist" in res.stderr) == (not installed[0].startswith("2.8."))
     assert any("--no-build-isolation" in c and "-e .[cuda]" in c for c in cmds)
 
 
@@ -268,3 +273,170 @@ def test_import_check_passes_when_every_kernel_imports_and_relays_the_import_err
     assert res.returncode == 1
     assert f"  flash_attn_2_cuda (import flash_attn): ImportError: {symbol}\n" in res.stderr
     assert "causal_conv1d_cuda" not in res.stderr and "import causal_conv1d (causal_conv1d_cuda): ok" in res.stdout
+
+
+# --- a torch that is already there: the base interpreter's CUDA torch (cluster module, container) -----------------
+
+BASE_INTERPRETER = Path(sys.base_prefix) / "bin" / f"python{sys.version_info[0]}.{sys.version_info[1]}"
+
+
+def _base_python(tmp_path: Path, torch: tuple[str, str | None] | None, venv: bool = True) -> Path:
+    """A stand-in for python3 whose ``import torch`` gives a fake torch of (version, cuda); everything else is this
+    interpreter's (a venv, as the device image's python3 is), or with ``venv=False`` that of the interpreter this venv
+    was made from (a plain installation)."""
+    site = tmp_path / "base_site"
+    site.mkdir()
+    if torch:
+        (site / "torch").mkdir()
+        (site / "torch" / "__init__.py").write_text(
+            f"__version__ = {torch[0]!r}\nclass version:\n    cuda = {torch[1]!r}\n"
+            "class _C:\n    _GLIBCXX_USE_CXX11_ABI = True\n")
+    py = tmp_path / "python3"
+    py.write_text(f'#!/bin/sh\nPYTHONPATH="{site}" exec "{sys.executable if venv else BASE_INTERPRETER}" "$@"\n')
+    py.chmod(0o755)
+    return py
+
+
+def _site_packages() -> str:
+    import site
+    return " ".join(site.getsitepackages())
+
+
+@pytest.mark.parametrize("venv", [True, False])
+@pytest.mark.parametrize("base, extras, gpu, sys_site", [
+    (("2.11.0+cu130", "13.0"), "dev", True, True),      # the device image: torch in python3, CUDA 13
+    (("2.7.1+cu126", "12.6"), "slurm", False, True),    # a login node with a CUDA torch module: kept too
+    (("2.6.0+cu124", "12.4"), "dev", True, False),      # older than 2.7: a fresh venv gets the pinned torch
+    (("2.13.0+cpu", None), "dev", True, False),         # a CPU build is no reason to share the interpreter
+    (("2.11.0+cu130", "13.0"), "dev,interp", False, False),   # the CPU test tier pins its own triton / torch
+])
+def test_base_interpreter_cuda_torch_is_kept_and_stays_visible(tmp_path, base, extras, gpu, sys_site, venv):
+    """python3 with a CUDA torch >= 2.7: .venv shares its packages -- with --system-site-packages for a plain
+    installation; when python3 is itself a venv (the device image's /opt/torch/.venv), whose packages a nested
+    venv's --system-site-packages would not show, with a .pth file naming python3's site-packages folders."""
+    if not venv and not BASE_INTERPRETER.exists():
+        pytest.skip(f"no base interpreter at {BASE_INTERPRETER}")
+    repo = _repo(tmp_path)
+    py = _base_python(tmp_path, base, venv)
+    res = _setup(repo, extras, gpu=gpu, PYTHON=str(py))
+    cmds = _plan(res)
+    torch_cmds = [c for c in cmds if c.startswith("pip install torch")]
+    if sys_site and venv:
+        pyv = f"{sys.version_info[0]}.{sys.version_info[1]}"
+        assert cmds[:2] == [f"{py} -m venv .venv",
+                            f"write .venv/lib/python{pyv}/site-packages/_base_python.pth: {_site_packages()}"]
+        assert torch_cmds == [] and f"has torch {base[0]}" in res.stdout and "is itself a venv" in res.stdout
+    elif sys_site:
+        assert cmds[0] == f"{py} -m venv --system-site-packages .venv"
+        assert torch_cmds == [] and f"has torch {base[0]}" in res.stdout and "--system-site-packages" in res.stdout
+    else:
+        assert cmds[0] == f"{py} -m venv .venv"
+        assert len(torch_cmds) == 1
+    assert f"pip install -e .[{extras}]" in cmds
+
+
+def test_an_existing_venv_without_torch_does_not_take_the_base_torch(tmp_path):
+    repo = _repo(tmp_path)
+    _fake_venv(repo)                                                     # .venv exists and imports no torch:
+    (repo / "fake_site" / "torch").mkdir()                               # this interpreter's torch is hidden
+    (repo / "fake_site" / "torch" / "__init__.py").write_text("raise ImportError('no torch in this venv')\n")
+    py = _base_python(tmp_path, ("2.11.0+cu130", "13.0"))
+    cmds = _plan(_setup(repo, "dev", gpu=True, PYTHON=str(py)))
+    assert not any("venv" in c for c in cmds)
+    assert [c for c in cmds if c.startswith("pip install torch")] == [
+        "pip install torch==2.8.0+cu128 --index-url https://download.pytorch.org/whl/cu128"]
+
+
+# --- offline: --wheelhouse DIR -------------------------------------------------------------------------------------
+
+def _wheel(wh: Path, name: str, version: str, requires: list[str] = (), tag: str = "py3-none-any") -> Path:
+    """A minimal valid wheel file (METADATA, WHEEL, RECORD) of ``name`` ``version`` requiring ``requires``."""
+    import zipfile
+    dist = re.sub(r"[-.]+", "_", name)
+    info = f"{dist}-{version}.dist-info"
+    path = wh / f"{dist}-{version}-{tag}.whl"
+    meta = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n" + "".join(f"Requires-Dist: {r}\n"
+                                                                                  for r in requires)
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(f"{info}/METADATA", meta)
+        z.writestr(f"{info}/WHEEL", f"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: {tag}\n")
+        z.writestr(f"{info}/RECORD", "")
+    return path
+
+
+def _offline_cmds(cmds: list[str], wh: Path) -> list[str]:
+    pips = [c for c in cmds if c.startswith("pip ")]
+    assert pips and all(c.startswith(f"pip install --no-index --find-links {wh} ") for c in pips), cmds
+    assert not any("--index-url" in c or "torch" in c.split() or "flash-attn" in c for c in cmds)
+    return pips
+
+
+def test_wheelhouse_plan_keeps_the_venv_torch_and_reads_the_wheelhouse_only(tmp_path):
+    repo = _repo(tmp_path)
+    _fake_venv(repo, torch=("2.11.0+cu130", "13.0"))                  # plus everything this venv has installed
+    wh = tmp_path / "wh"
+    wh.mkdir()
+    res = _setup(repo, "--wheelhouse", str(wh), "dev", gpu=True)
+    pips = _offline_cmds(_plan(res), wh)
+    assert pips[0].split()[-2:] == ["setuptools>=68", "wheel"]         # canonlm's build requirements, then canonlm
+    assert pips[1].endswith("--prefer-binary --no-build-isolation -e .[dev] fla-core==0.6.0")
+    assert "keeping torch 2.11.0+cu130 (CUDA 13.0) (in .venv)" in res.stdout
+    assert "every requirement is met" in res.stdout and "0 from" in res.stdout
+    assert "hf451" not in " ".join(pips)
+
+
+def test_wheelhouse_plan_with_the_base_interpreter_torch(tmp_path):
+    repo = _repo(tmp_path)
+    py = _base_python(tmp_path, ("2.11.0+cu130", "13.0"))             # the device image's python3
+    wh = tmp_path / "wh"
+    wh.mkdir()
+    res = _setup(repo, "--wheelhouse", str(wh), "dev", gpu=True, PYTHON=str(py))
+    cmds = _plan(res)
+    assert cmds[0] == f"{py} -m venv .venv" and cmds[1].startswith("write .venv/lib/python")   # python3 is a venv
+    pips = _offline_cmds(cmds, wh)
+    assert pips[-1].endswith("--only-binary=:all: --no-deps mamba-ssm==2.3.1 causal-conv1d==1.6.2.post1")
+    assert len(pips) == 3
+
+
+def test_wheelhouse_missing_packages_are_named_before_anything_is_written(tmp_path):
+    """A fresh venv (no .venv, a CPU torch in python3: no --system-site-packages) has nothing installed: every
+    requirement must come from the wheelhouse. The message names each missing one with what requires it, a wheel for
+    another Python, and the torch hint; exit 2, no plan, no .venv."""
+    repo = _repo(tmp_path)
+    wh = tmp_path / "wh"
+    wh.mkdir()
+    _wheel(wh, "hydra-core", "1.3.2", ["omegaconf<2.4,>=2.2", "antlr4-python3-runtime==4.9.*", "packaging"])
+    _wheel(wh, "omegaconf", "2.3.0", ["antlr4-python3-runtime==4.9.*", "PyYAML>=5.1.0"])
+    _wheel(wh, "PyYAML", "6.0.2", tag="cp39-cp39-manylinux_2_17_x86_64")  # for another Python
+    _wheel(wh, "einops", "0.8.1")
+    res = _setup(repo, "--wheelhouse", str(wh), gpu=False)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "+ " not in res.stdout and not (repo / ".venv").exists()
+    err = res.stderr
+    assert re.search(r"^  antlr4-python3-runtime==4\.9\.\*\s+\(required by hydra-core 1\.3\.2\)$", err, re.M), err
+    assert re.search(r"^  antlr4-python3-runtime==4\.9\.\*\s+\(required by omegaconf 2\.3\.0\)$", err, re.M), err
+    assert re.search(r"^  pyyaml>=6\s+\(required by canonlm; the wheelhouse has only wheels for another Python or "
+                     r"platform: PyYAML-6\.0\.2-cp39-cp39-manylinux_2_17_x86_64\.whl\)$", err, re.M | re.I), err
+    assert re.search(r"^  torch>=2\.5\s+\(required by canonlm\)$", err, re.M) and "torch is never put into" in err
+    for name in ("hydra-core", "omegaconf", "einops"):                 # present: not named as missing
+        assert not re.search(rf"^  {name}[<>=!~ ]", err, re.M | re.I), name
+    assert "bash scripts/wheelhouse.sh" in err and "--have" in err
+
+
+@pytest.mark.parametrize("args, names", [
+    (["--wheelhouse", "WH", "dev,cuda"], ["'cuda' cannot be installed offline", "--wheelhouse DIR dev"]),
+    (["--wheelhouse", "WH", "interp"], ["'interp' cannot be installed offline"]),
+    (["--wheelhouse", "NOWHERE", "dev"], ["--wheelhouse 'NOWHERE': no such directory", "scripts/wheelhouse.sh"]),
+    (["--wheelhouse"], ["--wheelhouse needs a directory"]),
+    (["devv"], ["unknown extra 'devv'", "dev", "interp", "cuda"]),
+    (["dev", "slurm"], ["two extras lists, 'dev' and 'slurm'"]),
+])
+def test_bad_offline_requests_are_refused_before_any_work(tmp_path, args, names):
+    repo = _repo(tmp_path)
+    (tmp_path / "WH").mkdir()
+    args = [str(tmp_path / a) if a in ("WH", "NOWHERE") else a for a in args]
+    res = _setup(repo, *args, gpu=True)
+    assert res.returncode == 2
+    assert "+ " not in res.stdout and "[setup]" not in res.stdout
+    for name in names:
+        assert name.replace("NOWHERE", str(tmp_path / "NOWHERE")) in res.stderr, res.stderr

@@ -166,3 +166,22 @@ def test_report_wandb_run(tmp_path, capsys):
     assert sum(m.endswith(".png") for m in media) == 9 and sum(m.endswith(".table.json") for m in media) == 4
     with pytest.raises(SystemExit):
         main([str(s), "--wandb"])  # --wandb needs --out
+
+
+def test_wandb_missing_is_refused_with_the_install_command(monkeypatch, tmp_path, capsys):
+    """wandb is an optional extra: without it (``import wandb`` fails, as on a GPU node installed without the extra)
+    ``logger=wandb`` is one ConfigError naming the key and the install command, and ``report --wandb`` one usage
+    error; neither writes anything."""
+    from canonlm.errors import ConfigError
+    from canonlm.train.report import main as report_main
+    from canonlm.train.wandb_utils import logger_config
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` raise ImportError
+    cfg = compose(["logger=wandb"], output_dir=tmp_path / "run")
+    with pytest.raises(ConfigError) as e:
+        logger_config(cfg.logger.wandb, cfg, str(tmp_path / "run"), rank0=True)
+    assert e.value.key == "logger" and e.value.value == "wandb" and "canonlm[wandb]" in str(e.value)
+    with pytest.raises(SystemExit) as ex:
+        report_main([str(tmp_path), "--out", str(tmp_path / "rep"), "--wandb"])
+    assert ex.value.code == 2 and "canonlm[wandb]" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

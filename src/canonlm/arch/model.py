@@ -315,6 +315,7 @@ class CanonLM(nn.Module):
         else:
             self.rope_cos = self.rope_sin = None
         self.activation_checkpointing = False
+        self.compile_friendly = False  # place(compiled=True) on CUDA with an auto Canon request: Canon on `torch`
         self.init_weights()
         self.canon_backends: dict[str, str] = {}
         if device.type != "meta":
@@ -418,7 +419,8 @@ class CanonLM(nn.Module):
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
-    def place(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> dict[str, str]:
+    def place(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+              compiled: bool = False) -> dict[str, str]:
         """Resolve every op's backend for the device and compute dtype the model runs on, and set it on every Canon
         layer (Canon-A/B/C/D and the mixers' short convs) and token-mixer module. Call it after moving the model
         (it moves nothing), with the dtype the kernels will see: ``torch.bfloat16`` under bf16 autocast or FSDP2
@@ -429,9 +431,16 @@ class CanonLM(nn.Module):
         elsewhere, and a pinned ``model.kernels.canon`` that cannot take some layer's shape is refused here, so the
         forward and the decode steps run what was resolved.
 
+        With ``compiled=True`` (the blocks will be compiled with ``torch.compile``, as ``compile=true`` does) an
+        ``auto`` Canon request on CUDA resolves to the ``torch`` shift-and-add path for every Canon layer: fla's and
+        Dao's kernels are opaque to the compiler (fla's dispatch is a ``torch.compiler.disable`` graph break), while
+        the shift-and-add ops are fused by inductor with the RMSNorm before Canon-A/C, the RoPE after Canon-B and the
+        SiLU gate after Canon-D. A pinned ``model.kernels.canon`` or ``ops=fused`` keeps its kernel.
+
         Args:
             device: where the model runs (default: the device of its parameters).
             dtype: compute dtype (default: ``torch.float32``).
+            compiled: whether the blocks are compiled (see above).
         Returns:
             The concrete ``{"canon": name, <op>: name}`` (also :attr:`backends`; ``"canon"`` joins the layers' names
             with ``"+"`` when they differ, e.g. ``"dao+fla"``). An ``auto`` request of Canon or a
@@ -448,6 +457,10 @@ class CanonLM(nn.Module):
         dtype = torch.float32 if dtype is None else dtype
         backends = resolve_backends(self.cfg, device, dtype)  # checks the requests' names too
         layers = resolve_canon_layers(self.cfg, self._canon_shapes(), device, dtype)
+        self.compile_friendly = bool(compiled) and device.type == "cuda" and _request(self.cfg, "canon")[0] == "auto"
+        if self.compile_friendly:
+            layers = {where: "torch" for where in layers}
+            backends["canon"] = "torch"
         backends["canon"] = _canon_report(layers, backends["canon"])
         self.backends, self.canon_backends, self.pending = backends, layers, {}
         self._set_placement(device, dtype)
@@ -465,7 +478,7 @@ class CanonLM(nn.Module):
         for where, m in self.named_modules():
             if isinstance(m, Canon):
                 own = self.canon_backends.get(where, names["canon"])
-                m.backend = "auto" if names["canon"] == "auto" else own
+                m.backend = "auto" if names["canon"] == "auto" and not self.compile_friendly else own
             elif isinstance(m, (Attention, GLA, GatedDeltaNet, Mamba2Mixer)):
                 m.backend = names[op]
         self.placement = (device, dtype)

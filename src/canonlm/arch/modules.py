@@ -17,6 +17,15 @@ def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
+def compute_cast(x: torch.Tensor) -> torch.dtype:
+    """The dtype a float32 activation is computed in: the autocast dtype when autocast is enabled on x's device type
+    (``torch.get_autocast_dtype``; bf16 under ``trainer.precision=bf16-mixed``), else x.dtype. Other dtypes (bf16,
+    fp16, fp64) are returned unchanged."""
+    if x.dtype == torch.float32 and torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
 class RMSNorm(nn.Module):
     """``y = x / sqrt(mean(x^2, -1) + eps) * g`` over the last dim, computed in float32 (as HF ``LlamaRMSNorm``).
 
@@ -24,8 +33,11 @@ class RMSNorm(nn.Module):
         dim: normalised width (last dim of the input).
         eps: added to the mean square (``model.norm_eps``; 1e-6 HF-style presets, 1e-5 lingua recipes).
     Parameters: ``weight (dim,)`` learnable gain, initialised to 1.
-    Forward: ``x (..., dim)`` any float dtype -> same shape and dtype as ``x`` (``F.rms_norm`` on the fp32 upcast,
-    outside autocast's dtype policy).
+    Forward: ``x (..., dim)`` any float dtype -> same shape, ``F.rms_norm`` on the (at least) fp32 upcast. The output
+    has x's dtype, except that a float32 input under autocast returns the autocast dtype (:func:`compute_cast`): the
+    residual stream is fp32, and every consumer of a pre-norm (Canon-A / C, the Linears, the LM head) computes in the
+    autocast dtype anyway (a Linear under autocast rounds its input to it: the same rounding, done once here), so
+    Canon-A and Canon-C read and write bf16 instead of fp32 (half the bytes) and the cast fuses into the norm.
     """
 
     def __init__(self, dim: int, eps: float = 1e-6):
@@ -35,7 +47,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dt = torch.promote_types(x.dtype, torch.float32)  # at least fp32 (bf16/fp16 upcast; fp64 stays fp64)
-        return F.rms_norm(x.to(dt), (self.dim,), self.weight.to(dt), self.eps).to(x.dtype)
+        return F.rms_norm(x.to(dt), (self.dim,), self.weight.to(dt), self.eps).to(compute_cast(x))
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

@@ -108,6 +108,21 @@ def fast_unavailable(op: str, fast: str, device, dtype) -> Optional[tuple[str, s
     return None
 
 
+def preload() -> list[str]:
+    """Import every fast library's modules (:data:`FAST_LIBS`) that import here, so that a worker's start-up, not
+    its first line, pays for them (fla imports every kernel module, several seconds). Errors are ignored: the lines
+    report them. Returns the modules imported."""
+    done = []
+    for _, modules in FAST_LIBS.values():
+        for module in modules:
+            try:
+                importlib.import_module(module)
+                done.append(module)
+            except Exception:  # noqa: BLE001 -- missing or broken: the kernel lines say which and why
+                continue
+    return done
+
+
 def need_cuda(device: str) -> None:
     """Skip (``no CUDA``) a check meant for a CUDA ``device`` when CUDA is not available."""
     import torch

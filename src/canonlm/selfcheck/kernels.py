@@ -1,12 +1,15 @@
 """Kernel lines: every fast kernel against its pure-PyTorch reference in float64 from the same rounded inputs, forward
-and backward and on its decode path (CUDA by default), and the CPU's own fast paths (the native Canon kernel, SDPA).
+and backward and on its decode path (CUDA by default), the compile-friendly Canon path compiled by inductor, and the
+CPU's own fast paths (the native Canon kernel, SDPA).
 
 The inputs of each line come from :func:`canon_case`, :func:`gla_case`, :func:`gdn_case` and :func:`ssd_case`
-(looked up at call time, so a caller can shrink them). What ran is counted by :func:`canonlm.ops.backend_calls`.
+(looked up at call time, so a caller can shrink them). What ran is counted by :func:`canonlm.ops.backend_calls`. The
+first call of each fast-path variant in a line is timed as compile time (:func:`~canonlm.selfcheck.verdict.compiling`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -15,7 +18,7 @@ from typing import Callable, Iterable, Optional
 from canonlm.ops import backend_calls
 from canonlm.selfcheck import environment as env
 from canonlm.selfcheck.numerics import compare, dtype_of, fwd_bwd, gen, kernel_tol, rel_err, tol_note
-from canonlm.selfcheck.verdict import FAIL, Fail, Result, Skip, Verdict, judge_kernel, run_check, short
+from canonlm.selfcheck.verdict import FAIL, Fail, Result, Skip, Verdict, compiling, judge_kernel, run_check, short
 
 
 def kernel_prelude(op: str, fast: str, dtype, device: str) -> str:
@@ -102,13 +105,17 @@ DECODE_SEGMENTS = [(0, 20)] + [(t, t + 1) for t in range(20, 30)] + [(30, 130)]
 
 def _segments(fn, seqs: list, state, segments) -> tuple:
     """``fn(*[s[:, a:b] for s in seqs], state) -> (out, state)`` over ``segments`` (no_grad), the state carried;
-    returns (outputs concatenated over time, final state)."""
+    returns (outputs concatenated over time, final state). The first segment of each length is timed as compile
+    time (a prefill and a one-token step run different kernels)."""
     import torch
 
-    outs = []
+    outs, seen = [], set()
     with torch.no_grad():
         for a, b in segments:
-            o, state = fn(*[s[:, a:b] for s in seqs], state)
+            first = (b - a) not in seen
+            seen.add(b - a)
+            with compiling() if first else contextlib.nullcontext():
+                o, state = fn(*[s[:, a:b] for s in seqs], state)
             outs.append(o)
     return torch.cat(outs, 1), state
 
@@ -121,7 +128,7 @@ def _canon_fwd_bwd(fast_fn, x, w, b, h0, errors: dict) -> dict:
     def conv(fn, residual, act):
         return lambda x, w, b, h: (fn(x, w, b, residual=residual, activation=act, initial_state=h),)
 
-    with backend_calls(["canon"]) as ran:
+    with backend_calls(["canon"]) as ran, compiling():
         got = {tag: fwd_bwd(conv(fast_fn, *ra), [x, w, b, h0]) for tag, ra in CANON_KINDS.items()}
     for tag, ra in CANON_KINDS.items():
         ref = fwd_bwd(conv(causal_conv1d_reference, *ra), [t.double() for t in (x, w, b, h0)])
@@ -153,7 +160,9 @@ def check_canon_kernel(fast: str, dt: str, mode: str, device: str = "cuda") -> V
         def steps(residual, act):
             state, ys = torch.zeros(x.shape[0], x.shape[2], w.shape[1], device=device, dtype=dtype), []
             for t in range(x.shape[1]):
-                y, state = causal_conv1d_step(x[:, t], state, w, b, residual=residual, activation=act, backend=fast)
+                with compiling() if t == 0 else contextlib.nullcontext():
+                    y, state = causal_conv1d_step(x[:, t], state, w, b, residual=residual, activation=act,
+                                                  backend=fast)
                 ys.append(y)
             return torch.stack(ys, 1), state
 
@@ -189,14 +198,17 @@ def check_attention_kernel(fast: str, dt: str, mode: str, device: str = "cuda") 
     v = torch.randn(B, S, Hkv, D, generator=g).to(dtype).to(device)
     errors: dict[str, float] = {}
     if mode == "fwd+bwd":
-        with backend_calls(["attention"]) as ran:
+        with backend_calls(["attention"]) as ran, compiling():
             got = fwd_bwd(lambda q, k, v: (attention(q, k, v, backend=fast),), [q, k, v])
         ref = fwd_bwd(lambda q, k, v: (attention_reference(q, k, v),), [q.double(), k.double(), v.double()])
         compare(["o"], ["q", "k", "v"], got, ref, errors)
     else:
         with torch.no_grad():
             with backend_calls(["attention"]) as ran:
-                outs = {T: attention(q[:, -T:].contiguous(), k, v, backend=fast) for T in (1, 5)}
+                outs = {}
+                for T in (1, 5):
+                    with compiling():
+                        outs[T] = attention(q[:, -T:].contiguous(), k, v, backend=fast)
             for T, o in outs.items():
                 errors[f"o_T{T}"] = rel_err(o, attention_reference(q[:, -T:].double(), k.double(), v.double()))
     return judge_kernel("attention", fast, resolved, ran, errors, kernel_tol("attention", fast, dt))
@@ -215,7 +227,7 @@ def _linear_kernel(op: str, dt: str, mode: str, device: str, fast_fn, ref_fn, ma
     seqs = len(case) - 1
     errors: dict[str, float] = {}
     if mode == "fwd+bwd":
-        with backend_calls([op]) as ran:
+        with backend_calls([op]) as ran, compiling():
             got = fwd_bwd(fast_fn, case)
         ref = fwd_bwd(ref_fn, [t.double() for t in case])
         compare(["o", "S"], names, got, ref, errors)
@@ -279,7 +291,7 @@ def check_ssd_kernel(dt: str, mode: str, device: str = "cuda") -> Verdict:
         return ssd_scan_reference(x, d, A, B, C, D=D, dt_bias=db, initial_state=h, **kw)
 
     if mode == "fwd+bwd":
-        with backend_calls(["ssd"]) as ran:
+        with backend_calls(["ssd"]) as ran, compiling():
             got = fwd_bwd(fast_fn, [x, dtv, Bm, Cm, h0, A, D, db])
         ref = fwd_bwd(ref_fn, [t.double() for t in (x, dtv, Bm, Cm, h0, A, D, db)])
         compare(["y", "S"], ["x", "dt", "B", "C", "h0", "A", "D", "dt_bias"], got, ref, errors)
@@ -331,7 +343,7 @@ def check_ssd_split_kernel(dt: str, device: str = "cuda") -> Verdict:
     def run(fn):
         return lambda zx, cw, cb, db, A, D, nw, ow: (fn(zx, cw, cb, db, A, D, rmsnorm_weight=nw, outproj_weight=ow,
                                                         **kw),)
-    with backend_calls(["ssd"]) as ran:
+    with backend_calls(["ssd"]) as ran, compiling():
         got = fwd_bwd(run(ssd.split_conv1d_scan_combined), [t.to(device) for t in leaves])
     ref = fwd_bwd(run(ssd.split_conv1d_scan_reference), [t.double().to(device) for t in leaves])
     errors: dict[str, float] = {}
@@ -340,49 +352,129 @@ def check_ssd_split_kernel(dt: str, device: str = "cuda") -> Verdict:
                         tol_note("ssd", "split", dt))
 
 
-def kernel_checks(device: str = "cuda", dtypes: Iterable[str] = ("fp32", "bf16")
-                  ) -> list[tuple[str, str, str, Callable[[], Verdict]]]:
-    """Every kernel line as ``(name, op, fast backend, fn)`` for ``device`` (names are known without running)."""
-    out: list = []
+def check_canon_compiled(dt: str, device: str = "cuda") -> Verdict:
+    """The compile-friendly Canon path, ``causal_conv1d_torch`` (what ``CanonLM.place(..., compiled=True)`` resolves an
+    ``auto`` Canon request to on CUDA), compiled by ``torch.compile(fullgraph=True, dynamic=False)`` with inductor, vs
+    ``causal_conv1d_reference`` in float64, forward and backward.
+
+    One compiled function holds both Canon uses of :data:`CANON_KINDS` (the Canon layer, whose residual the torch
+    path folds into the weight, and the SiLU short conv) with bias and an initial state, at :func:`canon_case`'s
+    shape: one graph, one inductor compile of its forward and (at the first backward) its backward. The line passes
+    only when inductor compiled exactly one graph (``fullgraph``: a graph break is an error, never a silent eager
+    fallback), the traced Canon calls went to the torch path alone (:func:`canonlm.ops.backend_calls`; a compiled
+    region's calls are counted when it is traced) and every output and gradient is within :func:`kernel_tol`
+    (``canon``/``torch``: 2e-4 fp32, 6e-2 bf16). The first call (trace, inductor's fused kernels, one run) is the
+    line's compile time. ``torch._dynamo.reset()`` first, so each line compiles its own graph; inductor compiles its
+    few kernels in this process (``compile_threads=1``: no pool of compile subprocesses per worker)."""
+    import torch
+
+    from canonlm.ops import canon
+    from canonlm.ops.canon import causal_conv1d_reference
+
+    env.need_cuda(device)
+    dtype = dtype_of(dt)
+    resolved = env.resolve("canon", "torch", device, dtype)
+    x, w, b, h0 = canon_case(dtype, device)
+    graphs: list[int] = []
+
+    def inductor(gm, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        graphs.append(len(gm.graph.nodes))
+        return compile_fx(gm, example_inputs)
+
+    def both(conv, **kw):
+        return lambda x, w, b, h: tuple(conv(x, w, b, residual=r, activation=a, initial_state=h, **kw)
+                                        for r, a in CANON_KINDS.values())
+
+    import torch._inductor.config as inductor_config
+
+    with backend_calls(["canon"]) as ran, compiling(), inductor_config.patch(compile_threads=1):
+        torch._dynamo.reset()
+        compiled = torch.compile(both(canon.causal_conv1d, backend="torch"), backend=inductor, fullgraph=True,
+                                 dynamic=False)
+        got = fwd_bwd(compiled, [x, w, b, h0])
+    ref = fwd_bwd(both(causal_conv1d_reference), [t.double() for t in (x, w, b, h0)])
+    errors: dict[str, float] = {}
+    compare([k + "y" for k in CANON_KINDS], ["x", "w", "b", "init"], got, ref, errors)
+    v = judge_kernel("canon", "torch", resolved, ran, errors, kernel_tol("canon", "torch", dt))
+    if len(graphs) != 1:
+        return Verdict(FAIL, f"inductor compiled {len(graphs)} graphs, want 1 ({v.detail})", **{
+            k: getattr(v, k) for k in ("op", "backend", "ran", "errors", "tol")})
+    v.detail += "; inductor: 1 graph (fullgraph, both Canon uses)"
+    return v
+
+
+#: The kernel lines of one dtype: ``(name pattern, op, fast backend, check function of this module, its arguments
+#: before ``device``)``; ``{dt}`` in the name is the dtype.
+KERNEL_LINES = (
+    [(f"kernel canon/{fast} {{dt}} {mode}", "canon", fast, "check_canon_kernel", (fast, "{dt}", mode))
+     for fast in ("dao", "fla") for mode in ("fwd+bwd", "decode")]
+    + [("kernel canon/torch compiled {dt} fwd+bwd", "canon", "torch", "check_canon_compiled", ("{dt}",))]
+    + [(f"kernel attention/{fast} {{dt}} {mode}", "attention", fast, "check_attention_kernel", (fast, "{dt}", mode))
+       for fast in ("sdpa", "flash") for mode in ("fwd+bwd", "decode")]
+    + [(f"kernel {op}/{fast} {{dt}} {mode}", op, fast, fn, ("{dt}", mode))
+       for op, fast, fn in (("gla", "fla", "check_gla_kernel"), ("gdn", "fla", "check_gdn_kernel"),
+                            ("ssd", "mamba_ssm", "check_ssd_kernel"))
+       for mode in ("fwd+bwd", "decode")]
+    + [("kernel ssd/mamba_ssm fused split {dt} fwd+bwd", "ssd", "split", "check_ssd_split_kernel", ("{dt}",))]
+)
+
+
+def kernel_lines(dtypes: Iterable[str] = ("fp32", "bf16")) -> list[tuple[str, str, str, str, tuple, str, str]]:
+    """Every kernel line as ``(name, op, fast backend, function name in this module, arguments before device, dtype,
+    mode)`` (mode ``fwd+bwd`` or ``decode``), dtype by dtype (flash-attn has no fp32 kernel: its fp32 lines are left
+    out)."""
+    out = []
     for dt in dtypes:
-        for fast in ("dao", "fla"):
-            for mode in ("fwd+bwd", "decode"):
-                out.append((f"kernel canon/{fast} {dt} {mode}", "canon", fast,
-                            functools.partial(check_canon_kernel, fast, dt, mode, device)))
-        for fast in ("sdpa", "flash"):
+        for name, op, fast, fn, args in KERNEL_LINES:
             if fast == "flash" and dt == "fp32":
                 continue
-            for mode in ("fwd+bwd", "decode"):
-                out.append((f"kernel attention/{fast} {dt} {mode}", "attention", fast,
-                            functools.partial(check_attention_kernel, fast, dt, mode, device)))
-        for op, fast, fn in (("gla", "fla", check_gla_kernel), ("gdn", "fla", check_gdn_kernel),
-                             ("ssd", "mamba_ssm", check_ssd_kernel)):
-            for mode in ("fwd+bwd", "decode"):
-                out.append((f"kernel {op}/{fast} {dt} {mode}", op, fast, functools.partial(fn, dt, mode, device)))
-        out.append((f"kernel ssd/mamba_ssm fused split {dt} fwd+bwd", "ssd", "split",
-                    functools.partial(check_ssd_split_kernel, dt, device)))
+            mode = "decode" if "decode" in args else "fwd+bwd"
+            out.append((name.format(dt=dt), op, fast, fn, tuple(a.format(dt=dt) for a in args), dt, mode))
     return out
 
 
+def kernel_checks(device: str = "cuda", dtypes: Iterable[str] = ("fp32", "bf16")
+                  ) -> list[tuple[str, str, str, Callable[[], Verdict]]]:
+    """Every kernel line as ``(name, op, fast backend, fn)`` for ``device`` (names are known without running)."""
+    return [(name, op, fast, functools.partial(globals()[fn], *args, device=device))
+            for name, op, fast, fn, args, _, _ in kernel_lines(dtypes)]
+
+
 def run_kernel_checks(device: str = "cuda", dtypes: Iterable[str] = ("fp32", "bf16"),
-                      ops: Optional[Iterable[str]] = None) -> list[Result]:
-    """Run the kernel lines (fast kernel vs float64 reference) on ``device``, nothing else.
+                      ops: Optional[Iterable[str]] = None, backends: Optional[Iterable[str]] = None,
+                      autotune: str = "first") -> list[Result]:
+    """Run the kernel lines (fast kernel vs float64 reference) on ``device`` in this process, one after the other.
 
     Args:
         device: where the tensors live (``"cuda"``; another device runs the lines whose fast backends resolve there,
             the others SKIP with the reason).
         dtypes: ``"fp32"`` and/or ``"bf16"``.
         ops: only these ops (``canon``, ``attention``, ``gla``, ``gdn``, ``ssd``); None: all.
+        backends: only these fast backends (``dao``, ``fla``, ``torch`` (the compiled Canon line), ``sdpa``,
+            ``flash``, ``mamba_ssm``, ``split``); None: all.
+        autotune: ``"first"`` (Triton autotuners take the first config that runs,
+            :func:`~canonlm.selfcheck.triton_hooks.first_config_autotune`) or ``"full"``.
     Returns:
         One :class:`~canonlm.selfcheck.verdict.Result` per line, in the report's order: ``status`` PASS / FAIL /
-        SKIP, ``detail``, ``seconds``, ``op`` / ``backend`` under test, ``ran`` (``{op: {backend: calls}}`` observed
-        by :func:`canonlm.ops.backend_calls`), ``errors`` (``{tensor: max |fast - ref| / max |ref|}``) and ``tol``.
-        Never raises for a failing check.
+        SKIP, ``detail``, ``seconds`` and ``compile_s``, ``op`` / ``backend`` under test, ``ran`` (``{op: {backend:
+        calls}}`` observed by :func:`canonlm.ops.backend_calls`), ``errors`` (``{tensor: max |fast - ref| / max
+        |ref|}``) and ``tol``. Never raises for a failing check.
+    Raises:
+        ValueError: an unknown ``autotune``.
     """
+    from canonlm.selfcheck.triton_hooks import AUTOTUNE_MODES, first_config_autotune
+
+    if autotune not in AUTOTUNE_MODES:
+        raise ValueError(f"run_kernel_checks: autotune={autotune!r}; allowed: {', '.join(AUTOTUNE_MODES)}")
     keep = None if ops is None else set(ops)
+    keep_b = None if backends is None else set(backends)
     results = []
-    for name, op, fast, fn in kernel_checks(device, dtypes):
-        if keep is None or op in keep:
+    lines = [(n, op, fast, fn) for n, op, fast, fn in kernel_checks(device, dtypes)
+             if (keep is None or op in keep) and (keep_b is None or fast in keep_b)]
+    with first_config_autotune() if autotune == "first" and lines else contextlib.nullcontext():
+        for name, op, fast, fn in lines:
             r = run_check(name, fn)
             results.append(dataclasses.replace(r, op=op, backend=fast))
     return results
@@ -422,7 +514,8 @@ def check_cpu_attention() -> Verdict:
     k, v = torch.randn(2, 64, 2, 32, generator=g), torch.randn(2, 64, 2, 32, generator=g)
     errors: dict[str, float] = {}
     with backend_calls(["attention"]) as ran:
-        got = fwd_bwd(lambda q, k, v: (attention(q, k, v, backend="sdpa"),), [q, k, v])
+        with compiling():
+            got = fwd_bwd(lambda q, k, v: (attention(q, k, v, backend="sdpa"),), [q, k, v])
         with torch.no_grad():
             steps = {T: attention(q[:, -T:], k, v, backend="sdpa") for T in (1, 5)}
     ref = fwd_bwd(lambda q, k, v: (attention_reference(q, k, v),), [q.double(), k.double(), v.double()])

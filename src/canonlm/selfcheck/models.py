@@ -9,7 +9,8 @@ from typing import Optional
 from canonlm.ops import backend_calls
 from canonlm.selfcheck import environment as env
 from canonlm.selfcheck.numerics import BF16_TOL, TL_DOT_BACKENDS, fp32_tol, gen, rel_err, triton_fp32_precision
-from canonlm.selfcheck.verdict import FAIL, Fail, Skip, Verdict, fmt_backends, fmt_ran, judge_errors, judge_ran
+from canonlm.selfcheck.verdict import (FAIL, Fail, Skip, Verdict, compiling, fmt_backends, fmt_ran, judge_errors,
+                                       judge_ran)
 
 #: Model presets of the small model-level checks (the ``conf/arch`` values that differ from the defaults).
 PRESETS = {
@@ -119,7 +120,8 @@ def check_model_fast_vs_reference(arch: str, device: str = "cuda", size: str = "
     """A ``size`` (2L256D) model of ``arch`` (Canon-ABCD / AbCD) on its fast paths vs the same weights with
     ``ops=reference``, under bf16 autocast: logits (max rel err) and all parameter gradients (relative L2 norm) of a
     logsumexp loss, T = 300. The fast model's forward and backward must call only the fast kernels
-    (:func:`canonlm.ops.backend_calls`; Mamba2: the fused split kernel wherever it can run)."""
+    (:func:`canonlm.ops.backend_calls`; Mamba2: the fused split kernel wherever it can run). Its one forward +
+    backward is the line's compile time, the reference model's the check time."""
     import torch
 
     env.need_cuda(device)
@@ -141,7 +143,7 @@ def check_model_fast_vs_reference(arch: str, device: str = "cuda", size: str = "
         logits.float().logsumexp(-1).mean().backward()
         return logits.float(), torch.cat([p.grad.flatten().float() for p in m.parameters() if p.grad is not None])
 
-    with backend_calls(["canon", MIXER_OP[arch]]) as ran:
+    with backend_calls(["canon", MIXER_OP[arch]]) as ran, compiling():
         lf, gf = fwd_bwd(fast)
     lr, gr = fwd_bwd(ref)
     gerr = ((gf - gr).norm() / gr.norm().clamp_min(1e-30)).item()
@@ -156,7 +158,8 @@ def check_model_decode(arch: str, device: str = "cuda", size: str = "2L256D", fa
     ``fast``: the fast kernels must be the ones called (:func:`expected_fast`; the full forward of Mamba2 must take
     the fused split kernel where it can run, the cached one runs the scan and state-update kernels); tolerance
     :func:`~canonlm.selfcheck.numerics.fp32_tol` (1e-3 / 1e-2 under TF32) for the ``tl.dot`` mixers, 1e-3 for
-    llama. Without ``fast`` (the CPU line) the calls are only reported and the tolerance is 1e-4."""
+    llama. Without ``fast`` (the CPU line) the calls are only reported and the tolerance is 1e-4. Compile time: the
+    full forward, the prefill and the first one-token step."""
     import torch
 
     dtype = torch.float32
@@ -172,11 +175,13 @@ def check_model_decode(arch: str, device: str = "cuda", size: str = "2L256D", fa
     ids = torch.randint(0, 64, (3, 40), generator=gen(2)).to(device)
     ops = ["canon", MIXER_OP[arch]]
     with torch.no_grad():
-        with backend_calls(ops) as ran_full:
+        with backend_calls(ops) as ran_full, compiling():
             full = m(ids)
         cache = m.new_cache()
         with backend_calls(ops) as ran_cached:
-            parts = [m(ids[:, :17], cache)] + [m(ids[:, t:t + 1], cache) for t in range(17, 40)]
+            with compiling():  # the prefill and the first one-token step: the decode kernels
+                parts = [m(ids[:, :17], cache), m(ids[:, 17:18], cache)]
+            parts += [m(ids[:, t:t + 1], cache) for t in range(18, 40)]
     tl_dot = (MIXER_OP[arch], want.get(MIXER_OP[arch])) in TL_DOT_BACKENDS
     tol = (fp32_tol(1e-3, 1e-2) if tl_dot else 1e-3) if want else 1e-4
     phases = {"full": (with_split(want, fused_split_reason(m, device, dtype)), ran_full),

@@ -1,5 +1,7 @@
-"""Training lines: ``train.py`` in a subprocess with a probe callback that records the steps, the placed backends
-and the kernels that really ran, judged on the run's ``metrics.jsonl`` (tokens/s, peak memory, MFU, losses)."""
+"""Training lines: ``train.py`` in a subprocess with a probe callback that records the steps, the placed backends,
+the kernels that really ran and when the first optimizer step ended, judged on the run's ``metrics.jsonl`` (tokens/s,
+peak memory, MFU, losses). The line's compile time is the subprocess's start-up up to the end of its first optimizer
+step (imports, data, model, kernel compiles and autotuning); its check time is the rest."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -17,26 +20,53 @@ from canonlm.ops import backend_calls
 from canonlm.selfcheck import models
 from canonlm.selfcheck.environment import ROOT
 from canonlm.selfcheck.models import MIXER_OP, required_ops, with_split
-from canonlm.selfcheck.verdict import FAIL, PASS, Fail, Skip, fmt_backends, fmt_ran, judge_ran, short
+from canonlm.selfcheck import triton_hooks
+from canonlm.selfcheck.verdict import (FAIL, PASS, Fail, Skip, add_compile_time, budget_reason, fmt_backends,
+                                       fmt_ran, judge_ran, remaining_s, short)
 
 
-def train_probe(out: str):
+def train_probe(out: str, autotune: str = "full"):
     """Lightning callback for the self-check's training runs (instantiated by Hydra from
     ``+callbacks.selfcheck._target_=canonlm.selfcheck.training.train_probe``). From the start of training it counts
     the calls of every sequence op's backends (:func:`canonlm.ops.backend_calls`; a missing entry point fails the
     run); at its end, rank 0 writes ``out`` (JSON) with the steps done, world size, the backends the model was placed
     with, ``ran`` (``{op: {backend: calls}}``), for Mamba2 ``fused_split_reason`` (None: the fused split kernel can
-    run for this model, :func:`~canonlm.selfcheck.models.fused_split_reason`), and the peak memory in GiB (CUDA:
-    ``max_memory_allocated``; CPU: peak RSS)."""
+    run for this model, :func:`~canonlm.selfcheck.models.fused_split_reason`), the peak memory in GiB (CUDA:
+    ``max_memory_allocated``; CPU: peak RSS), ``first_step_wall`` (``time.time()`` when the first optimizer step had
+    finished on the device) and, with CUDA, ``kernels`` (Triton kernels built / loaded from the cache,
+    :func:`~canonlm.selfcheck.triton_hooks.count_compiles`) and ``autotune`` (the mode in force, or why the
+    first-config mode could not be installed).
+
+    ``autotune="first"`` (what the self-check passes by default) installs
+    :func:`~canonlm.selfcheck.triton_hooks.first_config_autotune` for the process when CUDA is available, before
+    any kernel runs; ``"full"`` leaves Triton's autotuning as training has it. Raises ValueError for another value.
+    """
     import lightning.pytorch as L
+    import torch
+
+    if autotune not in triton_hooks.AUTOTUNE_MODES:
+        raise ValueError(f"train_probe: autotune={autotune!r}; allowed: {', '.join(triton_hooks.AUTOTUNE_MODES)}")
+    mode = autotune
+    if torch.cuda.is_available():
+        triton_hooks.count_compiles()
+        if autotune == "first":
+            why = triton_hooks.install_first_config_autotune()
+            mode = "first" if why is None else f"full ({why})"
 
     class _Probe(L.Callback):
         def __init__(self):
             self._calls = contextlib.ExitStack()
             self._ran: dict = {}
+            self._first_step_wall = None
 
         def on_train_start(self, trainer, pl_module):  # noqa: D401
             self._ran = self._calls.enter_context(backend_calls(set(MIXER_OP.values()) | {"canon"}))
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # noqa: D401
+            if self._first_step_wall is None:
+                if pl_module.device.type == "cuda":
+                    torch.cuda.synchronize(pl_module.device)
+                self._first_step_wall = time.time()
 
         def teardown(self, trainer, pl_module, stage):  # noqa: D401
             self._calls.close()
@@ -60,7 +90,10 @@ def train_probe(out: str):
             info = {"steps": int(trainer.global_step), "world_size": int(trainer.world_size), "device": str(dev),
                     "precision": str(trainer.precision), "peak_mem_gib": peak,
                     "backends": dict(getattr(model, "backends", {}) or {}),
-                    "placed": None if placed is None else [str(placed[0]), str(placed[1])], "ran": self._ran}
+                    "placed": None if placed is None else [str(placed[0]), str(placed[1])], "ran": self._ran,
+                    "first_step_wall": self._first_step_wall, "autotune": mode}
+            if dev.type == "cuda":
+                info["kernels"] = triton_hooks.kernel_counts()
             if model.cfg.arch == "mamba2" and placed is not None:
                 info["fused_split_reason"] = models.fused_split_reason(model, *placed)
             from canonlm.utils.io import atomic_write_text
@@ -68,6 +101,37 @@ def train_probe(out: str):
             atomic_write_text(out, json.dumps(info))
 
     return _Probe()
+
+
+#: Child processes running now, so that a worker told to stop can stop them too.
+_children: set = set()
+
+
+def run_child(cmd: list, timeout: float, **kw) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)``, except that on the timeout the
+    child is killed and TimeoutExpired raised without reading its pipes to the end (train.py's data-loader workers,
+    its children, may hold them open; they are in the worker's process group, which the self-check stops at its
+    deadline). While it runs the child is in :data:`_children` (:func:`kill_children`)."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+    _children.add(p)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+        raise
+    finally:
+        _children.discard(p)
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+def kill_children() -> None:
+    """Kill every child :func:`run_child` is waiting for (a worker stopped at the deadline)."""
+    for p in list(_children):
+        try:
+            p.kill()
+        except OSError:
+            pass
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -88,7 +152,7 @@ def _median(xs):
 
 @dataclasses.dataclass
 class TrainSpec:
-    """One training line: what to run and what it must show."""
+    """One training line: what to run and what it must show. ``autotune``: the probe's mode (:func:`train_probe`)."""
 
     label: str
     arch: str
@@ -98,13 +162,49 @@ class TrainSpec:
     world: int
     device: str                      # "cuda" | "cpu"
     timeout: float
+    autotune: str = "full"
+
+
+def training_line(spec: dict, workdir: str) -> tuple[str, str]:
+    """:func:`run_training` for a :class:`TrainSpec` given as a dict (the self-check's plans are JSON); on a CUDA
+    ``spec["device"]`` CUDA must be available (else Skip ``no CUDA``)."""
+    from canonlm.selfcheck.environment import need_cuda
+
+    s = TrainSpec(**spec)
+    need_cuda(s.device)
+    return run_training(s, Path(workdir))
+
+
+def fsdp2_line(label: str, arch: str, canon: str, size: str, steps: int, batch: int, autotune: str,
+               workdir: str) -> tuple[str, str]:
+    """``train.py`` with ``strategy=fsdp2`` across all visible GPUs (fp32 weights, ``trainer.precision=32-true``);
+    Skip with fewer than two GPUs or without CUDA."""
+    import torch
+
+    from canonlm.selfcheck.environment import need_cuda
+
+    need_cuda("cuda")
+    n = torch.cuda.device_count()
+    if n < 2:
+        raise Skip(f"needs >= 2 GPUs ({n} visible)")
+    over = [f"model.size={size}", "task=depo1", "trainer=gpu", f"trainer.devices={n}",
+            "trainer.precision=32-true", "strategy=fsdp2", "trainer.log_every_n_steps=5",
+            f"data.batch_size={batch * n}"]
+    return run_training(TrainSpec(label, arch, canon, over, steps, n, "cuda", 1800, autotune), Path(workdir))
 
 
 def run_training(spec: TrainSpec, workdir: Path) -> tuple[str, str]:
     """Run ``train.py`` for ``spec`` in a subprocess (``logger=none``, ``callbacks=none`` plus :func:`train_probe`,
     no validation or test) and judge it with :func:`judge_training`; on CUDA every op must run its fast path when
-    its library is installed (:func:`~canonlm.selfcheck.models.expected_fast`). Raises Skip without a checkout's
-    ``train.py``, Fail when the run exits non-zero or times out (the last output lines and the run directory in the
+    its library is installed (:func:`~canonlm.selfcheck.models.expected_fast`).
+
+    The subprocess's start-up up to the end of its first optimizer step (the probe's ``first_step_wall``) is added to
+    the line's compile time (:func:`~canonlm.selfcheck.verdict.add_compile_time`), with the Triton kernels it built
+    and loaded. The run may last ``spec.timeout`` seconds, or until the self-check's deadline
+    (:func:`~canonlm.selfcheck.verdict.remaining_s`) if that comes first.
+
+    Raises Skip without a checkout's ``train.py`` and when the deadline stopped the run (the budget's reason), Fail
+    when the run exits non-zero or exceeds ``spec.timeout`` (the last output lines and the run directory in the
     message)."""
     train_py = ROOT / "train.py"
     if not train_py.is_file() or not (ROOT / "conf").is_dir():
@@ -114,18 +214,32 @@ def run_training(spec: TrainSpec, workdir: Path) -> tuple[str, str]:
     cmd = [sys.executable, str(train_py), f"arch={spec.arch}", f"canon={spec.canon}", *spec.overrides,
            f"trainer.max_steps={spec.steps}", "trainer.limit_val_batches=0", "test=false", "logger=none",
            "callbacks=none", f"+callbacks.selfcheck._target_={__name__}.train_probe",
-           f"+callbacks.selfcheck.out={probe}", f"paths.log_dir={workdir}", f"run_name={name}"]
+           f"+callbacks.selfcheck.out={probe}", f"+callbacks.selfcheck.autotune={spec.autotune}",
+           f"paths.log_dir={workdir}", f"run_name={name}"]
     env = {**os.environ, "WANDB_MODE": "disabled", "HYDRA_FULL_ERROR": "1"}
+    left = remaining_s()
+    timeout, by_budget = float(spec.timeout), False
+    if left is not None and left < timeout:
+        timeout, by_budget = max(0.5, left), True
+    t_launch = time.time()
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=spec.timeout, cwd=str(workdir), env=env)
+        p = run_child(cmd, timeout=timeout, cwd=str(workdir), env=env)
     except subprocess.TimeoutExpired:
+        add_compile_time(time.time() - t_launch)  # it never got past its start-up as far as this line can tell
+        if by_budget:
+            raise Skip(budget_reason(time.time() - t_launch)) from None
         raise Fail(f"train.py did not finish within {spec.timeout:.0f} s") from None
+    t_end = time.time()
     run_dir = workdir / "train" / "runs" / name
+    info = json.loads(probe.read_text()) if probe.is_file() else {}
+    first = info.get("first_step_wall")
+    kernels = info.get("kernels") or {}
+    add_compile_time((first - t_launch) if isinstance(first, (int, float)) and t_launch <= first <= t_end
+                     else t_end - t_launch, kernels.get("built", 0), kernels.get("loaded", 0))
     if p.returncode != 0:
         tail = [ln for ln in (p.stderr + "\n" + p.stdout).splitlines() if ln.strip()][-3:]
         raise Fail(f"train.py exit {p.returncode}: {short(' / '.join(tail), 400)} (run dir {run_dir})")
     rows = _read_jsonl(run_dir / "metrics.jsonl")
-    info = json.loads(probe.read_text()) if probe.is_file() else {}
     want, why = None, None
     if spec.device == "cuda":
         import torch
@@ -137,6 +251,9 @@ def run_training(spec: TrainSpec, workdir: Path) -> tuple[str, str]:
     status, detail = judge_training(spec, rows, info, want)
     if why is not None:
         detail += f" (no fast {MIXER_OP[spec.arch]} kernel: {why})"
+    if spec.device == "cuda":
+        detail += (f"; autotune {info.get('autotune', spec.autotune)}"
+                   + (": throughput not a benchmark" if str(info.get("autotune", "")) == "first" else ""))
     if status == FAIL:
         detail += f" (run dir {run_dir})"
     return status, detail

@@ -11,6 +11,7 @@ parameter) turns the tables into the task's headline numbers (paper App. A; Capo
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
 import time
@@ -30,6 +31,8 @@ from canonlm.data.lm import LanguageModel
 from canonlm.data.metrics import score_answers
 from canonlm.train.schedule import lr_multiplier
 
+log = logging.getLogger("canonlm")
+
 # Dense (no 2:4 sparsity) bf16 tensor-core peak FLOP/s of one device, for MFU (tokens/s is the primary metric), keyed
 # by the exact name torch.cuda.get_device_name reports. Values: torchtitan's get_peak_flops (torchtitan/tools/utils.py)
 # and NVIDIA's data sheets, which quote the sparse figure (twice these); docs/mfu.md lists the sources. Names are
@@ -46,6 +49,21 @@ PEAK_FLOPS = {
     "NVIDIA L40S": 362e12, "NVIDIA L40": 181e12, "NVIDIA A10": 125e12,
     "NVIDIA GeForce RTX 4090": 165e12,  # with fp32 accumulation (what PyTorch's bf16 matmuls use)
 }
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux: ``/proc/self/stat`` field 22, the start time in clock ticks since
+    boot, against ``/proc/uptime``), or None where that cannot be read."""
+    import os
+
+    try:
+        with open("/proc/self/stat", encoding="ascii") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime", encoding="ascii") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def peak_flops(name: str) -> float | None:
@@ -125,6 +143,7 @@ class LMModule(L.LightningModule):
         self.attempts = 0
         self._fit_t0: float | None = None
         self._fit_time = 0.0
+        self.first_step_s: float | None = None  # seconds to the first optimizer step of this fit (perf/first_step_s)
         self.task = task
         self.gen_eval = {"samples": None, "batch_size": 64, "on_val": True, **dict(gen_eval or {})}
         self.model = CanonLM(model_cfg)
@@ -135,6 +154,7 @@ class LMModule(L.LightningModule):
         self.num_groups = int(num_groups)
         self.group_name = group_name
         self.compile_blocks = bool(compile)
+        self._loss_fn: Callable = lm_loss  # torch.compile(lm_loss) once configure_model has compiled the blocks
         self.activation_checkpointing = bool(activation_checkpointing)
         self.fsdp = dict(fsdp) if fsdp else None
         self._configured = False
@@ -162,20 +182,22 @@ class LMModule(L.LightningModule):
         concrete backends; raises ConfigError (a pinned kernel or ``ops=fused`` that cannot run there) before any
         training or evaluation step."""
         device = self.trainer.strategy.root_device if self._trainer is not None else self.device
-        return self.model.place(device, self.compute_dtype())
+        return self.model.place(device, self.compute_dtype(), compiled=self.compile_blocks)
 
     def configure_model(self) -> None:
-        """Place the model (:meth:`place_model`), then activation checkpointing, per-block ``compile()`` and FSDP2
-        ``fully_shard`` (torchtitan's order). Runs once per module (Lightning calls it for fit, validate and test)."""
+        """Place the model (:meth:`place_model`), then activation checkpointing, per-block ``compile()`` (and the loss,
+        as torchtitan compiles its loss) and FSDP2 ``fully_shard`` (torchtitan's order). Runs once per module
+        (Lightning calls it for fit, validate and test)."""
         if self._configured:
             return
         self.place_model()
         self._configured = True
         if self.activation_checkpointing:
             self.model.set_activation_checkpointing(True)
-        if self.compile_blocks:
+        if self.compile_blocks:  # each block, and the loss (fp32 upcast, logsumexp, gather: one fused kernel)
             for block in self.model.blocks:
                 block.compile()
+            self._loss_fn = torch.compile(lm_loss)
         if self.fsdp is not None and getattr(self, "device_mesh", None) is not None:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -201,7 +223,7 @@ class LMModule(L.LightningModule):
     def _loss(self, batch: Mapping[str, torch.Tensor]):
         tokens = batch["tokens"]
         logits = self.model(tokens)
-        out = lm_loss(logits[:, :-1], tokens[:, 1:], batch["loss_mask"][:, 1:],
+        out = self._loss_fn(logits[:, :-1], tokens[:, 1:], batch["loss_mask"][:, 1:],
                       z_loss=self.loss_cfg.get("z_loss", "none"), z_coef=float(self.loss_cfg.get("z_coef", 1e-4)))
         return logits, out
 
@@ -360,8 +382,25 @@ class LMModule(L.LightningModule):
 
             raise RunStopped(f"training stopped: {self.stop_reason}", 3)
         if self._t_last is None:  # the perf clock starts at the end of the first batch of this fit (after warm-up)
+            self._first_step_done()
             self._t_last, self._step_last = time.perf_counter(), self.trainer.global_step
         self._t_batch_end = time.perf_counter()
+
+    def _first_step_done(self) -> None:
+        """After the first optimizer step of this fit: wait for the device once, then log ``perf/first_step_s`` (seconds
+        from the start of training to the end of that step: kernel compiles, autotuning, ``torch.compile`` and cache
+        loads all land here) and a log line with the process's age too (what a user waits after typing the
+        command; :func:`process_age_s`)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        first = time.perf_counter() - self._fit_t0 if self._fit_t0 is not None else float("nan")
+        self.first_step_s = first
+        if self.trainer.is_global_zero:  # straight to the loggers: one row, at this step (self.log would repeat it)
+            for lg in self.trainer.loggers:
+                lg.log_metrics({"perf/first_step_s": first}, step=self.trainer.global_step)
+            age = process_age_s()
+            log.info("first optimizer step done %.1f s after training started%s", first,
+                     "" if age is None else f" ({age:.1f} s after the process started)")
 
     # ------------------------------------------------------------------ run state kept in checkpoints
     @property

@@ -445,6 +445,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.wandb and args.out is None:
         ap.error("--wandb needs --out (the figures it logs are the files written there)")
+    if args.wandb:
+        from canonlm.errors import ConfigError
+        from canonlm.train.wandb_utils import require_wandb
+
+        try:
+            require_wandb("--wandb", "true", "no --wandb")
+        except ConfigError as e:
+            ap.error(str(e))
     try:
         ks, best_of = _checked(args)
     except ValueError as e:

@@ -2,6 +2,9 @@
 
 Order (nothing is written before every check has passed: a refused config leaves no ``.hydra/``, ``checkpoints/``
 or run log, and the run directory Hydra made for it is removed again):
+0. the kernel cache (``paths.kernel_cache``, :func:`canonlm.utils.kernel_cache.configure`): Triton's, fla's,
+   mamba-ssm's and inductor's caches in one directory, set before any kernel can compile; a value that cannot be a
+   directory of this user's raises ConfigError;
 1. task (generator parameters, context window vs the largest instance), model config (sizes, Canon letters, RoPE
    fraction), kernels requested explicitly, schedule, and the training keys of
    :data:`canonlm.config.rules.TRAINING_RULES` — each bad value raises :class:`canonlm.errors.ConfigError` naming
@@ -38,6 +41,7 @@ from canonlm.config.resolvers import register_resolvers
 from canonlm.config.rules import check_training, micro_batch, plain
 from canonlm.errors import ConfigError
 from canonlm.utils.io import atomic_write_text
+from canonlm.utils.kernel_cache import configure as configure_kernel_cache
 
 register_resolvers()  # also in Hydra launcher workers (submitit pickles `main`; train.py's import never runs there)
 
@@ -413,6 +417,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
     output_dir = str(cfg.paths.output_dir)
     with _nothing_written_until_checked(Path(output_dir), Path(str(cfg.paths.log_dir))):
+        # 0. the kernel cache, before anything can compile a kernel (every process and SLURM job runs this)
+        configure_kernel_cache(cfg.paths.get("kernel_cache"), key="paths.kernel_cache",
+                               base=cfg.paths.get("root_dir"))
         # 1-2. the config and the checkpoint choices, before Lightning is imported
         task, mcfg, ckpt, n_params = _check_config(cfg)
         done = _finished_results(cfg, output_dir)

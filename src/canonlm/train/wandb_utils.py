@@ -72,10 +72,25 @@ def run_tags(cfg: DictConfig) -> list[str]:
     return [f"arch:{arch}", f"canon:{canon or 'none'}", f"pos:{pos}", f"task:{task}"]
 
 
+def require_wandb(key: str = "logger", value: str = "wandb", instead: str = "logger=csv or logger=none") -> None:
+    """Raise ConfigError(key, value, ``instead`` + how to install wandb) when the optional ``wandb`` package cannot be
+    imported (the ``wandb`` extra: ``pip install 'canonlm[wandb]'``, part of ``dev``); called before anything is
+    written."""
+    from canonlm.errors import ConfigError
+
+    try:
+        import wandb  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(key, value, f"{instead} here: wandb is not installed ({e}); install the wandb extra: "
+                                      "pip install 'canonlm[wandb]' (or bash scripts/setup.sh wandb)") from None
+
+
 def logger_config(lg: DictConfig, cfg: DictConfig, output_dir: str, rank0: bool = True) -> DictConfig:
     """The ``logger.wandb`` node with ``id``, ``group``, ``tags`` and ``job_type`` filled in (values set in the
     config win; tags are the user's followed by :func:`run_tags`), ready for ``hydra.utils.instantiate``. With
-    ``rank0`` also writes the resolved arguments to ``<output_dir>/wandb_init.json`` (:func:`write_init_file`)."""
+    ``rank0`` also writes the resolved arguments to ``<output_dir>/wandb_init.json`` (:func:`write_init_file`).
+    Raises ConfigError("logger", "wandb", ...) when wandb is not installed (:func:`require_wandb`)."""
+    require_wandb()
     kw = OmegaConf.to_container(lg, resolve=True)
     sweep = multirun_sweep_dir()
     if kw.get("id") is None:  # a multirun job's run_name is the time of each attempt: name it by its sweep and job

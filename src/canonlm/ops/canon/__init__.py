@@ -6,6 +6,7 @@ Public API (the model calls only these names)::
     causal_conv1d_reference(x, weight, bias=None, *, residual=True, activation=False, initial_state=None)
     causal_conv1d_step(x_t, state, weight, bias=None, *, residual=True, activation=False, backend="auto")
     causal_conv1d_state(x, kernel_size, initial_state=None)
+    fold_residual(weight)                      # weight + e_{K-1}: the residual as part of the current-token tap
     resolve_backend(name, device, dtype, channels=None, kernel=None) -> str
     available_backends(device, dtype, channels=None, kernel=None) -> dict[str, str | None]
     BACKENDS
@@ -19,11 +20,13 @@ weight[:, 0] the token K-1 steps back)::
 Backends (``kernels.canon`` in the Hydra config; ``model.kernels.canon`` in errors):
 
 * ``reference`` -- ``F.conv1d`` on a left-padded (B, C, T) view (the oracle, as ``causal_conv1d_ref``).
-* ``torch``     -- shift-and-add on (B, T, C); low-precision inputs accumulate in fp32.
+* ``torch``     -- shift-and-add on (B, T, C); low-precision inputs accumulate in fp32; the compile-friendly path
+  (inductor fuses it with its neighbours; ``CanonLM.place(..., compiled=True)`` picks it for ``auto`` on CUDA).
 * ``cpu``       -- native C kernel (``csrc/canon_cpu.c``, compiled on first use, OpenMP, fp32 and bf16 with fp32
   accumulation), exposed as the custom ops ``canonlm::canon_conv_fwd`` / ``canonlm::canon_conv_bwd``.
-* ``fla``       -- fla's Triton ``causal_conv1d(x, weight, bias, residual=x)`` (CUDA).
-* ``dao``       -- Dao-AILab ``causal_conv1d_fn`` on the channel-last view (CUDA; K in {2,3,4}, C % 8 == 0).
+* ``fla``       -- fla's Triton ``causal_conv1d`` (CUDA), the residual folded into the weight.
+* ``dao``       -- Dao-AILab ``causal_conv1d_fn`` on the channel-last view (CUDA; K in {2,3,4}, C % 8 == 0), the
+  residual folded into the weight.
 * ``auto``      -- dao, else fla on CUDA when importable; on CPU the native kernel when it builds (fp32/bf16),
   else ``torch`` (one warning if the compiler is missing).
 
@@ -48,6 +51,7 @@ from canonlm.errors import ConfigError
 from canonlm.ops._dispatch import assume_constant, cuda_reason, memo_table
 
 from . import _cuda, _native
+from ._fold import fold_residual
 
 __all__ = [
     "BACKENDS",
@@ -57,6 +61,7 @@ __all__ = [
     "causal_conv1d_state",
     "causal_conv1d_step",
     "causal_conv1d_torch",
+    "fold_residual",
     "resolve_backend",
 ]
 
@@ -124,7 +129,13 @@ def causal_conv1d_torch(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None
     """Shift-and-add form: ``y = [x +] act(b + sum_i w[:, i] * x_pad[:, i:i+T])``.
 
     Works on (B, T, C) directly (no transpose). float16/bfloat16 inputs accumulate in float32 (plain bf16
-    accumulation errs by ~6e-2). Shapes as in :func:`causal_conv1d_reference`; returns x.dtype.
+    accumulation errs by ~6e-2). A residual without an activation is folded into the weight
+    (:func:`fold_residual`). Shapes as in :func:`causal_conv1d_reference`; returns x.dtype.
+
+    This is the compile-friendly path: plain element-wise ops that ``torch.compile`` (inductor) fuses with the
+    neighbouring RMSNorm, RoPE or SiLU-gate into one kernel, forward and backward (fla's Triton kernel is a graph
+    break under compile: its dispatch is wrapped in ``torch.compiler.disable``). ``CanonLM.place(...,
+    compiled=True)`` therefore resolves an ``auto`` Canon request on CUDA to this backend.
     """
     _validate(x, weight, bias, initial_state)
     B, T, C = x.shape
@@ -134,6 +145,8 @@ def causal_conv1d_torch(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None
         cd = torch.float32
     xc = x.to(cd)
     w = weight.to(cd)
+    if residual and not activation:
+        w, residual = fold_residual(w), False
     if initial_state is not None:
         xp = torch.cat([initial_state.to(cd).transpose(1, 2), xc], dim=1)
     elif K > 1:

@@ -13,8 +13,10 @@ x (B, T, C) channel-last, weight (C, K), bias (C,) or None, initial_state (B, C,
   so the data pointer must be 16-byte aligned. x is copied only when it misses one of these
   (:func:`dao_channel_last_ok`); views of a wider tensor whose strides qualify go in without a copy. initial_states
   must be channel-last (stride(1) == 1), of x's dtype, with the same stride and alignment rules; the bias must have
-  the weight's dtype. The residual is added outside. Decode: ``causal_conv1d_update(x (B, C), conv_state (B, C, K),
-  weight, bias, activation)`` updates ``conv_state`` in place (roll left, write x as the last column).
+  the weight's dtype. Without an activation the residual is folded into the weight (``weight + e_{K-1}``,
+  :func:`~canonlm.ops.canon.fold_residual`); with SiLU it is added outside. Decode: ``causal_conv1d_update(x (B, C),
+  conv_state (B, C, K), weight, bias, activation)`` updates ``conv_state`` in place (roll left, write x as the last
+  column).
 * ``fla``: ``causal_conv1d(x (B, T, D), weight (D, W), bias, residual (B, T, D), initial_state (N, D, W),
   output_final_state, activation) -> (y, final_state)`` (fla-core 0.6, ``fla/modules/causal_conv1d/ops.py``; older
   releases: ``fla.modules.convolution``). fla-core 0.6.0 checks neither D nor W on these paths (its Triton tiles
@@ -34,6 +36,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from canonlm.ops._dispatch import probe
+
+from ._fold import fold_residual
 
 DAO_WIDTHS = (2, 3, 4)  # causal_conv1d_fwd / _bwd / _update: TORCH_CHECK(width >= 2 && width <= 4)
 
@@ -131,13 +135,19 @@ def dao_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: boo
     init = None
     if initial_state is not None:
         init = _channel_last(initial_state.transpose(1, 2), x.dtype).transpose(1, 2)   # (B, C, K-1), stride(1) == 1
-    y = fn(xt, weight, b, None, init, False, None, "silu" if activation else None).transpose(1, 2)
-    return x + y if residual else y
+    fold = residual and not activation          # the residual as part of tap K-1: one kernel, no add (fwd or bwd)
+    w = fold_residual(weight) if fold else weight
+    y = fn(xt, w, b, None, init, False, None, "silu" if activation else None).transpose(1, 2)
+    return x + y if residual and not fold else y
 
 
 def fla_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: bool, activation: bool,
                 initial_state: Optional[Tensor]) -> Tensor:
-    """Canon via fla's Triton ``causal_conv1d(x, weight, bias, residual=x)``; differentiable."""
+    """Canon via fla's Triton ``causal_conv1d``; differentiable.
+
+    Without an activation the residual is folded into the weight (:func:`fold_residual`: one kernel pass; fla's own
+    ``residual=x`` would make autograd add the kernel's dx and the residual's dy in a separate kernel). With SiLU
+    (a residual short conv) x goes in as fla's ``residual`` argument, added after the activation."""
     fns, err = fla_functions()
     if fns is None:
         raise RuntimeError(f"fla causal_conv1d unavailable: {err}")
@@ -145,7 +155,9 @@ def fla_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: boo
     state = None
     if initial_state is not None:
         state = F.pad(initial_state.to(x.dtype), (1, 0))  # (B, C, K): column 0 unused by fla
-    out = fn(x, weight=weight, bias=bias, residual=x if residual else None, initial_state=state,
+    fold = residual and not activation
+    out = fn(x, weight=fold_residual(weight) if fold else weight, bias=bias,
+             residual=x if residual and not fold else None, initial_state=state,
              output_final_state=False, activation="silu" if activation else None)
     return out[0] if isinstance(out, (tuple, list)) else out
 

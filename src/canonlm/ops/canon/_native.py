@@ -8,7 +8,8 @@ directory: ``$CANONLM_CACHE``, else ``$XDG_CACHE_HOME/canonlm``, else ``~/.cache
 file, loads and checks it, then renames it into place, so concurrent processes are safe and a build that does not
 load is never published. No torch C++ headers are used, so a build takes well under a second.
 
-Trust rule (loading a shared library runs its code): a cached ``.so`` is loaded only if
+Trust rule (loading a shared library runs its code; :mod:`canonlm.utils.trust`, shared with the kernel cache of
+:mod:`canonlm.utils.kernel_cache`): a cached ``.so`` is loaded only if
 
 * its directory is a real directory (not a symlink) owned by this user (``os.geteuid()``) that nobody else can
   write (no group/other write bits), and
@@ -48,7 +49,6 @@ import hashlib
 import os
 import platform
 import shutil
-import stat
 import struct
 import subprocess
 import tempfile
@@ -59,6 +59,8 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+
+from canonlm.utils.trust import stat_problem, unsafe_dir_reason, unsafe_file_reason, usable_dir, user_cache_root
 
 _SRC = Path(__file__).with_name("csrc") / "canon_cpu.c"
 _ABI = 4
@@ -90,49 +92,16 @@ _private_dir: Optional[Path] = None  # mkdtemp fallback, one per process
 
 def cache_dir() -> Path:
     """Configured directory for compiled kernels: ``$CANONLM_CACHE``, ``$XDG_CACHE_HOME/canonlm`` or
-    ``~/.cache/canonlm``. The kernel is built there only if it passes the trust rule (see :func:`safe_cache_dir`)."""
-    if os.environ.get("CANONLM_CACHE"):
-        return Path(os.environ["CANONLM_CACHE"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "canonlm"
-    return Path.home() / ".cache" / "canonlm"
+    ``~/.cache/canonlm`` (:func:`canonlm.utils.trust.user_cache_root`). The kernel is built there only if it passes the
+    trust rule (see :func:`safe_cache_dir`)."""
+    return user_cache_root()
 
 
-def _unsafe_dir_reason(d: Path) -> Optional[str]:
-    """Why the directory ``d`` may not hold libraries we load (None: it is safe). Checked with ``os.lstat``."""
-    try:
-        st = os.lstat(d)
-    except OSError as e:
-        return f"cannot be inspected ({e.strerror or e})"
-    return _stat_problem(st, stat.S_ISDIR, "a directory")
-
-
-def _stat_problem(st: os.stat_result, is_kind, kind: str) -> Optional[str]:
-    """Why an ``os.lstat`` result may not be trusted: a symlink, not of ``kind``, owned by another user, or
-    writable by group or others (None: trusted)."""
-    if stat.S_ISLNK(st.st_mode):
-        return "is a symlink"
-    if not is_kind(st.st_mode):
-        return f"is not {kind}"
-    if st.st_uid != os.geteuid():
-        return f"is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
-    if st.st_mode & 0o022:
-        return f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):#o})"
-    return None
-
-
-def _safe_to_load(path: Path) -> Optional[str]:
-    """Why the library file ``path`` must not be loaded (None: it may be). Both the file and its directory must be
-    owned by this user, not symlinks, and not writable by group or others."""
-    path = Path(path)
-    why = _unsafe_dir_reason(path.parent)
-    if why is not None:
-        return f"its directory {path.parent} {why}"
-    try:
-        st = os.lstat(path)
-    except OSError as e:
-        return f"cannot be inspected ({e.strerror or e})"
-    return _stat_problem(st, stat.S_ISREG, "a regular file")
+# The trust rule (one rule for every canonlm cache that holds code: canonlm.utils.trust).
+_stat_problem = stat_problem
+_unsafe_dir_reason = unsafe_dir_reason
+_safe_to_load = unsafe_file_reason
+_usable_dir = usable_dir
 
 
 def _warn_once(d: Path, why: str, instead: Path) -> None:
@@ -143,15 +112,6 @@ def _warn_once(d: Path, why: str, instead: Path) -> None:
                   f"planted by someone else (use a directory you own that only you can write, e.g. chmod 700, or "
                   f"point CANONLM_CACHE at one). Building the native Canon kernel in {instead} instead.",
                   RuntimeWarning, stacklevel=2)
-
-
-def _usable_dir(d: Path) -> Optional[str]:
-    """Create ``d`` (mode 0o700) if missing; return why it cannot hold our builds, or None."""
-    try:
-        d.mkdir(parents=True, exist_ok=True, mode=0o700)
-    except OSError as e:
-        return f"cannot be created ({e.strerror or e})"
-    return _unsafe_dir_reason(d)
 
 
 def _mkdtemp_private() -> Path:

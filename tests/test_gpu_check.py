@@ -1,0 +1,226 @@
+"""scripts/gpu_check.sh on this CPU machine: its dry run (inputs checked, each phase's command and limit printed,
+nothing run or written), its refusals of bad input, and real runs whose GPU phases cannot run here.
+
+Each test copies the script (with setup.sh and pyproject.toml) into an empty repository whose ``.venv/bin/python``
+runs this interpreter, so the phases that run (facts, restore, selfcheck, pack) run canonlm for real, and puts a
+fake ``nvidia-smi`` first on PATH: one that finds no GPU (the phases that need one are skipped and say so) or one
+that lists a GPU (they run on this CPU and fail or time out, and the script goes on). No test runs the install phase:
+it would install into this venv (tests/test_wheelhouse.py installs offline for real).
+
+Oracles: the files the test put into the kernel-cache archive (restored into the cache directory, and packed back by
+the pack phase, also when split into parts), file modes read with ``os.stat``, and the table parsed from stdout.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import shutil
+import stat
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PHASES = ["facts", "install", "restore", "warmup", "selfcheck", "pytest", "bench", "pack"]
+
+
+def _repo(tmp_path: Path) -> Path:
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    for s in ("gpu_check.sh", "setup.sh"):
+        shutil.copy(ROOT / "scripts" / s, repo / "scripts" / s)
+    shutil.copy(ROOT / "pyproject.toml", repo / "pyproject.toml")
+    (repo / ".venv" / "bin").mkdir(parents=True)
+    py = repo / ".venv" / "bin" / "python"
+    py.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    py.chmod(0o755)
+    return repo
+
+
+def _run(repo: Path, *args: str, gpu: bool = False, timeout: int = 180) -> subprocess.CompletedProcess:
+    bindir = repo.parent / "bin"
+    bindir.mkdir(exist_ok=True)
+    smi = bindir / "nvidia-smi"
+    smi.write_text('#!/bin/sh\necho "GPU 0: NVIDIA H200 (UUID: GPU-0)"\n' if gpu else
+                   '#!/bin/sh\necho "NVIDIA-SMI has failed" >&2\nexit 9\n')
+    smi.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "CANONLM_KERNEL_CACHE", "SETUP_DRY_RUN")}
+    env["PATH"] = f"{bindir}{os.pathsep}{env['PATH']}"
+    return subprocess.run(["bash", str(repo / "scripts" / "gpu_check.sh"), *args], cwd=repo.parent, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _cache_tar(tmp_path: Path, big: int = 0) -> tuple[Path, dict[str, bytes]]:
+    """A kernel-cache archive as the pack phase writes it (members relative to the cache root), and its files."""
+    files = {"triton/ab12/_kernel.json": b'{"name": "k"}', "triton/ab12/_kernel.cubin": b"\x7fELF...",
+             "triton/ab12/__grp___kernel.json": b'{"child_paths": {}}', "autotune/mamba/k.json": b'{"index": 3}',
+             "inductor/fxgraph/x/y": b"graph"}
+    if big:
+        files["triton/big.bin"] = os.urandom(big)                      # incompressible: forces parts
+    path = tmp_path / "cache-in.tar.gz"
+    with tarfile.open(path, "w:gz") as t:
+        for name, data in files.items():
+            info = tarfile.TarInfo("./" + name)
+            info.size, info.mode = len(data), 0o664                    # group-writable in the archive
+            t.addfile(info, io.BytesIO(data))
+    return path, files
+
+
+def _table(stdout: str) -> dict[str, tuple[str, str]]:
+    """phase -> (status, result) from the table printed last."""
+    rows = re.findall(r"^\| (\w+) \| ([^|]+?) \| (\d+) \| ([^|]*?) \| (.*?) \|$", stdout, re.M)
+    assert [r[0] for r in rows] == PHASES, stdout[-3000:]
+    assert stdout.rstrip().splitlines()[-1].startswith("| pack |")       # the table is the last thing printed
+    return {r[0]: (r[1], r[4]) for r in rows}
+
+
+def _tree(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in d.rglob("*") if p.is_file()}
+
+
+def test_dry_run_checks_inputs_prints_each_phase_and_writes_nothing(tmp_path):
+    repo = _repo(tmp_path)
+    tar, _ = _cache_tar(tmp_path)
+    wh = tmp_path / "wh"
+    wh.mkdir()
+    shutil.copy(tar, wh / "x-1.0-py3-none-any.whl")                    # any file named like a wheel: present
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    res = _run(repo, "--dry-run", "--out", "out", "--wheelhouse", "wh", "--cache-in", tar.name, "--cache-dir",
+               str(cache), "--limit", "bench=200", "--skip", "pytest", "--warmup", "arch=gla canon=AbCD trainer=gpu")
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = {m[1]: (int(m[2]), m[3]) for m in re.finditer(r"^\[gpu_check\] \d (\w+) +limit +(\d+) s  (.*)$",
+                                                          res.stdout, re.M)}
+    assert list(lines) == PHASES
+    assert lines["bench"][0] == 200 and lines["selfcheck"][0] == 150
+    assert lines["install"][1] == f"bash scripts/setup.sh --wheelhouse {wh}"
+    assert lines["restore"][1].startswith(f"cat {tar} | tar -xz -C {cache}")
+    assert lines["selfcheck"][1] == (f".venv/bin/python -m canonlm.selfcheck --quick --budget-s <limit - 25 s> "
+                                     f"--out {out}/selfcheck.md --force")
+    assert lines["pytest"][1] == "skipped (--skip)"
+    assert lines["warmup"][1].startswith("skipped: no CUDA GPU") and lines["bench"][1].startswith("skipped: no CUDA")
+    assert "--cache-in" in res.stdout and "(5 files)" in res.stdout
+    assert "[setup] dry run: nothing was changed" in res.stdout            # setup.sh's offline plan, checked too
+    assert not out.exists() and not cache.exists() and not (repo / ".venv" / "lib").exists()
+
+    res = _run(repo, "--dry-run", "--out", "out", "--warmup", "arch=gla canon=AbCD trainer=gpu", gpu=True)
+    assert res.returncode == 0, res.stderr
+    assert re.search(r"^\[gpu_check\] 4 warmup +limit +90 s  \.venv/bin/python -m canonlm\.warmup arch=gla canon=AbCD "
+                     r"trainer=gpu$", res.stdout, re.M)
+    assert re.search(r"^\[gpu_check\] 2 install .*skipped \(no --wheelhouse", res.stdout, re.M)
+
+
+@pytest.mark.parametrize("make, args, names", [
+    (None, ["--wheelhouse", "nowhere"], ["--wheelhouse", "nowhere': no such directory"]),
+    ("emptydir:wh", ["--wheelhouse", "wh"], ["--wheelhouse", "holds no .whl file"]),
+    ("text:c.tgz", ["--cache-in", "c.tgz"], ["--cache-in", "c.tgz': not a readable .tar.gz"]),
+    (None, ["--cache-in", "none.tgz"], ["--cache-in", "no such file (nor its parts"]),
+    ("text:afile", ["--out", "afile"], ["--out", "afile': exists and is not a directory"]),
+    ("text:afile", ["--out", "afile/sub"], ["--out", "cannot be created"]),
+    ("summary:out", ["--out", "out"], ["already holds summary.md", "--force"]),
+    ("mode777:cdir", ["--cache-dir", "ABS:cdir"], ["--cache-dir", "writable by group or others (mode 777)"]),
+    (None, ["--cache-dir", "rel/cache"], ["--cache-dir 'rel/cache': must be an absolute path"]),
+    (None, ["--skip", "facts,gpu"], ["--skip 'facts,gpu': unknown phase 'gpu'", "selfcheck"]),
+    (None, ["--limit", "bench"], ["--limit 'bench'", "PHASE=SECONDS"]),
+    (None, ["--limit", "bench=2m"], ["--limit 'bench=2m'", "whole number"]),
+    (None, ["--budget", "0"], ["--budget '0'"]),
+    (None, ["--frobnicate"], ["unknown argument '--frobnicate'", "--dry-run"]),
+])
+@pytest.mark.parametrize("dry", [True, False])
+def test_bad_input_is_refused_before_anything_runs(tmp_path, make, args, names, dry):
+    repo = _repo(tmp_path)
+    if make:
+        kind, name = make.split(":")
+        p = tmp_path / name
+        if kind == "emptydir":
+            p.mkdir()
+        elif kind == "text":
+            p.write_text("not an archive\n")
+        elif kind == "summary":
+            p.mkdir()
+            (p / "summary.md").write_text("an earlier run's\n")
+        elif kind == "mode777":
+            p.mkdir()
+            p.chmod(0o777)
+    args = [str(tmp_path / a[4:]) if a.startswith("ABS:") else a for a in args]
+    res = _run(repo, *(["--dry-run"] if dry else []), "--out", str(tmp_path / "o"), *args)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "=== " not in res.stdout and "limit" not in res.stdout        # no phase ran or was listed
+    for n in names:
+        assert n in res.stderr, res.stderr
+    assert not (tmp_path / "o").exists() or "--out" in args
+
+
+def test_real_run_without_a_gpu_reports_each_phase_and_packs_the_cache(tmp_path):
+    """No GPU: facts, restore, a selfcheck cut short by its limit (TIMEOUT, the script goes on), pack; warmup, pytest
+    and bench skipped as needing a GPU. The archive is split into parts by a 1 MiB file limit, and a second run
+    restores from those parts into another cache directory."""
+    repo = _repo(tmp_path)
+    tar, files = _cache_tar(tmp_path, big=2_500_000)
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    t0 = time.monotonic()
+    res = _run(repo, "--out", "out", "--cache-in", tar.name, "--cache-dir", str(cache), "--limit", "selfcheck=4",
+               "--max-file-mib", "1")
+    took = time.monotonic() - t0
+    assert res.returncode == 1, res.stdout + res.stderr                   # a phase timed out
+    rows = _table(res.stdout)
+    assert rows["facts"][0] == "OK" and "torch " in rows["facts"][1]
+    assert rows["install"] == ("SKIP", "skipped (no --wheelhouse: the environment as it is)")
+    assert rows["restore"][0] == "OK" and rows["restore"][1].startswith(f"{len(files)} files, ")
+    for p in ("warmup", "pytest", "bench"):
+        assert rows[p] == ("SKIP", "skipped: no CUDA GPU (nvidia-smi -L lists none)")
+    assert rows["selfcheck"][0] == "TIMEOUT"
+    assert rows["pack"][0] == "OK" and "kernel-cache.tar.gz.00..02" in rows["pack"][1], rows["pack"]
+    assert took < 60
+    # the cache directory: the archive's files, private (mode 0700, nothing for group / others)
+    assert _tree(cache) == files
+    assert stat.S_IMODE(cache.stat().st_mode) == 0o700
+    assert all(stat.S_IMODE(p.stat().st_mode) & 0o077 == 0 for p in cache.rglob("*"))
+    # --out: flat, within the limits, the summary holding the same table
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["kernel-cache.tar.gz.00", "kernel-cache.tar.gz.01", "kernel-cache.tar.gz.02", "phases.log",
+                     "summary.md"]
+    assert all(p.is_file() and p.stat().st_size <= 1 << 20 for p in out.iterdir())
+    assert "| selfcheck | TIMEOUT |" in (out / "summary.md").read_text()
+    assert "=== 5 selfcheck (limit 4 s)" in (out / "phases.log").read_text()
+
+    # the parts restore in a later run, into another cache directory
+    cache2 = tmp_path / "cache2"
+    res = _run(repo, "--out", "out2", "--cache-in", str(out / "kernel-cache.tar.gz"), "--cache-dir", str(cache2),
+               "--skip", "facts,selfcheck,pack")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert _table(res.stdout)["restore"][0] == "OK"
+    assert _tree(cache2) == files
+
+
+def test_gpu_phases_that_fail_or_time_out_here_are_reported_and_the_script_goes_on(tmp_path):
+    """With a GPU listed (fake nvidia-smi), warmup, pytest and bench run on this CPU: each fails or hits its limit
+    (this repository copy has no tests/ or bench/), each is recorded as such, and the table still comes last."""
+    repo = _repo(tmp_path)
+    res = _run(repo, "--out", "out", "--cache-dir", str(tmp_path / "cache"), "--skip", "selfcheck,pack",
+               "--warmup", "arch=llama model.size=2L64D", "--limit", "warmup=3", "--limit", "pytest=20",
+               "--limit", "bench=20", gpu=True)
+    assert res.returncode == 1, res.stdout + res.stderr
+    rows = _table(res.stdout)
+    for p in ("warmup", "pytest", "bench"):
+        assert rows[p][0] == "TIMEOUT" or rows[p][0].startswith("FAIL (exit "), rows
+    assert rows["warmup"][1].startswith("0/1 configs warm")
+    assert rows["restore"][0] == "OK" and "(no --cache-in: empty)" in rows["restore"][1]
+    assert rows["selfcheck"] == ("SKIP", "skipped (--skip)") and rows["pack"] == ("SKIP", "skipped (--skip)")
+
+
+def test_budget_cuts_phases_and_keeps_time_for_pack(tmp_path):
+    """--budget 12 with pack's limit 3: the phases before pack have 12 - (3 + 5) = 4 s, under the 5 s minimum, so
+    they are skipped as out of time; pack still runs."""
+    repo = _repo(tmp_path)
+    res = _run(repo, "--out", "out", "--cache-dir", str(tmp_path / "cache"), "--budget", "12", "--limit", "pack=3")
+    rows = _table(res.stdout)
+    for p in ("facts", "restore", "selfcheck"):
+        assert rows[p][0] == "SKIP" and rows[p][1].startswith("skipped: no time left (--budget 12 s"), rows
+    assert rows["pack"] == ("OK", f"no cache directory {tmp_path / 'cache'}: nothing to pack")   # it ran
+    assert res.returncode == 0

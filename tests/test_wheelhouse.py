@@ -1,0 +1,358 @@
+"""scripts/wheelhouse.sh and ``scripts/setup.sh --wheelhouse``, for real: a wheelhouse built from the package index,
+then installed from with ``--no-index`` into a fresh venv that already has torch, with no network at all.
+
+The fresh venv is made as a GPU node's would be, cheaply: ``python -m venv --without-pip``, then the installed files
+of this venv's pip and torch (and of torch's own requirements) are hard-linked into it, file by file from their
+RECORD (pip installing the 200 MB torch wheel instead took 50 s here). pip sees them as installed distributions, as
+it would a torch that came with the node. The wheelhouse is built for that venv with ``--have`` = its
+``pip list --format=freeze``, and setup.sh runs under ``unshare -n`` (no network namespace) where the kernel lets it,
+else with every proxy pointed at a closed port.
+
+The three tests that build or install are marked ``slow`` (they take 10-65 s each here; the wheelhouse builds need the
+package index); the refusals of bad input run in a fraction of a second, before anything is fetched.
+
+Oracles: pip's own ``pip check`` (every installed distribution's requirements met) in the installed venv; the
+venv's ``pip list`` before and after (torch kept, nothing installed on a refused run); the wheels' own METADATA, with
+environment markers evaluated by ``packaging`` for an explicit target environment (the cross-target test).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.markers import default_environment
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name, parse_wheel_filename
+
+ROOT = Path(__file__).resolve().parents[1]
+NEVER = re.compile(r"^(torch|triton|nvidia-.*)$")
+NO_DEPS = {"mamba-ssm": "2.3.1", "causal-conv1d": "1.6.2.post1"}      # setup.sh installs them with --no-deps
+
+
+def _env(**extra: str) -> dict[str, str]:
+    """This environment without what would steer the scripts elsewhere (a venv's PYTHON, a bytecode switch that makes
+    setup.sh compile the whole venv)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHON", "SETUP_DRY_RUN", "PYTHONDONTWRITEBYTECODE", "TORCH_SPEC", "VIRTUAL_ENV")}
+    env.update(extra)
+    return env
+
+
+def _run(cmd, timeout=600, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def _can_download(tmp: Path) -> None:
+    res = _run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(tmp / "probe"), "iniconfig"],
+               timeout=120)
+    if res.returncode != 0:
+        pytest.skip(f"pip cannot download from the package index here: {res.stderr.strip().splitlines()[-1:]}")
+
+
+def _repo(tmp: Path) -> Path:
+    """A copy of the project as setup.sh installs it (scripts, pyproject, README, src), without this checkout's
+    .venv."""
+    repo = tmp / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    for s in ("setup.sh", "wheelhouse.sh", "gpu_check.sh"):
+        shutil.copy(ROOT / "scripts" / s, repo / "scripts" / s)
+    for f in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / f, repo / f)
+    shutil.copytree(ROOT / "src", repo / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    return repo
+
+
+def _closure(names) -> list:
+    """The installed distributions ``names`` and everything they require here, extras included (markers for this
+    Python)."""
+    todo, seen, out = [(n, ()) for n in names], set(), {}
+    while todo:
+        name, extras = todo.pop()
+        name = canonicalize_name(name)
+        if (name, extras) in seen:
+            continue
+        seen.add((name, extras))
+        dist = md.distribution(name)
+        out[name] = dist
+        for r in map(Requirement, dist.requires or []):
+            if r.marker is None or any(r.marker.evaluate({"extra": e}) for e in ("", *extras)):
+                todo.append((r.name, tuple(sorted(r.extras))))
+    return list(out.values())
+
+
+def _venv_with_torch(dest: Path) -> None:
+    """A fresh venv at ``dest`` holding this venv's pip and torch (with torch's requirements), hard-linked file by
+    file from their RECORD (copied where a hard link cannot be made). Nothing of this venv is written to: pip
+    replaces files by unlinking, never in place."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(dest)], check=True)
+    site = next(dest.glob("lib/python*/site-packages"))
+    for dist in _closure(["pip", "torch"]):
+        base = Path(dist.locate_file(""))
+        for f in dist.files or []:
+            if str(f).startswith(".."):                                   # console scripts: not needed
+                continue
+            src, dst = base / f, site / f
+            if not src.is_file() or dst.exists():
+                continue
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(src, dst)
+            except OSError:
+                shutil.copy2(src, dst)
+
+
+def _freeze(py: Path) -> dict[str, str]:
+    res = _run([str(py), "-m", "pip", "list", "--format=freeze"], env=_env(PIP_CONFIG_FILE=os.devnull))
+    assert res.returncode == 0, res.stderr
+    return {canonicalize_name(n): v for n, v in (line.split("==") for line in res.stdout.split())}
+
+
+def _offline(cmd: list[str]) -> list[str]:
+    """``cmd`` with no network: in a new network namespace where that works, else as it is (proxies set by
+    :func:`_offline_env` then catch any download)."""
+    if shutil.which("unshare") and _run(["unshare", "-rn", "true"]).returncode == 0:
+        return ["unshare", "-rn", *cmd]
+    return cmd
+
+
+def _offline_env() -> dict[str, str]:
+    """No PIP_FIND_LINKS of this machine; an index and proxies that lead nowhere."""
+    dead = "http://127.0.0.1:9"
+    env = _env(http_proxy=dead, https_proxy=dead, HTTP_PROXY=dead, HTTPS_PROXY=dead, ALL_PROXY=dead,
+               PIP_INDEX_URL=dead + "/simple")
+    env.pop("PIP_FIND_LINKS", None)
+    return env
+
+
+def _wheels(wh: Path) -> dict[str, str]:
+    """canonical name -> file name of each wheel in ``wh``."""
+    return {canonicalize_name(parse_wheel_filename(f.name)[0]): f.name for f in wh.glob("*.whl")}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """A project copy whose .venv has torch only, and a wheelhouse built for exactly that venv (``--have``)."""
+    tmp = tmp_path_factory.mktemp("wheelhouse")
+    _can_download(tmp)
+    repo = _repo(tmp)
+    _venv_with_torch(repo / ".venv")
+    have = _freeze(repo / ".venv" / "bin" / "python")
+    assert "torch" in have and "hydra-core" not in have
+    (tmp / "have.txt").write_text("".join(f"{n}=={v}\n" for n, v in have.items()))
+    wh = tmp / "wh"
+    res = _run(["bash", str(repo / "scripts" / "wheelhouse.sh"), "--have", str(tmp / "have.txt"), "--out", str(wh)],
+               env=_env(PYTHON=sys.executable), cwd=tmp)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return repo, wh, have
+
+
+@pytest.mark.slow
+def test_wheelhouse_installs_offline_into_a_venv_that_has_torch(built, tmp_path):
+    repo, wh, have = built
+    vpy = repo / ".venv" / "bin" / "python"
+    wheels = _wheels(wh)
+    # what the wheelhouse holds: never torch & co, nothing the venv already has, the kernels' Python parts built here
+    assert not [n for n in wheels if NEVER.match(n)]
+    assert not set(wheels) & set(have), "a wheel of something the target has"
+    for name in ("hydra-core", "omegaconf", "antlr4-python3-runtime", "fla-core", "mamba-ssm", "causal-conv1d",
+                 "lightning", "numpy"):
+        assert name in wheels, name
+    for name in ("antlr4-python3-runtime", "mamba-ssm", "causal-conv1d"):       # sdists on PyPI: built here
+        assert wheels[name].endswith("-py3-none-any.whl")
+    assert wheels["mamba-ssm"].startswith("mamba_ssm-2.3.1-") and wheels["causal-conv1d"].startswith(
+        "causal_conv1d-1.6.2.post1-")
+    setup = ["bash", str(repo / "scripts" / "setup.sh"), "--wheelhouse"]
+
+    # a wheelhouse that lacks one package: named, exit 2, nothing installed
+    partial = tmp_path / "partial"
+    shutil.copytree(wh, partial)
+    (partial / wheels["antlr4-python3-runtime"]).unlink()
+    res = _run(_offline([*setup, str(partial)]), env=_offline_env())
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert re.search(r"^  antlr4-python3-runtime==4\.9\.\*\s+\(required by (hydra-core|omegaconf) ", res.stderr,
+                     re.M), res.stderr
+    assert "Missing:" in res.stderr and "Traceback" not in res.stderr
+    assert len(res.stderr.splitlines()) < 12                                # one message, not pip's wall of text
+    assert _freeze(vpy) == have
+    # gpu_check.sh's install phase (setup.sh, as on a node) reports it in its table and goes on
+    check = ["bash", str(repo / "scripts" / "gpu_check.sh"),
+             "--skip", "facts,restore,warmup,selfcheck,pytest,bench,pack"]
+    res = _run(_offline([*check, "--wheelhouse", str(partial), "--out", str(tmp_path / "o1")]), env=_offline_env())
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert re.search(r"^\| install \| FAIL \(exit 2\) \| \d+ \| \d+ \| missing: antlr4-python3-runtime==4\.9\.\* \|$",
+                     res.stdout, re.M), res.stdout[-1500:]
+
+    # the whole wheelhouse: every command pip gets sees the wheelhouse only ...
+    plan = _run([*setup, str(wh)], env=_env(SETUP_DRY_RUN="1"))
+    assert plan.returncode == 0, plan.stderr
+    pips = [c[2:] for c in plan.stdout.splitlines() if c.startswith("+ ")]
+    assert len(pips) == 3 and all(c.startswith("pip install --no-index --find-links " + str(wh) + " ") for c in pips)
+    # ... and it installs with no network at all (through gpu_check.sh's install phase, as on a node)
+    res = _run(_offline([*check, "--wheelhouse", str(wh), "--out", str(tmp_path / "o2")]), env=_offline_env())
+    assert res.returncode == 0, res.stdout + res.stderr
+    n_from_wh = len([n for n in wheels if n not in NO_DEPS])
+    assert re.search(rf"^\| install \| OK \| \d+ \| \d+ \| keeping torch {re.escape(have['torch'])} \(CUDA None\) "
+                     rf"\(in \.venv\); {n_from_wh} packages from the wheelhouse \|$", res.stdout, re.M), \
+        res.stdout[-3000:]
+    after = _freeze(vpy)
+    assert after["torch"] == have["torch"]
+    assert after["mamba-ssm"] == NO_DEPS["mamba-ssm"] and after["causal-conv1d"] == NO_DEPS["causal-conv1d"]
+    assert after["fla-core"] == "0.6.0"
+    res_import = _run([str(vpy), "-c", "import canonlm, hydra, omegaconf, lightning; print(canonlm.__file__)"],
+                      env=_env())
+    assert res_import.returncode == 0, res_import.stderr
+    assert Path(res_import.stdout.strip()).is_relative_to(repo / "src")     # the editable install of the copy
+    # pip's own check: every requirement of every installed distribution met, except those setup.sh skips on purpose
+    check = _run([str(vpy), "-m", "pip", "check"], env=_env(PIP_CONFIG_FILE=os.devnull))
+    problems = [line for line in check.stdout.splitlines() if line.strip()]
+    assert all(canonicalize_name(line.split()[0]) in NO_DEPS for line in problems if "No broken" not in line), \
+        problems
+
+
+def _python310() -> str | None:
+    """A Python 3.10 that runs here (a pyenv shim may exist and refuse), or None."""
+    pyenv = sorted(map(str, Path.home().glob(".pyenv/versions/3.10.*/bin/python3.10")))
+    for cand in [shutil.which("python3.10"), *pyenv]:
+        probe = "import sys, venv; assert sys.version_info[:2] == (3, 10)"
+        if cand and _run([cand, "-c", probe], timeout=60).returncode == 0:
+            return cand
+    return None
+
+
+@pytest.mark.slow
+def test_wheelhouse_for_another_python_takes_its_wheels_and_markers(tmp_path):
+    """Built here (this Python) for CPython 3.10 / manylinux_2_17 with a --have that lists everything this venv has
+    except pytest, hydra-core, omegaconf, PyYAML and their own requirements: the wheelhouse holds exactly those, with
+    pytest's requirements whose markers hold on 3.10 (tomli, exceptiongroup: ``python_version < "3.11"``), a cp310
+    PyYAML for manylinux_2_17 or older, and installs into a real Python 3.10 venv offline where one exists."""
+    _can_download(tmp_path)
+    left_out = {"pytest", "iniconfig", "pluggy", "hydra-core", "omegaconf", "antlr4-python3-runtime", "pyyaml",
+                "tomli", "exceptiongroup"}
+    have = {canonicalize_name(d.metadata["Name"]): d.version for d in md.distributions()}
+    assert {"fla-core", "mamba-ssm", "causal-conv1d", "torch"} <= set(have)     # so nothing is built but antlr4
+    (tmp_path / "have.txt").write_text("".join(f"{n}=={v}\n" for n, v in have.items() if n not in left_out))
+    wh = tmp_path / "wh"
+    res = _run(["bash", str(ROOT / "scripts" / "wheelhouse.sh"), "--extras", "dev", "--python-version", "3.10",
+                "--platform", "manylinux_2_17_x86_64", "--have", str(tmp_path / "have.txt"), "--out", str(wh)],
+               env=_env(PYTHON=sys.executable), cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    wheels = _wheels(wh)
+    # the oracle for pytest's requirements: its own METADATA, markers evaluated for a 3.10 Linux x86_64 target
+    target = {**default_environment(), "python_version": "3.10", "python_full_version": "3.10.0",
+              "implementation_version": "3.10.0", "sys_platform": "linux", "platform_system": "Linux",
+              "platform_machine": "x86_64", "os_name": "posix"}
+    import zipfile
+    from email.parser import Parser
+
+    with zipfile.ZipFile(wh / wheels["pytest"]) as z:
+        meta = Parser().parsestr(z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode())
+    reqs = [Requirement(r) for r in meta.get_all("Requires-Dist")]
+    on_310 = {canonicalize_name(r.name) for r in reqs if r.marker is None or r.marker.evaluate({**target, "extra": ""})}
+    assert {"tomli", "exceptiongroup"} <= on_310 and "colorama" not in on_310
+    expected = {"pytest", "hydra-core", "omegaconf", "antlr4-python3-runtime", "pyyaml"} | (on_310 - set(
+        n for n in have if n not in left_out))
+    expected |= {"typing-extensions"} - set(have)                      # exceptiongroup's, if this venv lacks it
+    assert set(wheels) == expected, (sorted(wheels), sorted(expected))
+    assert wheels["antlr4-python3-runtime"].endswith("-py3-none-any.whl")
+    legacy = {17: "manylinux2014", 12: "manylinux2010", 5: "manylinux1"}
+    ok_platforms = {f"manylinux_2_{y}_x86_64" for y in range(5, 18)} | {f"{v}_x86_64" for v in legacy.values()}
+    tags = parse_wheel_filename(wheels["pyyaml"])[3]
+    assert any(t.interpreter == "cp310" and t.platform in ok_platforms for t in tags), wheels["pyyaml"]
+    py310 = _python310()
+    if py310 is None:                                   # the wheelhouse was checked above; no 3.10 to install into
+        return
+    venv = tmp_path / "v310"
+    subprocess.run([py310, "-m", "venv", str(venv)], check=True)
+    # every wheel installs on a real 3.10 (pip refuses a wheel whose tags it does not support); the fresh venv lacks
+    # what --have listed, so without their requirements, and what imports without them is imported: PyYAML's C
+    # extension (CSafeLoader exists only when it loaded), omegaconf on the wheel built here, tomli
+    inst = _run(_offline([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+                          *map(str, sorted(wh.glob("*.whl")))]), env=_offline_env() | {"PIP_CONFIG_FILE": os.devnull})
+    assert inst.returncode == 0, inst.stdout + inst.stderr
+    imp = _run([str(venv / "bin" / "python"), "-c", "import omegaconf, tomli, iniconfig; from yaml import CSafeLoader"])
+    assert imp.returncode == 0, imp.stderr
+
+
+@pytest.mark.slow
+def test_base_python_that_is_a_venv_lends_its_torch_and_packages(tmp_path):
+    """The device image's case, offline: python3 is itself a venv holding a CUDA torch (2.11.0+cu130) and canonlm's
+    other requirements; .venv does not exist. setup.sh makes .venv see that venv's packages (a nested venv's
+    --system-site-packages would not: it shows the interpreter the outer venv was made from) and installs canonlm
+    from an empty wheelhouse, since everything is there. The outer venv here: this venv's files of canonlm's
+    requirements hard-linked into a fresh venv, with a stand-in torch (a CUDA build cannot run here); nothing is
+    imported from it but torch's version."""
+    base = tmp_path / "base"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(base)], check=True)
+    site = next(base.glob("lib/python*/site-packages"))
+    try:
+        import tomllib
+    except ImportError:                                                  # Python 3.10
+        from pip._vendor import tomli as tomllib
+    deps = [Requirement(r).name for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]]
+    keep = [d for d in deps if canonicalize_name(d) != "torch"]
+    for dist in _closure(["pip", "setuptools", "wheel", "fla-core", *NO_DEPS, *keep]):
+        if canonicalize_name(dist.metadata["Name"]) == "torch":
+            continue
+        base_dir = Path(dist.locate_file(""))
+        for f in dist.files or []:
+            src, dst = base_dir / f, site / f
+            if str(f).startswith("..") or not src.is_file() or dst.exists():
+                continue
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(src, dst)
+            except OSError:
+                shutil.copy2(src, dst)
+    (site / "torch").mkdir(exist_ok=True)
+    (site / "torch" / "__init__.py").write_text(
+        "__version__ = '2.11.0+cu130'\nclass version:\n    cuda = '13.0'\n"
+        "class _C:\n    _GLIBCXX_USE_CXX11_ABI = True\nclass cuda:\n    is_available = staticmethod(lambda: False)\n")
+    (site / "torch-2.11.0+cu130.dist-info").mkdir()
+    (site / "torch-2.11.0+cu130.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: torch\nVersion: 2.11.0+cu130\n")
+    repo = _repo(tmp_path)
+    wh = tmp_path / "empty-wheelhouse"
+    wh.mkdir()
+    res = _run(_offline(["bash", str(repo / "scripts" / "setup.sh"), "--wheelhouse", str(wh)]),
+               env=_offline_env() | {"PYTHON": str(base / "bin" / "python")})
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "is itself a venv" in res.stdout and "keeping torch 2.11.0+cu130 (CUDA 13.0)" in res.stdout
+    vpy = repo / ".venv" / "bin" / "python"
+    assert "include-system-site-packages = false" in (repo / ".venv" / "pyvenv.cfg").read_text()
+    probe = ("import importlib.metadata as md, torch, hydra, omegaconf, sys; print(torch.__version__); "
+             "print(md.distribution('canonlm').locate_file('')); print(hydra.__file__)")
+    out = _run([str(vpy), "-c", probe], env=_env()).stdout.split()
+    assert out[0] == "2.11.0+cu130"                                     # base's torch, seen through the .pth file
+    assert Path(out[1]).resolve().is_relative_to((repo / ".venv").resolve())   # canonlm installed into .venv ...
+    assert Path(out[2]).is_relative_to(site)                            # ... hydra from base, not installed again
+    assert _freeze(vpy).get("canonlm") is not None
+
+
+@pytest.mark.parametrize("args, names", [
+    (["--extras", "devv"], ["--extras 'devv': unknown extra 'devv'", "dev", "slurm"]),
+    (["--extras", "dev,cuda"], ["'cuda' cannot go into a wheelhouse"]),
+    (["--extras", "interp"], ["'interp' cannot go into a wheelhouse"]),
+    (["--python-version", "3"], ["--python-version '3' (allowed: X.Y or X.Y.Z"]),
+    (["--platform", "win_amd64"], ["--platform 'win_amd64'", "manylinux_2_28_x86_64"]),
+    (["--have", "nowhere.txt"], ["--have 'nowhere.txt': no such readable file"]),
+    (["--have", "BAD"], ["line 2: 'torch 2.11' is not 'name==version'"]),
+    (["--extras"], ["--extras needs a value"]),
+    (["--wheelhouse", "x"], ["unknown argument '--wheelhouse'"]),
+])
+def test_bad_input_is_refused_before_anything_is_fetched_or_written(tmp_path, args, names):
+    (tmp_path / "BAD").write_text("numpy==2.5.2\ntorch 2.11\n")
+    args = [str(tmp_path / "BAD") if a == "BAD" else a for a in args]
+    res = _run(["bash", str(ROOT / "scripts" / "wheelhouse.sh"), "--out", str(tmp_path / "wh"), *args],
+               env=_env(PYTHON=sys.executable, http_proxy="http://127.0.0.1:9", https_proxy="http://127.0.0.1:9"),
+               cwd=tmp_path, timeout=60)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert res.stdout == "" and not (tmp_path / "wh").exists()
+    for n in names:
+        assert n in res.stderr, res.stderr
