@@ -218,12 +218,23 @@ def test_impossible_values_are_config_errors(tmp_path, monkeypatch):
     assert "TRITON_CACHE_DIR" not in os.environ  # nothing applied
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root can write a read-only directory")
 def test_unwritable_dir_is_a_config_error(tmp_path):
+    """A directory this user cannot write: mode 0500 for an ordinary user; as root (who writes through modes), the
+    same directory bind-mounted read-only in a private mount namespace (``unshare -rm``: root of a user namespace
+    mapped to this user), where the write fails with EROFS, as on a read-only mount."""
     d = tmp_path / "ro"
     d.mkdir(mode=0o500)
-    with pytest.raises(ConfigError, match="is not writable"):
-        kc.configure(d)
+    if os.geteuid() != 0:
+        with pytest.raises(ConfigError, match="is not writable"):
+            kc.configure(d)
+        return
+    code = ("import sys\nfrom canonlm.errors import ConfigError\nfrom canonlm.utils import kernel_cache as kc\n"
+            "try:\n    kc.configure(sys.argv[1])\nexcept ConfigError as e:\n    print(e)\n    sys.exit(3)\n")
+    script = (f"mount --bind {d} {d} && mount -o remount,bind,ro {d} && "
+              f"{sys.executable} -c \"$0\" {d}")
+    p = subprocess.run(["unshare", "-rm", "sh", "-c", script, code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 3, p.stdout + p.stderr
+    assert "paths.kernel_cache" in p.stdout and "is not writable" in p.stdout
 
 
 def test_user_set_variables_win_with_a_warning(tmp_path, monkeypatch):

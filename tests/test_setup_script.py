@@ -49,16 +49,21 @@ def _repo(tmp_path: Path) -> Path:
     return repo
 
 
+def _fake_torch(site: Path, torch: tuple[str, str | None]) -> None:
+    """A fake ``torch`` package in ``site``: ``__version__``, ``version.cuda`` and ``_C._GLIBCXX_USE_CXX11_ABI``."""
+    (site / "torch").mkdir()
+    (site / "torch" / "__init__.py").write_text(
+        f"__version__ = {torch[0]!r}\nclass version:\n    cuda = {torch[1]!r}\n"
+        "class _C:\n    _GLIBCXX_USE_CXX11_ABI = True\n")
+
+
 def _fake_venv(repo: Path, torch: tuple[str, str | None] | None = None, dists: dict[str, str] | None = None):
     """``repo/.venv/bin/python``: this interpreter with a directory first on its path that holds a fake ``torch``
     (``__version__``, ``version.cuda``, ``_C._GLIBCXX_USE_CXX11_ABI``) and fake installed distributions."""
     site = repo / "fake_site"
     site.mkdir()
     if torch:
-        (site / "torch").mkdir()
-        (site / "torch" / "__init__.py").write_text(
-            f"__version__ = {torch[0]!r}\nclass version:\n    cuda = {torch[1]!r}\n"
-            "class _C:\n    _GLIBCXX_USE_CXX11_ABI = True\n")
+        _fake_torch(site, torch)
     for name, ver in (dists or {}).items():
         info = site / f"{name.replace('-', '_')}-{ver}.dist-info"
         info.mkdir()
@@ -287,10 +292,7 @@ def _base_python(tmp_path: Path, torch: tuple[str, str | None] | None, venv: boo
     site = tmp_path / "base_site"
     site.mkdir()
     if torch:
-        (site / "torch").mkdir()
-        (site / "torch" / "__init__.py").write_text(
-            f"__version__ = {torch[0]!r}\nclass version:\n    cuda = {torch[1]!r}\n"
-            "class _C:\n    _GLIBCXX_USE_CXX11_ABI = True\n")
+        _fake_torch(site, torch)
     py = tmp_path / "python3"
     py.write_text(f'#!/bin/sh\nPYTHONPATH="{site}" exec "{sys.executable if venv else BASE_INTERPRETER}" "$@"\n')
     py.chmod(0o755)

@@ -94,18 +94,22 @@ def _venv_with_torch(dest: Path) -> None:
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(dest)], check=True)
     site = next(dest.glob("lib/python*/site-packages"))
     for dist in _closure(["pip", "torch"]):
-        base = Path(dist.locate_file(""))
-        for f in dist.files or []:
-            if str(f).startswith(".."):                                   # console scripts: not needed
-                continue
-            src, dst = base / f, site / f
-            if not src.is_file() or dst.exists():
-                continue
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                os.link(src, dst)
-            except OSError:
-                shutil.copy2(src, dst)
+        _link_dist(dist, site)
+
+
+def _link_dist(dist, site: Path) -> None:
+    """Hard-link (else copy) the installed files of ``dist`` into ``site``, skipping console scripts (paths outside
+    site-packages) and files already there."""
+    base = Path(dist.locate_file(""))
+    for f in dist.files or []:
+        src, dst = base / f, site / f
+        if str(f).startswith("..") or not src.is_file() or dst.exists():
+            continue
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
 
 
 def _freeze(py: Path) -> dict[str, str]:
@@ -298,18 +302,8 @@ def test_base_python_that_is_a_venv_lends_its_torch_and_packages(tmp_path):
     deps = [Requirement(r).name for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]]
     keep = [d for d in deps if canonicalize_name(d) != "torch"]
     for dist in _closure(["pip", "setuptools", "wheel", "fla-core", *NO_DEPS, *keep]):
-        if canonicalize_name(dist.metadata["Name"]) == "torch":
-            continue
-        base_dir = Path(dist.locate_file(""))
-        for f in dist.files or []:
-            src, dst = base_dir / f, site / f
-            if str(f).startswith("..") or not src.is_file() or dst.exists():
-                continue
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                os.link(src, dst)
-            except OSError:
-                shutil.copy2(src, dst)
+        if canonicalize_name(dist.metadata["Name"]) != "torch":
+            _link_dist(dist, site)
     (site / "torch").mkdir(exist_ok=True)
     (site / "torch" / "__init__.py").write_text(
         "__version__ = '2.11.0+cu130'\nclass version:\n    cuda = '13.0'\n"
