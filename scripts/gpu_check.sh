@@ -5,15 +5,17 @@
 #
 #   bash scripts/gpu_check.sh --out DIR [--wheelhouse DIR] [--cache-in FILE] [options]    (docs/gpu_node.md)
 #
-# Phases, in order (name: what, default limit in seconds):
-#   facts      nvidia-smi, Python / torch / CUDA / triton / kernel-package versions, commit                   20
-#   install    bash scripts/setup.sh --wheelhouse DIR EXTRAS (offline; the image's CUDA torch is kept)        120
-#   restore    the carried kernel cache (--cache-in, a .tar.gz) into --cache-dir, mode 0700; CANONLM_KERNEL_CACHE  30
-#   warmup     python -m canonlm.warmup <overrides>, for each --warmup config (GPU only)                        90
-#   selfcheck  python -m canonlm.selfcheck --quick --budget-s <limit - 25> --out OUT/selfcheck.md --force   150
-#   pytest     python -m pytest -o addopts= -m gpu -ra -q (pytest-timeout per test when installed; GPU only)  120
-#   bench      python bench/gpu_step.py BENCH_ARGS --out WORK/bench --max-minutes (the phase's limit) (GPU only) 180
-#   pack       the kernel cache as OUT/kernel-cache.tar.gz (split into .00, .01, ... when over --max-file-mib)  45
+# Phases, in order (name: what, default limit in seconds; they add up to the default --budget of 480):
+#   facts      nvidia-smi, Python / torch / CUDA / triton / kernel-package versions, commit                   15
+#   install    bash scripts/setup.sh --wheelhouse DIR EXTRAS (offline; the image's CUDA torch is kept)         60
+#   restore    the carried kernel cache (--cache-in, a .tar.gz) into --cache-dir, mode 0700; CANONLM_KERNEL_CACHE  20
+#   warmup     python -m canonlm.warmup <overrides>, for each --warmup config (GPU only; none by default)       90
+#   selfcheck  python -m canonlm.selfcheck --quick --budget-s <limit - 25> --out OUT/selfcheck.md --force   130
+#   pytest     python -m pytest -o addopts= -m gpu -ra -q (pytest-timeout per test when installed; GPU only)  100
+#   bench      python bench/gpu_step.py BENCH_ARGS --out WORK/bench --max-minutes (the phase's limit) (GPU only) 120
+#   pack       the kernel cache as OUT/kernel-cache.tar.gz (split into .00, .01, ... when over --max-file-mib)  30
+# A phase whose limit, cut to the time left, falls below what it needs to finish usefully (selfcheck 55 s, bench
+# 50 s, pytest 30 s, install 20 s, warmup 30 s, the others 5 s) is skipped with the reason.
 # Each phase runs under coreutils `timeout` (TERM, then KILL 10 s later) with cwd = the repository root; its output goes
 # to OUT/phases.log as it comes (and to this terminal); a phase that fails or times out is recorded and the next one
 # runs. The phases before pack together never start past --budget minus pack's limit: a phase's limit is cut to the
@@ -35,8 +37,8 @@
 #   --budget S              all phases together (default 480: a 10-minute allocation with 2 minutes to spare)
 #   --limit PHASE=S         a phase's limit (repeatable)
 #   --skip PHASE[,PHASE]    phases not to run (repeatable)
-#   --warmup "OVERRIDES"    a config to warm, as train.py's overrides (repeatable; replaces the default four:
-#                           llama ABCD, gla / gdn / mamba2 AbCD at 12L768D, task depo1, trainer=gpu)
+#   --warmup "OVERRIDES"    a config to warm, as train.py's overrides (repeatable), e.g. "task=depo1 trainer=gpu
+#                           model.size=12L768D arch=gla canon=AbCD"; without one the warmup phase is skipped
 #   --bench-args "ARGS"     bench/gpu_step.py's options before --out / --max-minutes (default --quick)
 #   --max-files N           files allowed in --out (default 8; 0: no limit)
 #   --max-file-mib M        size allowed per file (default 16; 0: no limit)
@@ -53,7 +55,10 @@ say() { echo "[gpu_check] $*"; }
 die() { echo "[gpu_check] ERROR: $*" >&2; exit 2; }
 
 PHASES=(facts install restore warmup selfcheck pytest bench pack)
-declare -A LIMIT=([facts]=20 [install]=120 [restore]=30 [warmup]=90 [selfcheck]=150 [pytest]=120 [bench]=180 [pack]=45)
+# The defaults add up to the default --budget (480 s): 15 + 60 + 20 + 130 + 100 + 120 + 30 = 475 (warmup only when asked)
+declare -A LIMIT=([facts]=15 [install]=60 [restore]=20 [warmup]=90 [selfcheck]=130 [pytest]=100 [bench]=120 [pack]=30)
+# the least time a phase needs to be worth starting (its tool's own budget inside the limit, then its report)
+declare -A MIN_USEFUL=([facts]=5 [install]=20 [restore]=5 [warmup]=30 [selfcheck]=55 [pytest]=30 [bench]=50 [pack]=5)
 declare -A SKIP=() STATUS=() SECS=() KEY=() LIM_USED=()
 GPU_PHASES=" warmup pytest bench "
 out="" wheelhouse="" extras="" cache_in="" cache_dir=/tmp/canonlm-kernel-cache budget=480 force="" dry=""
@@ -99,11 +104,7 @@ absolute paths, so the cache must sit at the same absolute path on every run and
   esac
   shift
 done
-if [ ${#warmups[@]} -eq 0 ]; then
-  for a in "llama canon=ABCD" "gla canon=AbCD" "gdn canon=AbCD" "mamba2 canon=AbCD"; do
-    warmups+=("task=depo1 trainer=gpu model.size=12L768D arch=$a")
-  done
-fi
+if [ ${#warmups[@]} -eq 0 ]; then SKIP[warmup]=1; WARMUP_WHY="skipped (no --warmup config: the bench and the self-check compile what they use)"; fi
 [ -n "$out" ] || out=$(abs "gpu-check-$(date +%Y%m%d-%H%M%S)")
 OWN=(summary.md phases.log selfcheck.md gpu_step.jsonl gpu_step.md kernel-cache.tar.gz)
 PARTS_MIB=$(( max_file_mib > 1 ? max_file_mib - 1 : 1 ))   # parts 1 MiB under the per-file limit
@@ -148,8 +149,21 @@ cache_problem() {
   local mode; mode=$(stat -c %a "$d")
   (( (8#$mode & 8#022) == 0 )) || { echo "is writable by group or others (mode $mode)"; return; }
 }
+# ...and one that holds anything but a kernel cache's own folders is refused: the script packs and chmods it
+foreign_entries() {
+  local d=$1 e n
+  for e in "$d"/* "$d"/.[!.]*; do
+    [ -e "$e" ] || [ -L "$e" ] || continue
+    n=${e##*/}
+    case "$n" in triton|inductor|autotune) ;; *) echo "$n"; return ;; esac
+  done
+}
 if [ -z "${SKIP[restore]:-}" ] && { [ -e "$cache_dir" ] || [ -L "$cache_dir" ]; }; then
   why=$(cache_problem "$cache_dir")
+  if [ -z "$why" ]; then
+    f=$(foreign_entries "$cache_dir")
+    [ -z "$f" ] || why="holds '$f', which is not a kernel cache's (only triton/, inductor/ and autotune/ may be there: the script packs the directory and makes it private)"
+  fi
   [ -z "$why" ] || problems+=("--cache-dir '$cache_dir': $why; canonlm would refuse it (use a directory of yours with chmod 700, or another path)")
 fi
 if [ ${#problems[@]} -gt 0 ]; then
@@ -166,7 +180,7 @@ cmd_of() {   # the command line of a phase, for the dry run and the log
   case "$p" in
     facts) echo "nvidia-smi --query-gpu=... ; $py -c <versions>; git rev-parse HEAD" ;;
     install) echo "bash scripts/setup.sh --wheelhouse $wheelhouse${extras:+ $extras}" ;;
-    restore) if [ ${#cache_parts[@]} -gt 0 ]; then echo "cat ${cache_parts[*]} | tar -xz -C $cache_dir --no-same-owner; chmod -R go-rwx $cache_dir; export CANONLM_KERNEL_CACHE=$cache_dir"
+    restore) if [ ${#cache_parts[@]} -gt 0 ]; then echo "(umask 077; cat ${cache_parts[*]} | tar -xz -C $cache_dir --no-same-owner --no-same-permissions); export CANONLM_KERNEL_CACHE=$cache_dir"
              else echo "mkdir -m 700 $cache_dir; export CANONLM_KERNEL_CACHE=$cache_dir (no --cache-in: starts empty)"; fi ;;
     warmup) local w s=""; for w in "${warmups[@]}"; do s+="$py -m canonlm.warmup $w; "; done; echo "${s%; }" ;;
     selfcheck) echo "$py -m canonlm.selfcheck --quick --budget-s <limit - 25 s> --out $out/selfcheck.md --force" ;;
@@ -179,6 +193,7 @@ gpu=""
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then gpu=1; fi
 why_skip() {   # why phase $1 does not run (empty: it runs)
   local p=$1
+  if [ "$p" = warmup ] && [ -n "${WARMUP_WHY:-}" ]; then echo "$WARMUP_WHY"; return; fi
   if [ -n "${SKIP[$p]:-}" ]; then echo "skipped (--skip)"; return; fi
   if [ "$p" = install ] && [ -z "$wheelhouse" ]; then echo "skipped (no --wheelhouse: the environment as it is)"; return; fi
   if [[ $GPU_PHASES == *" $p "* ]] && [ -z "$gpu" ]; then echo "skipped: no CUDA GPU (nvidia-smi -L lists none)"; return; fi
@@ -306,8 +321,7 @@ phase_restore() {
   chmod 700 "$cache_dir"
   if [ -n "$cache_in_parts" ]; then
     # shellcheck disable=SC2086
-    cat $cache_in_parts | tar -xz -C "$cache_dir" --no-same-owner --no-same-permissions
-    chmod -R go-rwx "$cache_dir"
+    (umask 077; cat $cache_in_parts | tar -xz -C "$cache_dir" --no-same-owner --no-same-permissions)
   fi
   echo "RESULT: $(find "$cache_dir" -type f | wc -l) files, $(mib_of "$cache_dir") MiB in $cache_dir$( [ -z "$cache_in_parts" ] && echo ' (no --cache-in: empty)')"
 }
@@ -325,7 +339,7 @@ phase_warmup() {
 }
 phase_selfcheck() {   # its own budget 25 s inside the phase limit, so that it stops its lines and writes its report
   local b
-  b=$(awk -v s="$phase_limit" 'BEGIN { b = s - 25; if (b < 30) b = 30; printf "%d", b }')
+  b=$(awk -v s="$phase_limit" 'BEGIN { b = s - 25; if (b < 20) b = 20; printf "%d", b }')   # limit >= 55 s (MIN_USEFUL)
   "$PYV" -m canonlm.selfcheck --quick --budget-s "$b" --out "$out/selfcheck.md" --force
 }
 phase_pytest() {
@@ -336,7 +350,7 @@ phase_pytest() {
 }
 phase_bench() {
   local mins rc
-  mins=$(awk -v s="$phase_limit" 'BEGIN { m = (s - 20) / 60; if (m < 0.5) m = 0.5; printf "%.2f", m }')
+  mins=$(awk -v s="$phase_limit" 'BEGIN { m = (s - 20) / 60; printf "%.2f", m }')   # limit >= 50 s (MIN_USEFUL)
   # shellcheck disable=SC2086
   "$PYV" bench/gpu_step.py $bench_args --out "$WORK/bench" --max-minutes "$mins"
   rc=$?
@@ -391,7 +405,9 @@ for p in "${PHASES[@]}"; do
     if [ "$p" != pack ]; then room=$(( left - pack_reserve )); fi
     if [ "$room" -lt "$lim" ]; then
       lim=$room
-      if [ "$lim" -lt 5 ]; then w="skipped: no time left (--budget $budget s, $left s left)"; fi
+      if [ "$lim" -lt "${MIN_USEFUL[$p]}" ]; then
+        w="skipped: no time left ($lim s of the --budget $budget s left for it; it needs at least ${MIN_USEFUL[$p]} s)"
+      fi
     fi
   fi
   if [ -n "$w" ]; then

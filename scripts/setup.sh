@@ -238,7 +238,7 @@ for e in extras:
 todo += [(Requirement(r), "canonlm (build, offline without isolation)", ()) for r in
          project["build-system"]["requires"]]
 todo += [(Requirement(r), "setup.sh (the kernels' Python parts)", ()) for r in top.split()]
-chosen, done_extras, missing = {}, set(), []
+chosen, done_extras, missing = {}, set(), []        # done_extras: the (package, extra) pairs walked
 
 
 def wanted(req, extras_of_parent):
@@ -271,7 +271,7 @@ while todo:
         version, source = chosen[name]
         if not req.specifier.contains(version, prereleases=True):
             missing.append((str(req), parent, f"{name} {version} ({source}) is taken for another requirement"))
-        elif set(req.extras) - done_extras:
+        elif {(name, e) for e in req.extras} - done_extras:
             pass                                              # walked below with the new extras
         else:
             continue
@@ -291,7 +291,7 @@ while todo:
         with zipfile.ZipFile(os.path.join(wh, f)) as z:
             meta_name = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA") and n.count("/") == 1)
             meta = Parser().parsestr(z.read(meta_name).decode("utf-8"))
-    done_extras |= set(req.extras)
+    done_extras |= {(name, e) for e in req.extras}
     todo += deps_of(meta, f"{req.name} {chosen[name][0]}", tuple(req.extras))
 
 for pin in nodeps.split():                                    # installed with --no-deps: present, nothing walked

@@ -65,6 +65,21 @@ def compose(overrides: list[str] | None = None, output_dir: str | os.PathLike | 
     return cfg
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _session_kernel_cache(tmp_path_factory):
+    """The kernel cache of the test session (``CANONLM_KERNEL_CACHE``, which in-process runs and every subprocess
+    inherit): Triton's and inductor's caches of the tests go to a directory of this session, not to the user's
+    ``~/.cache/canonlm/kernels`` (tests of the cache itself set their own)."""
+    d = tmp_path_factory.mktemp("kernel-cache")
+    old = os.environ.get("CANONLM_KERNEL_CACHE")
+    os.environ["CANONLM_KERNEL_CACHE"] = str(d)
+    yield d
+    if old is None:
+        os.environ.pop("CANONLM_KERNEL_CACHE", None)
+    else:
+        os.environ["CANONLM_KERNEL_CACHE"] = old
+
+
 @pytest.fixture
 def compose_cfg():
     return compose

@@ -101,19 +101,28 @@ def stand_ins(monkeypatch):
 
 @pytest.mark.parametrize("lib", ["fla", "dao"])
 @pytest.mark.parametrize("residual,activation", [(True, False), (True, True), (False, True), (False, False)])
-def test_cuda_wrappers_pass_the_folded_weight_and_no_residual(stand_ins, lib, residual, activation):
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+def test_cuda_wrappers_pass_the_folded_weight_and_no_residual(stand_ins, lib, residual, activation, wdtype):
+    """The folded weight reaches the kernel in fp32 even when the weight is bf16 (FSDP2's bf16 param_dtype,
+    ``bf16-true``): ``w[:, K-1] + 1`` in bf16 would round by up to 2^-8, in fp32 it is exact for a bf16 w."""
     x, w, b, h0 = (t.float() for t in _case(4, seed=3, C=16))
+    w = w.to(wdtype)
     fwd = _cuda.fla_forward if lib == "fla" else _cuda.dao_forward
     y = fwd(x, w, b, residual, activation, h0)
     call = seen[-1]
     folded = residual and not activation
-    want_w = w.clone()
+    want_w = w.float().clone()
     if folded:
         want_w[:, -1] += 1
-    assert torch.equal(call["weight"], want_w)
+    if not folded:
+        want_w = want_w.to(wdtype)
+    assert call["weight"].dtype == want_w.dtype and torch.equal(call["weight"], want_w)
     if lib == "fla":
         assert (call["residual"] is None) == (folded or not residual)
-    expect = canon_loop(x.double(), w.double(), b.double(), residual=residual, activation=activation, init=h0.double())
+    # causal-conv1d takes the bias in the weight's dtype: unfolded, a bf16 weight rounds the bias too
+    b_used = b.to(wdtype) if lib == "dao" and not folded else b
+    expect = canon_loop(x.double(), w.double(), b_used.double(), residual=residual, activation=activation,
+                        init=h0.double())
     torch.testing.assert_close(y.double(), expect, rtol=1e-5, atol=1e-5)
 
 

@@ -136,7 +136,7 @@ def counted(monkeypatch):
         monkeypatch.setattr(owner, name, norm)
 
     def fit(tmp_path, *, steps, every, clip=1.0, fused=True, poison=(), max_nonfinite=5, precision="32-true",
-            plugins=()):
+            plugins=(), accumulate=1):
         from canonlm.train.datamodule import SyntheticDataModule
         from canonlm.config.build import build_configs
 
@@ -153,7 +153,8 @@ def counted(monkeypatch):
         trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, log_every_n_steps=every,
                             gradient_clip_val=clip, precision=precision, logger=logger, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                            limit_val_batches=0, default_root_dir=str(tmp_path), plugins=list(plugins))
+                            limit_val_batches=0, default_root_dir=str(tmp_path), plugins=list(plugins),
+                            accumulate_grad_batches=accumulate)
         dm = SyntheticDataModule(task, task_cfg, batch_size=BATCH)
         try:
             trainer.fit(module, datamodule=dm)

@@ -492,3 +492,37 @@ def test_only_mamba_ssm_autotuners_are_wrapped(tmp_path, monkeypatch):
     assert hook.find_spec("other_lib.x", None) is None
     kc._reset_for_tests()
     assert not any(isinstance(f, kc._ImportHook) for f in sys.meta_path)
+
+
+def test_evaluation_and_generation_use_the_runs_kernel_cache(tmp_path, monkeypatch):
+    """Commands other than training configure the cache too (eval/load.load_model, behind evaluation, the harness
+    and generation): the run's recorded ``paths.kernel_cache`` when it has one, else ``$CANONLM_KERNEL_CACHE``."""
+    from omegaconf import OmegaConf
+
+    from canonlm.eval.load import _kernel_cache
+
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    _kernel_cache(OmegaConf.create({"paths": {"kernel_cache": str(tmp_path / "recorded")}}))
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "recorded" / "triton")
+    kc._reset_for_tests()
+    monkeypatch.setenv("CANONLM_KERNEL_CACHE", str(tmp_path / "env"))
+    _kernel_cache(None)
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "env" / "triton")
+
+
+def test_a_child_with_its_own_cache_does_not_take_its_parents_for_a_users_choice(tmp_path, monkeypatch):
+    """A canonlm parent exported CANONLM_KERNEL_CACHE and TRITON_CACHE_DIR=<its root>/triton; a child configured with
+    another ``paths.kernel_cache`` moves both to its own root, without the "set in the environment and wins"
+    warning (that is kept for a value the user set)."""
+    import warnings
+
+    parent = tmp_path / "parent"
+    monkeypatch.setenv("CANONLM_KERNEL_CACHE", str(parent))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(parent / "triton"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(parent / "inductor"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        root = kc.configure(tmp_path / "child")
+    assert os.environ["TRITON_CACHE_DIR"] == str(root / "triton")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(root / "inductor")

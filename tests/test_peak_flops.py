@@ -89,3 +89,20 @@ def test_first_step_seconds_are_logged_once(tmp_path, counted):
     firsts = [m["perf/first_step_s"] for _, m in rows if "perf/first_step_s" in m]
     assert len(firsts) == 1 and 0 < firsts[0] < wall
     assert module.first_step_s == pytest.approx(firsts[0])
+
+
+def test_first_step_waits_for_the_optimizer_step_under_accumulation(tmp_path, counted, monkeypatch):
+    """With gradient accumulation the first batch end is a micro-batch: ``perf/first_step_s`` is logged at the step
+    where ``global_step`` first moves (the batch end of the 2nd micro-batch here), not before."""
+    from canonlm.train import module as M
+
+    seen = []
+    orig = M.LMModule._first_step_done
+
+    def spy(self):
+        seen.append(self.trainer.global_step)
+        return orig(self)
+
+    monkeypatch.setattr(M.LMModule, "_first_step_done", spy)
+    counted(tmp_path, steps=3, every=1, accumulate=2)
+    assert seen == [1]

@@ -191,6 +191,27 @@ def test_bad_options_are_refused_before_anything_runs(argv, msg, tmp_path, capsy
 
 
 @pytest.mark.slow
+def test_a_worker_that_lingers_after_its_last_line_does_not_hold_the_command(tmp_path, monkeypatch, capsys):
+    """A worker whose last line passed but whose process does not exit (a non-daemon thread: a stuck CUDA or
+    inductor teardown) is not waited for: the command returns within its budget plus the stop, with the line's
+    PASS, and stops the worker (no process left)."""
+    from canonlm.selfcheck import __main__ as cli
+
+    lines = [LineSpec("e lingers", "e", "test_selfcheck_interp:lingering_line", [], est_s=5)]
+    monkeypatch.setattr(cli, "build_plan", lambda opts, cuda, n_gpu: lines)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])))
+    out = tmp_path / "r.md"
+    t0 = time.perf_counter()
+    rc = cli.main(["--out", str(out), "--budget-s", "20", "--jobs", "1"])
+    elapsed = time.perf_counter() - t0
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert elapsed < 20, elapsed
+    assert _rows(out.read_text())["e lingers"]["status"] == PASS
+    left = subprocess.run(["pgrep", "-f", "canonlm.selfcheck.runner"], capture_output=True, text=True).stdout.split()
+    assert not left, left
+
+
 def test_budget_stops_lines_with_the_reason_and_the_exit_code_stays_right(tmp_path, monkeypatch, capsys):
     """A planted plan through the real command and real workers: a line's compile / check split comes back from its
     worker; a FAIL is a FAIL; a worker that dies fails the line it ran and the rest of its group runs in a new

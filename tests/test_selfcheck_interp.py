@@ -76,6 +76,18 @@ def planted_line(compile_s: float = 0.0, check_s: float = 0.0):
     return PASS, "planted"
 
 
+def lingering_line():
+    """A planted line that passes but leaves a non-daemon thread sleeping, so its worker closes its output and then
+    does not exit (a stuck teardown): tests/test_selfcheck.py checks that the command does not wait for it."""
+    import threading
+    import time
+
+    from canonlm.selfcheck.verdict import PASS
+
+    threading.Thread(target=time.sleep, args=(600,), daemon=False).start()
+    return PASS, "passed, then lingers"
+
+
 @pytest.fixture(scope="module")
 def lines():
     env = dict(os.environ, TRITON_INTERPRET="1")

@@ -381,7 +381,10 @@ def _placed(cfg: Any, sd: dict[str, torch.Tensor], dev: torch.device, precision:
     place on ``dev``."""
     from canonlm.arch.model import CanonLM
 
+    from canonlm.utils.kernel_cache import configure
+
     prec = eval_precision(precision, dev, state_dict=sd)
+    configure()  # $CANONLM_KERNEL_CACHE or the default: the kernels compiled before are reused
     try:
         model = CanonLM(cfg)
         model.load_state_dict(sd, strict=True)

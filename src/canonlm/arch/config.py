@@ -50,8 +50,8 @@ INITS = ("hf_normal", "lingua", "linear_0.02_split", "mamba2_default")
 class CanonConfig:
     """Canon layers (paper §4, eq. 4.1).
 
-    set: placements written as a string (``"ABCD"``, ``"AC"``, ``""`` = none); duplicate letters are ignored
-        (official strings such as ``"AbbCD"`` or ``"bb"`` are accepted). Llama: letters from ``ABCD``. GLA / GDN /
+    set: placements written as a string (``"ABCD"``, ``"AC"``, ``""`` = none), each letter once; the release's
+        spellings ``"AbbCD"`` / ``"bb"`` are read as ``"AbCD"`` / ``"b"`` (:func:`canon_set`). Llama: letters from ``ABCD``. GLA / GDN /
         Mamba2: letters from ``AbBCD``, where lowercase ``b`` keeps the mixer's own non-residual SiLU short conv
         (paper §4) and its absence removes it; ``canon=AbCD`` is the paper's default for linear models.
     kernel: taps K (the CUDA kernels support 2, 3, 4; the reference any K >= 1).
@@ -368,6 +368,25 @@ def validate(cfg: ModelConfig) -> ModelConfig:
     return cfg
 
 
+def canon_set(value: Any) -> str:
+    """The Canon set ``value`` names, as the model config records it: each letter once, in the order given.
+
+    Every letter may appear once; lowercase ``b`` may appear twice, because the release spells the sets with the
+    mixer's own conv ``"AbbCD"`` and ``"bb"`` (= ``"AbCD"`` and ``"b"``; the doubled ``b`` keeps the file names apart
+    from ``ABCD`` / ``B`` on case-insensitive file systems, spec: the official ``canon_set`` is tested with
+    ``'b' in s``), and those two spellings are normalised to one ``b``. Any other repeated letter (``"AAB"``) raises
+    ConfigError("canon.set", ...): normalising it silently would give identical models different labels. ``None``
+    is ``""`` (no Canon layer). Which letters are allowed for an architecture is :func:`validate`'s check."""
+    s = "" if value is None else value
+    if not isinstance(s, str):
+        raise ConfigError("canon.set", value, "a string of Canon letters, e.g. 'ABCD', 'AC', '' (none)")
+    repeated = sorted({c for c in s if s.count(c) > (2 if c == "b" else 1)})
+    if repeated:
+        raise ConfigError("canon.set", value, "each letter at most once (the release's 'AbbCD' / 'bb' may double "
+                          f"the b), e.g. {''.join(dict.fromkeys(s))!r}; repeated: {', '.join(repeated)}")
+    return "".join(dict.fromkeys(s))
+
+
 def build_model_config(model: Mapping[str, Any], canon: Mapping[str, Any] | None = None,
                        pos: Mapping[str, Any] | None = None, **overrides: Any) -> ModelConfig:
     """Build and validate a :class:`ModelConfig` from plain mappings (e.g. Hydra nodes converted to dicts).
@@ -411,5 +430,5 @@ def build_model_config(model: Mapping[str, Any], canon: Mapping[str, Any] | None
         return cls(**node)
 
     canon_cfg = sub(CanonConfig, canon, "canon")
-    canon_cfg.set = "".join(dict.fromkeys(str(canon_cfg.set or "")))  # dedupe, keep order
+    canon_cfg.set = canon_set(canon_cfg.set)
     return validate(ModelConfig(canon=canon_cfg, pos=sub(PosConfig, pos, "pos"), **model))

@@ -20,8 +20,8 @@ def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
 def compute_cast(x: torch.Tensor) -> torch.dtype:
     """The dtype a float32 activation is computed in: the autocast dtype when autocast is enabled on x's device type
     (``torch.get_autocast_dtype``; bf16 under ``trainer.precision=bf16-mixed``), else x.dtype. Other dtypes (bf16,
-    fp16, fp64) are returned unchanged."""
-    if x.dtype == torch.float32 and torch.is_autocast_enabled(x.device.type):
+    fp16, fp64) and meta tensors (no autocast state) are returned unchanged."""
+    if x.dtype == torch.float32 and not x.is_meta and torch.is_autocast_enabled(x.device.type):
         return torch.get_autocast_dtype(x.device.type)
     return x.dtype
 

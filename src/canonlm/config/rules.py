@@ -65,6 +65,8 @@ class Rule:
     (compared as ``str(value)``). min / above: inclusive / exclusive lower bound. null: None is accepted. optional:
     the key may be absent (its default in the code that reads it applies); a rule under a node that is null or
     absent (a disabled callback) is skipped. test: a further predicate for what a type and a range cannot say.
+    when: ``(key, values)``: the key is read only when ``key`` has one of ``values`` (otherwise its presence is an
+    unknown key, :func:`canonlm.config.strict.check_keys`).
     """
 
     key: str
@@ -76,6 +78,14 @@ class Rule:
     null: bool = False
     optional: bool = False
     test: Callable[[Any], bool] | None = None
+    when: tuple[str, tuple[str, ...]] | None = None
+
+    def applies(self, cfg: DictConfig) -> bool:
+        """Whether canonlm reads this key under ``cfg``'s choices: always, or (``when = (key, values)``) only when
+        ``key`` has one of ``values`` (``strategy.find_unused_parameters`` only for ``strategy.name=ddp``)."""
+        if self.when is None:
+            return True
+        return str(plain(OmegaConf.select(cfg, self.when[0], default=None))) in self.when[1]
 
     def accepts(self, v: Any) -> bool:
         """Whether ``v`` (a plain Python value) is allowed."""
@@ -95,6 +105,8 @@ class Rule:
 
     def problem(self, cfg: DictConfig) -> ConfigError | None:
         """The error for this key of ``cfg``, or None when its value is allowed (or the rule does not apply)."""
+        if not self.applies(cfg):
+            return None
         parent, _, _ = self.key.rpartition(".")
         if parent and not isinstance(OmegaConf.select(cfg, parent, default=None), DictConfig):
             return None  # a disabled node (callbacks.checkpoint: null)
@@ -124,9 +136,58 @@ class KnownKeys:
 
 
 _POSITIVE = "a positive integer"
+#: The ``allowed`` text of every boolean key (``train=no`` is refused, not read as true).
+BOOL = "true or false"
+#: The largest seed ``lightning.seed_everything`` takes (numpy's uint32 range; a larger one is replaced by 0).
+MAX_SEED = 2**32 - 1
+_DDP, _FSDP = ("strategy.name", ("ddp", "ddp_spawn")), ("strategy.name", ("fsdp2",))
+_BACKEND = "null (follow `ops`) or a backend name (auto, reference, ...; docs/models.md)"
 
-#: The training keys, in the order they are checked (the first bad one is reported).
+
+def _folder_name(v: Any) -> bool:
+    return isinstance(v, (str, int)) and not isinstance(v, bool) and str(v) != ""
+
+
+def _tags(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(t, (str, int, float)) and not isinstance(t, bool) for t in v)
+
+
+#: The training keys, in the order they are checked (the first bad one is reported). Together with the nodes
+#: whose keys are declared elsewhere (``model`` / ``canon`` / ``pos``: the fields of the model config; ``task``: the
+#: task's keys; ``trainer``: the arguments of ``lightning.Trainer``; ``optim``: the arguments of its ``_target_``;
+#: the extension points ``callbacks`` and ``logger``), these keys are every key canonlm reads: any other key is
+#: refused (:func:`canonlm.config.strict.check_keys`), and tests/test_refusals.py checks that every key of every
+#: ``conf/`` file is one of them.
 TRAINING_RULES: tuple[Rule | KnownKeys, ...] = (
+    Rule("seed", f"an integer in [0, {MAX_SEED}] (model init and torch's RNG; the data has task.seed)", int, min=0,
+         test=lambda v: v <= MAX_SEED),
+    Rule("train", BOOL, bool, optional=True),
+    Rule("test", BOOL, bool, optional=True),
+    Rule("compile", BOOL, bool, optional=True),
+    Rule("activation_checkpointing", BOOL, bool, optional=True),
+    Rule("task_name", "a folder name (logs/<task_name>/...)", test=_folder_name),
+    Rule("run_name", "a folder name (logs/<task_name>/runs/<run_name>)", test=_folder_name),
+    Rule("tags", "a list of tags, e.g. [baseline,lr_sweep]", optional=True, test=_tags),
+    Rule("ops", "auto | reference | fused", choices=("auto", "reference", "fused"), optional=True),
+    *(Rule(f"kernels.{op}", _BACKEND, str, null=True, optional=True) for op in ("canon", "attention", "gla", "gdn",
+                                                                             "ssd")),
+    Rule("init_from", "null or a canonlm checkpoint, run directory or Hugging Face directory", str, null=True,
+         optional=True),
+    Rule("paths.root_dir", "a directory path", str),
+    Rule("paths.log_dir", "a directory path", str),
+    Rule("paths.output_dir", "a directory path", str),
+    Rule("paths.kernel_cache", "null or a directory path (docs/kernel_cache.md)", str, null=True, optional=True),
+    Rule("strategy.find_unused_parameters", BOOL, bool, optional=True, when=_DDP),
+    Rule("strategy.param_dtype", "bf16 | fp32", choices=("bf16", "fp32"), optional=True, when=_FSDP),
+    Rule("strategy.reduce_dtype", "bf16 | fp32", choices=("bf16", "fp32"), optional=True, when=_FSDP),
+    Rule("strategy.reshard_after_forward", BOOL, bool, optional=True, when=_FSDP),
+    Rule("callbacks.checkpoint.save_last", BOOL, bool, optional=True),
+    Rule("callbacks.progress.force", "null | bar | lines", choices=("bar", "lines"), null=True, optional=True),
+    Rule("logger.wandb.offline", BOOL, bool, optional=True),
+    Rule("logger.wandb.log_model", "true | false | all", optional=True,
+         test=lambda v: isinstance(v, bool) or v == "all"),
+    Rule("trainer.deterministic", "true | false | warn", null=True, optional=True,
+         test=lambda v: isinstance(v, bool) or v == "warn"),
     Rule("loss.z_loss", "none | lingua | palm", choices=("none", "lingua", "palm"), optional=True),
     Rule("loss.z_coef", "a number >= 0", float, min=0),
     Rule("optim.betas", "two numbers in [0, 1), e.g. [0.9, 0.98]", null=True, optional=True, test=_betas),
@@ -141,8 +202,8 @@ TRAINING_RULES: tuple[Rule | KnownKeys, ...] = (
          optional=True),
     Rule("sched.min_lr_ratio", "a number in [0, 1] (the final lr as a fraction of optim.lr)", float, min=0,
          optional=True, test=lambda v: v <= 1),
-    Rule("sched.decay_fraction", "a number in (0, 1] (wsd: the last fraction of steps that decays; checked for "
-         "every schedule)", float, above=0, optional=True, test=lambda v: v <= 1),
+    Rule("sched.decay_fraction", "a number in (0, 1] (wsd: the last fraction of steps that decays)", float,
+         above=0, optional=True, test=lambda v: v <= 1, when=("sched.name", ("wsd",))),
     Rule("ckpt_path", "null | auto | an existing checkpoint path", null=True, optional=True, test=_existing_or_auto),
     Rule("data.batch_size", _POSITIVE, int, min=1),
     Rule("trainer.accumulate_grad_batches", _POSITIVE, int, min=1, optional=True),
@@ -162,9 +223,21 @@ TRAINING_RULES: tuple[Rule | KnownKeys, ...] = (
     Rule("data.gen_eval.samples", "null (the task's default) or an integer >= 0", int, min=0, null=True,
          optional=True),
     Rule("data.gen_eval.batch_size", _POSITIVE, int, min=1, optional=True),
-    Rule("data.gen_eval.on_val", "true | false", bool, optional=True),
+    Rule("data.gen_eval.on_val", BOOL, bool, optional=True),
 )
 _BY_KEY = {r.key: r for r in TRAINING_RULES if isinstance(r, Rule)}
+
+
+def declared_keys(cfg: DictConfig, rules: tuple[Rule | KnownKeys, ...] = TRAINING_RULES) -> set[str]:
+    """The keys of ``rules`` that canonlm reads under ``cfg``'s choices (each rule's ``when``), with the keys a
+    :class:`KnownKeys` node holds."""
+    out: set[str] = set()
+    for r in rules:
+        if isinstance(r, KnownKeys):
+            out |= {f"{r.key}.{n}" for n in r.names}
+        elif r.applies(cfg):
+            out.add(r.key)
+    return out
 
 
 def check_training(cfg: DictConfig, rules: tuple[Rule | KnownKeys, ...] = TRAINING_RULES) -> None:
@@ -196,5 +269,5 @@ def micro_batch(batch_size: int, world_size: int, accumulate: int) -> int:
     return batch_size // parts
 
 
-__all__ = ["PRECISIONS", "SCHEDULES", "STRATEGIES", "KnownKeys", "Rule", "TRAINING_RULES", "check_training", "check_value",
-           "micro_batch", "plain"]
+__all__ = ["BOOL", "MAX_SEED", "PRECISIONS", "SCHEDULES", "STRATEGIES", "KnownKeys", "Rule", "TRAINING_RULES",
+           "check_training", "check_value", "declared_keys", "micro_batch", "plain"]

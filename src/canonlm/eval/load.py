@@ -180,6 +180,23 @@ class LoadedModel:
                     precision=self.precision.describe())
 
 
+def _kernel_cache(cfg) -> None:
+    """Configure the kernel cache (:func:`canonlm.utils.kernel_cache.configure`) as the run did: its
+    ``paths.kernel_cache`` when the run's config records one, else ``$CANONLM_KERNEL_CACHE`` or the default, so that
+    evaluation and generation reuse the kernels training compiled. A recorded directory that no longer works falls
+    back to the default (the run's weights do not depend on it)."""
+    from canonlm.errors import ConfigError
+    from canonlm.utils.kernel_cache import configure
+
+    recorded = None
+    if cfg is not None and cfg.get("paths") is not None:
+        recorded = cfg.paths.get("kernel_cache")
+    try:
+        configure(recorded if isinstance(recorded, str) else None)
+    except ConfigError:
+        configure(None)
+
+
 def load_model(run: str | Path, *, ckpt: str | Path | None = None, device: str = "auto",
                max_seq_len: int | None = None, batch_size: int = 8, precision: str = "auto") -> LoadedModel:
     """Rebuild and load a trained model.
@@ -244,6 +261,7 @@ def load_model(run: str | Path, *, ckpt: str | Path | None = None, device: str =
         raise ValueError(f"checkpoint {ck} does not fit the run's model: missing {sorted(missing)[:5]}, "
                          f"unexpected {sorted(unexpected)[:5]}")
     model.eval().to(dev, dtype=prec.param_dtype)
+    _kernel_cache(cfg)
     model.place(dev, prec.compute_dtype)  # ConfigError when a pinned kernel / ops=fused cannot run there
 
     forward = ModelForward(model, context=prec.context)

@@ -13,8 +13,9 @@ from canonlm.selfcheck.models import CANON_SETS, PRESETS
 from canonlm.selfcheck.runner import LineSpec
 from canonlm.selfcheck.verdict import SKIP
 
-#: Seconds a cold H200 run is assumed to spend per Triton kernel compiled (order of the groups only; the issue's
-#: Canon fp32 line compiled and benchmarked 67 fla conv kernels in 77 s).
+#: Seconds a cold H200 run is assumed to spend per Triton kernel compiled (order of the groups only): the old Canon
+#: fla fp32 line took 77 s on the H200 (issue 25), and it compiles 67 kernel configurations by a count made under
+#: Triton's interpreter here -- an estimate, not a measured compile time.
 S_PER_COMPILE = 1.5
 
 #: Triton kernels a cold run of each kernel line compiles with first-config autotuning: the distinct kernel

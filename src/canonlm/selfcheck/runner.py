@@ -288,10 +288,18 @@ def run_plan(specs: list[LineSpec], *, workdir: Path, budget_s: float, jobs: int
         results[r.name] = r
         emit(r)
 
+    lingering: list[subprocess.Popen] = []  # workers that closed their output but have not exited (yet)
+
     def finish_dead(w: _Worker) -> None:
-        rc = w.proc.wait()
-        if not w.pending:
+        if not w.pending:  # nothing left to report: do not wait for its exit (a stuck teardown must not hold us)
+            if w.proc.poll() is None:
+                lingering.append(w.proc)
             return
+        try:
+            rc = w.proc.wait(timeout=max(0.1, min(10.0, deadline - time.time())))
+        except subprocess.TimeoutExpired:
+            lingering.append(w.proc)
+            rc = "still running"
         tail = short(" / ".join(_log_tail(w.log, 3)), 300) or "no output"
         if w.current is not None:
             record(Result(FAIL, f"the worker process died (exit {rc}) while this line ran: {tail} (log {w.log})",
@@ -346,7 +354,8 @@ def run_plan(specs: list[LineSpec], *, workdir: Path, budget_s: float, jobs: int
             elif ev.get("event") == "note":
                 note(f"{w.group}: {ev.get('text')}")
     finally:
-        _stop_all([w.proc for w in running.values()])  # the deadline (or an interrupt): stop what still runs
+        # the deadline (or an interrupt): stop what still runs, and the workers that closed their output but linger
+        _stop_all([w.proc for w in running.values()] + [p for p in lingering if p.poll() is None])
         for w in running.values():
             if w.current is not None and w.current not in results:
                 stats["stopped"] += 1

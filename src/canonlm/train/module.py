@@ -144,6 +144,7 @@ class LMModule(L.LightningModule):
         self._fit_t0: float | None = None
         self._fit_time = 0.0
         self.first_step_s: float | None = None  # seconds to the first optimizer step of this fit (perf/first_step_s)
+        self._fit_step0 = 0                      # global_step when this fit started
         self.task = task
         self.gen_eval = {"samples": None, "batch_size": 64, "on_val": True, **dict(gen_eval or {})}
         self.model = CanonLM(model_cfg)
@@ -381,16 +382,18 @@ class LMModule(L.LightningModule):
             from canonlm.errors import RunStopped
 
             raise RunStopped(f"training stopped: {self.stop_reason}", 3)
-        if self._t_last is None:  # the perf clock starts at the end of the first batch of this fit (after warm-up)
+        if self.first_step_s is None and self.trainer.global_step > self._fit_step0:  # first optimizer step done
             self._first_step_done()
+        if self._t_last is None:  # the perf clock starts at the end of the first batch of this fit (after warm-up)
             self._t_last, self._step_last = time.perf_counter(), self.trainer.global_step
         self._t_batch_end = time.perf_counter()
 
     def _first_step_done(self) -> None:
-        """After the first optimizer step of this fit: wait for the device once, then log ``perf/first_step_s`` (seconds
-        from the start of training to the end of that step: kernel compiles, autotuning, ``torch.compile`` and cache
-        loads all land here) and a log line with the process's age too (what a user waits after typing the
-        command; :func:`process_age_s`)."""
+        """After the first optimizer step of this fit (the first batch end at which ``global_step`` moved: with
+        gradient accumulation, the last micro-batch of the first step): wait for the device once, then log
+        ``perf/first_step_s`` (seconds from the start of training to the end of that step: kernel compiles,
+        autotuning, ``torch.compile`` and cache loads all land here) and a log line with the process's age too (what
+        a user waits after typing the command; :func:`process_age_s`)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         first = time.perf_counter() - self._fit_t0 if self._fit_t0 is not None else float("nan")
@@ -412,6 +415,8 @@ class LMModule(L.LightningModule):
     def on_train_start(self) -> None:
         self.attempts += 1
         self._fit_t0 = time.perf_counter()
+        self._fit_step0 = self.trainer.global_step  # a resumed fit starts past 0
+        self.first_step_s = None
 
     def on_train_end(self) -> None:
         self._read_device()  # the skip flags queued since the last logging step: nonfinite_steps for the results

@@ -236,10 +236,12 @@ def _apply(root: Path, source: str) -> None:
     mamba-ssm's autotuners."""
     changed = root != _state.root
     kept = {}
+    inherited_root = os.environ.get(ENV)  # a canonlm parent process exported its root and its subfolders
     for sub, var in ENV_DIRS.items():
         want = str(root / sub)
         have = os.environ.get(var)
-        ours = have is not None and _state.env_set.get(var) == have
+        ours = have is not None and (_state.env_set.get(var) == have
+                                     or (inherited_root is not None and have == os.path.join(inherited_root, sub)))
         if have is None or have == want or ours or _set_by_torch(var, have):
             _setenv(var, want)
         else:

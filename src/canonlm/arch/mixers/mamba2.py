@@ -76,7 +76,7 @@ class Mamba2Mixer(nn.Module):
         if self.canon_b is not None:
             zxbcdt = self.canon_b(zxbcdt, cache)
         A = -torch.exp(at_least_fp32(self.A_log))
-        # zxbcdt's dtype is the compute dtype (under bf16 autocast x is still fp32); the layout dims are positional
+        # zxbcdt's dtype is the compute dtype (in_proj's output: bf16 under bf16 autocast); layout dims positional
         if cache is None and ssd_ops.use_fused_split(self.backend, str(x.device), zxbcdt.dtype, self.conv_kernel,
                                                      self.d_inner, self.conv_dim, self.n_heads):
             if self.conv1d is not None:

@@ -115,6 +115,14 @@ def _channel_last(t: Tensor, dtype: torch.dtype) -> Tensor:
     return out.copy_(t)
 
 
+def _at_least_fp32(weight: Tensor) -> Tensor:
+    """``weight`` in float32 (float64 stays): the fold's ``w[:, K-1] + 1`` lands in [0.5, 2) for the usual taps, where a
+    bf16 weight would round it by up to 2^-8; in fp32 the fold is exact to 2^-24, like the fp32 residual add it
+    replaces (both kernels load the weight as fp32: fla ``b_w ... .to(tl.float32)``, Dao dispatches the weight type
+    apart from x's). The cast is differentiable: the weight's gradient returns in its own dtype."""
+    return weight.to(torch.promote_types(weight.dtype, torch.float32))
+
+
 def dao_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: bool, activation: bool,
                 initial_state: Optional[Tensor]) -> Tensor:
     """Canon via ``causal_conv1d_fn`` on the channel-last view of x; differentiable (the library's autograd).
@@ -131,12 +139,12 @@ def dao_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: boo
     if reason is not None:
         raise ValueError(f"causal_conv1d: backend 'dao' {reason}")
     xt = _channel_last(x, x.dtype).transpose(1, 2)         # (B, C, T) view, stride(1) == 1
-    b = None if bias is None else bias.to(weight.dtype)
     init = None
     if initial_state is not None:
         init = _channel_last(initial_state.transpose(1, 2), x.dtype).transpose(1, 2)   # (B, C, K-1), stride(1) == 1
     fold = residual and not activation          # the residual as part of tap K-1: one kernel, no add (fwd or bwd)
-    w = fold_residual(weight) if fold else weight
+    w = fold_residual(_at_least_fp32(weight)) if fold else weight
+    b = None if bias is None else bias.to(w.dtype)  # causal-conv1d wants the bias in the weight's dtype
     y = fn(xt, w, b, None, init, False, None, "silu" if activation else None).transpose(1, 2)
     return x + y if residual and not fold else y
 
@@ -156,7 +164,7 @@ def fla_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: boo
     if initial_state is not None:
         state = F.pad(initial_state.to(x.dtype), (1, 0))  # (B, C, K): column 0 unused by fla
     fold = residual and not activation
-    out = fn(x, weight=fold_residual(weight) if fold else weight, bias=bias,
+    out = fn(x, weight=fold_residual(_at_least_fp32(weight)) if fold else weight, bias=bias,
              residual=x if residual and not fold else None, initial_state=state,
              output_final_state=False, activation="silu" if activation else None)
     return out[0] if isinstance(out, (tuple, list)) else out
