@@ -29,9 +29,13 @@ def test_unknown_canon_letter(letters):
         assert "linear models" in err.allowed
 
 
-def test_canon_set_duplicates_are_ignored():
-    cfg = build(canon={"set": "AABDD"})
-    assert cfg.canon.set == "ABD" and cfg.canon.letters == frozenset("ABD")
+def test_canon_set_repeated_letters_are_refused_and_the_release_bb_is_normalised():
+    # a repeated letter would train "ABD" under the label "AABDD" (issue: identical models, two report cells)
+    err = expect("canon.set", "AABDD", build, canon={"set": "AABDD"})
+    assert "repeated: A, D" in err.allowed
+    # the release's spelling of the mixer's own conv: 'AbbCD' is Canon-AbCD (one b), on a linear model
+    cfg = build({"arch": "gla", "n_heads": 2}, canon={"set": "AbbCD"})
+    assert cfg.canon.set == "AbCD" and cfg.canon.letters == frozenset("AbCD")
 
 
 def test_heads_must_divide_d_model():

@@ -181,10 +181,9 @@ def test_only_unfinished_runs(tmp_path, capsys):
                                       "metrics.jsonl)\n"
 
 
-def test_settings_without_hparams_and_nan_loses(tmp_path):
-    # no hparams.json: the identity keys come from results.json (model.canon, model.pos, task_config)
-    _run(tmp_path, "a", 225, "8L512D", 1e-3, 0.30, 0.50, canon="", pos="nope", hparams=False)
-    _run(tmp_path, "b", 225, "8L512D", 1e-3, 0.70, 0.90, canon="AC", pos="nope", hparams=False)
+def test_runs_of_another_canon_set_are_refused_in_one_cell_and_nan_loses(tmp_path):
+    _run(tmp_path, "a", 225, "8L512D", 1e-3, 0.30, 0.50, canon="", pos="nope")
+    _run(tmp_path, "b", 225, "8L512D", 1e-3, 0.70, 0.90, canon="AC", pos="nope")
     ts = tables(load_runs(tmp_path), "task.N", "model.size")
     assert [(t["title"], t["cells"]["225"]["8L512D"]["acc"]) for t in ts] == [
         ("canon.set=none", (0.30, 0.50)), ("canon.set=AC", (0.70, 0.90))]
@@ -199,102 +198,75 @@ def test_settings_without_hparams_and_nan_loses(tmp_path):
     assert t["225"]["8L512D"]["acc"] == (0.20, 0.40)
 
 
-def test_key_no_run_sets_is_noted(tmp_path, capsys):
-    _run(tmp_path, "0", 225, "8L512D", 1e-3, 0.50, 0.90)
-    assert main([str(tmp_path), "--rows", "task.n"]) == 0   # a typo: every run is in the row "None"
-    cap = capsys.readouterr()
-    assert "no run sets task.n" in cap.err and cap.out.splitlines()[1] == "               None |   50.0/ 90.0"
-
-
-def _by_k_run(root, name, canon, accs, task="depo1", K=4, token_acc=None, arch="llama"):
-    """A finished run evaluated at several k (``accs`` = {k: acc}), or a full-copy run (``task="fullcopy"``: one
-    group, whole-copy acc and per-token acc)."""
-    d = root / name
-    d.mkdir(parents=True)
-    if task == "fullcopy":
-        by = {"1": {"answers": 8, "acc": accs[1], "tokens": 512, "token_acc": token_acc}}
-        overall = {"answers": 8, "acc": accs[1], "tokens": 512, "token_acc": token_acc}
-        tcfg = {"name": "fullcopy", "n_tokens": 64}
-    else:
-        by = {str(k): {"answers": 10, "acc": a, "tokens": 20, "token_acc": a} for k, a in accs.items()}
-        overall = {"answers": 10 * len(accs), "acc": sum(accs.values()) / len(accs)}
-        tcfg = {"name": task, "N": 16, "K": K}
-    (d / "results.json").write_text(json.dumps({
-        "task": task, "task_config": tcfg, "model": {"arch": arch, "size": "4L128D", "canon": canon, "pos": "rope"},
-        "steps": 10, "test": {"loss": 1.0, "by_group": by, "overall": overall}}))
-    (d / "hparams.json").write_text(json.dumps({"task": tcfg, "model": {"size": "4L128D", "arch": arch},
-                                                "canon": {"set": canon}, "pos": {"type": "rope"}}))
+def _hydra_only(root, name, acc, changes: dict, hparams: str | None = None):
+    """A finished Depo1 run (N=225, 8L512D) whose settings are only in Hydra's ``.hydra/config.yaml`` as train.py
+    writes it: unresolved interpolations (the grid preset's step budget, the run name, the run directory), with
+    ``changes`` applied; ``hparams``: the text of a damaged ``hparams.json`` beside it, or none."""
+    d = _run(root, name, 225, "8L512D", 1e-3, acc, acc / 2, hparams=False)
+    cfg = _config(225, "8L512D", 1e-3)
+    _set(cfg, "trainer.max_steps", "${canonlm_steps:${task.name},${task.N}}")
+    _set(cfg, "run_name", "${now:%Y-%m-%d_%H-%M-%S}")
+    _set(cfg, "paths.output_dir", "${hydra:runtime.output_dir}")
+    _set(cfg, "optim.weight_decay", 0.03)
+    for k, v in changes.items():
+        _set(cfg, k, v)
+    (d / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
+    if hparams is not None:
+        (d / "hparams.json").write_text(hparams)
     return d
 
 
-def test_k_option_shows_the_requested_hop_counts_and_ranks_by_the_first(tmp_path, capsys):
-    _by_k_run(tmp_path, "0", "", {1: 0.05, 2: 0.04, 4: 0.30})
-    _by_k_run(tmp_path, "1", "ABCD", {1: 0.55, 2: 0.07, 4: 0.06})
-    _by_k_run(tmp_path, "2", "ABCD", {1: 0.45, 2: 0.09, 4: 0.08})   # same cell, lower acc@1: loses under --k 1,2
-    assert main([str(tmp_path), "--rows", "canon.set", "--cols", "pos.type"]) == 0
+def test_runs_without_hparams_are_compared_on_their_hydra_config(tmp_path, capsys):
+    """Issue 26, item 8: two runs without hparams.json whose .hydra/config.yaml differ in weight decay (0.03 vs 0.0)
+    used to share a cell ("2 runs per cell"). They are compared on their Hydra configs: two settings, one run each."""
+    _hydra_only(tmp_path, "wd003", 0.40, {})
+    _hydra_only(tmp_path, "wd0", 0.70, {"optim.weight_decay": 0.0}, hparams="{not json")  # damaged hparams.json
+    runs = load_runs(tmp_path)
+    assert sorted(r["config_source"] for r in runs) == [".hydra/config.yaml", ".hydra/config.yaml"]
+    # the grid preset's ${canonlm_steps:...} resolves to the paper's budget (App. A: Depo1 N=225 -> 87,500 steps)
+    assert {r["config"]["trainer"]["max_steps"] for r in runs} == {87_500}
+    ts = tables(runs, "task.N", "model.size")
+    assert [(t["title"], t["cells"]["225"]["8L512D"]["acc"], t["protocol"]["runs_per_cell"]) for t in ts] == [
+        ("optim.weight_decay=0.0", (0.70, 0.35), [1, 1]), ("optim.weight_decay=0.03", (0.40, 0.20), [1, 1])]
+    with pytest.raises(ValueError, match="optim.weight_decay=0.0 vs 0.03"):
+        table(runs, "task.N", "model.size")
+    assert main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert " none |   30.0/  4.0" in out and " ABCD |    8.0/  9.0" in out and "acc@K / acc@K/2 (%)" in out
-    assert main([str(tmp_path), "--rows", "canon.set", "--cols", "pos.type", "--k", "1,2"]) == 0
+    assert "optim.weight_decay=0.0\n" in out and "optim.weight_decay=0.03\n" in out and "2 runs per cell" not in out
+    # a run with the same settings in hparams.json (resolved, as the job wrote it) shares the cell of the one whose
+    # settings come from Hydra's file: its interpolations resolved to the same values, its names and paths ignored
+    d = _run(tmp_path, "resolved", 225, "8L512D", 2e-3, 0.10, 0.05)
+    cfg = _config(225, "8L512D", 2e-3)
+    for k, v in {"trainer.max_steps": 87_500, "run_name": "2026-01-01_00-00-00", "paths.output_dir": str(d),
+                 "optim.weight_decay": 0.03}.items():
+        _set(cfg, k, v)
+    (d / "hparams.json").write_text(json.dumps(cfg))
+    ts = tables(load_runs(tmp_path), "task.N", "model.size")
+    assert [(t["title"], t["protocol"]["runs_per_cell"]) for t in ts] == [
+        ("optim.weight_decay=0.0", [1, 1]), ("optim.weight_decay=0.03", [2, 2])]
+
+
+def test_a_run_without_readable_settings_is_refused_by_name(tmp_path, capsys):
+    """A finished run whose settings cannot be read (no hparams.json, and its .hydra/config.yaml missing or
+    damaged) is compared with no run: it is in no table and named under the tables with the reason, never placed by
+    the identity keys results.json happens to hold."""
+    from canonlm.train.cells import NO_SETTINGS, find_unfinished
+
+    _run(tmp_path, "ok", 225, "8L512D", 1e-3, 0.30, 0.50)
+    _run(tmp_path, "bare", 225, "8L512D", 1e-3, 0.90, 0.95, hparams=False)                # empty .hydra/
+    damaged = _run(tmp_path, "damaged", 225, "8L512D", 1e-3, 0.80, 0.95, hparams=False)
+    (damaged / ".hydra" / "config.yaml").write_text("task: [unclosed\n")
+    (damaged / "hparams.json").write_text("{}")
+    runs = load_runs(tmp_path)
+    assert [r["dir"].rsplit("/", 1)[1] for r in runs] == ["ok"]
+    t = table(runs, "task.N", "model.size")
+    assert t["225"]["8L512D"]["acc"] == (0.30, 0.50) and t["225"]["8L512D"]["runs"] == 1
+    unf = {u["dir"].rsplit("/", 1)[1]: u["reason"] for u in find_unfinished(tmp_path, runs)}
+    assert unf == {"bare": NO_SETTINGS, "damaged": NO_SETTINGS}
+    assert main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert " none |    5.0/  4.0" in out and " ABCD |   55.0/  7.0" in out and "acc@1 / acc@2 (%)" in out
-    out_dir = tmp_path / "rep"
-    assert main([str(tmp_path), "--rows", "canon.set", "--cols", "pos.type", "--k", "1,2", "--out", str(out_dir)]) == 0
-    assert "Cells: acc@1 / acc@2 (%)" in (out_dir / "table.md").read_text()
-    assert (out_dir / "table.csv").read_text().splitlines()[1:] == ["none,5.0/4.0", "ABCD,55.0/7.0"]
-
-
-@pytest.mark.parametrize("k, needle", [("1", "two positive hop counts"), ("0,1", "two positive hop counts"),
-                                       ("a,b", "two positive hop counts"), ("3,1", "no Depo run has an accuracy at k=3")])
-def test_bad_k_is_one_error_and_nothing_written(tmp_path, capsys, k, needle):
-    _by_k_run(tmp_path / "runs", "0", "", {1: 0.05, 2: 0.04, 4: 0.30})
-    out_dir = tmp_path / "rep"
-    assert main([str(tmp_path / "runs"), "--k", k, "--out", str(out_dir)]) == 2
-    cap = capsys.readouterr()
-    assert needle in cap.err and cap.err.count("\n") == 1 and cap.out == ""
-    assert not out_dir.exists()
-
-
-def test_fullcopy_cell_is_whole_copy_and_per_token_accuracy(tmp_path, capsys):
-    _by_k_run(tmp_path, "0", "", {1: 0.0}, task="fullcopy", token_acc=0.187)
-    _by_k_run(tmp_path, "1", "ABCD", {1: 1.0}, task="fullcopy", token_acc=1.0)
-    assert main([str(tmp_path), "--rows", "canon.set", "--cols", "pos.type"]) == 0
-    out = capsys.readouterr().out
-    assert " none |    0.0/ 18.7" in out and " ABCD |  100.0/100.0" in out
-    assert "whole-copy acc / per-token acc (%)" in out
-
-
-def test_linear_models_have_no_position_encoding_in_tables_and_titles(tmp_path, capsys):
-    # train.py composes the default pos group (rope) for every arch, but GLA / GDN / Mamba2 use no positions: the
-    # report puts a GLA run under pos.type "none" (as train.py's log line says), a Llama keeps its RoPE
-    _by_k_run(tmp_path / "a", "0", "", {1: 0.05, 2: 0.04}, arch="gla")
-    _by_k_run(tmp_path / "a", "1", "AbCD", {1: 0.35, 2: 0.07}, arch="gla")
-    _by_k_run(tmp_path / "b", "2", "ABCD", {1: 0.31, 2: 0.06})
-    out_dir = tmp_path / "rep"
-    assert main([str(tmp_path), "--rows", "canon.set", "--cols", "pos.type", "--k", "1,2", "--out", str(out_dir)]) == 0
-    filled = {}
-    for t in json.loads((out_dir / "report.json").read_text())["tables"]:
-        for row, cells in t["cells"].items():
-            for col, c in cells.items():
-                if c.get("acc") is not None:
-                    filled[(t["setting"]["model.arch"], row, col)] = c["acc"]
-    assert filled == {("gla", "none", "none"): [0.05, 0.04], ("gla", "AbCD", "none"): [0.35, 0.07],
-                      ("llama", "ABCD", "rope"): [0.31, 0.06]}, filled
-    # a GLA-only sweep (the mini/linear layout): the title names no RoPE
-    assert main([str(tmp_path / "a"), "--rows", "canon.set", "--cols", "model.arch", "--k", "1,2",
-                 "--out", str(tmp_path / "rep_gla")]) == 0
-    names = [t["name"] for t in json.loads((tmp_path / "rep_gla" / "report.json").read_text())["tables"]]
-    assert names == ["depo1: pos=none"], names
-
-
-def test_report_position_rule_is_the_models():
-    # the report restates canonlm.arch.config.position_encoding (it stays torch-free): both must agree on every arch
-    from canonlm.arch.config import ARCHS, position_encoding
-    from canonlm.train.report import value as _value
-
-    for arch in ARCHS:
-        run = {"config": {"model": {"arch": arch}, "pos": {"type": "rope", "fraction": 1.0}}}
-        assert _value(run, "pos.type") == position_encoding(arch, "rope"), arch
-        assert (_value(run, "pos.fraction") is None) == (position_encoding(arch, "rope") == "none"), arch
+    assert f"unfinished or failed: {tmp_path}/bare ({NO_SETTINGS}; last step 100 from metrics.jsonl)" in out, out
+    assert " 90.0" not in out and " 80.0" not in out  # neither refused run's number is in a cell
 
 
 # ---------------------------------------------------------------------------------------------------------------

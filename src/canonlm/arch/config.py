@@ -51,9 +51,10 @@ class CanonConfig:
     """Canon layers (paper §4, eq. 4.1).
 
     set: placements written as a string (``"ABCD"``, ``"AC"``, ``""`` = none), each letter once; the release's
-        spellings ``"AbbCD"`` / ``"bb"`` are read as ``"AbCD"`` / ``"b"`` (:func:`canon_set`). Llama: letters from ``ABCD``. GLA / GDN /
-        Mamba2: letters from ``AbBCD``, where lowercase ``b`` keeps the mixer's own non-residual SiLU short conv
-        (paper §4) and its absence removes it; ``canon=AbCD`` is the paper's default for linear models.
+        spellings ``"AbbCD"`` / ``"bb"`` are read as ``"AbCD"`` / ``"b"`` (:func:`canon_set`). Llama: letters from
+        ``ABCD``. GLA / GDN / Mamba2: letters from ``AbBCD``, where lowercase ``b`` keeps the mixer's own
+        non-residual SiLU short conv (paper §4) and its absence removes it; ``canon=AbCD`` is the paper's default for
+        linear models.
     kernel: taps K (the CUDA kernels support 2, 3, 4; the reference any K >= 1).
     residual: ``h + conv(h)`` (paper default) vs ``conv(h)``.
     activation: SiLU after the conv (paper: off).

@@ -11,6 +11,9 @@ everything that runs a model (the README's "Layout" table; ``tests/test_layers.p
   (register them before Hydra composes).
 * :mod:`canonlm.config.rules` -- the accepted values of the training keys, declared as one table
   (:data:`~canonlm.config.rules.TRAINING_RULES`) and checked by one loop; ``PRECISIONS``, ``STRATEGIES``.
+* :mod:`canonlm.config.strict` -- the keys canonlm reads (any other is refused, with the closest one; ``callbacks``
+  and ``logger`` are the extension points), the command line composed as Hydra composes it (Hydra's errors as one
+  ConfigError), the output directories Hydra will create.
 * :mod:`canonlm.config.build` -- :func:`~canonlm.config.build.build_configs`: (task, ``ModelConfig``) from a
   composed config.
 * :mod:`canonlm.config.rundir` -- a saved run: :func:`~canonlm.config.rundir.resolve_run`,

@@ -44,24 +44,33 @@ def launch_cwd() -> str:
     return os.getcwd()
 
 
-def register_resolvers() -> None:
+def register_value_resolvers() -> None:
     """Register ``${canonlm_steps:<task>,<N>}``, ``${canonlm_context:<task>,<variant>}`` and ``${canonlm_cwd:}``
-    (idempotent)."""
+    only (idempotent; imports nothing but OmegaConf: what reading a saved ``.hydra/config.yaml`` needs)."""
     if not OmegaConf.has_resolver("canonlm_cwd"):
         OmegaConf.register_new_resolver("canonlm_cwd", launch_cwd)
     if not OmegaConf.has_resolver("canonlm_steps"):
         OmegaConf.register_new_resolver("canonlm_steps", paper_steps)
     if not OmegaConf.has_resolver("canonlm_context"):
         OmegaConf.register_new_resolver("canonlm_context", paper_context)
+
+
+def register_resolvers() -> None:
+    """Register the value resolvers (:func:`register_value_resolvers`) and the in-memory ``canon`` options
+    (:func:`register_linear_canon_sets`); idempotent."""
+    register_value_resolvers()
     register_linear_canon_sets()
+
+
+#: ``canonlm.arch.config.LINEAR_CANON_LETTERS``, restated so that registering the ``canon`` options imports no torch
+#: (``train.py`` composes and checks the command line before torch loads; tests/test_refusals.py checks they agree).
+LINEAR_CANON_LETTERS = "AbBCD"
 
 
 def linear_canon_sets() -> list[str]:
     """Names of the ``canon`` group options that contain the lowercase ``b`` of linear models (the paper's Canon-b):
     every subset of ``A b B C D`` (in that order) with ``b``, plus the official spellings ``AbbCD`` and ``bb``."""
     import itertools
-
-    from canonlm.arch.config import LINEAR_CANON_LETTERS
 
     names = []
     for n in range(1, len(LINEAR_CANON_LETTERS) + 1):

@@ -144,6 +144,13 @@ _DDP, _FSDP = ("strategy.name", ("ddp", "ddp_spawn")), ("strategy.name", ("fsdp2
 _BACKEND = "null (follow `ops`) or a backend name (auto, reference, ...; docs/models.md)"
 
 
+def _canon_letters_once(v: Any) -> bool:
+    """``canonlm.arch.config.canon_set``'s rule on repeated letters, restated so that it is checked before torch
+    loads (``canonlm.arch`` imports it): each letter once, ``b`` at most twice; tests/test_refusals.py checks that
+    both accept the same strings."""
+    return not isinstance(v, str) or all(v.count(c) <= (2 if c == "b" else 1) for c in set(v))
+
+
 def _folder_name(v: Any) -> bool:
     return isinstance(v, (str, int)) and not isinstance(v, bool) and str(v) != ""
 
@@ -161,6 +168,8 @@ def _tags(v: Any) -> bool:
 TRAINING_RULES: tuple[Rule | KnownKeys, ...] = (
     Rule("seed", f"an integer in [0, {MAX_SEED}] (model init and torch's RNG; the data has task.seed)", int, min=0,
          test=lambda v: v <= MAX_SEED),
+    Rule("canon.set", "each letter at most once (the release's 'AbbCD' / 'bb' may double the b); which letters an "
+         "architecture takes is the model's check", null=True, test=_canon_letters_once),
     Rule("train", BOOL, bool, optional=True),
     Rule("test", BOOL, bool, optional=True),
     Rule("compile", BOOL, bool, optional=True),
@@ -190,6 +199,8 @@ TRAINING_RULES: tuple[Rule | KnownKeys, ...] = (
          test=lambda v: isinstance(v, bool) or v == "warn"),
     Rule("loss.z_loss", "none | lingua | palm", choices=("none", "lingua", "palm"), optional=True),
     Rule("loss.z_coef", "a number >= 0", float, min=0),
+    Rule("optim._partial_", "true (the optimizer is built later, on the model's parameter groups)", bool,
+         test=lambda v: v is True),
     Rule("optim.betas", "two numbers in [0, 1), e.g. [0.9, 0.98]", null=True, optional=True, test=_betas),
     Rule("optim.eps", "a positive number", float, above=0, null=True, optional=True),
     Rule("optim.weight_decay", "a number >= 0", float, min=0, null=True, optional=True),

@@ -14,7 +14,8 @@ Hydra makes a run directory.
 * ``trainer.*``: an argument of ``lightning.Trainer.__init__`` (read from Lightning's installed source without
   importing it, :func:`trainer_arguments`), except ``strategy`` / ``callbacks`` / ``logger`` / ``plugins``, which the
   config groups of those names set;
-* ``optim.*``: an argument of the optimizer class ``optim._target_`` names (:func:`optimizer_problem`);
+* ``optim.*``: an argument of the optimizer class ``optim._target_`` names (read from its source like the Trainer's,
+  :func:`source_arguments`; else from the imported class, :func:`optimizer_problem`, which also builds it once);
 * **the extension points** ``callbacks`` and ``logger`` (:data:`EXTENSION_POINTS`): any entry may be added there
   (``+callbacks.mine._target_=pkg.MyCallback``); each entry is instantiated from its ``_target_`` with its keys as
   arguments, and an argument its class refuses stops the run with one line (``canonlm.train.run``).
@@ -32,6 +33,10 @@ errors (an unknown group option, a malformed override, an override of a missing 
 **Output paths** (:func:`check_output_dir`): the run (or sweep) directory Hydra will create must be creatable and
 writable by this user; tried with a probe directory that is removed again (a read-only mount, a file in the way, a
 folder under ``/proc``).
+
+:func:`check_light` runs the checks of a job that import neither torch nor Lightning (the output directory, the
+keys except the model's, the declared rules): ``train.py`` runs it for every job first, so most mistakes are refused
+in about a second; ``canonlm.train.run.check_job`` then checks everything that needs the task and the model.
 
 Sources: hydra-core 1.3.8 ``hydra/_internal/utils.py`` (``_run_hydra``), ``hydra/_internal/hydra.py``
 (``compose_config``, ``get_mode``), ``hydra/_internal/core_plugins/basic_sweeper.py`` (``split_arguments``),
@@ -54,7 +59,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from canonlm.config.rules import BOOL, TRAINING_RULES, declared_keys, plain
 from canonlm.errors import ConfigError
@@ -85,35 +90,71 @@ def _one_line(text: str, limit: int = 400) -> str:
 
 
 @functools.lru_cache(maxsize=None)
+def source_arguments(target: str) -> dict[str, str] | None:
+    """``{name: annotation}`` of the keyword arguments of the class ``target`` (``"pkg.module.Class"``: its
+    ``__init__`` without ``self``; annotations as source text, ``""`` when none), read from the installed package's
+    source with :mod:`ast`, without importing it (milliseconds instead of the seconds torch or Lightning take to
+    import); a name the module imports from another (``from .adamw import AdamW`` in ``torch/optim/__init__.py``) is
+    followed there. None when the module file is not found, the name is neither defined nor imported there, the
+    class has no ``__init__`` of its own or takes ``**kwargs``: then the caller inspects the imported class."""
+    module, _, name = str(target).rpartition(".")
+    for _ in range(4):  # follow re-exports (``from .adamw import AdamW`` in torch/optim/__init__.py)
+        parts = module.split(".")
+        try:
+            spec = importlib.util.find_spec(parts[0])  # a top-level package: nothing is imported
+        except (ImportError, ValueError):
+            return None
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        base = Path(list(spec.submodule_search_locations)[0]).joinpath(*parts[1:])
+        path = base.with_suffix(".py") if base.with_suffix(".py").is_file() else base / "__init__.py"
+        if not path.is_file():
+            return None
+        body = ast.parse(path.read_text()).body
+        for node in body:
+            if isinstance(node, ast.ClassDef) and node.name == name:
+                for f in node.body:
+                    if isinstance(f, ast.FunctionDef) and f.name == "__init__":
+                        if f.args.kwarg is not None:
+                            return None
+                        args = [*f.args.posonlyargs, *f.args.args, *f.args.kwonlyargs]
+                        return {a.arg: (ast.unparse(a.annotation) if a.annotation is not None else "")
+                                for a in args if a.arg != "self"}
+                return None
+        origin = next((n for n in body if isinstance(n, ast.ImportFrom) and n.module is not None
+                       and any(a.name == name and a.asname in (None, name) for a in n.names)), None)
+        if origin is None:
+            return None
+        package = parts if path.name == "__init__.py" else parts[:-1]
+        module = ".".join([*package[:len(package) - (origin.level - 1)], origin.module] if origin.level
+                          else [origin.module])
+    return None
+
+
 def trainer_arguments() -> dict[str, str]:
-    """``{name: annotation}`` of ``lightning.pytorch.Trainer.__init__`` (``self`` excluded; annotation as source
-    text, ``""`` when none), read from the installed Lightning's ``pytorch/trainer/trainer.py`` with :mod:`ast`, so
-    the check costs milliseconds instead of Lightning's import (seconds). Empty when Lightning is not installed.
-    tests/test_refusals.py checks it against ``inspect.signature(lightning.pytorch.Trainer.__init__)``."""
-    spec = importlib.util.find_spec("lightning")
-    if spec is None or not spec.submodule_search_locations:
-        return {}
-    path = Path(list(spec.submodule_search_locations)[0]) / "pytorch" / "trainer" / "trainer.py"
-    tree = ast.parse(path.read_text())
-    for node in tree.body:
-        if isinstance(node, ast.ClassDef) and node.name == "Trainer":
-            for f in node.body:
-                if isinstance(f, ast.FunctionDef) and f.name == "__init__":
-                    args = [*f.args.posonlyargs, *f.args.args, *f.args.kwonlyargs]
-                    return {a.arg: (ast.unparse(a.annotation) if a.annotation is not None else "")
-                            for a in args if a.arg != "self"}
-    return {}
+    """``{name: annotation}`` of ``lightning.pytorch.Trainer.__init__`` (:func:`source_arguments` of
+    ``lightning/pytorch/trainer/trainer.py``; ``{}`` when Lightning is not installed). tests/test_refusals.py checks
+    it against ``inspect.signature(lightning.pytorch.Trainer.__init__)``."""
+    return source_arguments("lightning.pytorch.trainer.trainer.Trainer") or {}
 
 
-def _trainer_type_problem(key: str, value: Any, annotation: str) -> ConfigError | None:
-    """The booleans among Lightning's arguments take booleans only: ``bool``, ``Optional[bool]`` (or null) and
-    ``Union[int, bool]`` (or an integer, ``fast_dev_run``). Other annotations are Lightning's to check."""
+#: Annotations (spaces removed) of a boolean argument: bool only; bool or null; bool or an integer.
+_BOOL_ONLY = ("bool",)
+_BOOL_OR_NONE = ("Optional[bool]", "bool|None", "None|bool", "Union[bool,None]", "Union[None,bool]")
+_BOOL_OR_INT = ("Union[int,bool]", "Union[bool,int]", "int|bool", "bool|int")
+BOOL_ANNOTATIONS = _BOOL_ONLY + _BOOL_OR_NONE + _BOOL_OR_INT
+
+
+def _bool_problem(key: str, value: Any, annotation: str) -> ConfigError | None:
+    """The booleans among a class's arguments (Lightning's Trainer, the optimizer) take booleans only: ``bool``;
+    ``Optional[bool]`` / ``bool | None`` (or null, the class's default); ``Union[int, bool]`` (or an integer:
+    ``fast_dev_run``). Other annotations are the class's to check."""
     ann = annotation.replace(" ", "")
-    if ann == "bool" and not isinstance(value, bool):
+    if ann in _BOOL_ONLY and not isinstance(value, bool):
         return ConfigError(key, value, BOOL)
-    if ann == "Optional[bool]" and value is not None and not isinstance(value, bool):
-        return ConfigError(key, value, f"{BOOL} (or null: Lightning's default)")
-    if ann == "Union[int,bool]" and not isinstance(value, (int, bool)):
+    if ann in _BOOL_OR_NONE and value is not None and not isinstance(value, bool):
+        return ConfigError(key, value, f"{BOOL} (or null: the default)")
+    if ann in _BOOL_OR_INT and not isinstance(value, (int, bool)):
         return ConfigError(key, value, f"{BOOL}, or a number of batches")
     return None
 
@@ -187,16 +228,33 @@ def leaves(node: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
             yield key, v
 
 
-def known_keys(cfg: DictConfig) -> list[str]:
-    """Every key canonlm reads under ``cfg``'s choices, as dotted paths (the candidates of :func:`suggest`)."""
+#: Open nodes whose declarations need torch (the model's dataclasses, the optimizer's class): not in a light check.
+HEAVY_NODES = ("model", "canon", "pos", "optim")
+
+
+def known_keys(cfg: DictConfig, light: bool = False) -> list[str]:
+    """Every key canonlm reads under ``cfg``'s choices, as dotted paths (the candidates of :func:`suggest`);
+    ``light``: without the nodes of :data:`HEAVY_NODES` (no torch import)."""
     out = set(declared_keys(cfg))
     for top in OPEN_NODES:
+        if light and top in HEAVY_NODES:
+            continue
         names = _node_keys(cfg, top)
         if names is not None:
             out |= {f"{top}.{n}" for n in names}
     raw = OmegaConf.to_container(cfg, resolve=False)
     out |= {k for k, _ in leaves({t: raw[t] for t in EXTENSION_POINTS if isinstance(raw.get(t), dict)})}
     return sorted(out)
+
+
+def _unknown(cfg: DictConfig, key: str, value: Any, light: bool) -> ConfigError:
+    """:func:`unknown_key_error` with the candidates of :func:`known_keys`: the light ones first, all of them when
+    none of those is close."""
+    if light:
+        cands = known_keys(cfg, light=True)
+        if suggest(key, cands) is not None:
+            return unknown_key_error(key, value, cands)
+    return unknown_key_error(key, value, known_keys(cfg))
 
 
 def suggest(key: str, candidates: list[str]) -> str | None:
@@ -226,16 +284,25 @@ def unknown_key_error(key: str, value: Any, candidates: list[str], allowed: str 
     return ConfigError(key, value, allowed or f"a key canonlm reads ({key} is not one; {hint})")
 
 
-def check_keys(cfg: DictConfig) -> None:
+def check_keys(cfg: DictConfig, light: bool = False) -> None:
     """Refuse the first key of ``cfg`` that canonlm does not read (module docstring), at any depth, naming it and the
     closest key it reads; then the booleans among ``trainer``'s arguments (:func:`trainer_arguments`). ``cfg``: the
-    job's config (no ``hydra`` node needed). Raises ConfigError."""
+    job's config (no ``hydra`` node needed). ``light``: skip the nodes whose declarations need torch
+    (:data:`HEAVY_NODES`; the keys of ``optim`` are checked against its class's arguments read from the source,
+    :func:`source_arguments`, or else by :func:`optimizer_problem`). Raises ConfigError."""
     raw = OmegaConf.to_container(cfg, resolve=False)
     declared = declared_keys(cfg)
     node_cache: dict[str, tuple[str, ...] | None] = {}
     for key, value in leaves({k: v for k, v in raw.items() if k != "hydra"}):
         top, _, rest = key.partition(".")
         if top in OPEN_NODES:
+            if top == "optim":  # its class's arguments from the source (no import); else optimizer_problem's check
+                if top not in node_cache:
+                    src = source_arguments(str(OmegaConf.select(cfg, "optim._target_", default="")))
+                    node_cache[top] = None if src is None else ("_target_", "_partial_", *(n for n in src
+                                                                                          if n != "params"))
+            elif light and top in HEAVY_NODES:
+                continue
             if top not in node_cache:
                 node_cache[top] = _node_keys(cfg, top)
             names = node_cache[top]
@@ -248,17 +315,71 @@ def check_keys(cfg: DictConfig) -> None:
                 raise ConfigError(f"trainer.{second}", _value(raw, f"trainer.{second}"),
                                   "set by the strategy / callbacks / logger config groups, not trainer.*")
             if top == "optim":
-                continue  # refused with the optimizer's own argument list (optimizer_problem)
-            raise unknown_key_error(f"{top}.{second}", _value(raw, f"{top}.{second}"), known_keys(cfg))
+                raise unknown_key_error(f"optim.{second}", _value(raw, f"optim.{second}"),
+                                        [f"optim.{n}" for n in names])
+            if top == "model" and second in LINEAR_ONLY:
+                arch = OmegaConf.select(cfg, "model.arch", default=None)
+                raise ConfigError(f"model.{second}", _value(raw, f"model.{second}"), f"a key canonlm reads (model."
+                                  f"{second} is read only by the linear mixers, model.arch gla | gdn | mamba2; here "
+                                  f"{arch})")
+            raise _unknown(cfg, f"{top}.{second}", _value(raw, f"{top}.{second}"), light)
         if key in declared or any(key.startswith(d + ".") for d in declared):
             continue
-        raise unknown_key_error(key, value, known_keys(cfg))
-    args = trainer_arguments()
-    for name, value in (raw.get("trainer") or {}).items():
-        if name in args:
-            err = _trainer_type_problem(f"trainer.{name}", plain(cfg.trainer[name]), args[name])
-            if err is not None:
-                raise err
+        rule = next((r for r in TRAINING_RULES if getattr(r, "key", None) == key and r.when), None)
+        if rule is not None:  # a key of another option of its group
+            now = plain(OmegaConf.select(cfg, rule.when[0], default=None))
+            raise ConfigError(key, value, f"a key canonlm reads ({key} is read only when {rule.when[0]} is "
+                              f"{' | '.join(rule.when[1])}; here {now})")
+        raise _unknown(cfg, key, value, light)
+    optim = OmegaConf.select(cfg, "optim._target_", default=None)
+    for top, args in (("trainer", trainer_arguments()), ("optim", source_arguments(str(optim)) if optim else None)):
+        for name in (raw.get(top) or {}) if args else ():
+            ann = args.get(name, "").replace(" ", "")
+            if ann in BOOL_ANNOTATIONS:
+                err = _bool_problem(f"{top}.{name}", plain(cfg[top][name]), ann)
+                if err is not None:
+                    raise err
+
+
+@contextlib.contextmanager
+def interpolation_errors(cfg: DictConfig) -> Iterator[None]:
+    """Within: an OmegaConf error raised while a value of ``cfg`` is resolved (``trainer.max_steps=${oops}``: a key
+    that does not exist, a resolver that fails) is re-raised as one ConfigError naming the key and its text."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        yield
+    except OmegaConfBaseException as e:
+        key = str(getattr(e, "full_key", "") or "config")
+        raw = _value(OmegaConf.to_container(cfg, resolve=False), key) if key != "config" else None
+        first = _one_line(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__, 200)
+        raise ConfigError(key, raw, f"a value whose interpolations resolve ({first})") from None
+
+
+def check_light(job: "Job") -> None:
+    """The checks of a job that import neither torch nor Lightning (so most mistakes are refused before torch
+    loads): the directory Hydra will create for it (:func:`check_output_dir`, naming ``paths.log_dir``
+    when the directory lies below it, else the Hydra key that places it), the keys (:func:`check_keys`, light) and
+    the declared rules (``TRAINING_RULES``; ``trainer.max_steps: auto`` is left to the job, which resolves it from
+    the task). Call within ``job.active()``. Raises ConfigError."""
+    with interpolation_errors(job.cfg):
+        _check_light(job)
+
+
+def _check_light(job: "Job") -> None:
+    from canonlm.config.rules import check_training
+
+    cfg = job.cfg
+    target = job.output_dir.parent if job.dir_key == "hydra.sweep.dir" else job.output_dir
+    log_dir = Path(os.path.abspath(str(cfg.paths.log_dir)))
+    if target == log_dir or log_dir in target.parents:
+        check_output_dir(target, "paths.log_dir", str(cfg.paths.log_dir))
+    else:
+        check_output_dir(target, job.dir_key, str(target))
+    check_keys(cfg, light=True)
+    auto = OmegaConf.select(cfg, "trainer.max_steps", default=None) == "auto"
+    check_training(cfg, tuple(r for r in TRAINING_RULES
+                              if not (auto and getattr(r, "key", "") == "trainer.max_steps")))
 
 
 def _value(raw: dict[str, Any], key: str) -> Any:
@@ -296,8 +417,7 @@ def optimizer_problem(cfg: DictConfig) -> ConfigError | None:
         if p is None:
             if open_kw:
                 continue
-            return unknown_key_error(f"optim.{key}", value, [f"optim.{n}" for n in params],
-                                     None)
+            return unknown_key_error(f"optim.{key}", value, [f"optim.{n}" for n in params])
         ann = str(p.annotation).replace("typing.", "").replace(" ", "")
         if isinstance(p.default, bool) or ann in ("bool", "<class'bool'>"):
             if not isinstance(value, bool):
@@ -389,9 +509,18 @@ class Job:
 
 
 def _args(argv: list[str]):
+    """Hydra's own argument parser (``hydra._internal.utils.get_args_parser``) on ``argv``; its usage error (an
+    option after the overrides, an unknown flag) is a ConfigError instead of argparse's usage text."""
     from hydra._internal.utils import get_args_parser
 
-    return get_args_parser().parse_args(argv)
+    parser = get_args_parser()
+
+    def error(message: str):
+        raise ConfigError("command line", " ".join(argv), "python train.py [--multirun] [key=value ...]: options "
+                          f"such as -m come before the overrides ({_one_line(message, 200)})")
+
+    parser.error = error  # type: ignore[method-assign]
+    return parser.parse_args(argv)
 
 
 def runs_jobs(argv: list[str]) -> bool:
@@ -409,7 +538,7 @@ def compose_jobs(argv: list[str], config_dir: str | os.PathLike, config_name: st
     or ``hydra.mode=MULTIRUN``) gives one job per combination of the basic sweeper's values (another sweeper: one job
     with the sweep overrides left out). ``task_name``: Hydra's name of the application (the script's stem,
     ``hydra.job.name``). Raises ConfigError (:func:`hydra_error`) for any error Hydra would report. Leaves Hydra's
-    global state cleared.""" 
+    global state cleared."""
     from hydra._internal.hydra import Hydra
     from hydra._internal.utils import create_automatic_config_search_path
     from hydra.core.global_hydra import GlobalHydra
@@ -423,7 +552,10 @@ def compose_jobs(argv: list[str], config_dir: str | os.PathLike, config_name: st
     register_resolvers()
     a = _args(argv)
     config_name = a.config_name or config_name
-    config_path = a.config_path or os.path.abspath(str(config_dir))
+    config_path = os.path.abspath(str(config_dir))
+    if a.config_path:  # as @hydra.main: relative to the script's folder (the one holding config_dir)
+        config_path = a.config_path if os.path.isabs(a.config_path) or a.config_path.startswith("pkg://") else \
+            os.path.normpath(os.path.join(os.path.dirname(config_path), a.config_path))
     overrides = list(a.overrides)
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
@@ -435,16 +567,14 @@ def compose_jobs(argv: list[str], config_dir: str | os.PathLike, config_name: st
             raise hydra_error(e, overrides) from None
         if a.config_dir is not None and not os.path.isdir(a.config_dir):
             raise ConfigError("--config-dir", a.config_dir, "an existing directory of configs")
-        if not os.path.isabs(config_path):
-            config_path = os.path.abspath(config_path)
         search_path = create_automatic_config_search_path(None, None, config_path)
         if a.config_dir is not None:
             from hydra.core.config_search_path import SearchPathQuery
 
             search_path.prepend(provider="command-line", path=f"file://{os.path.abspath(a.config_dir)}",
                                 anchor=SearchPathQuery(provider="schema"))
-        hydra = Hydra.create_main_hydra2(task_name=task_name, config_search_path=search_path)
         try:
+            hydra = Hydra.create_main_hydra2(task_name=task_name, config_search_path=search_path)
             # hydra/_internal/utils.py _run_app: the mode the config asks for, else the command line's
             mode, extra = hydra.get_mode(config_name=config_name, overrides=overrides), []
             if mode is None:
@@ -506,8 +636,9 @@ def _job(cfg: DictConfig, dir_key: str, subdir_key: str | None, local: bool, ove
             if subdir_key is not None:
                 out = os.path.join(out, str(OmegaConf.select(cfg, subdir_key)))
         except Exception as e:  # noqa: BLE001 -- an interpolation in the directory keys that does not resolve
-            raise ConfigError(dir_key, OmegaConf.to_container(cfg.hydra, resolve=False).get(dir_key.split(".")[1]),
-                              f"a directory whose interpolations resolve ({_one_line(e, 200)})") from None
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(dir_key, _value(OmegaConf.to_container(cfg, resolve=False), dir_key),
+                              f"a directory whose interpolations resolve ({_one_line(first, 200)})") from None
         with _open(cfg.hydra.runtime):
             cfg.hydra.runtime.output_dir = os.path.abspath(out)
     finally:
@@ -519,9 +650,18 @@ def _job(cfg: DictConfig, dir_key: str, subdir_key: str | None, local: bool, ove
                overrides=overrides)
 
 
-def _override_parts(line: str) -> tuple[str, str]:
+def _override_parts(line: str) -> tuple[str, Any]:
+    """(key, value) of an override line; the value as Hydra's grammar reads it (``4`` an int) when it parses, else
+    the text after ``=``."""
     key, _, value = line.partition("=")
-    return key.lstrip("+~"), value
+    try:
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        parsed = OverridesParser.create().parse_override(line).value()
+    except Exception:  # noqa: BLE001 -- a line the grammar refuses: its text
+        return key.lstrip("+~"), value
+    plain_types = (str, int, float, bool, type(None), list, dict)
+    return key.lstrip("+~"), (parsed if isinstance(parsed, plain_types) else value)  # a sweep: as typed
 
 
 def hydra_error(e: BaseException, overrides: list[str], candidates=None) -> ConfigError:
@@ -559,7 +699,8 @@ def hydra_error(e: BaseException, overrides: list[str], candidates=None) -> Conf
         value = _override_parts(line)[1]
         did = re.search(r"Did you mean to override (.+)\?", text)
         if did:
-            return ConfigError(key, value, f"an override of a group in the defaults list (did you mean {did.group(1)}?)")
+            return ConfigError(key, value,
+                               f"an override of a group in the defaults list (did you mean {did.group(1)}?)")
         return unknown_key_error(key, value, candidates(line) if candidates else [])
     m = re.search(r"An item is already at '([^']+)'", text)
     if m:
@@ -604,13 +745,17 @@ def _candidates(config_path: str, config_name: str, overrides: list[str], bad: s
         GlobalHydra.instance().clear()
         with initialize_config_dir(config_dir=config_path, version_base="1.3"):
             cfg = compose(config_name=config_name, overrides=rest)
-        return known_keys(cfg)
+        light = known_keys(cfg, light=True)
+        key = _override_parts(bad)[0]
+        return light if suggest(key, light) is not None else known_keys(cfg)
     except Exception:  # noqa: BLE001 -- a suggestion is optional
         return []
     finally:
         GlobalHydra.instance().clear()
 
 
-__all__ = ["EXTENSION_POINTS", "Job", "LINEAR_ONLY", "OPEN_NODES", "TRAINER_OWN", "check_keys", "check_output_dir",
+__all__ = ["EXTENSION_POINTS", "HEAVY_NODES", "Job", "LINEAR_ONLY", "OPEN_NODES", "TRAINER_OWN", "check_keys",
+           "check_light", "check_output_dir", "interpolation_errors",
            "compose_jobs", "hydra_error", "known_keys", "leaves", "model_keys", "optimizer_arguments",
-           "optimizer_problem", "runs_jobs", "suggest", "task_keys", "trainer_arguments", "unknown_key_error"]
+           "optimizer_problem", "runs_jobs", "source_arguments", "suggest", "task_keys", "trainer_arguments",
+           "unknown_key_error"]

@@ -1,7 +1,8 @@
 """Which runs of a sweep share a cell, and what a cell shows (the rules of :mod:`canonlm.train.report`).
 
-Reading: :func:`load_runs` (each finished run's ``results.json`` with its resolved config ``hparams.json``),
-:func:`find_unfinished` (run directories without a usable result). A run's value of a config key (:func:`_value`,
+Reading: :func:`load_runs` (each finished run's ``results.json`` with its settings: ``hparams.json``, else Hydra's
+``.hydra/config.yaml``, else the run is in no cell and named by :func:`find_unfinished`), :func:`find_unfinished`
+(run directories without a usable result). A run's value of a config key (:func:`_value`,
 :func:`label`), the two numbers of its cell (:func:`cell`: Depo acc@K / acc@K/2, full copy whole / per-token, else
 one number). Grouping: runs share a cell only when their resolved configs are equal in every key
 (:func:`compared_keys`) except the rows / columns keys, the ``best_of`` keys (:data:`BEST_OF`: learning rate and
@@ -31,22 +32,86 @@ def natural_key(p: Path | str) -> list[Any]:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", str(p))]
 
 
+#: Why a finished run is in no cell when neither of its settings files can be read (``find_unfinished``).
+NO_SETTINGS = ("no readable hparams.json or .hydra/config.yaml: its settings are unknown, so it is compared with no "
+               "run")
+
+
+def _hydra_settings(path: Path) -> dict[str, Any] | None:
+    """The settings of a run from Hydra's ``.hydra/config.yaml`` (written by ``train.py`` once the config passed its
+    checks): every leaf resolved with OmegaConf and canonlm's value resolvers (``${canonlm_steps:...}``,
+    ``${task.N}``, ...); a leaf that does not resolve outside the job (``${hydra:...}``, ``${now:...}``: paths and
+    names, which never split a cell) keeps its text, so it is compared as written and never guessed. None when the
+    file is missing, does not parse or is not a mapping."""
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+
+        from canonlm.config.resolvers import register_value_resolvers
+
+        register_value_resolvers()
+        cfg = OmegaConf.load(path)
+        if not isinstance(cfg, DictConfig) or not len(cfg):
+            return None
+        raw = OmegaConf.to_container(cfg, resolve=False)
+    except Exception:  # noqa: BLE001 -- OSError, YAML and OmegaConf errors: unreadable
+        return None
+
+    def walk(node: dict[str, Any], prefix: str) -> None:
+        for k, v in node.items():
+            key = f"{prefix}{k}"
+            if isinstance(v, dict):
+                walk(v, key + ".")
+                continue
+            if "${" not in json.dumps(v, default=str):
+                continue
+            try:
+                got = OmegaConf.select(cfg, key, throw_on_missing=True)
+                node[k] = OmegaConf.to_container(got, resolve=True) if isinstance(got, (DictConfig, ListConfig)) \
+                    else got
+            except Exception:  # noqa: BLE001 -- an interpolation only the job could resolve: keep its text
+                pass
+
+    walk(raw, "")
+    return raw
+
+
+def read_settings(run_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """(settings, the file they come from) of a run directory: ``hparams.json`` (the resolved config the run wrote
+    when training started) when it is a readable, non-empty JSON object, else ``.hydra/config.yaml``
+    (:func:`_hydra_settings`); (None, None) when neither can be read: such a run is compared with no other run
+    (:data:`NO_SETTINGS`), never guessed from ``results.json``."""
+    hp = Path(run_dir) / "hparams.json"
+    try:
+        cfg = json.loads(hp.read_text())
+        if isinstance(cfg, dict) and cfg:
+            return cfg, "hparams.json"
+    except (OSError, ValueError):
+        pass
+    cfg = _hydra_settings(Path(run_dir) / ".hydra" / "config.yaml")
+    return (cfg, ".hydra/config.yaml") if cfg is not None else (None, None)
+
+
+def _results(res: Path) -> dict[str, Any] | None:
+    try:
+        r = json.loads(res.read_text())
+    except (OSError, ValueError):
+        return None
+    return r if isinstance(r, dict) else None
+
+
 def load_runs(root: Path) -> list[dict[str, Any]]:
-    """Each finished run: its results.json plus its resolved config (``hparams.json`` beside it) and ``dir``.
-    A results.json that does not parse is left out here (``find_unfinished`` lists it)."""
+    """Each finished run: its results.json plus its settings (``config``: :func:`read_settings`, from ``hparams.json``
+    or else ``.hydra/config.yaml``; ``config_source`` names the file) and ``dir``. A results.json that does not parse,
+    and a run whose settings cannot be read, are left out here (``find_unfinished`` lists them by name)."""
     runs = []
     for res in sorted(Path(root).rglob("results.json"), key=natural_key):
-        try:
-            r = json.loads(res.read_text())
-        except (OSError, ValueError):
+        r = _results(res)
+        if r is None:
             continue
-        if not isinstance(r, dict):
+        cfg, source = read_settings(res.parent)
+        if cfg is None:
             continue
-        hp = res.parent / "hparams.json"
-        try:
-            r["config"] = json.loads(hp.read_text()) if hp.exists() else {}
-        except (OSError, ValueError):
-            r["config"] = {}
+        r["config"], r["config_source"] = cfg, source
         r["dir"] = str(res.parent)
         runs.append(r)
     return runs
@@ -66,7 +131,8 @@ def last_step(run_dir: Path) -> int | None:
 
 def find_unfinished(root: Path, runs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Run directories below ``root`` that hold ``.hydra/``, ``metrics.jsonl`` or ``checkpoints/`` but no usable
-    results.json (missing, unreadable, or without any test / val result), each ``{"dir", "last_step", "reason"}``."""
+    results.json (missing, unreadable, or without any test / val result), and finished runs whose settings cannot be
+    read (reason :data:`NO_SETTINGS`), each ``{"dir", "last_step", "reason"}``."""
     root = Path(root)
     runs = load_runs(root) if runs is None else runs
     evaluated = {r["dir"] for r in runs if cell(r) is not None}
@@ -86,6 +152,8 @@ def find_unfinished(root: Path, runs: list[dict[str, Any]] | None = None) -> lis
             reason = "no results.json"
         elif str(d) in finished:
             reason = "results.json has no test or val result"
+        elif (r := _results(res)) is not None:  # finished, but its settings cannot be read
+            reason = NO_SETTINGS if cell({**r, "config": {}}) is not None else "results.json has no test or val result"
         else:
             reason = "unreadable results.json"
         out.append({"dir": str(d), "last_step": last_step(d), "reason": reason})

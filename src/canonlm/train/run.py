@@ -1,23 +1,32 @@
 """``run(cfg)``: validate the whole config, build task, model, data and trainer, train, test, report.
 
-Order (nothing is written before every check has passed: a refused config leaves no ``.hydra/``, ``checkpoints/``
-or run log, and the run directory Hydra made for it is removed again):
+Before Hydra runs anything, ``train.py`` composes every job of its command line as Hydra will (each job of a ``-m``
+sweep) and checks it (:func:`check_command_line`'s steps): Hydra's own errors, the directory Hydra will create, the
+keys and the declared rules (:func:`canonlm.config.strict.check_light`, no torch), then :func:`check_job` (step 1
+below, with the device and memory checks for jobs that run on this machine). A refusal there leaves nothing at all:
+Hydra has not created the run (or sweep) directory yet.
+
+Order within a job (nothing is written before every check has passed: a refused config leaves no ``.hydra/``,
+``checkpoints/`` or run log, and the run directory Hydra made for it is removed again):
 0. the kernel cache (``paths.kernel_cache``, :func:`canonlm.utils.kernel_cache.configure`): Triton's, fla's,
    mamba-ssm's and inductor's caches in one directory, set before any kernel can compile; a value that cannot be a
    directory of this user's raises ConfigError;
-1. task (generator parameters, context window vs the largest instance), model config (sizes, Canon letters, RoPE
-   fraction), kernels requested explicitly, schedule, and the training keys of
-   :data:`canonlm.config.rules.TRAINING_RULES` — each bad value raises :class:`canonlm.errors.ConfigError` naming
-   the key, the value and what is allowed; Lightning is not imported yet, so these answer in seconds;
+1. :func:`check_job`: every key is one canonlm reads (:func:`canonlm.config.strict.check_keys`), task (generator
+   parameters, context window vs the largest instance), model config (sizes, Canon letters, RoPE fraction), the
+   training keys of :data:`canonlm.config.rules.TRAINING_RULES` (booleans, seed, ...) and the schedule, the batch
+   split, kernels requested explicitly, the memory of a training step (:func:`check_memory`), the optimizer's
+   arguments (built once on a one-element tensor) — each bad value raises :class:`canonlm.errors.ConfigError`
+   naming the key, the value and what is allowed; Lightning is not imported yet, so these answer in seconds;
 2. checkpoints: temp files of interrupted saves are removed; ``ckpt_path=auto`` (the default inside a Hydra
    multirun job, so a requeued sweep job resumes by itself) picks the newest loadable checkpoint and says which;
    an explicit path is read; either is refused with one message when it is truncated or was made by another model
    or task (:mod:`canonlm.train.checkpoint`); a run dir that already holds checkpoints or results is never
    overwritten by a fresh run; ``init_from`` is read and compared with the model;
-3. Lightning: the ``trainer`` argument names against ``lightning.Trainer.__init__``, then the Trainer itself (its
-   own checks of the values, strategy and devices; constructing it writes nothing), ``data.batch_size`` against
-   the world size x ``accumulate_grad_batches`` it chose, and last the run directory: writable, with room for one
-   checkpoint. Lines for the run log are held in memory until here;
+3. Lightning: the Trainer itself (its own checks of the values, strategy and devices; constructing it writes
+   nothing; its warnings are held until the checks passed), the ``callbacks`` / ``logger`` entries (an argument
+   their class refuses is a ConfigError), ``data.batch_size`` against the world size x ``accumulate_grad_batches``
+   it chose, and last the run directory: writable, with room for one checkpoint. Lines for the run log are held in
+   memory until here;
 4. ``.hydra/`` (config.yaml, hydra.yaml, overrides.yaml), seed, model, fit, test, ``results.json`` + accuracy
    table. A preemption (SIGTERM, or SLURM's warning signal) or too many non-finite steps in a row stop training
    with ``last.ckpt`` saved and raise :class:`canonlm.errors.RunStopped` (no test, no ``results.json``).
@@ -36,6 +45,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from canonlm.arch.config import ModelConfig, position_encoding
+from canonlm.arch.memory import human_bytes
 from canonlm.config.build import build_configs
 from canonlm.config.resolvers import register_resolvers
 from canonlm.config.rules import check_training, micro_batch, plain
@@ -64,14 +74,27 @@ def resolve_max_steps(cfg: DictConfig, task: Any) -> None:
     log.info("trainer.max_steps=auto -> %d steps (%s)", cfg.trainer.max_steps, task.name)
 
 
-def validate_training(cfg: DictConfig) -> None:
+def validate_training(cfg: DictConfig, optimizer: bool = True) -> None:
     """Checks of the training keys that Lightning would only report late (or never): the declared table
-    (:data:`canonlm.config.rules.TRAINING_RULES`, the ``sched.*`` keys included), then the learning-rate schedule
-    built once (:func:`canonlm.train.schedule.lr_multiplier`). Raises ConfigError for the first bad key."""
+    (:data:`canonlm.config.rules.TRAINING_RULES`, the ``sched.*`` keys, ``seed`` and the booleans included), the
+    learning-rate schedule built once (:func:`canonlm.train.schedule.lr_multiplier`), then the optimizer's
+    arguments: names, booleans, and the optimizer built once on a one-element tensor
+    (:func:`canonlm.config.strict.optimizer_problem`; ``optimizer=False``: not yet, :func:`check_job` does it last).
+    Raises ConfigError for the first bad key."""
     from canonlm.train.schedule import lr_multiplier
 
     check_training(cfg)
     lr_multiplier(plain(cfg.sched), 1)
+    if optimizer:
+        _check_optimizer(cfg)
+
+
+def _check_optimizer(cfg: DictConfig) -> None:
+    from canonlm.config.strict import optimizer_problem
+
+    err = optimizer_problem(cfg)
+    if err is not None:
+        raise err
 
 
 def _device_of(cfg: DictConfig) -> torch.device:
@@ -208,6 +231,154 @@ def _check_init_from(path: str, mcfg: ModelConfig) -> None:
                           + "; ".join(diff[:6]) + " (value there vs here)")
 
 
+def _local_cuda_device() -> torch.device:
+    """The CUDA device this process trains on: ``LOCAL_RANK`` (Lightning's launcher, torchrun) or ``SLURM_LOCALID``
+    (srun), else device 0 (a single process, or rank 0 before it launches the others)."""
+    for var in ("LOCAL_RANK", "SLURM_LOCALID"):
+        if os.environ.get(var, "").isdigit():
+            return torch.device("cuda", int(os.environ[var]))
+    return torch.device("cuda", 0)
+
+
+def available_memory(device: torch.device) -> tuple[int, str]:
+    """(bytes, what they are) a training process on ``device`` can use: on CUDA the device's free memory
+    (``torch.cuda.mem_get_info``, evaluated only for a run on CUDA: it creates the CUDA context on the device this
+    process will train on anyway); on the CPU the kernel's estimate of the memory available without swapping
+    (``MemAvailable`` of ``/proc/meminfo``; elsewhere the free physical pages, ``os.sysconf``)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return int(free), f"{device} has {human_bytes(free)} free of {human_bytes(total)}"
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    n = int(line.split()[1]) * 1024
+                    return n, f"the machine has {human_bytes(n)} available (MemAvailable)"
+    except OSError:
+        pass
+    n = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return int(n), f"the machine has {human_bytes(n)} of free physical memory"
+
+
+def check_memory(cfg: DictConfig, mcfg: ModelConfig, device: torch.device) -> int | None:
+    """Refuse a run whose training step cannot fit in memory: :func:`canonlm.arch.memory.training_memory` (a lower
+    bound: parameters, gradients, AdamW state, activations and batch data of one micro-batch per process) against
+    :func:`available_memory`. On the CPU the ranks of this machine (``trainer.devices``) share its memory; on CUDA
+    each rank has its device. The micro-batch's part is compared first (it needs no model: a huge batch is refused
+    in a second), then the whole with the parameter count of the model built on the meta device. Raises ConfigError
+    naming ``data.batch_size`` when the micro-batch's activations and data are the larger part, else
+    ``model.size``, with the numbers. A device whose memory cannot be queried (no CUDA runtime although CUDA was
+    asked for: Lightning refuses that itself) is not checked. Returns the parameter count when it was computed."""
+    from canonlm.arch.memory import count_parameters, training_memory
+
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return None  # no GPU here: Lightning refuses the accelerator itself (one line, before anything is written)
+    try:
+        have, where = available_memory(_local_cuda_device() if device.type == "cuda" else device)
+    except (RuntimeError, AssertionError, OSError, ValueError):  # the device cannot be queried: nothing to compare
+        return None
+    accumulate = cfg.trainer.get("accumulate_grad_batches") or 1
+    world = _declared_world_size(cfg)
+    if world is None:
+        world = (torch.cuda.device_count() if device.type == "cuda" else 1) * int(cfg.trainer.get("num_nodes") or 1)
+    here = int(cfg.trainer.devices) if device.type == "cpu" and isinstance(cfg.trainer.get("devices"), int) else 1
+    mb = -(-int(cfg.data.batch_size) // max(1, world * int(accumulate)))
+    fsdp = cfg.strategy.name == "fsdp2"
+
+    def need(n_params: int):
+        return training_memory(mcfg, mb, mcfg.max_seq_len, precision=cfg.trainer.precision,
+                               fsdp_param_dtype=cfg.strategy.get("param_dtype") if fsdp else None,
+                               shards=max(1, world) if fsdp else 1,
+                               activation_checkpointing=bool(cfg.get("activation_checkpointing", False)),
+                               optimizer_states=3 if cfg.optim.get("amsgrad") else 2, n_params=n_params)
+
+    n_params, est = None, need(0)
+    if est.total * here <= have:
+        n_params = count_parameters(mcfg)
+        est = need(n_params)
+        if est.total * here <= have:
+            return n_params
+    per = f" per process x {here} processes on this machine" if here > 1 else " per process"
+    what = est.describe() if n_params is not None else (
+        f"activations {human_bytes(est.activations)}, batch data {human_bytes(est.batch)}; before the model's "
+        "parameters, gradients and optimizer state")
+    batch_part = est.activations + est.batch > est.model_state
+    key, value = ("data.batch_size", cfg.data.batch_size) if batch_part else ("model.size", cfg.model.get("size"))
+    raise ConfigError(key, value, f"a run that fits in memory: training needs at least {human_bytes(est.total)}"
+                      f"{per} ({what}; micro-batch {mb} windows x {mcfg.max_seq_len} tokens) and {where}")
+
+
+def check_job(cfg: DictConfig, device_checks: bool = True) -> tuple[Any, ModelConfig, int | None]:
+    """Every check of a job's config that needs neither Lightning nor its run directory (module docstring, step 1),
+    in order: the keys (:func:`canonlm.config.strict.check_keys`), task and model config, ``trainer.max_steps:
+    auto``, the training keys and the schedule, the batch split; with ``device_checks`` (the job runs on this
+    machine) the kernels requested for the device it will use and the memory of a training step
+    (:func:`check_memory`); last the optimizer's arguments (built once on a one-element tensor). The Canon set is
+    written back as the model records it (``AbbCD`` -> ``AbCD``), so the saved config is what trains. Returns
+    (task, model config, parameter count when the memory check computed it). Raises ConfigError (a value whose
+    interpolation does not resolve included); writes nothing."""
+    from canonlm.config.strict import interpolation_errors
+
+    with interpolation_errors(cfg):
+        return _check_job(cfg, device_checks)
+
+
+def _check_job(cfg: DictConfig, device_checks: bool) -> tuple[Any, ModelConfig, int | None]:
+    from omegaconf import open_dict
+
+    from canonlm.config.strict import check_keys
+
+    check_keys(cfg)
+    task, mcfg = build_configs(cfg)
+    if OmegaConf.select(cfg, "canon.set", default=None) not in (None, mcfg.canon.set):
+        with open_dict(cfg):
+            cfg.canon.set = mcfg.canon.set
+    resolve_max_steps(cfg, task)
+    validate_training(cfg, optimizer=False)
+    world = _declared_world_size(cfg)
+    if world is not None:  # else Lightning decides it (devices=auto / -1 / a list): checked once the Trainer exists
+        micro_batch(cfg.data.batch_size, world, cfg.trainer.get("accumulate_grad_batches") or 1)
+    n_params = None
+    if device_checks:
+        device = _device_of(cfg)
+        from canonlm.arch.model import compute_dtype_for, resolve_backends
+
+        resolve_backends(mcfg, device, compute_dtype_for(  # the dtype rule of LMModule.place_model
+            cfg.trainer.precision, cfg.strategy.get("param_dtype") if cfg.strategy.name == "fsdp2" else None))
+        n_params = check_memory(cfg, mcfg, device)
+    _check_optimizer(cfg)  # last: building the optimizer once imports torch._dynamo (1-2 s on a small machine)
+    return task, mcfg, n_params
+
+
+def check_jobs(jobs: list) -> int:
+    """:func:`check_job` for every job of :func:`canonlm.config.strict.compose_jobs` (within its Hydra runtime;
+    device and memory checks only for jobs that run on this machine: not those a SLURM launcher submits). Returns
+    the number of jobs. Raises ConfigError."""
+    for job in jobs:
+        with job.active() as cfg:
+            check_job(cfg, device_checks=job.local)
+    return len(jobs)
+
+
+def check_command_line(argv: list[str], config_dir: str | os.PathLike, config_name: str = "train") -> int:
+    """``train.py``'s checks before Hydra runs anything: every job of ``argv`` composed as Hydra will compose it
+    (:func:`canonlm.config.strict.compose_jobs`: Hydra's own errors become one ConfigError), then for each job the
+    checks without torch (:func:`canonlm.config.strict.check_light`: the directory Hydra will create before the
+    task function runs, the keys, the declared rules), then :func:`check_jobs`. Returns the number of jobs checked
+    (0 for ``--help``, ``--cfg``, ``--info``: Hydra's own output). Raises ConfigError; writes nothing (Hydra's
+    global state is left cleared). ``train.py`` runs the same steps, importing this module (and torch) only after
+    the light checks passed."""
+    from canonlm.config.strict import check_light, compose_jobs, runs_jobs
+
+    if not runs_jobs(argv):
+        return 0
+    jobs = compose_jobs(argv, config_dir, config_name)
+    for job in jobs:
+        with job.active():
+            check_light(job)
+    return check_jobs(jobs)
+
+
 def _check_config(cfg: DictConfig) -> tuple[Any, ModelConfig, str | None, int]:
     """Every check that needs no Lightning, in order (module docstring, steps 1-2): (task, model config, checkpoint
     to resume or None, parameter count). Raises ConfigError (CheckpointError) with one message; writes nothing
@@ -215,17 +386,9 @@ def _check_config(cfg: DictConfig) -> tuple[Any, ModelConfig, str | None, int]:
     from canonlm.train.checkpoint import check_compatible, remove_stale_temps
 
     output_dir = Path(str(cfg.paths.output_dir))
-    task, mcfg = build_configs(cfg)
-    resolve_max_steps(cfg, task)
-    validate_training(cfg)
-    world = _declared_world_size(cfg)
-    if world is not None:  # else Lightning decides it (devices=auto / -1 / a list): checked once the Trainer exists
-        micro_batch(cfg.data.batch_size, world, cfg.trainer.get("accumulate_grad_batches") or 1)
-    device = _device_of(cfg)
-    from canonlm.arch.model import CanonLM, compute_dtype_for, resolve_backends
+    task, mcfg, n_params = check_job(cfg)
+    from canonlm.arch.model import CanonLM
 
-    resolve_backends(mcfg, device, compute_dtype_for(  # the dtype rule of LMModule.place_model
-        cfg.trainer.precision, cfg.strategy.get("param_dtype") if cfg.strategy.name == "fsdp2" else None))
     with torch.device("meta"):
         meta_model = CanonLM(mcfg)
     shapes = {k: tuple(v.shape) for k, v in meta_model.state_dict().items()}
@@ -362,10 +525,50 @@ def _lightning_key(message: str, kwargs: dict[str, Any]) -> str | None:
     return None
 
 
+def _instantiate(key: str, node: Any) -> Any:
+    """``hydra.utils.instantiate(node)`` for an entry of the extension points ``callbacks`` / ``logger``; an entry
+    its class refuses (an unknown argument, a bad value, a ``_target_`` that does not import) raises ConfigError
+    naming ``key`` with the class's first line, instead of Hydra's traceback (nothing is written yet: constructing
+    a callback or logger writes nothing)."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    try:
+        return instantiate(node)
+    except ConfigError:
+        raise
+    except (InstantiationException, TypeError, ValueError, ImportError) as e:
+        import re
+
+        cause = e.__cause__ or e
+        first = " ".join(str(cause).split())[:300] or type(cause).__name__
+        target = node.get("_target_") if isinstance(node, DictConfig) else None
+        arg = re.search(r"unexpected keyword argument '(\w+)'", first)
+        if arg and isinstance(node, DictConfig) and arg.group(1) in node:  # name the key and the one it meant
+            import inspect
+
+            from hydra._internal.utils import _locate
+
+            from canonlm.config.strict import unknown_key_error
+
+            try:
+                names = [n for n in inspect.signature(_locate(str(target))).parameters if n not in ("args", "kwargs")]
+            except Exception:  # noqa: BLE001 -- no signature to suggest from
+                names = []
+            raise unknown_key_error(f"{key}.{arg.group(1)}", plain(node[arg.group(1)]),
+                                    [f"{key}.{n}" for n in names]) from None
+        raise ConfigError(key, plain(node), f"arguments {target or 'its _target_'} accepts ({first})") from None
+
+
+_HELD_WARNINGS: list = []  # Lightning's warnings from constructing the Trainer, shown once the checks passed
+
+
 def _build_trainer(cfg: DictConfig, task: Any, output_dir: str) -> tuple[Any, Any, list[Any]]:
     """(Trainer, data module, wandb logger nodes) as configured: Lightning's own checks of the ``trainer`` arguments,
     the strategy and the devices run here (``lightning.Trainer`` writes nothing when constructed), then the batch
-    arithmetic of the world size it chose. Raises ConfigError."""
+    arithmetic of the world size it chose. The warnings Lightning gives while constructing the Trainer are held
+    (``_HELD_WARNINGS``) and shown by :func:`run` once every check passed (a refusal stays one line). Raises
+    ConfigError."""
     import lightning.pytorch as L
     from hydra.utils import instantiate
     from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -377,7 +580,8 @@ def _build_trainer(cfg: DictConfig, task: Any, output_dir: str) -> tuple[Any, An
     _tidy_logging()
     dm = SyntheticDataModule(task, plain(cfg.task), batch_size=cfg.data.batch_size, num_workers=cfg.data.num_workers,
                              val_windows=cfg.data.val_windows, test_windows=cfg.data.test_windows)
-    callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
+    callbacks = [_instantiate(f"callbacks.{name}", c) for name, c in (cfg.get("callbacks") or {}).items()
+                 if c is not None]
     loggers, wandb_nodes = [], []
     for name, lg in (cfg.get("logger") or {}).items():
         if lg is None:
@@ -387,7 +591,7 @@ def _build_trainer(cfg: DictConfig, task: Any, output_dir: str) -> tuple[Any, An
 
             lg = logger_config(lg, cfg, output_dir, rank0=False)  # wandb_init.json is written once checked
             wandb_nodes.append(lg)
-        loggers.append(instantiate(lg))
+        loggers.append(_instantiate(f"logger.{name}", lg))
     loggers.append(JSONLLogger(output_dir))
     kwargs = _trainer_kwargs(cfg)
     plugins: list[Any] = [] if cfg.strategy.name == "fsdp2" else [AtomicCheckpointIO()]
@@ -396,8 +600,12 @@ def _build_trainer(cfg: DictConfig, task: Any, output_dir: str) -> tuple[Any, An
 
         plugins.append(SLURMEnvironment(auto_requeue=False))  # the Preemption callback owns requeueing
     strategy = _strategy(cfg)
-    try:
-        trainer = L.Trainer(**kwargs, strategy=strategy, callbacks=callbacks, logger=loggers, plugins=plugins)
+    import warnings
+
+    try:  # Lightning's warnings while it checks (e.g. "srun is available but not used"): shown once all checks pass
+        with warnings.catch_warnings(record=True) as caught:
+            trainer = L.Trainer(**kwargs, strategy=strategy, callbacks=callbacks, logger=loggers, plugins=plugins)
+        _HELD_WARNINGS.extend(caught)
     except (MisconfigurationException, ValueError, TypeError, ImportError) as e:
         key = _lightning_key(str(e), kwargs)
         if key is None:
@@ -431,6 +639,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         if cfg.get("train", True) and cfg.get("callbacks") and (cfg.callbacks.get("checkpoint") is not None
                                                                 or cfg.callbacks.get("preemption") is not None):
             check_run_dir(Path(output_dir), estimate_checkpoint_bytes(n_params))  # the one check that writes
+    import warnings
+
+    for w in _HELD_WARNINGS:  # the checks passed: Lightning's warnings from constructing the Trainer
+        warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    _HELD_WARNINGS.clear()
 
     # 4. write the config, seed, model, train, test
     import lightning.pytorch as L
