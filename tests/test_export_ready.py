@@ -52,7 +52,11 @@ def test_synthetic_task_export_has_tokenizer_ids_config_and_card(tmp_path, capsy
     assert export_main([str(src), str(out)]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["tokenizer"] and info["pad_token_id"] == 0 and info["bos_token_id"] == t.bos_id
+    capsys.readouterr()
     tok = transformers.AutoTokenizer.from_pretrained(out)
+    # transformers 5.x reads config.json (remote code) first and asks its question (docs/huggingface.md); 4.x never
+    asked = "Do you wish to run the custom code" in capsys.readouterr().out
+    assert asked == (int(transformers.__version__.split(".")[0]) >= 5)
     assert len(tok) == t.vocab_size                       # nothing added past the embedding
     text = "<bos> p3.e1 e2 p4.e5 <query_1> p3.e1 <ans>"
     want = [names.index(w) for w in text.replace(".", " ").split()]
@@ -61,10 +65,20 @@ def test_synthetic_task_export_has_tokenizer_ids_config_and_card(tmp_path, capsy
     hcfg = json.loads((out / "config.json").read_text())
     gen = transformers.GenerationConfig.from_pretrained(out)
     assert hcfg["pad_token_id"] == gen.pad_token_id == 0 and hcfg["bos_token_id"] == gen.bos_token_id == t.bos_id
-    assert gen.do_sample is False and gen.max_length == 64
+    assert gen.do_sample is False and hcfg["eos_token_id"] is None and gen.eos_token_id is None  # Depo has no EOS
+    # no max_length: it would make every generate(max_new_tokens=...) warn (the context is checked by the model)
+    assert "max_length" not in json.loads((out / "generation_config.json").read_text())
     card = (out / "README.md").read_text()
-    assert "trust_remote_code=True" in card and "install canonlm" in card and "depo1" in card
+    assert "trust_remote_code=True" in card and "depo1" in card
+    assert "pip install torch transformers" in card and "pip install canonlm" not in card  # the bundle: no canonlm
+    assert "`wqkv`, `wo`, `w13`, `w2`" in card and "no end id" in card                     # LoRA names, generation
     assert "| test/loss | 1.25 |" in card and "Steps: 7" in card
+    # the card's tokenizer snippet loads the same tokenizer without the question
+    snippet = card.split("## Tokenizer")[1].split("```python\n")[1].split("```")[0]
+    ns: dict = {}
+    exec(snippet.replace("<this folder>", str(out)), ns)
+    assert "Do you wish" not in capsys.readouterr().out
+    assert ns["tok"](text, add_special_tokens=False)["input_ids"] == want and ns["tok"].model_max_length == 64
     # the one-line pipeline of the ecosystem: tokenizer + model from the folder
     pipe = transformers.pipeline("text-generation", model=str(out), trust_remote_code=True)
     prompt = "<bos> p3.e1 e2"

@@ -2,15 +2,18 @@
 
 ``python -m canonlm.export`` writes a plain Llama as transformers' own ``LlamaForCausalLM`` and every other model
 (Llama with Canon, partial RoPE, QK-norm, NoPE, Canon biases; GLA, GDN, Mamba2 with and without Canon) as
-``config.json`` + ``model.safetensors`` + canonlm's modeling code (``configuration_canonlm.py``,
-``modeling_canonlm.py``). The oracle is transformers itself (the venv's, as ``dev`` installs it): it reads
-``auto_map``, imports the copied files from its own module cache and loads the weights with its own loader; the
-logits must equal canonlm's (fp32, <= 1e-5), and transformers' greedy ``generate`` must produce the same tokens as
-``canonlm.generate.generate_ids`` (canonlm's decode cache).
+``config.json`` + ``model.safetensors`` + canonlm's modeling code, bundled (``configuration_canonlm.py``,
+``modeling_canonlm.py`` and the ``canonlm_*.py`` modules they import). The oracle is transformers itself (the venv's,
+as ``dev`` installs it): it reads ``auto_map``, imports the bundled files from its own module cache and loads the
+weights with its own loader; the logits must equal canonlm's with the backends the bundle resolves on the CPU (Canon
+``torch``: exactly) and with canonlm's defaults (its native CPU Canon kernel: <= 1e-5), and transformers' greedy
+``generate`` must produce the same tokens as ``canonlm.generate.generate_ids`` (canonlm's decode cache).
+tests/test_hf_clients.py covers LoRA, generation, the standard model features and the load without canonlm.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -72,11 +75,16 @@ def test_export_loads_with_auto_model_and_matches(name, tmp_path, capsys):
     assert type(hf).__name__ == ("CanonLMForCausalLM" if info["format"] == "canonlm" else "LlamaForCausalLM")
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, m.cfg.vocab_size, (2, 21), generator=g)
+    same = CanonLM(dataclasses.replace(m.cfg, kernels={"canon": "torch"})).eval()  # what the bundle runs on a CPU
+    same.load_state_dict(m.state_dict())
     with torch.no_grad():
-        ours, theirs = m(ids).float(), hf(ids).logits.float()
+        ours, theirs, exact = m(ids).float(), hf(ids).logits.float(), same(ids).float()
     diff = (ours - theirs).abs().max().item()
-    print(f"{name}: AutoModelForCausalLM {type(hf).__name__}, max|dlogit| = {diff:.2e}")
+    print(f"{name}: AutoModelForCausalLM {type(hf).__name__}, max|dlogit| = {diff:.2e} (canonlm's defaults), "
+          f"{(exact - theirs).abs().max().item():.2e} (the same backends)")
     assert diff <= TOL, diff
+    if info["format"] == "canonlm":
+        assert torch.equal(theirs, exact)
     # greedy generate through transformers' GenerationMixin == canonlm's cached decoding
     prompts = [ids[0, :7].numpy(), ids[1, :7].numpy()]
     want = np.stack(generate_ids(m, prompts, 9))

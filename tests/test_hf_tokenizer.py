@@ -11,7 +11,7 @@ Oracles, per task (every synthetic task, Capo's BPE and the ``text`` task's prep
 * what ``python -m canonlm.generate`` prints for generated ids: its codec (:func:`canonlm.generate.make_codec`) on
   random id sequences over the task's vocabulary (unfinished names, specials and pad included); with
   ``skip_special_tokens=True`` (what lm-evaluation-harness decodes with), the codec on the ids without the special
-  ones;
+  ones (a text run: its recorded tokenizer's own ``decode(..., skip_special_tokens=True)``);
 * the task's attributes: pad = id 0, BOS / EOS = the task's ``bos_id`` / ``eos_id`` or none (a text run: the
   prepared data's EOS, and the EOS as pad since its tokenizer has no pad token) in the ids for config.json; the
   tokenizer of a task without EOS names its pad as ``eos_token`` (lm-evaluation-harness decodes it as a stop string
@@ -145,7 +145,7 @@ def exported(tmp_path_factory):
         pool = np.array([i for i, n in enumerate(names) if not str(n).startswith("<unused")])
         rand = [rng.choice(pool, size=int(n)).tolist() for n in (1, 2, 5, 16, 16, 16, 40, 40)]
         codec = make_codec(cfg, V)  # what python -m canonlm.generate prints
-        eos = task.eos_id if getattr(task, "eos_id", None) is not None else None
+        eos = getattr(task, "eos_id", None)
         # config.json / generation_config.json: the task's ids (no EOS where the task has none)
         want_ids = {"pad_token_id": eos if cfg["name"] == "text" else 0, "eos_token_id": eos,
                     "bos_token_id": getattr(task, "bos_id", None), "unk_token_id": None}
@@ -155,7 +155,8 @@ def exported(tmp_path_factory):
         out[case] = dict(dirs=(str(d), str(r)), texts=texts, text_ids=text_ids, ids=rand, want=want, V=V, codec=codec,
                          want_ids=want_ids, eot=codec.decode([want["eos_token_id"]]),
                          printed=[codec.decode(x) for x in rand], ids_returned=ids, name=cfg["name"],
-                         printed_skip=[codec.decode([t for t in x if t not in special]) for x in rand])
+                         printed_skip=[task.tokenizer().decode(x, skip_special_tokens=True) if cfg["name"] == "text"
+                                       else codec.decode([t for t in x if t not in special]) for x in rand])
     return out
 
 

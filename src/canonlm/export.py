@@ -6,8 +6,9 @@
     python -m canonlm.export --from-hf <released dir> [--variant default] <out>   # a released checkpoint (lingua layout)
 
 Export writes transformers ``LlamaForCausalLM`` (Llama without Canon, QK-norm or partial RoPE) or, for every other
-model (Canon, partial RoPE, QK-norm, GLA, GDN, Mamba2), config.json + model.safetensors + canonlm's modeling code
-(``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` with canonlm installed); ``--format official``
+model (Canon, partial RoPE, QK-norm, GLA, GDN, Mamba2), config.json + model.safetensors + canonlm's modeling code,
+bundled (``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` with torch and transformers only, no
+canonlm installed); ``--format official``
 / ``llamacanon`` write the official release's layouts (see :func:`canonlm.hf.io.export_model`). Import writes a
 checkpoint in the layout training writes (``state_dict`` keys ``model.<name>``, ``checkpoint["canonlm"]``), usable
 as ``init_from=<path>``, by evaluation and by generation. ``--from-hf`` reads the official lingua layout
@@ -38,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--format", default="auto", choices=("auto", "canonlm", "official", "llamacanon"),
                     help="export layout: auto (default) = transformers LlamaForCausalLM when the model is a plain "
                          "Llama, else canonlm; canonlm = config.json + model.safetensors + canonlm's modeling code "
-                         "(any model; AutoModelForCausalLM with trust_remote_code, canonlm installed); official = "
+                         "bundled (any model; AutoModelForCausalLM with trust_remote_code, torch and transformers "
+                         "only); official = "
                          "the release's lingua layout (default/params.json + consolidated.pth) + config.json; "
                          "llamacanon = the official LlamaCanonConfig in config.json + safetensors")
     a = ap.parse_args(argv)

@@ -19,6 +19,7 @@ full forward.
 from __future__ import annotations
 
 import warnings
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -327,42 +328,75 @@ class CanonLM(nn.Module):
                     self.pending["canon"] = (e.key, e.value, e.allowed)
             self._set_placement(device, dtype)
 
-    def forward(self, input_ids: torch.Tensor, cache: DecodeCache | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor | None = None, cache: DecodeCache | None = None, *,
+                inputs_embeds: torch.Tensor | None = None, hidden_states: list | None = None,
+                checkpoint_fn: Callable | None = None) -> torch.Tensor:
         """``input_ids`` LongTensor (B, T) -> logits (B, T, V) in the compute dtype (fp32, or the autocast dtype).
 
         With ``cache`` (from :meth:`new_cache`), the T tokens continue the sequences the cache has seen: positions
         ``cache.seen .. cache.seen + T - 1``; the cache is updated in place (``seen += T``). Prefill, chunked
         prefill and one-token decode steps all give the logits of one full forward over the whole sequence.
-        Raises ValueError on a bad rank, a cache of another batch size, or (Llama) positions beyond
-        ``cfg.max_seq_len``; ConfigError when a backend request was not met where the model was placed, or the
-        input is on another device type than the device-bound kernels were resolved for (see :meth:`place`)."""
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids: shape {tuple(input_ids.shape)}, expected (B, T)")
+
+        The keyword arguments serve the transformers interface of an export (``modeling_canonlm``), as
+        ``LlamaModel`` does: ``inputs_embeds`` (B, T, d_model) replaces ``input_ids`` (the token embedding is
+        skipped; give exactly one of the two); ``hidden_states``, a list, receives ``n_layers + 1`` tensors (B, T, d):
+        the input of every block (the first is the embedding output), then the output of the final norm (what the LM
+        head reads); ``checkpoint_fn(block, x, cos, sin)`` runs every block (e.g. transformers' gradient-checkpointing
+        function, ``torch.utils.checkpoint.checkpoint`` with its arguments bound) instead of calling it.
+        Raises ValueError on a bad rank or width, both or neither of ``input_ids`` / ``inputs_embeds``, a cache of
+        another batch size, or (Llama) positions beyond ``cfg.max_seq_len`` (:attr:`max_positions`); ConfigError
+        when a backend request was not met where the model was placed, or the input is on another device type than
+        the device-bound kernels were resolved for (see :meth:`place`)."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("CanonLM.forward: give exactly one of input_ids (B, T) and inputs_embeds (B, T, d_model)")
+        if inputs_embeds is not None:
+            if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != self.cfg.d_model:
+                raise ValueError(f"inputs_embeds: shape {tuple(inputs_embeds.shape)}, expected (B, T, "
+                                 f"d_model={self.cfg.d_model})")
+            lead = inputs_embeds
+        else:
+            if input_ids.dim() != 2:
+                raise ValueError(f"input_ids: shape {tuple(input_ids.shape)}, expected (B, T)")
+            lead = input_ids
         if self.pending or self._bound_type is not None:
-            self._check_placed(input_ids)
-        T = input_ids.shape[1]
+            self._check_placed(lead)
+        T = lead.shape[1]
         t0 = 0 if cache is None else cache.seen
         if cache is not None:
             if len(cache.layers) != len(self.blocks):
                 raise ValueError(f"cache: {len(cache.layers)} layers, the model has {len(self.blocks)}")
-            if cache.batch_size not in (None, input_ids.shape[0]):
-                raise ValueError(f"cache: holds {cache.batch_size} rows, input_ids has {input_ids.shape[0]}")
-        if self.cfg.arch == "llama" and t0 + T > self.cfg.max_seq_len:
-            raise ValueError(f"input_ids: positions up to {t0 + T} exceed model.max_seq_len={self.cfg.max_seq_len}")
+            if cache.batch_size not in (None, lead.shape[0]):
+                raise ValueError(f"cache: holds {cache.batch_size} rows, the input has {lead.shape[0]}")
+        limit = self.max_positions
+        if limit is not None and t0 + T > limit:
+            raise ValueError(f"input_ids: positions up to {t0 + T} exceed model.max_seq_len={limit}")
         cos = sin = None
         if self.rope_cos is not None:
             cos, sin = self.rope_cos[t0:t0 + T], self.rope_sin[t0:t0 + T]
-        x = self.tok_emb(input_ids)
+        x = self.tok_emb(input_ids) if inputs_embeds is None else inputs_embeds
         for i, block in enumerate(self.blocks):
+            if hidden_states is not None:
+                hidden_states.append(x)
             if cache is not None:
                 x = block(x, cos, sin, cache.layers[i])
+            elif checkpoint_fn is not None:
+                x = checkpoint_fn(block, x, cos, sin)
             elif self.activation_checkpointing and torch.is_grad_enabled():
                 x = checkpoint(block, x, cos, sin, use_reentrant=False)
             else:
                 x = block(x, cos, sin)
         if cache is not None:
             cache.seen += T
-        return self.lm_head(self.norm(x))
+        x = self.norm(x)
+        if hidden_states is not None:
+            hidden_states.append(x)
+        return self.lm_head(x)
+
+    @property
+    def max_positions(self) -> int | None:
+        """The most positions a sequence may take: ``cfg.max_seq_len`` for Llama (its RoPE tables end there and
+        :meth:`forward` refuses more), None for GLA / GDN / Mamba2 (recurrent: no positional limit)."""
+        return self.cfg.max_seq_len if self.cfg.arch == "llama" else None
 
     def new_cache(self) -> DecodeCache:
         """An empty :class:`~canonlm.arch.cache.DecodeCache` for this model (filled by the first forward)."""

@@ -99,9 +99,11 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
         """``x (B, T, d)`` -> ``(B, T, d)``; ``cache``: a decode-cache layer dict for Canon-D's history (or None)."""
-        if self.kind == "gated" and self.canon_d is None:
+        if self.kind == "gated" and self.canon_d is None and type(self.w13) is nn.Linear:
             # No Canon-D: two matmuls on row slices of the fused weight. Same math; the backward then needs no
-            # concatenation of the (B, T, 2·d_ff) gate/up gradients (a full activation-sized copy per layer).
+            # concatenation of the (B, T, 2·d_ff) gate/up gradients (a full activation-sized copy per layer). Only
+            # for a plain nn.Linear: a module that wraps or replaces it (a peft LoRA layer, a quantized Linear) is
+            # called, so what it adds is not bypassed by reading its weight.
             w1, w3 = self.w13.weight.chunk(2, dim=0)
             return self.w2(activation(self.act, F.linear(x, w1)) * F.linear(x, w3))
         h = self.w13(x)

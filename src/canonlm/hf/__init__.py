@@ -8,8 +8,8 @@ config.json + safetensors and in the lingua layout of the released checkpoints. 
 * :mod:`canonlm.hf.lingua` -- the lingua layout (``<dir>/<variant>/params.json`` + ``consolidated.pth``).
 * :mod:`canonlm.hf.tokenizer`, :mod:`canonlm.hf.card` -- the tokenizer, ``generation_config.json`` and model card
   of an export.
-* :mod:`canonlm.hf.remote` -- the modeling code copied into ``canonlm``-format exports (imported by transformers
-  only).
+* :mod:`canonlm.hf.remote` -- the modeling code written into ``canonlm``-format exports with the canonlm modules it
+  needs (:mod:`canonlm.hf.remote.bundle`: self-contained, torch and transformers only).
 * :mod:`canonlm.hf.io` -- reading run directories / checkpoints / safetensors directories, atomic writing,
   :func:`load_init_weights` for training's ``init_from``.
 """

@@ -24,7 +24,8 @@ from canonlm.config.rundir import (CHECKPOINT, has_run_config, is_distributed_ch
                                    read_distributed_checkpoint, task_config)
 from canonlm.hf import lingua
 from canonlm.hf.card import generation_config, model_card
-from canonlm.hf.tokenizer import export_tokenizer
+from canonlm.hf.remote.bundle import BundleError, bundle_sources
+from canonlm.hf.tokenizer import TOKENIZER_CLASS, export_tokenizer, save_tokenizer
 from canonlm.hf.mapping import (InteropError, from_hf_config, from_hf_state_dict, hf_format, model_config_from_dict,
                                 structural_differences, to_hf_config, to_hf_state_dict)
 
@@ -199,23 +200,22 @@ def _tmp_dir(out: Path) -> Path:
 
 
 EXPORT_FORMATS = ("auto", "canonlm", "official", "llamacanon")
-REMOTE_DIR = Path(__file__).resolve().parent / "remote"
-REMOTE_FILES = ("configuration_canonlm.py", "modeling_canonlm.py")
 REMOTE_AUTO_MAP = {"AutoConfig": "configuration_canonlm.CanonLMConfig",
                    "AutoModelForCausalLM": "modeling_canonlm.CanonLMForCausalLM"}
 
 
 def remote_config(cfg: ModelConfig) -> dict[str, Any]:
     """``config.json`` of the ``canonlm`` export format: ``model_type: "canonlm"``, ``auto_map`` naming the modeling
-    code copied beside it (:mod:`canonlm.hf.remote`), and the model config under ``canonlm`` -- with the backend
+    code bundled beside it (:mod:`canonlm.hf.remote`), and the model config under ``canonlm`` -- with the backend
     choices reset (``ops: auto``, no ``kernels`` pins: a kernel the training machine pinned, e.g. flash, is chosen
-    again where the export is loaded)."""
+    again where the export is loaded); ``tie_word_embeddings`` says whether canonlm ties the LM head to the
+    embedding (transformers then saves and resizes them as one)."""
     portable = dataclasses.replace(cfg, ops="auto", kernels={})
     return {"architectures": ["CanonLMForCausalLM"], "model_type": "canonlm", "auto_map": dict(REMOTE_AUTO_MAP),
             "canonlm": dataclasses.asdict(portable), "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
             "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
-            "max_position_embeddings": cfg.max_seq_len, "tie_word_embeddings": False, "torch_dtype": "float32",
-            "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+            "max_position_embeddings": cfg.max_seq_len, "tie_word_embeddings": bool(cfg.tie_embeddings),
+            "torch_dtype": "float32", "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
 
 
 def _choose_format(cfg: ModelConfig, fmt: str) -> str:
@@ -240,7 +240,9 @@ def export_model(src: str | os.PathLike, out: str | os.PathLike, *, fmt: str = "
       loads with nothing else) --, else ``"canonlm"``.
     * ``"canonlm"``: any canonlm model (Llama with Canon / partial RoPE / QK-norm, GLA, GDN, Mamba2): ``config.json``
       (:func:`remote_config`), ``model.safetensors`` (keys ``model.<CanonLM key>``, float32) and the modeling code
-      of :mod:`canonlm.hf.remote`; ``from_pretrained(out, trust_remote_code=True)`` needs canonlm installed.
+      of :mod:`canonlm.hf.remote` with every canonlm module it needs, bundled into flat files
+      (:func:`canonlm.hf.remote.bundle.bundle_sources`): ``from_pretrained(out, trust_remote_code=True)`` needs torch
+      and transformers only, not canonlm.
     * ``"official"``: the lingua layout the released checkpoints ship in and the official
       ``LlamaCanonForCausalLM.from_pretrained`` reads -- ``default/params.json`` + ``default/consolidated.pth``
       (:func:`canonlm.hf.lingua.to_lingua`; RoPE converted to lingua's interleaved pairing) -- plus a
@@ -253,16 +255,18 @@ def export_model(src: str | os.PathLike, out: str | os.PathLike, *, fmt: str = "
 
     Every format also gets a tokenizer transformers loads (:func:`canonlm.hf.tokenizer.export_tokenizer`: the
     prepared one of a ``text`` run, checked against its recorded SHA-256; a word-level one over a synthetic task's
-    vocabulary), the BOS / EOS / PAD ids in ``config.json``, ``generation_config.json`` and a model card
+    vocabulary), the BOS / EOS / PAD ids in ``config.json``, ``generation_config.json`` (greedy, the ids, no
+    ``max_length``) and a model card
     (``README.md``, :func:`canonlm.hf.card.model_card`). Stale temporaries of an export that was killed are removed
     first (:func:`remove_stale_temporaries`). Returns a summary dict (format, class, paths, tensors, token ids).
     Raises InteropError (a model the chosen format cannot express, unknown ``fmt``, bad source, a text run's
-    tokenizer missing or changed, ``out`` exists and is not empty); nothing is written then."""
+    tokenizer missing or changed, modeling code that cannot be bundled, ``out`` exists and is not empty); nothing is
+    written then."""
     out = Path(out).expanduser().absolute()
     _check_out_dir(out)
     cfg, sd, meta = read_canonlm(src)
     shown = _choose_format(cfg, fmt)
-    tok, ids, tok_note = export_tokenizer(meta.get("task"), cfg.vocab_size)
+    tok, ids, tok_note = export_tokenizer(meta.get("task"), cfg.vocab_size, max_seq_len=cfg.max_seq_len)
     tensors: dict[str, torch.Tensor] = {}
     try:
         if shown == "official":
@@ -279,9 +283,15 @@ def export_model(src: str | os.PathLike, out: str | os.PathLike, *, fmt: str = "
         raise InteropError(f"--format {shown}: {e} (--format canonlm, the default for such a model, exports every "
                            "canonlm model)") from None
     hcfg.update(ids)
+    code: dict[str, str] = {}
+    if shown == "canonlm":
+        try:
+            code = bundle_sources()
+        except BundleError as e:
+            raise InteropError(f"the modeling code cannot be bundled: {e}") from None
     seen: set[int] = set()
     n_params = sum(v.numel() for v in sd.values() if not (v.data_ptr() in seen or seen.add(v.data_ptr())))
-    card = model_card(cfg, shown, meta, _run_dir_of(src), tok_note, n_params)
+    card = model_card(cfg, shown, meta, _run_dir_of(src), tok_note, n_params, ids)
     from safetensors.torch import save_file
 
     tmp = _tmp_dir(out)
@@ -295,20 +305,19 @@ def export_model(src: str | os.PathLike, out: str | os.PathLike, *, fmt: str = "
         else:
             save_file(tensors, str(tmp / SAFETENSORS), metadata={"format": "pt"})
             n_tensors = len(tensors)
-        if shown == "canonlm":
-            for f in REMOTE_FILES:
-                shutil.copyfile(REMOTE_DIR / f, tmp / f)
+        for name, text in code.items():
+            (tmp / name).write_text(text, encoding="utf-8")
         if tok is not None:
-            tok.save_pretrained(str(tmp))
+            save_tokenizer(tok, tmp)
         (tmp / "generation_config.json").write_text(
-            json.dumps(generation_config(ids, cfg.max_seq_len), indent=2, sort_keys=True) + "\n")
+            json.dumps(generation_config(ids), indent=2, sort_keys=True) + "\n")
         (tmp / "README.md").write_text(card)
         _commit_dir(tmp, out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return {"out": str(out), "format": shown, "class": hcfg["architectures"][0], "model_type": hcfg["model_type"],
-            "tensors": n_tensors, "tokenizer": type(tok).__name__ if tok is not None else None,
+            "tensors": n_tensors, "tokenizer": TOKENIZER_CLASS if tok is not None else None,
             **{k: v for k, v in ids.items() if v is not None}}
 
 
@@ -342,6 +351,8 @@ def hf_to_canonlm(src: str | os.PathLike, variant: str | None = None
             raise InteropError(f"{src}/config.json: model_type 'canonlm' without its 'canonlm' model config")
         cfg = model_config_from_dict(hcfg["canonlm"])
         sd = {k[len("model."):]: v.to(torch.float32) for k, v in hsd.items() if k.startswith("model.")}
+        if cfg.tie_embeddings and "lm_head.weight" not in sd and "tok_emb.weight" in sd:
+            sd["lm_head.weight"] = sd["tok_emb.weight"]  # transformers' save_pretrained drops the tied copy
         _compare_keys(f"{src}", cfg, sd, other=sorted(k for k in hsd if not k.startswith("model.")))
         return cfg, sd, hcfg
     cfg = from_hf_config(hcfg)

@@ -61,7 +61,6 @@ from canonlm.hf.mapping import InteropError
 
 SPECIALS = ("bos_token", "eos_token", "pad_token", "unk_token")
 TOKENIZER_CLASS = "PreTrainedTokenizerFast"  # the class both transformers 4.x and 5.x know by this name
-FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 _HF_DEFAULTS = dict(clean_up_tokenization_spaces=False, padding_side="left")
 
 
@@ -89,7 +88,7 @@ def text_tokenizer(task_cfg: Mapping[str, Any], vocab_size: int, max_seq_len: in
     """``(PreTrainedTokenizerFast, ids)`` for a ``text`` run; ``ids`` = ``{bos,eos,pad,unk}_token_id``.
     ``max_seq_len``: the model's context, becomes ``model_max_length`` (None: transformers' default).
     Raises InteropError: no recorded tokenizer, the file missing or its SHA-256 not the one ``prepare`` recorded,
-    or ids past ``vocab_size``."""
+    ids past ``vocab_size``, or a tokenizer without a ``tokenizers`` pipeline (a slow-only one)."""
     from canonlm.data.text import TextTokenizer, tokenizer_sha256
 
     rec = _meta_tokenizer(task_cfg)
@@ -109,6 +108,10 @@ def text_tokenizer(task_cfg: Mapping[str, Any], vocab_size: int, max_seq_len: in
         raise InteropError(f"the tokenizer {path} has ids up to {tok.vocab_size - 1}, past the model's vocabulary "
                            f"({vocab_size})")
     hf = tok.as_transformers()  # a transformers tokenizer directory keeps its settings (its pipeline is written)
+    if getattr(hf, "backend_tokenizer", None) is None:
+        raise InteropError(f"the tokenizer {path} loads as {type(hf).__name__}, which has no `tokenizers` pipeline "
+                           "(tokenizer.json); only such a tokenizer is written in the form transformers 4 and 5 both "
+                           "read -- prepare the data with its tokenizer.json")
     if tok.eos_token is not None and hf.eos_token != tok.eos_token:
         hf.eos_token = tok.eos_token
     if hf.pad_token is None and hf.eos_token is not None:
@@ -272,7 +275,8 @@ def task_tokenizer(task: Any, vocab_size: int, max_seq_len: int | None = None):
     tk.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in dict.fromkeys(specials.values())])
     hf = PreTrainedTokenizerFast(tokenizer_object=tk, **specials)
     if len(hf) > vocab_size:
-        raise InteropError(f"the task's tokenizer has {len(hf)} tokens, more than the model's vocabulary ({vocab_size})")
+        raise InteropError(f"the task's tokenizer has {len(hf)} tokens, more than the model's vocabulary "
+                           f"({vocab_size})")
     ids = _ids(hf, vocab_size)
     if not has_eos:
         ids["eos_token_id"] = None
@@ -292,8 +296,10 @@ def export_tokenizer(task_cfg: Mapping[str, Any] | None, vocab_size: int, max_se
     """``(tokenizer or None, token ids for config.json / generation_config.json, note for the model card)`` of the
     run whose ``checkpoint["canonlm"]["task"]`` is ``task_cfg``; ``max_seq_len`` (the model's context) becomes the
     tokenizer's ``model_max_length``. Write it with :func:`save_tokenizer`. The ids are
-    ``{bos,eos,pad,unk}_token_id`` (None where the tokenizer has no such token): for a synthetic task and Capo
-    ``pad_token_id`` = 0 and ``eos_token_id`` = the task's EOS or None. Raises InteropError for a ``text`` run
+    ``{bos,eos,pad,unk}_token_id`` (None where the task has no such token): for a synthetic task and Capo
+    ``pad_token_id`` = 0 and ``eos_token_id`` = the task's EOS or None (the tokenizer of a task without EOS names its
+    pad as ``eos_token``, for lm-evaluation-harness; see :func:`task_tokenizer`); for a ``text`` run the recorded
+    EOS, and the tokenizer's pad token or else that EOS as ``pad_token_id``. Raises InteropError for a ``text`` run
     whose recorded tokenizer is missing or changed (see :func:`text_tokenizer`), a synthetic task that cannot be
     rebuilt from its config here, or a Capo task whose vocabulary no longer has the model's size
     (:func:`capo_tokenizer`)."""
@@ -384,5 +390,5 @@ def save_tokenizer(tok: Any, out_dir: str | os.PathLike) -> list[str]:
     return list(files)
 
 
-__all__ = ["FILES", "SPECIALS", "TOKENIZER_CLASS", "capo_tokenizer", "export_tokenizer", "save_tokenizer",
+__all__ = ["SPECIALS", "TOKENIZER_CLASS", "capo_tokenizer", "export_tokenizer", "save_tokenizer",
            "task_tokenizer", "text_tokenizer", "tokenizer_files"]

@@ -45,9 +45,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
                 cache: dict | None = None) -> torch.Tensor:
         H, Hkv, dh = self.n_heads, self.n_kv_heads, self.head_dim
-        if self.q_norm is None and self.canon_b is None:
+        if self.q_norm is None and self.canon_b is None and type(self.wqkv) is nn.Linear:
             # Plain attention: three matmuls on row slices of the fused weight (same math). Their gradients need no
-            # concatenation into a (B, T, (H + 2Hkv)·dh) tensor in the backward.
+            # concatenation into a (B, T, (H + 2Hkv)·dh) tensor in the backward. Only for a plain nn.Linear: a module
+            # that wraps or replaces it (a peft LoRA layer, a quantized Linear) is called, so what it adds is not
+            # bypassed by reading its weight.
             wq, wk, wv = self.wqkv.weight.split([H * dh, Hkv * dh, Hkv * dh], dim=0)
             q = F.linear(x, wq).unflatten(-1, (H, dh))
             k = F.linear(x, wk).unflatten(-1, (Hkv, dh))

@@ -8,7 +8,8 @@
     out = out_proj( RMSNorm(y · silu(z)) )       (norm after the gate, per group of d_inner / G)
 
 On CUDA with the ``mamba_ssm`` SSD backend and no decode cache, conv + scan + gated norm + out-proj run in one call of
-``mamba_split_conv1d_scan_combined`` (noconv1d: identity kernel [0,0,0,1], activation None).
+``mamba_split_conv1d_scan_combined`` (noconv1d: identity kernel [0,0,0,1], activation None), unless ``out_proj`` is
+not a plain ``nn.Linear`` (e.g. a peft LoRA layer): the kernel reads the weight, which would bypass the wrapper.
 """
 
 from __future__ import annotations
@@ -76,9 +77,12 @@ class Mamba2Mixer(nn.Module):
         if self.canon_b is not None:
             zxbcdt = self.canon_b(zxbcdt, cache)
         A = -torch.exp(at_least_fp32(self.A_log))
-        # zxbcdt's dtype is the compute dtype (in_proj's output: bf16 under bf16 autocast); layout dims positional
-        if cache is None and ssd_ops.use_fused_split(self.backend, str(x.device), zxbcdt.dtype, self.conv_kernel,
-                                                     self.d_inner, self.conv_dim, self.n_heads):
+        # zxbcdt's dtype is the compute dtype (in_proj's output: bf16 under bf16 autocast); layout dims positional.
+        # The fused kernel reads out_proj's weight itself: only for a plain nn.Linear (a peft LoRA layer or another
+        # wrapper around out_proj is called on the unfused path, so what it adds is not bypassed).
+        if cache is None and type(self.out_proj) is nn.Linear and ssd_ops.use_fused_split(
+                self.backend, str(x.device), zxbcdt.dtype, self.conv_kernel, self.d_inner, self.conv_dim,
+                self.n_heads):
             if self.conv1d is not None:
                 w, b, act = self.conv1d.weight, self.conv1d.bias, "silu"
             else:  # noconv1d: identity kernel, no bias, no activation (paper Result 7.1)

@@ -1,10 +1,12 @@
 """``CanonLMConfig``: the transformers config of a canonlm export (``model_type: "canonlm"``).
 
-Copied into every export that is not a plain transformers ``LlamaForCausalLM`` by ``python -m canonlm.export``;
-``config.json``'s ``auto_map`` names it. The whole canonlm model config is kept under ``canonlm`` (the dict of
-``dataclasses.asdict(canonlm.arch.config.ModelConfig)``), so the model is rebuilt exactly; the usual transformers
-fields (``vocab_size``, ``hidden_size``, ``num_hidden_layers``, ``max_position_embeddings``, token ids) are derived
-from it for the tools that read them (generation, lm-evaluation-harness).
+Written into every export that is not a plain transformers ``LlamaForCausalLM`` by ``python -m canonlm.export``
+(:mod:`canonlm.hf.remote.bundle`); ``config.json``'s ``auto_map`` names it. It imports transformers only. The whole
+canonlm model config is kept under ``canonlm`` (the dict of ``dataclasses.asdict(canonlm.arch.config.ModelConfig)``),
+so the model is rebuilt exactly; the usual transformers fields (``vocab_size``, ``hidden_size``,
+``num_hidden_layers``, ``num_attention_heads``, ``max_position_embeddings``, ``tie_word_embeddings``) are derived from
+it for the tools that read them (generation, peft, lm-evaluation-harness). Token ids (``bos_token_id``,
+``eos_token_id``, ``pad_token_id``) are the export's (the task's).
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ class CanonLMConfig(PretrainedConfig):
     """transformers config of a canonlm model.
 
     Args:
-        canonlm: ``dataclasses.asdict`` of canonlm's ``ModelConfig`` (arch, sizes, Canon, positions, ...).
+        canonlm: ``dataclasses.asdict`` of canonlm's ``ModelConfig`` (arch, sizes, Canon, positions, ...). Its
+            ``vocab_size``, ``d_model``, ``n_layers``, ``n_heads``, ``max_seq_len`` and ``tie_embeddings`` win over
+            the transformers fields of the same meaning.
         **kwargs: ``PretrainedConfig`` fields (``bos_token_id``, ``eos_token_id``, ``pad_token_id``, ...).
     """
 
@@ -30,5 +34,6 @@ class CanonLMConfig(PretrainedConfig):
         self.num_hidden_layers = c.get("n_layers", kwargs.pop("num_hidden_layers", None))
         self.num_attention_heads = c.get("n_heads", kwargs.pop("num_attention_heads", None))
         self.max_position_embeddings = c.get("max_seq_len", kwargs.pop("max_position_embeddings", None))
-        kwargs["tie_word_embeddings"] = False  # canonlm ties lm_head to the embedding inside the model itself
+        if "tie_embeddings" in c:  # canonlm ties lm_head to the embedding itself; transformers is told so
+            kwargs["tie_word_embeddings"] = bool(c["tie_embeddings"])
         super().__init__(**kwargs)
