@@ -9,12 +9,14 @@ Imports only ``canonlm.ops`` (never ``canonlm.train`` / ``canonlm.data``, nor li
     logits = model(input_ids)                       # (B, T, V)
     cache = model.new_cache(); model(prompt, cache); model(next_token, cache)   # decode == full forward
     out = lm_loss(logits, targets, mask)             # {"loss_sum", "nll_sum", "n_tokens"}
+    logits = model(input_ids, doc_ids=doc_ids)      # document masking (opt-in): see canonlm.arch.doc_mask
 """
 
 from canonlm.arch.cache import DecodeCache
 from canonlm.arch.canon import Canon
 from canonlm.arch.config import (ARCHS, SIZES, CanonConfig, ConfigError, ModelConfig, PosConfig, build_model_config,
                                  parse_size, validate)
+from canonlm.arch.doc_mask import doc_mask_problem
 from canonlm.arch.loss import lm_loss
 from canonlm.arch.mixers import GLA, Attention, GatedDeltaNet, Mamba2Mixer
 from canonlm.arch.model import Block, CanonLM, LlamaCanon, resolve_backends
@@ -25,5 +27,5 @@ __all__ = [
     "ARCHS", "SIZES", "CanonConfig", "ConfigError", "ModelConfig", "PosConfig", "build_model_config", "parse_size",
     "validate", "Canon", "RMSNorm", "GatedRMSNorm", "MLP", "Attention", "GLA", "GatedDeltaNet", "Mamba2Mixer", "Block",
     "CanonLM", "LlamaCanon", "DecodeCache", "resolve_backends", "lm_loss",
-    "apply_rope", "rope_angles", "interleaved_to_half_permutation",
+    "apply_rope", "rope_angles", "interleaved_to_half_permutation", "doc_mask_problem",
 ]

@@ -32,6 +32,21 @@ counted, nor are the Canon convolutions' saved inputs, biases, norms' saved stat
   its recomputation: ``n_blocks x d + one block``.
 * batch: the micro-batch as the data module yields it: ``tokens`` int64, ``loss_mask`` bool, ``answer_id`` and
   ``group`` int32 (17 bytes per token; ``canonlm.data.packing``).
+* gathered (FSDP2 only, ``fsdp_param_dtype`` given): the unsharded parameters FSDP2 all-gathers, in its
+  ``param_dtype``: the root unit (token embedding, final norm and LM head; the root is not resharded after the
+  forward, torch ``fully_shard``'s root rule) and one block (the unit whose backward runs; FSDP2 prefetches the next
+  one, which makes two in practice, but one is the bound);
+* buckets (DDP with more than one rank, ``ddp_buckets=True``): ``DistributedDataParallel``'s gradient buckets, one
+  more copy of the gradients (Lightning's ``DDPStrategy`` leaves ``gradient_as_bucket_view`` False).
+
+Peak: the gradients and the activations are not both whole at any one time. Between steps the gradients are None
+(``optimizer.zero_grad()``'s ``set_to_none=True``, torch's default and Lightning's call); the backward pass creates
+them as it frees the activations, so the step needs at least the larger of the two (``total``), on top of the
+parameters, the optimizer state and the batch. With gradient accumulation (``accumulate=True``) the gradients of the
+previous micro-batches stay while the next one's activations are kept: then the sum.
+
+Not counted either: under ``*-mixed`` precision autocast's compute-dtype copies of the weights (saved for the
+backward in eager mode, recomputed by a compiled graph), the CUDA context and NCCL's buffers.
 
 Example: :func:`training_memory` of a tiny CPU model (2L64D with Canon-ABCD, vocabulary 19, fp32) for 8 windows
 x 128 tokens is 548.8 KiB of parameters, as much for the gradients, 1.1 MiB of AdamW state and 12.8 MiB of
@@ -61,10 +76,18 @@ class TrainingMemory:
     optimizer: int
     activations: int
     batch: int
+    gathered: int = 0
+    buckets: int = 0
+    accumulate: bool = False
 
     @property
     def total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer + self.activations + self.batch
+        """The step's bound: parameters, optimizer state, batch data, FSDP2's gathered units and DDP's buckets, plus
+        the larger of the gradients and the activations -- or their sum under gradient accumulation (module
+        docstring, "peak")."""
+        grads_acts = (self.gradients + self.activations if self.accumulate
+                      else max(self.gradients, self.activations))
+        return self.parameters + self.optimizer + grads_acts + self.batch + self.gathered + self.buckets
 
     @property
     def model_state(self) -> int:
@@ -73,9 +96,11 @@ class TrainingMemory:
 
     def describe(self) -> str:
         """``"parameters 1.2 MiB, gradients ..., AdamW state ..., activations ..., batch data ..."`` (binary units)."""
+        extra = (f", FSDP2 all-gathered parameters {human_bytes(self.gathered)}" if self.gathered else "") + (
+            f", DDP gradient buckets {human_bytes(self.buckets)}" if self.buckets else "")
         return (f"parameters {human_bytes(self.parameters)}, gradients {human_bytes(self.gradients)}, optimizer "
                 f"state {human_bytes(self.optimizer)}, activations {human_bytes(self.activations)}, batch data "
-                f"{human_bytes(self.batch)}")
+                f"{human_bytes(self.batch)}{extra}")
 
 
 def human_bytes(n: float) -> str:
@@ -130,16 +155,34 @@ def count_parameters(cfg: ModelConfig) -> int:
         return CanonLM(cfg).num_params()
 
 
+def unit_parameters(cfg: ModelConfig) -> tuple[int, int]:
+    """(root, block): parameters of FSDP2's root unit (everything outside the blocks: token embedding, final norm,
+    LM head; a tied head counted once) and of the largest block, from ``CanonLM(cfg)`` built on the meta device."""
+    import torch
+
+    from canonlm.arch.model import CanonLM
+
+    with torch.device("meta"):
+        model = CanonLM(cfg)
+    block = max(sum(p.numel() for p in b.parameters()) for b in model.blocks)
+    return model.num_params() - sum(p.numel() for p in model.blocks.parameters()), block
+
+
 def training_memory(cfg: ModelConfig, micro_batch: int, context: int, *, precision: str | int = "32-true",
                     fsdp_param_dtype: str | None = None, shards: int = 1, activation_checkpointing: bool = False,
-                    optimizer_states: int = 2, n_params: int | None = None) -> TrainingMemory:
+                    optimizer_states: int = 2, n_params: int | None = None, ddp_buckets: bool = False,
+                    units: tuple[int, int] | None = None, accumulate: int = 1) -> TrainingMemory:
     """Bytes per process of one training step of the model ``cfg`` on ``micro_batch`` windows of ``context`` tokens
     (a lower bound; module docstring for what is counted and why).
 
-    precision / fsdp_param_dtype: ``trainer.precision`` and FSDP2's ``strategy.param_dtype`` (:func:`dtype_bytes`).
+    precision / fsdp_param_dtype: ``trainer.precision`` and FSDP2's ``strategy.param_dtype`` (:func:`dtype_bytes`;
+    given only under FSDP2, which then also counts its all-gathered root unit and one block, ``gathered``).
     shards: the FSDP2 shard count (the world size; parameters, gradients and optimizer state are divided by it), 1
     otherwise. activation_checkpointing: each block keeps only its input. optimizer_states: state tensors per
-    parameter (AdamW 2). n_params: the parameter count when known (else :func:`count_parameters`).
+    parameter (AdamW 2). n_params: the parameter count when known (else :func:`count_parameters`). ddp_buckets: DDP
+    over more than one rank (one more copy of the gradients, ``buckets``). units: (root, block) parameter counts
+    when known (else :func:`unit_parameters`, needed only under FSDP2 with ``n_params`` > 0). accumulate:
+    ``trainer.accumulate_grad_batches`` (above 1 the gradients and activations are added in ``total``).
     Raises ValueError for a micro-batch, context or shard count below 1."""
     if micro_batch < 1 or context < 1 or shards < 1:
         raise ValueError(f"micro_batch={micro_batch}, context={context}, shards={shards}: each must be >= 1")
@@ -151,9 +194,34 @@ def training_memory(cfg: ModelConfig, micro_batch: int, context: int, *, precisi
     per_token = (blocks * cfg.d_model + block) if activation_checkpointing else blocks * block
     per_token += cfg.d_model + cfg.vocab_size  # final norm input, logits
     tokens = int(micro_batch) * int(context)
+    gathered = 0
+    if fsdp_param_dtype is not None and n > 0:
+        root, block = unit_parameters(cfg) if units is None else units
+        gathered = (int(root) + int(block)) * c_bytes
     return TrainingMemory(parameters=state, gradients=state, optimizer=optimizer_states * state,
-                          activations=tokens * per_token * c_bytes, batch=tokens * BATCH_BYTES_PER_TOKEN)
+                          activations=tokens * per_token * c_bytes, batch=tokens * BATCH_BYTES_PER_TOKEN,
+                          gathered=gathered, buckets=n * p_bytes if ddp_buckets else 0,
+                          accumulate=int(accumulate) > 1)
+
+
+def strategy_memory(cfg: ModelConfig, micro_batch: int, context: int, *, strategy: str, world_size: int,
+                    precision: str | int = "32-true", param_dtype: str | None = None, accumulate: int = 1,
+                    activation_checkpointing: bool = False, amsgrad: bool = False,
+                    n_params: int | None = None) -> TrainingMemory:
+    """:func:`training_memory` for a run's settings as the config names them: ``strategy`` (``strategy.name``:
+    ``fsdp2`` shards parameters, gradients and optimizer state over ``world_size`` and counts its all-gathered units
+    in ``param_dtype``; ``ddp`` / ``ddp_spawn`` / ``auto`` replicate them, with DDP's gradient buckets when
+    ``world_size`` > 1), ``precision`` (``trainer.precision``), ``accumulate`` (``trainer.accumulate_grad_batches``),
+    ``activation_checkpointing``, ``amsgrad`` (AdamW's third state tensor). One mapping for ``train.py``'s memory
+    refusal and ``python -m canonlm.estimate``. Raises ValueError as :func:`training_memory`."""
+    fsdp = strategy == "fsdp2"
+    n = count_parameters(cfg) if n_params is None else int(n_params)
+    return training_memory(cfg, micro_batch, context, precision=precision,
+                           fsdp_param_dtype=(param_dtype or "fp32") if fsdp else None,
+                           shards=max(1, world_size) if fsdp else 1, activation_checkpointing=activation_checkpointing,
+                           optimizer_states=3 if amsgrad else 2, n_params=n, ddp_buckets=not fsdp and world_size > 1,
+                           units=unit_parameters(cfg) if fsdp and n > 0 else None, accumulate=accumulate)
 
 
 __all__ = ["BATCH_BYTES_PER_TOKEN", "TrainingMemory", "block_activations", "count_parameters", "dtype_bytes",
-           "human_bytes", "training_memory"]
+           "human_bytes", "strategy_memory", "training_memory", "unit_parameters"]

@@ -28,6 +28,7 @@ from torch.utils.checkpoint import checkpoint
 from canonlm.arch.cache import DecodeCache
 from canonlm.arch.canon import Canon
 from canonlm.arch.config import ConfigError, ModelConfig, validate
+from canonlm.arch.doc_mask import DocMask, build_doc_mask, check_doc_ids, doc_mask_problem
 from canonlm.arch.mixers import GLA, Attention, GatedDeltaNet, Mamba2Mixer, build_mixer
 from canonlm.arch.modules import MLP, GatedRMSNorm, RMSNorm
 from canonlm.arch.positional import rope_angles
@@ -229,7 +230,8 @@ class Block(nn.Module):
     ``mlp_norm`` → Canon-C → MLP (with Canon-D) → +residual (no MLP sub-layer when ``model.mlp=none``).
 
     Forward: ``x (B, T, d)`` residual stream, ``cos``/``sin`` RoPE tables of these positions (or None), ``cache`` a
-    layer dict of :class:`~canonlm.arch.cache.DecodeCache` (or None) -> ``(B, T, d)``.
+    layer dict of :class:`~canonlm.arch.cache.DecodeCache` (or None), ``docs`` a
+    :class:`~canonlm.arch.doc_mask.DocMask` (document masking) or None -> ``(B, T, d)``.
     """
 
     def __init__(self, cfg: ModelConfig, backends: dict[str, str]):
@@ -246,7 +248,9 @@ class Block(nn.Module):
             self.mlp_norm = self.canon_c = self.mlp = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
-                cache: dict | None = None) -> torch.Tensor:
+                cache: dict | None = None, docs: DocMask | None = None) -> torch.Tensor:
+        if docs is not None:
+            return self._forward_docs(x, cos, sin, docs)
         h = self.attn_norm(x)
         if self.canon_a is not None:
             h = self.canon_a(h, cache)
@@ -257,6 +261,20 @@ class Block(nn.Module):
         if self.canon_c is not None:
             h = self.canon_c(h, cache)
         return x + self.mlp(h, cache)
+
+    def _forward_docs(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+                      docs: DocMask) -> torch.Tensor:
+        """The forward with document masking (no cache): every Canon layer and the mixer get ``docs``."""
+        h = self.attn_norm(x)
+        if self.canon_a is not None:
+            h = self.canon_a(h, None, docs.pos)
+        x = x + self.attn(h, cos, sin, None, docs)
+        if self.mlp is None:
+            return x
+        h = self.mlp_norm(x)
+        if self.canon_c is not None:
+            h = self.canon_c(h, None, docs.pos)
+        return x + self.mlp(h, None, docs.pos)
 
 
 class CanonLM(nn.Module):
@@ -330,7 +348,7 @@ class CanonLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor | None = None, cache: DecodeCache | None = None, *,
                 inputs_embeds: torch.Tensor | None = None, hidden_states: list | None = None,
-                checkpoint_fn: Callable | None = None) -> torch.Tensor:
+                checkpoint_fn: Callable | None = None, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``input_ids`` LongTensor (B, T) -> logits (B, T, V) in the compute dtype (fp32, or the autocast dtype).
 
         With ``cache`` (from :meth:`new_cache`), the T tokens continue the sequences the cache has seen: positions
@@ -343,6 +361,15 @@ class CanonLM(nn.Module):
         the input of every block (the first is the embedding output), then the output of the final norm (what the LM
         head reads); ``checkpoint_fn(block, x, cos, sin)`` runs every block (e.g. transformers' gradient-checkpointing
         function, ``torch.utils.checkpoint.checkpoint`` with its arguments bound) instead of calling it.
+
+        ``doc_ids`` (B, T) integer tensor (int32 / int64), the index of each token's document within its row (a
+        change of id starts a document), or None (the default: the window is one sequence, the paper's setting).
+        With it, no token sees another document: block-causal attention, Canon and short convs restarting at each
+        document, GLA / GDN / Mamba2 states reset at each document (:mod:`canonlm.arch.doc_mask`); RoPE keeps the
+        window's positions. ``checkpoint_fn`` then gets ``(block, x, cos, sin, None, docs)``. ``doc_ids=None`` is
+        exactly the call without the argument. Raises ValueError when ``doc_ids`` comes with a ``cache`` (decoding is
+        one sequence per row), has the wrong shape / dtype / device, or the architecture cannot run document-masked
+        (:func:`~canonlm.arch.doc_mask.doc_mask_problem`).
         Raises ValueError on a bad rank or width, both or neither of ``input_ids`` / ``inputs_embeds``, a cache of
         another batch size, or (Llama) positions beyond ``cfg.max_seq_len`` (:attr:`max_positions`); ConfigError
         when a backend request was not met where the model was placed, or the input is on another device type than
@@ -370,6 +397,16 @@ class CanonLM(nn.Module):
         limit = self.max_positions
         if limit is not None and t0 + T > limit:
             raise ValueError(f"input_ids: positions up to {t0 + T} exceed model.max_seq_len={limit}")
+        docs = None
+        if doc_ids is not None:
+            if cache is not None:
+                raise ValueError("CanonLM.forward: doc_ids (document masking) is not supported with a decode cache; "
+                                 "generate one sequence per row without doc_ids")
+            problem = doc_mask_problem(self.cfg)
+            if problem is not None:
+                raise ValueError(f"CanonLM.forward: doc_ids: {problem}")
+            check_doc_ids(doc_ids, lead)
+            docs = build_doc_mask(doc_ids, self.cfg.arch, self.backends.get("attention"))
         cos = sin = None
         if self.rope_cos is not None:
             cos, sin = self.rope_cos[t0:t0 + T], self.rope_sin[t0:t0 + T]
@@ -379,6 +416,13 @@ class CanonLM(nn.Module):
                 hidden_states.append(x)
             if cache is not None:
                 x = block(x, cos, sin, cache.layers[i])
+            elif docs is not None:
+                if checkpoint_fn is not None:
+                    x = checkpoint_fn(block, x, cos, sin, None, docs)
+                elif self.activation_checkpointing and torch.is_grad_enabled():
+                    x = checkpoint(block, x, cos, sin, None, docs, use_reentrant=False)
+                else:
+                    x = block(x, cos, sin, None, docs)
             elif checkpoint_fn is not None:
                 x = checkpoint_fn(block, x, cos, sin)
             elif self.activation_checkpointing and torch.is_grad_enabled():

@@ -10,6 +10,10 @@ Oracles: each op's ``naive`` module holds its definition written as a plain loop
 canonlm.selfcheck`` check the references against them. fla's own ``naive.py`` files are a second, external oracle
 (:mod:`canonlm.ops._fla_naive`).
 
+Document masking (several documents packed in a window): :mod:`canonlm.ops.varlen` builds the index tensors
+(positions in a document, the block-causal mask, ``cu_seqlens``); every op takes them (``doc_pos``, ``doc_mask`` /
+``cu_seqlens``, ``seq_idx``) and restarts at each document.
+
 What ran: :func:`backend_calls` counts the calls of every backend's entry point (:mod:`canonlm.ops.calls`);
 :func:`forget_backend_choices` empties the memoised backend choices.
 

@@ -24,6 +24,8 @@ class Attention(nn.Module):
     positions of these T tokens, or None (NoPE), ``cache`` a layer dict of
     :class:`~canonlm.arch.cache.DecodeCache` or None -> ``(B, T, d)``. With a cache, k/v of the new tokens are
     appended to ``cache["k"]``/``cache["v"]`` ``(B, S, H_kv, d_head)`` and the queries attend to all S positions.
+    ``docs`` (:class:`~canonlm.arch.doc_mask.DocMask`, not with a cache): document masking -- block-causal attention
+    and Canon-B restarting per document; RoPE keeps the window's positions (relative: see that module).
     """
 
     def __init__(self, cfg: ModelConfig, backends: dict[str, str]):
@@ -43,7 +45,7 @@ class Attention(nn.Module):
                         if cfg.canon.has("B") else None)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
-                cache: dict | None = None) -> torch.Tensor:
+                cache: dict | None = None, docs=None) -> torch.Tensor:
         H, Hkv, dh = self.n_heads, self.n_kv_heads, self.head_dim
         if self.q_norm is None and self.canon_b is None and type(self.wqkv) is nn.Linear:
             # Plain attention: three matmuls on row slices of the fused weight (same math). Their gradients need no
@@ -67,7 +69,7 @@ class Attention(nn.Module):
                     q, k = self.q_norm(q), self.k_norm(k)
                 qkv = torch.cat([q, k, v], dim=-1)
             if self.canon_b is not None:
-                qkv = self.canon_b(qkv, cache)
+                qkv = self.canon_b(qkv, cache) if docs is None else self.canon_b(qkv, cache, docs.pos)
             qk, v = qkv.unflatten(-1, (H + 2 * Hkv, dh)).split([H + Hkv, Hkv], dim=2)  # (B, T, heads, dh) views
             if cos is not None:
                 qk = apply_rope(qk, cos, sin, self.pairing)                # q and k rotated in one call
@@ -77,5 +79,9 @@ class Attention(nn.Module):
                 k = torch.cat([cache["k"], k.to(cache["k"].dtype)], dim=1)
                 v = torch.cat([cache["v"], v.to(cache["v"].dtype)], dim=1)
             cache["k"], cache["v"] = k, v
-        o = attention_ops.attention(q, k, v, causal=True, backend=self.backend)  # (B, T, H, dh)
+        if docs is not None:
+            o = attention_ops.attention(q, k, v, causal=True, backend=self.backend, doc_mask=docs.attn_mask,
+                                        cu_seqlens=docs.cu_seqlens, max_seqlen=docs.max_seqlen)
+        else:
+            o = attention_ops.attention(q, k, v, causal=True, backend=self.backend)  # (B, T, H, dh)
         return self.wo(o.flatten(2))

@@ -48,7 +48,9 @@ class GatedDeltaNet(nn.Module):
     Canon-B over ``2·key_dim + value_dim`` (``B``); short convs ``conv_q, conv_k, conv_v`` (``b``).
 
     Forward: ``x (B, T, d)``, cos/sin ignored, ``cache`` layer dict or None -> ``(B, T, d)``; the cache holds
-    ``state (B, H, d_k, d_v)`` (fp32) and the conv states.
+    ``state (B, H, d_k, d_v)`` (fp32) and the conv states. ``docs`` (:class:`~canonlm.arch.doc_mask.DocMask`, not
+    with a cache): document masking -- Canon-B / short convs restart per document, and the B rows run flattened as
+    one varlen sequence whose state restarts at every document (``chunk_gated_delta_rule(cu_seqlens=...)``).
     """
 
     def __init__(self, cfg: ModelConfig, backends: dict[str, str]):
@@ -76,12 +78,21 @@ class GatedDeltaNet(nn.Module):
         init_dt_bias_(self.dt_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
-                cache: dict | None = None) -> torch.Tensor:
+                cache: dict | None = None, docs=None) -> torch.Tensor:
         B, T, _ = x.shape
         H = self.n_heads
-        q, k, v = qkv_forward(self, x, cache)
+        q, k, v = qkv_forward(self, x, cache, None if docs is None else docs.pos)
         beta = torch.sigmoid(at_least_fp32(self.b_proj(x)))
         g = -at_least_fp32(self.A_log).exp() * F.softplus(at_least_fp32(self.a_proj(x)) + at_least_fp32(self.dt_bias))
+        if docs is not None:
+            if cache is not None:
+                raise ValueError("GatedDeltaNet: document masking is not supported with a decode cache")
+            o, _ = gdn_ops.chunk_gated_delta_rule(
+                q.reshape(1, B * T, H, -1), k.reshape(1, B * T, H, -1), v.reshape(1, B * T, H, -1),
+                g.reshape(1, B * T, H), beta.reshape(1, B * T, H), use_qk_l2norm=True, chunk_size=self.chunk_size,
+                backend=self.backend, cu_seqlens=docs.cu_seqlens, cu_seqlens_cpu=docs.cu_seqlens_cpu)
+            o = self.o_norm(o.view(B, T, H, -1), self.g_proj(x).view(B, T, H, -1))
+            return self.o_proj(o.flatten(2))
         state = None if cache is None else cache.get("state")
         o, state = gdn_ops.chunk_gated_delta_rule(
             q.view(B, T, H, -1), k.view(B, T, H, -1), v.view(B, T, H, -1), g, beta, initial_state=state,

@@ -37,7 +37,9 @@ class GLA(nn.Module):
 
     Forward: ``x (B, T, d)``, ``cos``/``sin`` ignored (no positional encoding), ``cache`` layer dict or None ->
     ``(B, T, d)``. With a cache the recurrent state ``cache["state"] (B, H, d_k, d_v)`` (fp32) and the conv
-    states carry over, so token-by-token calls equal one call.
+    states carry over, so token-by-token calls equal one call. ``docs`` (:class:`~canonlm.arch.doc_mask.DocMask`,
+    not with a cache): document masking -- Canon-B / short convs restart per document, and the B rows run flattened
+    as one varlen sequence whose state restarts at every document (``chunk_gla(cu_seqlens=...)``).
     """
 
     def __init__(self, cfg: ModelConfig, backends: dict[str, str]):
@@ -59,11 +61,20 @@ class GLA(nn.Module):
         self.o_proj = nn.Linear(Vd, d, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
-                cache: dict | None = None) -> torch.Tensor:
+                cache: dict | None = None, docs=None) -> torch.Tensor:
         B, T, _ = x.shape
         H = self.n_heads
-        q, k, v = qkv_forward(self, x, cache)
+        q, k, v = qkv_forward(self, x, cache, None if docs is None else docs.pos)
         gk = F.logsigmoid(at_least_fp32(self.gk_proj(x))) / self.normalizer
+        if docs is not None:
+            if cache is not None:
+                raise ValueError("GLA: document masking is not supported with a decode cache")
+            o, _ = gla_ops.chunk_gla(q.reshape(1, B * T, H, -1), k.reshape(1, B * T, H, -1),
+                                     v.reshape(1, B * T, H, -1), gk.reshape(1, B * T, H, -1),
+                                     chunk_size=self.chunk_size, backend=self.backend, cu_seqlens=docs.cu_seqlens,
+                                     cu_seqlens_cpu=docs.cu_seqlens_cpu)
+            o = self.g_norm(o.view(B, T, H, -1), self.g_proj(x).view(B, T, H, -1))
+            return self.o_proj(o.flatten(2))
         state = None if cache is None else cache.get("state")
         o, state = gla_ops.chunk_gla(q.view(B, T, H, -1), k.view(B, T, H, -1), v.view(B, T, H, -1),
                                      gk.view(B, T, H, -1), initial_state=state, output_final_state=cache is not None,

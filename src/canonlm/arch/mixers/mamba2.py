@@ -37,7 +37,9 @@ class Mamba2Mixer(nn.Module):
     ``out_proj (d_inner -> d)`` no bias; Canon-B over the whole in_proj output (``B``).
 
     Forward: ``x (B, T, d)``, cos/sin ignored, ``cache`` layer dict or None -> ``(B, T, d)``; the cache holds the
-    SSM ``state (B, H, P, N)`` (fp32) and the conv states.
+    SSM ``state (B, H, P, N)`` (fp32) and the conv states. ``docs`` (:class:`~canonlm.arch.doc_mask.DocMask`, not
+    with a cache): document masking -- Canon-B and conv1d restart per document, the SSD state restarts at every
+    document (``ssd_scan(seq_idx=...)``), and the fused conv + scan kernel is not used.
     """
 
     def __init__(self, cfg: ModelConfig, backends: dict[str, str]):
@@ -70,17 +72,20 @@ class Mamba2Mixer(nn.Module):
         init_dt_bias_(self.dt_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
-                cache: dict | None = None) -> torch.Tensor:
+                cache: dict | None = None, docs=None) -> torch.Tensor:
+        if docs is not None and cache is not None:
+            raise ValueError("Mamba2Mixer: document masking is not supported with a decode cache")
         B, T, _ = x.shape
+        doc_pos = None if docs is None else docs.pos
         H, P, G, N, di = self.n_heads, self.head_dim, self.n_groups, self.ssm_state, self.d_inner
         zxbcdt = self.in_proj(x)
         if self.canon_b is not None:
-            zxbcdt = self.canon_b(zxbcdt, cache)
+            zxbcdt = self.canon_b(zxbcdt, cache) if doc_pos is None else self.canon_b(zxbcdt, cache, doc_pos)
         A = -torch.exp(at_least_fp32(self.A_log))
         # zxbcdt's dtype is the compute dtype (in_proj's output: bf16 under bf16 autocast); layout dims positional.
         # The fused kernel reads out_proj's weight itself: only for a plain nn.Linear (a peft LoRA layer or another
         # wrapper around out_proj is called on the unfused path, so what it adds is not bypassed).
-        if cache is None and type(self.out_proj) is nn.Linear and ssd_ops.use_fused_split(
+        if cache is None and docs is None and type(self.out_proj) is nn.Linear and ssd_ops.use_fused_split(
                 self.backend, str(x.device), zxbcdt.dtype, self.conv_kernel, self.d_inner, self.conv_dim,
                 self.n_heads):
             if self.conv1d is not None:
@@ -95,9 +100,14 @@ class Mamba2Mixer(nn.Module):
                 headdim=P, ngroups=G, norm_before_gate=False)
         z, xbc, dt = zxbcdt.split([di, self.conv_dim, H], dim=-1)
         if self.conv1d is not None:
-            xbc = self.conv1d(xbc, cache)
+            xbc = self.conv1d(xbc, cache) if doc_pos is None else self.conv1d(xbc, cache, doc_pos)
         xs, Bm, Cm = xbc.split([di, G * N, G * N], dim=-1)
         state = None if cache is None else cache.get("state")
+        if docs is not None:
+            y, _ = ssd_ops.ssd_scan(xs.reshape(B, T, H, P), dt, A, Bm.reshape(B, T, G, N), Cm.reshape(B, T, G, N),
+                                    chunk_size=self.chunk_size, D=self.D, dt_bias=self.dt_bias, dt_softplus=True,
+                                    backend=self.backend, seq_idx=docs.seq_idx)
+            return self.out_proj(self.norm(y.reshape(B, T, di), z))
         y, state = ssd_ops.ssd_scan(xs.reshape(B, T, H, P), dt, A, Bm.reshape(B, T, G, N), Cm.reshape(B, T, G, N),
                                     chunk_size=self.chunk_size, D=self.D, dt_bias=self.dt_bias, dt_softplus=True,
                                     initial_state=state, output_final_state=cache is not None, backend=self.backend)

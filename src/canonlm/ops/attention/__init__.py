@@ -20,6 +20,14 @@ Backends:
   work; :func:`resolve_backend` takes the head dim to refuse a pinned ``flash`` that cannot run.
 
 ``"auto"`` and ``"fused"`` both mean ``"sdpa"`` (always available; it *is* a fused kernel on every device).
+
+Document masking (:func:`attention` with ``doc_mask`` / ``cu_seqlens``; several documents packed in one window, no
+token attending across a document boundary): ``sdpa`` passes the block-causal boolean mask ``(B, 1, T, T)`` as
+``attn_mask`` (PyTorch then picks a kernel that takes a mask: memory-efficient / cuDNN on CUDA, the math or CPU-flash
+kernel on CPU); ``reference`` masks the score matrix; ``flash`` calls ``flash_attn.flash_attn_varlen_func`` on the
+flattened (B·T, H, D) tokens with the documents' ``cu_seqlens`` (int32) and ``causal=True`` (flash-attn 2.x
+``flash_attn_interface.py``: q (total_q, nheads, headdim), k/v (total_k, nheads_k, headdim), ``cu_seqlens_q`` /
+``cu_seqlens_k`` (batch + 1,) int32, ``max_seqlen_q`` / ``max_seqlen_k`` ints, ``softmax_scale``, ``causal``).
 """
 
 from __future__ import annotations
@@ -107,7 +115,8 @@ def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype, h
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, scale: float | None = None,
-              backend: str = "auto") -> torch.Tensor:
+              backend: str = "auto", doc_mask: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+              max_seqlen: int | None = None) -> torch.Tensor:
     """Multi-head softmax attention with grouped-query k/v.
 
     Args:
@@ -119,6 +128,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         scale: softmax scale, default ``D ** -0.5``.
         backend: ``auto | fused | reference | sdpa | flash`` (module docstring); resolve it once with
             :func:`resolve_backend`.
+        doc_mask: document masking for ``sdpa`` / ``reference`` (/ ``auto`` / ``fused``): ``(B, T, T)`` bool, True =
+            query t may attend key s, causality included (:func:`canonlm.ops.varlen.block_causal_mask`); needs
+            ``causal=True`` and S == T (no KV cache).
+        cu_seqlens, max_seqlen: document masking for ``flash``: the documents of the B rows flattened into one
+            sequence (:func:`canonlm.ops.varlen.cu_seqlens_of`; any integer dtype, passed as int32) and an upper
+            bound on their lengths (T is one). ``flash`` with ``doc_mask`` but no ``cu_seqlens`` raises.
     Returns:
         ``(B, T, H, D)`` tensor of ``q.dtype``.
     Raises:
@@ -134,6 +149,24 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     if k.shape[0] != B or k.shape[3] != D or H % Hkv or (causal and S < T):
         raise ValueError(f"attention: q {tuple(q.shape)} and k/v {tuple(k.shape)} do not match (same B and D, "
                          f"H % H_kv == 0, and S >= T when causal)")
+    masked = doc_mask is not None or cu_seqlens is not None
+    if masked and (not causal or S != T):
+        raise ValueError(f"attention: document masking needs causal=True and S == T (no KV cache); got causal={causal}"
+                         f", T={T}, S={S}")
+    if doc_mask is not None and tuple(doc_mask.shape) != (B, T, T):
+        raise ValueError(f"attention: doc_mask shape {tuple(doc_mask.shape)}; expected (B, T, T) = {(B, T, T)}")
+    if masked and backend == "flash":
+        if cu_seqlens is None:
+            raise ValueError("attention backend='flash': document masking needs cu_seqlens (flash_attn_varlen_func)")
+        return _flash_varlen(q, k, v, cu_seqlens, T if max_seqlen is None else int(max_seqlen), scale)
+    if masked and doc_mask is None:
+        raise ValueError(f"attention backend={backend!r}: document masking needs doc_mask (B, T, T)")
+    if backend in ("auto", "fused", "sdpa") and doc_mask is not None:
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=doc_mask.unsqueeze(1), scale=scale, enable_gqa=Hkv != H)
+        return out.transpose(1, 2)
+    if backend == "reference" and doc_mask is not None:
+        return attention_reference(q, k, v, causal=causal, scale=scale, mask=doc_mask)
     if backend in ("auto", "fused", "sdpa"):
         mask, is_causal = None, causal and S == T
         if causal and S > T and T > 1:  # cached decode of several tokens: bottom-right aligned causal mask
@@ -154,9 +187,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-                        scale: float | None = None) -> torch.Tensor:
+                        scale: float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Explicit-math attention in float32 (float64 for float64 inputs); same shapes and semantics as
-    :func:`attention`.
+    :func:`attention`. ``mask`` (B, T, S) bool (True = may attend), when given, replaces the causal mask (document
+    masking: it already holds causality).
 
     Materialises the ``(B, H, T, S)`` score matrix; autocast is disabled inside so the math stays in fp32.
     Causal masking is bottom-right aligned (query i sees keys ``0 .. i + S - T``; top-left = the same when S == T).
@@ -170,11 +204,30 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
         kf = k.to(cd).transpose(1, 2).repeat_interleave(H // Hkv, dim=1)  # (B, H, S, D)
         vf = v.to(cd).transpose(1, 2).repeat_interleave(H // Hkv, dim=1)
         scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale           # (B, H, T, S)
-        if causal:
+        if mask is not None:
+            scores = scores.masked_fill(~mask.unsqueeze(1), -math.inf)
+        elif causal:
             S = k.shape[1]
             scores = scores.masked_fill(~_causal_mask(T, S, q.device), -math.inf)
         out = torch.matmul(scores.softmax(dim=-1), vf)                   # (B, H, T, D)
     return out.transpose(1, 2).to(q.dtype)
+
+
+def _flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+                  scale: float | None) -> torch.Tensor:
+    """Document-masked causal attention via ``flash_attn.flash_attn_varlen_func`` on the (B·T, H, D) flattened tokens
+    (flash-attn 2.x; GQA by the kv head count as in ``flash_attn_func``). Returns (B, T, H, D) in q.dtype."""
+    B, T, H, D = q.shape
+    if q.device.type != "cuda" or q.dtype not in FLASH_DTYPES or flash_shape_reason(D) is not None:
+        raise ValueError(f"attention backend='flash': needs fp16/bf16 CUDA tensors with head dim <= "
+                         f"{FLASH_MAX_HEAD_DIM}, got {q.dtype} on {q.device}, head dim {D}")
+    from flash_attn import flash_attn_varlen_func
+
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    out = flash_attn_varlen_func(q.reshape(B * T, H, D), k.reshape(B * T, k.shape[2], D),
+                                 v.reshape(B * T, v.shape[2], D), cu, cu, max_seqlen, max_seqlen,
+                                 softmax_scale=scale, causal=True)
+    return out.view(B, T, H, D)
 
 
 def _causal_mask(T: int, S: int, device) -> torch.Tensor:

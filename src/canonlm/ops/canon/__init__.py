@@ -36,6 +36,11 @@ Canon layer with it, and the forward / decode dispatch (:func:`causal_conv1d`, :
 the same function to the tensors it gets.
 
 All backends are differentiable w.r.t. x, weight, bias and initial_state, and return x.dtype.
+
+Document masking (``doc_pos``, several documents packed in one window): the conv restarts at every document start,
+i.e. tap ``i`` (lag ``K-1-i``) reads ``x_{t-K+1+i}`` only when that token is in t's document (``doc_pos_t >= K-1-i``),
+else zero -- what running each document alone gives. Every backend request then runs the ``torch`` shift-and-add
+path with that per-tap mask (no kernel's document support -- fla's ``cu_seqlens``, Dao's ``seq_idx`` -- is wired).
 """
 
 from __future__ import annotations
@@ -125,7 +130,8 @@ def causal_conv1d_reference(x: Tensor, weight: Tensor, bias: Optional[Tensor] = 
 
 
 def causal_conv1d_torch(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, residual: bool = True,
-                        activation: bool = False, initial_state: Optional[Tensor] = None) -> Tensor:
+                        activation: bool = False, initial_state: Optional[Tensor] = None,
+                        doc_pos: Optional[Tensor] = None) -> Tensor:
     """Shift-and-add form: ``y = [x +] act(b + sum_i w[:, i] * x_pad[:, i:i+T])``.
 
     Works on (B, T, C) directly (no transpose). float16/bfloat16 inputs accumulate in float32 (plain bf16
@@ -136,8 +142,16 @@ def causal_conv1d_torch(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None
     neighbouring RMSNorm, RoPE or SiLU-gate into one kernel, forward and backward (fla's Triton kernel is a graph
     break under compile: its dispatch is wrapped in ``torch.compiler.disable``). ``CanonLM.place(...,
     compiled=True)`` therefore resolves an ``auto`` Canon request on CUDA to this backend.
+
+    ``doc_pos`` (B, T) integer, each token's position in its document (:func:`canonlm.ops.varlen.position_in_document`),
+    or None: with it, the tap at lag ``l`` is multiplied by ``doc_pos >= l`` (document masking; module docstring);
+    ``initial_state`` must then be None.
     """
     _validate(x, weight, bias, initial_state)
+    if doc_pos is not None and (initial_state is not None or tuple(doc_pos.shape) != tuple(x.shape[:2])):
+        raise ValueError(f"causal_conv1d: doc_pos.shape={tuple(doc_pos.shape)} with initial_state "
+                         f"{'given' if initial_state is not None else 'None'}; allowed: doc_pos (B, T) = "
+                         f"{tuple(x.shape[:2])} and no initial_state")
     B, T, C = x.shape
     K = weight.shape[1]
     cd = torch.promote_types(x.dtype, weight.dtype)
@@ -155,7 +169,10 @@ def causal_conv1d_torch(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None
         xp = xc
     acc = xc * w[:, K - 1]
     for i in range(K - 1):
-        acc = torch.addcmul(acc, xp[:, i:i + T], w[:, i])
+        tap = xp[:, i:i + T]
+        if doc_pos is not None:  # lag K-1-i reaches the previous document where doc_pos < K-1-i
+            tap = tap * (doc_pos >= K - 1 - i).unsqueeze(-1).to(cd)
+        acc = torch.addcmul(acc, tap, w[:, i])
     if bias is not None:
         acc = acc + bias.to(cd)
     if activation:
@@ -276,7 +293,8 @@ _select_cache: dict = memo_table()
 
 
 def causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, residual: bool = True,
-                  activation: bool = False, backend: str = "auto", initial_state: Optional[Tensor] = None) -> Tensor:
+                  activation: bool = False, backend: str = "auto", initial_state: Optional[Tensor] = None,
+                  doc_pos: Optional[Tensor] = None) -> Tensor:
     """Canon layer op: ``y_t = [x_t +] act(b + sum_i weight[:, i] * x_{t-K+1+i})`` (paper eq. 4.1).
 
     Args:
@@ -289,6 +307,8 @@ def causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, r
             :func:`resolve_backend`: with ``"auto"``, shapes a fast path does not support (Dao: K not in {2,3,4} or
             C % 8 != 0; native: K > 64) fall back to the next backend; an explicit name that cannot take them raises.
         initial_state: (B, C, K-1) = the K-1 raw inputs before x (chunked prefill), or None for zeros.
+        doc_pos: (B, T) integer position of each token in its document, or None: document masking (module
+            docstring); runs :func:`causal_conv1d_torch` whatever ``backend`` says; no ``initial_state`` with it.
 
     Returns:
         (B, T, C) in x.dtype (accumulation in float32 for low-precision inputs on every backend but
@@ -300,6 +320,9 @@ def causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, r
             :func:`resolve_backend`).
     """
     _validate(x, weight, bias, initial_state)
+    if doc_pos is not None:
+        return causal_conv1d_torch(x, weight, bias, residual=residual, activation=activation,
+                                   initial_state=initial_state, doc_pos=doc_pos)
     be = _select(backend, str(x.device), x.dtype, int(weight.shape[0]), int(weight.shape[1]))
     if be == "cpu":
         return _native.canon_conv(x, weight, bias, initial_state, bool(residual), bool(activation))

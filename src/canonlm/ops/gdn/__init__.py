@@ -41,6 +41,11 @@ Backends (``kernels.gdn`` in the Hydra config; ``model.kernels.gdn`` in errors):
 * ``fla``       -- fla's Triton ``chunk_gated_delta_rule`` (CUDA; differentiable), or ``fused_recurrent_gated_delta_rule``
   for T <= 64 without autograd (decode); see :mod:`canonlm.ops.gdn._fla`.
 * ``auto``      -- ``fla`` on a CUDA device when fla imports and accepts the dtype, else ``reference``.
+
+Variable-length input (``cu_seqlens``, fla's convention: batch 1, the sequences concatenated along T): the state
+starts at zero at every ``cu_seqlens[n]`` (document masking). ``fla`` passes ``cu_seqlens`` / ``cu_seqlens_cpu`` to
+``chunk_gated_delta_rule``; ``reference`` runs the sequences as one zero-padded batch
+(:func:`canonlm.ops.varlen.pack`; padded positions have q = k = v = 0, beta = 0, g = 0, after each sequence's end).
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from canonlm.ops import varlen
 from canonlm.ops._dispatch import (compute_dtype, cuda_reason, make_selector, no_autocast,
                                    resolve_fast_or_reference, shape_of)
 
@@ -272,7 +278,8 @@ _select = make_selector(resolve_backend, meta_auto="reference")
 def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
                            scale: Optional[float] = None, initial_state: Optional[Tensor] = None,
                            output_final_state: bool = False, use_qk_l2norm: bool = True, chunk_size: int = 64,
-                           backend: str = "auto") -> tuple[Tensor, Optional[Tensor]]:
+                           backend: str = "auto", cu_seqlens: Optional[Tensor] = None,
+                           cu_seqlens_cpu: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:
     """GDN token mixing (gated delta rule, Yang et al. 2025): see the module doc for the recurrence.
 
     Args:
@@ -288,6 +295,9 @@ def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
         backend: one of :data:`BACKENDS` (see :func:`resolve_backend`); the dtype checked is
             ``promote_types(q, k, v)``. ``auto`` also falls back to the reference for key head dims fla refuses
             (:func:`fla_shape_reason`).
+        cu_seqlens, cu_seqlens_cpu: int64 (N + 1,) cumulative lengths of N sequences concatenated in a batch of 1
+            (on q's device and on the CPU; :func:`canonlm.ops.varlen.cu_seqlens_of`), or None: the state restarts
+            from zero at each sequence start. Needs B == 1, no ``initial_state``, ``output_final_state=False``.
 
     Returns:
         (o (B, T, H, V) in v.dtype, final_state (B, H, K, V) float32 -- float64 for float64 inputs on the reference
@@ -304,6 +314,16 @@ def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
         if backend != "auto":
             raise ValueError(f"chunk_gated_delta_rule: backend 'fla' cannot run: {fla_shape_reason(q.shape[-1])}")
         be = "reference"  # auto: the shape fallback (CanonLM reports it once, at build time)
+    if cu_seqlens is not None:
+        varlen.check_varlen_call("chunk_gated_delta_rule", q, cu_seqlens, cu_seqlens_cpu, initial_state,
+                                 output_final_state)
+        if be == "fla":
+            scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+            return _fla.forward_varlen(q, k, v, g, beta, scale, bool(use_qk_l2norm), cu_seqlens, cu_seqlens_cpu), None
+        packed, valid = zip(*(varlen.pack(t, cu_seqlens_cpu) for t in (q, k, v, g, beta)))
+        o, _ = chunk_gated_delta_rule_reference(*packed, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                                                chunk_size=chunk_size)
+        return varlen.unpack(o, valid[0]), None
     if be == "fla":
         scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
         return _fla.forward(q, k, v, g, beta, scale, initial_state, bool(output_final_state), bool(use_qk_l2norm))

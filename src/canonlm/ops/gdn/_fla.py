@@ -111,3 +111,20 @@ def forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: flo
         o, s = chunk(qc, kc, vc, g, beta, scale=scale, initial_state=h0, output_final_state=output_final_state,
                      use_qk_l2norm_in_kernel=use_qk_l2norm)
     return o.to(v.dtype), (s if output_final_state else None)
+
+
+def forward_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, use_qk_l2norm: bool,
+                   cu_seqlens: Tensor, cu_seqlens_cpu: Tensor) -> Tensor:
+    """The gated delta rule over sequences concatenated in a batch of 1, the state restarting at each
+    ``cu_seqlens[n]``: ``chunk_gated_delta_rule(q, k, v, g, beta, scale=, use_qk_l2norm_in_kernel=, cu_seqlens=
+    (int64, q's device), cu_seqlens_cpu=)`` (fla-core 0.6.0 ``fla/ops/gated_delta_rule/chunk.py``: batch 1 with
+    ``cu_seqlens``). Always the chunk kernel. q, k, v are cast to one common dtype.
+    Returns o (1, T, H, V) in v.dtype."""
+    fns, err = functions()
+    if fns is None:
+        raise RuntimeError(f"fla chunk_gated_delta_rule unavailable: {err}")
+    dt = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+    o, _ = fns[0](q.to(dt), k.to(dt), v.to(dt), g, beta, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm,
+                  cu_seqlens=cu_seqlens.to(device=q.device, dtype=torch.int64),
+                  cu_seqlens_cpu=cu_seqlens_cpu.to(torch.int64))
+    return o.to(v.dtype)

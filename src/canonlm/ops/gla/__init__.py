@@ -42,6 +42,10 @@ product is smaller still, so the split is as safe as masking the upper triangle 
 (j = t) needs no decay. Cost: log2(C) levels of O(T K) elementwise work plus the usual O(T C K) matmuls; memory
 O(T (K + V) + T/C K V). Chunks whose length is not a power of two are padded at their end with "null" positions
 (q = k = v = 0, g = 0), which leave the state unchanged; T is padded the same way to a multiple of C.
+
+Variable-length input (``cu_seqlens``, fla's convention: batch 1, the sequences concatenated along T): the state
+starts at zero at every ``cu_seqlens[n]`` (document masking). ``fla`` passes ``cu_seqlens`` / ``cu_seqlens_cpu`` to
+``chunk_gla``; ``reference`` runs the sequences as one zero-padded batch (:func:`canonlm.ops.varlen.pack`).
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from canonlm.ops import varlen
 from canonlm.ops._dispatch import (compute_dtype, cuda_reason, make_selector, no_autocast,
                                    resolve_fast_or_reference)
 
@@ -313,7 +318,8 @@ _select = make_selector(resolve_backend)
 
 def chunk_gla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, scale: Optional[float] = None,
               initial_state: Optional[Tensor] = None, output_final_state: bool = False, chunk_size: int = 64,
-              backend: str = "auto") -> tuple[Tensor, Optional[Tensor]]:
+              backend: str = "auto", cu_seqlens: Optional[Tensor] = None,
+              cu_seqlens_cpu: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:
     """GLA op: ``S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T``, ``o_t = S_t^T (scale * q_t)``.
 
     Args:
@@ -324,6 +330,11 @@ def chunk_gla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, scale: Optional[flo
         output_final_state: also return the state after the last token.
         chunk_size: positive int, chunk length of the reference (fla's kernels use their own fixed chunking).
         backend: one of :data:`BACKENDS` (see :func:`resolve_backend`); selected from q's device and dtype.
+        cu_seqlens: int64 (N + 1,) cumulative lengths of N sequences concatenated in a batch of 1 (fla's varlen
+            convention; :func:`canonlm.ops.varlen.cu_seqlens_of`), or None. The state restarts from zero at each
+            sequence start (document masking). Needs B == 1, no ``initial_state`` and ``output_final_state=False``.
+        cu_seqlens_cpu: the same on the CPU (required with ``cu_seqlens``: the reference sizes its batch from it,
+            fla builds its chunk indices from it without a device sync).
 
     Returns:
         ``(o (B, T, H, V) in v.dtype, final_state (B, H, K, V) or None)``; final_state is float32 (float64 from the
@@ -337,8 +348,17 @@ def chunk_gla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, scale: Optional[flo
     _check_chunk_size(chunk_size)
     _validate(q, k, v, g, initial_state)
     be = _select(backend, str(q.device), q.dtype)
+    if cu_seqlens is not None:
+        varlen.check_varlen_call("chunk_gla", q, cu_seqlens, cu_seqlens_cpu, initial_state, output_final_state)
+        if be == "fla":
+            s = float(q.shape[-1] ** -0.5 if scale is None else scale)
+            return _fla.fla_forward_varlen(q, k, v, g, s, cu_seqlens, cu_seqlens_cpu), None
+        packed, valid = zip(*(varlen.pack(t, cu_seqlens_cpu) for t in (q, k, v, g)))
+        o, _ = chunk_gla_reference(*packed, scale=scale, chunk_size=chunk_size)
+        return varlen.unpack(o, valid[0]), None
     if be == "fla":
         s = float(q.shape[-1] ** -0.5 if scale is None else scale)
         return _fla.fla_forward(q, k, v, g, s, initial_state, output_final_state)
     return chunk_gla_reference(q, k, v, g, scale=scale, initial_state=initial_state,
                                output_final_state=output_final_state, chunk_size=chunk_size)
+

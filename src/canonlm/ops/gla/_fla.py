@@ -70,3 +70,19 @@ def fla_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float, initia
         o, ht = chunk(q, k, v, g, scale=scale, initial_state=h0, output_final_state=output_final_state)
     ht = ht.to(torch.float32) if (output_final_state and ht is not None) else None
     return o.to(v.dtype), ht
+
+
+def fla_forward_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float, cu_seqlens: Tensor,
+                       cu_seqlens_cpu: Tensor) -> Tensor:
+    """GLA over sequences concatenated in a batch of 1, the state restarting at each ``cu_seqlens[n]``:
+    ``chunk_gla(q, k, v, g, scale=scale, cu_seqlens=cu_seqlens (int64, q's device), cu_seqlens_cpu=...)``
+    (fla-core 0.6.0 ``fla/ops/gla/chunk.py``: "for variable-length inputs, the batch size `B` is expected to be 1";
+    ``cu_seqlens_cpu`` feeds ``prepare_chunk_indices`` without a device sync). Always the chunk kernel (also without
+    autograd). Returns o (1, T, H, V) in v.dtype."""
+    fns, err = fla_functions()
+    if fns is None:
+        raise RuntimeError(f"fla chunk_gla unavailable: {err}")
+    q, k, v, g = (t.contiguous() for t in (q, k, v, g))
+    o, _ = fns[0](q, k, v, g, scale=scale, cu_seqlens=cu_seqlens.to(device=q.device, dtype=torch.int64),
+                  cu_seqlens_cpu=cu_seqlens_cpu.to(torch.int64))
+    return o.to(v.dtype)

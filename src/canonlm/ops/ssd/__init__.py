@@ -73,6 +73,7 @@ from torch import Tensor
 from canonlm.errors import ConfigError
 from canonlm.ops._dispatch import (assume_constant, compute_dtype, cuda_reason, make_selector, memo_table,
                                    no_autocast, resolve_fast_or_reference, shape_of)
+from canonlm.ops import varlen
 from canonlm.ops.canon._cuda import DAO_WIDTHS
 
 from . import _mamba
@@ -438,7 +439,8 @@ def check_fused_split(name: str, device, dtype: torch.dtype, conv_kernel: int, *
 def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, *, chunk_size: int = 256,
              D: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None, dt_softplus: bool = True,
              dt_limit: Sequence[float] = (0.0, _INF), initial_state: Optional[Tensor] = None,
-             output_final_state: bool = False, backend: str = "auto") -> tuple[Tensor, Optional[Tensor]]:
+             output_final_state: bool = False, backend: str = "auto",
+             seq_idx: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:
     """Mamba2 SSD scan ``H_t = exp(Δ_t A_h) H_{t-1} + Δ_t x_t B_tᵀ``, ``y_t = H_t C_t + D_h x_t`` (Dao & Gu 2024).
 
     Args:
@@ -456,6 +458,12 @@ def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, *, chunk_si
         output_final_state: also return the state after the last token.
         backend: one of :data:`BACKENDS` (see :func:`resolve_backend`). ``mamba_ssm`` uses
             ``mamba_chunk_scan_combined``, or ``selective_state_update`` for T == 1 when autograd is off.
+        seq_idx: (B, T) integer index of each token's document in its row (runs of equal ids), or None: the state
+            restarts from zero at every document start (document masking). ``mamba_ssm`` passes it (int32) to
+            ``mamba_chunk_scan_combined(seq_idx=...)`` (mamba-ssm 2.3.1 ``ssd_combined.py``: "seq_idx: (batch,
+            seqlen)"; its kernels zero the state and the intra-chunk terms across a change of id); the reference
+            runs the documents as one zero-padded batch (:func:`canonlm.ops.varlen.pack`). Needs no
+            ``initial_state`` and ``output_final_state=False``.
 
     Returns:
         (y (B, T, H, P) in x.dtype, final state (B, H, P, N) -- float32, float64 for float64 inputs on the
@@ -469,6 +477,23 @@ def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, *, chunk_si
     Q = _check_chunk(chunk_size)
     lim = _check_limit(dt_limit)
     be = _select(backend, str(x.device), x.dtype)
+    if seq_idx is not None:
+        if tuple(seq_idx.shape) != (Bsz, T) or seq_idx.is_floating_point() or initial_state is not None \
+                or output_final_state:
+            raise ValueError(f"ssd_scan: seq_idx {tuple(seq_idx.shape)} {seq_idx.dtype}, initial_state "
+                             f"{'given' if initial_state is not None else 'None'}, output_final_state="
+                             f"{output_final_state}; allowed: integer seq_idx (B, T) = {(Bsz, T)}, no initial_state, "
+                             f"output_final_state=False")
+        if be == "mamba_ssm":
+            return _mamba.chunk_scan(x, dt, A, B, C, Q, D, dt_bias, dt_softplus, lim, None, False,
+                                     seq_idx=seq_idx.to(torch.int32).contiguous())
+        _, cu_cpu = varlen.cu_seqlens_of(seq_idx)
+        flat = (t.reshape(1, Bsz * T, *t.shape[2:]) for t in (x, dt, B, C))
+        packed, valid = zip(*(varlen.pack(t, cu_cpu) for t in flat))
+        px, pdt, pB, pC = packed
+        y, _ = ssd_scan_reference(px, pdt, A, pB, pC, chunk_size=Q, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                                  dt_limit=lim)
+        return varlen.unpack(y, valid[0]).view(Bsz, T, H, P), None
     if be == "mamba_ssm":
         if T == 1 and not torch.is_grad_enabled():
             return _mamba.state_update(x, dt, A, B, C, D, dt_bias, dt_softplus, lim, initial_state,

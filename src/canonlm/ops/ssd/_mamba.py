@@ -215,14 +215,17 @@ def _need(fn_err, what: str):
 
 def chunk_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int, D: Optional[Tensor],
                dt_bias: Optional[Tensor], dt_softplus: bool, dt_limit: tuple[float, float],
-               initial_state: Optional[Tensor], output_final_state: bool) -> tuple[Tensor, Optional[Tensor]]:
+               initial_state: Optional[Tensor], output_final_state: bool,
+               seq_idx: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:
     """SSD scan with ``mamba_chunk_scan_combined`` (differentiable). B and C are cast to x.dtype, A/D/dt_bias and the
-    initial state to float32. Returns (y (B, T, H, P) in x.dtype, final state (B, H, P, N) float32 or None)."""
+    initial state to float32; ``seq_idx`` (B, T) int32 (document masking) is passed when given. Returns
+    (y (B, T, H, P) in x.dtype, final state (B, H, P, N) float32 or None)."""
     fn = _need(chunk_scan_function(), "mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined")
     out = fn(x.contiguous(), dt.contiguous(), A.float(), B.to(x.dtype).contiguous(), C.to(x.dtype).contiguous(),
              int(chunk_size), D=None if D is None else D.float(),
              dt_bias=None if dt_bias is None else dt_bias.float(),
              initial_states=None if initial_state is None else initial_state.float().contiguous(),
+             seq_idx=seq_idx,
              dt_softplus=bool(dt_softplus), dt_limit=(float(dt_limit[0]), float(dt_limit[1])),
              return_final_states=bool(output_final_state))
     if output_final_state:
