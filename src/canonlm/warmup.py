@@ -89,6 +89,8 @@ def warmup_config(cfg, run_dir: Path) -> None:
                                    for v in (devices, nodes)) else 1
     with open_dict(cfg):
         cfg.trainer.max_steps = STEPS
+        if cfg.data.get("max_tokens") is not None:
+            cfg.data.max_tokens = None  # the token budget is the run's length; warmup's is its own STEPS
         cfg.trainer.val_check_interval = STEPS
         cfg.trainer.check_val_every_n_epoch = None
         for key in ("limit_val_batches", "limit_test_batches"):

@@ -206,7 +206,11 @@ TRAINING_RULES: tuple[Rule | KnownKeys, ...] = (
     Rule("optim.weight_decay", "a number >= 0", float, min=0, null=True, optional=True),
     Rule("strategy.name", " | ".join(STRATEGIES), choices=STRATEGIES),
     Rule("trainer.precision", " | ".join(PRECISIONS), choices=PRECISIONS),
-    Rule("trainer.max_steps", "a positive integer (training is step-based)", int, min=1),
+    Rule("trainer.max_steps", "a positive integer (training is step-based), or null with data.max_tokens", int, min=1,
+         null=True),
+    Rule("data.max_tokens", "null or a number >= 1: the run's length in tokens (trainer.max_steps = ceil(max_tokens / "
+         "(data.batch_size x task.context)); give exactly one of trainer.max_steps and data.max_tokens)", float, min=1,
+         null=True, optional=True),
     Rule("optim.lr", "a positive float", float, above=0),
     Rule("sched.name", " | ".join(SCHEDULES), choices=SCHEDULES),
     Rule("sched.warmup_steps", "an integer >= 0 (optimizer steps of linear warm-up)", int, min=0, null=True,

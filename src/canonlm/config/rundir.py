@@ -105,11 +105,38 @@ def load_run_config(run_dir: str | Path):
             cfg.paths.output_dir = str(run_dir)
             if "log_dir" in cfg.paths and "hydra:" in str(OmegaConf.to_container(cfg.paths)["log_dir"]):
                 cfg.paths.log_dir = str(Path(cfg.paths.root_dir) / "logs")
-        dd = OmegaConf.select(cfg, "task.data_dir", default=None)
-        if isinstance(dd, str) and dd and not Path(dd).is_absolute() and not Path(dd).exists() and cwd:
-            if (Path(cwd) / dd).exists():
-                cfg.task.data_dir = str(Path(cwd) / dd)
+        task = cfg.get("task")
+        for node, key in _data_dir_nodes(task) if task is not None else ():
+            dd = node.get(key)
+            if isinstance(dd, str) and dd and not Path(dd).is_absolute() and not Path(dd).exists() and cwd:
+                if (Path(cwd) / dd).exists():
+                    node[key] = str(Path(cwd) / dd)
     return cfg
+
+
+def _data_dir_nodes(task: Any) -> list[tuple[Any, str]]:
+    """(node, key) of every prepared-data directory a ``text`` task config names: ``data_dir`` and each source's
+    ``data_dir`` of a mixture (``sources``: a mapping ``{name: {data_dir, ...}}`` or a list of such mappings,
+    :class:`canonlm.data.text.TextTask`), in the task's order."""
+    out: list[tuple[Any, str]] = []
+    if task.get("data_dir"):
+        out.append((task, "data_dir"))
+    src = task.get("sources")
+    if src is None or isinstance(src, str):
+        items = []
+    elif hasattr(src, "keys"):  # dict / DictConfig
+        items = list(src.values())
+    else:                       # list / ListConfig
+        items = list(src)
+    for v in items:
+        if hasattr(v, "get") and v.get("data_dir"):
+            out.append((v, "data_dir"))
+    return out
+
+
+def text_data_dirs(task_cfg: Any) -> list[str]:
+    """The prepared-data directories of a ``text`` task config (one, or each source of a mixture, in order)."""
+    return [str(node.get(key)) for node, key in _data_dir_nodes(task_cfg)]
 
 
 DCP_METADATA, FABRIC_META = ".metadata", "meta.pt"
@@ -181,12 +208,14 @@ def read_checkpoint(ck: str | Path, mmap: bool = False) -> dict[str, Any]:
 
 
 def tokenizer_record(task_cfg: dict[str, Any]) -> dict[str, Any]:
-    """The ``tokenizer`` record a ``text`` run's prepared data keeps in ``<task.data_dir>/meta.json`` (``path``,
+    """The ``tokenizer`` record a ``text`` run's prepared data keeps in ``<task.data_dir>/meta.json`` (a mixture: its
+    first source's, which every source shares) (``path``,
     ``sha256``, ``eos_token``, as :mod:`canonlm.data.prepare` writes it); ``{}`` when it has none. Raises OSError
     (no ``data_dir``, no such file) and ValueError (not a JSON object)."""
-    if not task_cfg.get("data_dir"):
-        raise FileNotFoundError("the run's task config has no data_dir (its prepared data)")
-    f = Path(str(task_cfg["data_dir"])) / "meta.json"
+    dirs = text_data_dirs(task_cfg)  # a mixture's sources share one tokenizer (TextTask checks it): the first
+    if not dirs:
+        raise FileNotFoundError("the run's task config has no data_dir or sources (its prepared data)")
+    f = Path(dirs[0]) / "meta.json"
     meta = json.loads(f.read_text())
     if not isinstance(meta, dict) or not isinstance(meta.get("tokenizer") or {}, dict):
         raise ValueError(f"{f} is not the JSON object prepare writes")
@@ -196,7 +225,7 @@ def tokenizer_record(task_cfg: dict[str, Any]) -> dict[str, Any]:
 def run_tokenizer(task_cfg: dict[str, Any]) -> tuple[str | None, str | None]:
     """(tokenizer path, eos token) recorded by a ``text`` run's prepared data (:func:`tokenizer_record`); (None,
     None) for other tasks or when the meta is unreadable."""
-    if task_cfg.get("name") != "text" or not task_cfg.get("data_dir"):
+    if task_cfg.get("name") != "text" or not text_data_dirs(task_cfg):
         return None, None
     try:
         t = tokenizer_record(task_cfg)

@@ -70,7 +70,9 @@ def _meta_tokenizer(task_cfg: Mapping[str, Any]) -> dict[str, Any]:
     try:
         return tokenizer_record(dict(task_cfg))
     except (OSError, ValueError) as e:
-        f = Path(str(task_cfg.get("data_dir") or "")) / "meta.json"
+        from canonlm.config.rundir import text_data_dirs
+
+        f = Path((text_data_dirs(dict(task_cfg)) or [""])[0]) / "meta.json"
         raise InteropError(f"the run's prepared data {f} cannot be read ({e}); its tokenizer is needed for the "
                            "export") from None
 

@@ -119,7 +119,9 @@ class LMModule(L.LightningModule):
     for the device between logging steps; any other optimizer needs one host sync per step to skip one.
     Training time (``train_time_s``), attempts (fit starts) and the skipped-step count are kept in the checkpoint
     and accumulate across resumes.
-    Batches are dicts of (B, T) tensors: ``tokens`` int64, ``loss_mask`` bool, ``answer_id`` int32, ``group`` int32.
+    Batches are dicts of (B, T) tensors: ``tokens`` int64, ``loss_mask`` bool, ``answer_id`` int32, ``group`` int32;
+    a text mixture's also carry ``source`` int64 (B,), from which validation / test log ``{split}/<source>/loss``
+    and ``/ppl`` (each source's own split), and ``train/tokens/<source>`` is logged at the logging steps.
     """
 
     def __init__(self, model_cfg: ModelConfig, optimizer: Callable[..., torch.optim.Optimizer],
@@ -166,6 +168,8 @@ class LMModule(L.LightningModule):
         self._t_batch_end: float | None = None  # end of the previous on_train_batch_end (data-wait clock)
         self._wait_sum = 0.0                    # seconds waited for batches since the last perf log
         self.tokens_per_step = 0  # set by the run from the data config (global windows x window length)
+        self.windows_per_step = 0  # set by the run: global windows per optimizer step (data.batch_size)
+        self._source_sums: dict[str, torch.Tensor] = {}  # split -> float64 (sources, 2): nll sum, loss tokens
         self.results: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ model setup
@@ -211,8 +215,10 @@ class LMModule(L.LightningModule):
                 fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
             fully_shard(self.model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.model(tokens)
+    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, T, V) of ``tokens`` (B, T); ``doc_ids`` (B, T) int, each token's document within its row
+        (``task.doc_mask=true``: no token sees another document, :meth:`canonlm.arch.model.CanonLM.forward`)."""
+        return self.model(tokens) if doc_ids is None else self.model(tokens, doc_ids=doc_ids)
 
     # ------------------------------------------------------------------ loss
     def _global_sum(self, x: torch.Tensor) -> torch.Tensor:
@@ -223,7 +229,8 @@ class LMModule(L.LightningModule):
 
     def _loss(self, batch: Mapping[str, torch.Tensor]):
         tokens = batch["tokens"]
-        logits = self.model(tokens)
+        doc_ids = batch.get("doc_ids")  # only with task.doc_mask=true (canonlm.data.text)
+        logits = self.model(tokens) if doc_ids is None else self.model(tokens, doc_ids=doc_ids)
         out = self._loss_fn(logits[:, :-1], tokens[:, 1:], batch["loss_mask"][:, 1:],
                       z_loss=self.loss_cfg.get("z_loss", "none"), z_coef=float(self.loss_cfg.get("z_coef", 1e-4)))
         return logits, out
@@ -336,7 +343,8 @@ class LMModule(L.LightningModule):
         for a skipped step), ``train/nonfinite_steps`` (when any), and since the previous logging step
         ``perf/tokens_per_s`` (progress bar; all ranks), ``perf/step_time_s`` (seconds per step),
         ``perf/data_wait_s`` (seconds per step spent between the end of one batch and the start of the next, i.e.
-        waiting for data), ``perf/peak_mem_gb`` (GiB, :func:`_peak_mem_gb`), ``perf/tokens_seen`` and, on CUDA
+        waiting for data), ``perf/peak_mem_gb`` (GiB, :func:`_peak_mem_gb`), ``perf/tokens_seen``, for a text mixture
+        ``train/tokens/<source>`` (:meth:`_log_source_tokens`) and, on CUDA
         devices in :data:`PEAK_FLOPS`, ``perf/mfu`` (:func:`canonlm.arch.flops.mfu`). The read waits for this
         step's backward, so the time between two logging steps is the device time of the steps in between."""
         from canonlm.arch.flops import mfu
@@ -355,12 +363,25 @@ class LMModule(L.LightningModule):
             self._log_host("perf/data_wait_s", self._wait_sum / n)
             self._log_host("perf/peak_mem_gb", _peak_mem_gb(self.device))
             self._log_host("perf/tokens_seen", float(step * self.tokens_per_step))
+            self._log_source_tokens(step)
             peak = _peak_flops(self.device)
             if peak is not None:
                 self._log_host("perf/mfu", mfu(tok_s, self.model.flops_per_token(self._seq_len), peak,
                                                self.trainer.world_size))
         self._t_last, self._step_last = now, step
         self._wait_sum = 0.0
+
+    def _log_source_tokens(self, step: int) -> None:
+        """``train/tokens/<source>`` of a text mixture: the tokens each source gave in the first ``step`` optimizer
+        steps (``step x windows_per_step`` global windows x the window length), counted from the stream's
+        deterministic schedule (:meth:`canonlm.data.text.TextTask.source_windows`), so the count is exact after a
+        resume at any world size."""
+        names = self._source_names()
+        if not names or self.windows_per_step <= 0:
+            return
+        T = int(self.task.context)
+        for name, n in zip(names, self.task.source_windows(step * self.windows_per_step, T)):
+            self._log_host(f"train/tokens/{name}", float(int(n) * T))
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self._t_batch_end is not None:  # time since the previous batch ended = waiting for this batch
@@ -460,6 +481,18 @@ class LMModule(L.LightningModule):
         sums = self._loss_sums.setdefault(split, torch.zeros(2, dtype=torch.float64, device=self.device))
         sums[0] += out["nll_sum"].detach().double()
         sums[1] += out["n_tokens"].detach().double()
+        if "source" in batch and self._source_names():  # a text mixture: nll and loss tokens per source (rows)
+            mask = batch["loss_mask"][:, 1:].to(nll.device)
+            rows = torch.stack([torch.where(mask, nll[:, 1:], 0.0).double().sum(1), mask.double().sum(1)], 1)
+            acc_s = self._source_sums.setdefault(split, torch.zeros(len(self._source_names()), 2, dtype=torch.float64,
+                                                                    device=self.device))
+            acc_s.index_add_(0, batch["source"].to(self.device, torch.long), rows.to(self.device))
+
+    def _source_names(self) -> list[str]:
+        """The sources of a text mixture (``task.source_names``), else []."""
+        if self.task is None or not getattr(self.task, "is_mixture", False):
+            return []
+        return list(self.task.source_names)
 
     def validation_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> None:
         self._eval_step(batch, "val")
@@ -483,9 +516,21 @@ class LMModule(L.LightningModule):
         if table["overall"]["answers"] > 0:  # tasks scored by generation only (Brevo, Lano) have no answers here
             metrics[f"{split}/acc"] = table["overall"]["acc"]
             metrics[f"{split}/token_acc"] = table["overall"]["token_acc"]
+        per_source = {}
+        src_sums = self._source_sums.pop(split, None)
+        if src_sums is not None:  # text mixtures: {split}/<source>/loss, /ppl over that source's own split
+            src_sums = self._global_sum(src_sums).cpu().tolist()
+            for name, (s_nll, s_tok) in zip(self._source_names(), src_sums):
+                if s_tok > 0:
+                    s_loss = s_nll / s_tok
+                    per_source[name] = {"loss": s_loss, "ppl": math.exp(min(s_loss, 700.0)), "tokens": int(s_tok)}
+                    metrics[f"{split}/{name}/loss"] = s_loss
+                    metrics[f"{split}/{name}/ppl"] = per_source[name]["ppl"]
         for k, v in metrics.items():
             self.log(k, v, prog_bar=k == f"{split}/acc", rank_zero_only=True)
         self.results[split] = {"loss": nll, "ppl": metrics[f"{split}/ppl"], "group_name": self.group_name, **table}
+        if per_source:
+            self.results[split]["sources"] = per_source
         if self.task is not None and hasattr(self.task, "finalize_metrics"):
             extra = self.task.finalize_metrics(split, table, self.model_info())
             for k, v in extra.items():

@@ -59,19 +59,56 @@ log = logging.getLogger("canonlm")
 
 
 def resolve_max_steps(cfg: DictConfig, task: Any) -> None:
-    """``trainer.max_steps: auto`` -> the task's own schedule (Capo: the steps that show every person
-    ``task.exposures`` times at ``data.batch_size`` windows per step, Part 3.3's 100 exposures), written into ``cfg``.
-    Raises ConfigError for ``auto`` with a task that has no schedule of its own."""
+    """The run's length, written into ``cfg.trainer.max_steps``: exactly one of ``trainer.max_steps`` and
+    ``data.max_tokens`` is given (the other null or absent; ConfigError naming the second one when both are given,
+    ``trainer.max_steps`` when neither is).
+
+    * ``data.max_tokens`` (a number >= 1): ``trainer.max_steps = ceil(max_tokens / (data.batch_size x
+      task.context))`` -- ``data.batch_size`` is the global number of windows per optimizer step (any world size
+      and accumulation), so the run reads ``max_steps x batch_size x context >= max_tokens`` tokens;
+    * ``trainer.max_steps: auto`` -> the task's own schedule (Capo: the steps that show every person
+      ``task.exposures`` times at ``data.batch_size`` windows per step, Part 3.3's 100 exposures); ConfigError for
+      a task that has no schedule of its own.
+    Then a task with repetition caps (``text`` mixtures, ``max_epochs``) checks that they supply the run
+    (:meth:`canonlm.data.text.TextTask.check_run`). Raises ConfigError; writes nothing to disk."""
+    import math
+
     from omegaconf import open_dict
 
-    if cfg.trainer.get("max_steps") != "auto":
-        return
-    if not hasattr(task, "steps_for_exposures"):
-        raise ConfigError("trainer.max_steps", "auto",
-                          f"a positive integer (task {task.name} has no schedule of its own)")
-    with open_dict(cfg):
-        cfg.trainer.max_steps = int(task.steps_for_exposures(int(cfg.data.batch_size)))
-    log.info("trainer.max_steps=auto -> %d steps (%s)", cfg.trainer.max_steps, task.name)
+    from canonlm.config.rules import check_value
+
+    steps = cfg.trainer.get("max_steps")
+    max_tokens = plain(OmegaConf.select(cfg, "data.max_tokens", default=None))
+    what = ""
+    if max_tokens is not None:
+        if steps is not None:
+            raise ConfigError("data.max_tokens", max_tokens, f"null while trainer.max_steps is set ({steps}): give "
+                              "exactly one of trainer.max_steps and data.max_tokens (add trainer.max_steps=null)")
+        check_value("data.max_tokens", max_tokens)
+        batch = check_value("data.batch_size", plain(cfg.data.batch_size))
+        context = int(cfg.task.context)
+        per_step = int(batch) * context
+        with open_dict(cfg):
+            cfg.trainer.max_steps = int(math.ceil(max_tokens / per_step))
+        what = f" (data.max_tokens={max_tokens:g})"
+        if launch_rank() == 0:
+            log.info("data.max_tokens=%s -> trainer.max_steps=%d (%d windows x %d tokens = %d tokens per step; "
+                     "%d tokens in all)", f"{max_tokens:g}", cfg.trainer.max_steps, batch, context, per_step,
+                     cfg.trainer.max_steps * per_step)
+    elif steps is None:
+        raise ConfigError("trainer.max_steps", None, "a positive integer, or null with data.max_tokens set: give "
+                          "exactly one of trainer.max_steps and data.max_tokens")
+    elif steps == "auto":
+        if not hasattr(task, "steps_for_exposures"):
+            raise ConfigError("trainer.max_steps", "auto",
+                              f"a positive integer (task {task.name} has no schedule of its own)")
+        with open_dict(cfg):
+            cfg.trainer.max_steps = int(task.steps_for_exposures(int(cfg.data.batch_size)))
+        log.info("trainer.max_steps=auto -> %d steps (%s)", cfg.trainer.max_steps, task.name)
+    if hasattr(task, "check_run"):
+        steps = check_value("trainer.max_steps", plain(cfg.trainer.max_steps))
+        batch = check_value("data.batch_size", plain(cfg.data.batch_size))
+        task.check_run(int(steps) * int(batch), what=what or f" (trainer.max_steps={steps} x data.batch_size={batch})")
 
 
 def validate_training(cfg: DictConfig, optimizer: bool = True) -> None:
@@ -269,7 +306,7 @@ def check_memory(cfg: DictConfig, mcfg: ModelConfig, device: torch.device) -> in
     naming ``data.batch_size`` when the micro-batch's activations and data are the larger part, else
     ``model.size``, with the numbers. A device whose memory cannot be queried (no CUDA runtime although CUDA was
     asked for: Lightning refuses that itself) is not checked. Returns the parameter count when it was computed."""
-    from canonlm.arch.memory import count_parameters, training_memory
+    from canonlm.arch.memory import count_parameters, strategy_memory
 
     if device.type == "cuda" and not torch.cuda.is_available():
         return None  # no GPU here: Lightning refuses the accelerator itself (one line, before anything is written)
@@ -283,14 +320,13 @@ def check_memory(cfg: DictConfig, mcfg: ModelConfig, device: torch.device) -> in
         world = (torch.cuda.device_count() if device.type == "cuda" else 1) * int(cfg.trainer.get("num_nodes") or 1)
     here = int(cfg.trainer.devices) if device.type == "cpu" and isinstance(cfg.trainer.get("devices"), int) else 1
     mb = -(-int(cfg.data.batch_size) // max(1, world * int(accumulate)))
-    fsdp = cfg.strategy.name == "fsdp2"
 
-    def need(n_params: int):
-        return training_memory(mcfg, mb, mcfg.max_seq_len, precision=cfg.trainer.precision,
-                               fsdp_param_dtype=cfg.strategy.get("param_dtype") if fsdp else None,
-                               shards=max(1, world) if fsdp else 1,
+    def need(n_params: int):  # the arithmetic python -m canonlm.estimate prints (one mapping of the settings)
+        return strategy_memory(mcfg, mb, mcfg.max_seq_len, strategy=cfg.strategy.name, world_size=max(1, world),
+                               precision=cfg.trainer.precision, param_dtype=cfg.strategy.get("param_dtype"),
+                               accumulate=int(accumulate),
                                activation_checkpointing=bool(cfg.get("activation_checkpointing", False)),
-                               optimizer_states=3 if cfg.optim.get("amsgrad") else 2, n_params=n_params)
+                               amsgrad=bool(cfg.optim.get("amsgrad")), n_params=n_params)
 
     n_params, est = None, need(0)
     if est.total * here <= have:
@@ -302,7 +338,7 @@ def check_memory(cfg: DictConfig, mcfg: ModelConfig, device: torch.device) -> in
     what = est.describe() if n_params is not None else (
         f"activations {human_bytes(est.activations)}, batch data {human_bytes(est.batch)}; before the model's "
         "parameters, gradients and optimizer state")
-    batch_part = est.activations + est.batch > est.model_state
+    batch_part = est.activations + est.batch > est.model_state + est.gathered + est.buckets
     key, value = ("data.batch_size", cfg.data.batch_size) if batch_part else ("model.size", cfg.model.get("size"))
     raise ConfigError(key, value, f"a run that fits in memory: training needs at least {human_bytes(est.total)}"
                       f"{per} ({what}; micro-batch {mb} windows x {mcfg.max_seq_len} tokens) and {where}")
@@ -334,6 +370,12 @@ def _check_job(cfg: DictConfig, device_checks: bool) -> tuple[Any, ModelConfig, 
         with open_dict(cfg):
             cfg.canon.set = mcfg.canon.set
     resolve_max_steps(cfg, task)
+    if OmegaConf.select(cfg, "task.doc_mask", default=False) is True:
+        from canonlm.arch import doc_mask_problem
+
+        why = doc_mask_problem(mcfg)  # a model that cannot keep documents apart: refused, never silently mixed
+        if why is not None:
+            raise ConfigError("task.doc_mask", True, f"false for this model ({why})")
     validate_training(cfg, optimizer=False)
     world = _declared_world_size(cfg)
     if world is not None:  # else Lightning decides it (devices=auto / -1 / a list): checked once the Trainer exists
@@ -398,11 +440,24 @@ def _check_config(cfg: DictConfig) -> tuple[Any, ModelConfig, str | None, int]:
         for line in remove_stale_temps(output_dir / "checkpoints"):
             log.warning("%s", line)
     task_cfg = plain(cfg.task)
-    ckpt = resolve_ckpt(cfg, str(output_dir), check=lambda info: check_compatible(info, mcfg, task_cfg, shapes))
+    ckpt = resolve_ckpt(cfg, str(output_dir),
+                        check=lambda info: check_compatible(info, mcfg, _task_cfg_as_saved(task_cfg, info), shapes))
     init = cfg.get("init_from")
     if init is not None and ckpt is None:
         _check_init_from(str(init), mcfg)
     return task, mcfg, ckpt, n_params
+
+
+def _task_cfg_as_saved(task_cfg: dict[str, Any], info: Any) -> dict[str, Any]:
+    """``task_cfg`` without the keys a task gained after ``info``'s checkpoint was written, where they hold their
+    defaults (text: ``sources``, ``mix``, ``doc_mask`` of :data:`canonlm.data.text.ADDED_KEYS`), so that a run
+    started before those keys existed resumes; any other difference is still one (``check_compatible``)."""
+    saved = (info.meta or {}).get("task") if info.meta is not None else None
+    if not saved or task_cfg.get("name") != "text":
+        return task_cfg
+    from canonlm.data.text import ADDED_KEYS
+
+    return {k: v for k, v in task_cfg.items() if k in saved or k not in ADDED_KEYS or ADDED_KEYS[k] != v}
 
 
 def prepare_run(cfg: DictConfig) -> tuple[Any, ModelConfig, str | None]:
@@ -674,6 +729,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         if trainer.is_global_zero:
             log.info("init_from=%s: weights loaded (fresh optimizer and schedule)", cfg.init_from)
     module.tokens_per_step = int(cfg.data.batch_size) * int(task_cfg["context"])
+    module.windows_per_step = int(cfg.data.batch_size)
 
     n_params = module.model.num_params()
     pos_type = position_encoding(mcfg.arch, mcfg.pos.type)
@@ -683,6 +739,14 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                  mcfg.d_model, mcfg.n_heads, mcfg.canon.set, pos_type, n_params / 1e6, trainer.world_size)
         for lg in trainer.loggers:
             lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+        if getattr(task, "is_mixture", False):
+            for name, row in task.source_table().items():
+                log.info("source %s: share %.4f of the training windows (weight %s), %d windows of %d tokens per "
+                         "epoch, cap %s", name, row["share"], row["weight"], row["train_windows"],
+                         task_cfg["context"], "none" if row["capacity"] is None else f"{row['capacity']} windows "
+                         f"(max_epochs={row['max_epochs']})")
+        log.info("run length: %d steps x %d tokens = %d tokens", cfg.trainer.max_steps, module.tokens_per_step,
+                 int(cfg.trainer.max_steps) * module.tokens_per_step)
 
     # 5. train + test
     if cfg.get("train", True):
@@ -698,6 +762,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                   "tie_embeddings": mcfg.tie_embeddings},
         "steps": trainer.global_step,
         "tokens_seen": trainer.global_step * module.tokens_per_step,
+        **({"max_tokens": plain(OmegaConf.select(cfg, "data.max_tokens", default=None))}
+           if OmegaConf.select(cfg, "data.max_tokens", default=None) is not None else {}),
+        **({"sources": {name: {**row, "tokens_seen": int(n) * int(task_cfg["context"])} for (name, row), n in zip(
+            task.source_table().items(), task.source_windows(trainer.global_step * module.windows_per_step))}}
+           if getattr(task, "is_mixture", False) else {}),
         "train_time_s": round(module.train_time_s, 1),
         "attempts": module.attempts,
         "world_size": trainer.world_size,
