@@ -13,6 +13,7 @@ written, a batch that cannot fit in memory. Every job of the command line (each 
 and checked as Hydra will run it before Hydra creates any directory (``canonlm.train.run.check_command_line``); the
 job checks its config again when it runs (checkpoints, Lightning's own checks). A run stopped early with its
 checkpoint saved exits with 0 (requeued itself on SLURM's warning signal), 143 (SIGTERM) or 3 (non-finite steps).
+``--estimate`` prints the run's cost instead of running it (``python -m canonlm.estimate``, docs/estimate.md).
 """
 
 import sys
@@ -91,6 +92,18 @@ def check_first() -> None:
         sys.exit(2)
 
 
+def estimate_instead() -> None:
+    """``python train.py <overrides> --estimate [--world-size N] [--gpu NAME] [--mfu X]``: print the run's cost
+    (parameters, FLOPs per token, tokens and steps, memory per GPU, GPU-hours; :mod:`canonlm.estimate`) and exit
+    without training or writing anything (exit 2 with one line for a config that is refused or does not fit)."""
+    argv = [a for a in sys.argv[1:] if a != "--estimate"]
+    from canonlm.estimate import main as estimate
+
+    sys.exit(estimate(argv))
+
+
 if __name__ == "__main__":
+    if "--estimate" in sys.argv[1:]:
+        estimate_instead()
     check_first()
     main()

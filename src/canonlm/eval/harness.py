@@ -2,6 +2,7 @@
 
     python -m canonlm.eval.harness <run dir | checkpoint> --tasks hellaswag,lambada_openai [--batch-size 8]
     python -m canonlm.eval.harness <run> --tasks my_task --include-path my_tasks/ --limit 100 --out results.json
+    python -m canonlm.eval.harness <run> --tasks reallife        # the paper's Result-12 list (TASK_PRESETS)
 
 The run's model becomes the same transformers model an export loads (:class:`canonlm.hf.remote.modeling_canonlm.
 CanonLMForCausalLM` around canonlm's ``CanonLM``, weights from the checkpoint, fp32) with the tokenizer an export
@@ -280,12 +281,35 @@ def evaluate(run: str | Path, tasks: list[str], *, include_path: str | None = No
                                    limit=limit, log_samples=log_samples)
 
 
+#: Named task lists for ``--tasks``, expanded in place (``--tasks reallife,mmlu``). ``reallife``: the lm-eval tasks of
+#: the paper's Result 12 (Physics of Language Models Part 4.1, 1.3B models on 100B tokens: PIQA, HellaSwag,
+#: WinoGrande, ARC-easy / -challenge, SIQA, BoolQ, WikiText perplexity, LAMBADA), by their names in lm-eval 0.4
+#: (``lm_eval/tasks/<folder>/*.yaml``): SIQA is ``social_iqa``; LAMBADA is ``lambada_openai``, the OpenAI version
+#: that the release's evaluation list names.
+TASK_PRESETS = {
+    "reallife": ("piqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "social_iqa", "boolq", "wikitext",
+                 "lambada_openai"),
+}
+
+
+def expand_tasks(text: str) -> list[str]:
+    """The lm-eval task names of a ``--tasks`` value: comma-separated names, each preset of :data:`TASK_PRESETS`
+    replaced by its list; duplicates dropped (first kept), empty entries ignored."""
+    out: list[str] = []
+    for name in (t.strip() for t in text.split(",")):
+        for t in TASK_PRESETS.get(name, (name,) if name else ()):
+            if t not in out:
+                out.append(t)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI (module docstring)."""
     ap = argparse.ArgumentParser(prog="python -m canonlm.eval.harness",
                                  description="lm-evaluation-harness tasks on a canonlm run (no export needed).")
     ap.add_argument("run", help="run directory or checkpoint")
-    ap.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
+    ap.add_argument("--tasks", required=True, help="comma-separated lm-eval task names, or a preset: "
+                    + "; ".join(f"{k} = {','.join(v)}" for k, v in TASK_PRESETS.items()))
     ap.add_argument("--include-path", default=None, help="folder of extra task YAMLs")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--limit", type=int, default=None, help="documents per task (default: all)")
@@ -312,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     from canonlm.hf import InteropError
 
     try:
-        res = evaluate(a.run, [t for t in a.tasks.split(",") if t], include_path=a.include_path,
+        res = evaluate(a.run, expand_tasks(a.tasks), include_path=a.include_path,
                        batch_size=a.batch_size, limit=a.limit, device=a.device)
     except (InteropError, KeyError, ValueError) as e:
         print(f"canonlm.eval.harness: error: {e}", file=sys.stderr)

@@ -1,0 +1,341 @@
+"""``python -m canonlm.estimate``: the cost of a run before it starts (canonlm.estimate, canonlm.arch.memory).
+
+Oracles: FLOPs against ``torch.utils.flop_counter.FlopCounterMode`` on tiny models (forward + backward counted, or
+3 x the counted forward where the counter's convolution-backward formula over-counts depthwise convs); memory against
+the peak torch's own ``MemTracker`` (``torch.distributed._tools.mem_tracker``) measures over a real CPU training step;
+parameters against the paper's and the release's tables and the hand formula; the 1.3B printout against a hand
+re-derivation of every number; the refusals against ``train.py``'s own checks. A prepared ``task=text`` corpus with
+the Llama-2 vocabulary (32,000) is faked by writing its ``meta.json`` and three small shards (nothing is downloaded).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from canonlm.arch import CanonLM, build_model_config
+from canonlm.estimate import GPUS, main, training_flops
+from conftest import ARCH_PRESETS, ROOT
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB = 32000
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """A prepared ``text`` directory (format canonlm-text-v1) with vocabulary 32,000 and 8,192 tokens per split."""
+    d = tmp_path_factory.mktemp("corpus")
+    meta = {"format": "canonlm-text-v1", "dtype": "uint16", "vocab_size": VOCAB, "eos_id": 2, "tokenizer": {},
+            "splits": {}}
+    for split in ("train", "val", "test"):
+        np.zeros(8192, dtype=np.uint16).tofile(d / f"{split}_00000.bin")
+        np.save(d / f"{split}_00000.idx.npy", np.zeros((1, 2), dtype=np.int64))
+        meta["splits"][split] = {"tokens": 8192, "documents": 1,
+                                 "shards": [{"file": f"{split}_00000.bin", "tokens": 8192, "documents": 1}]}
+    (d / "meta.json").write_text(json.dumps(meta))
+    return d
+
+
+def paper(corpus: Path, tmp_path: Path, *extra: str) -> list[str]:
+    """The paper's Result-12 Llama (24L2048D, 32 heads, context 4096, global batch 48, 510,000 steps) under FSDP2;
+    run logs (none are written) pointed into ``tmp_path``."""
+    return ["arch=llama", "canon=none", "model.size=24L2048D", "model.n_heads=32", "task=text",
+            f"task.data_dir={corpus}", "task.context=4096", "data.batch_size=48", "trainer.max_steps=510000",
+            "strategy=fsdp2", f"paths.log_dir={tmp_path / 'logs'}", *extra]
+
+
+def files_under(*dirs: Path) -> set[str]:
+    return {str(p) for d in dirs for p in d.rglob("*")}
+
+
+# ------------------------------------------------------------------------------------------------------- FLOPs
+
+
+def _tiny(preset: str, canon: str, T: int, **kw):
+    cfg = build_model_config(dict(ARCH_PRESETS[preset], size="2L64D", **kw), canon={"set": canon},
+                             pos={"type": "rope"}, vocab_size=32, max_seq_len=T, ops="reference")
+    torch.manual_seed(0)
+    return cfg, CanonLM(cfg)
+
+
+def _counted(model, T: int, backward: bool, B: int = 2) -> tuple[int, int]:
+    """(all FLOPs, matmul FLOPs) FlopCounterMode counts for a forward (+ backward) of B x T tokens."""
+    ids = torch.randint(0, 32, (B, T), generator=torch.Generator().manual_seed(1))
+    with FlopCounterMode(display=False) as fc:
+        if backward:
+            model(ids).float().square().mean().backward()
+        else:
+            with torch.no_grad():
+                model(ids)
+    mm = sum(n for op, n in fc.get_flop_counts()["Global"].items()
+             if op.__name__.split(".")[0] in ("mm", "addmm", "bmm", "baddbmm"))
+    return fc.get_total_flops(), mm
+
+
+def test_training_flops_of_a_llama_equal_the_counted_forward_and_backward():
+    """No Canon: every FLOP of the estimate is a product the counter sees, forward and backward (attention included:
+    the ``3 x forward`` rule is exact for matmuls and SDPA)."""
+    cfg, model = _tiny("llama", "", 32)
+    counted, _ = _counted(model, 32, backward=True)
+    assert training_flops(cfg)["total"] * 2 * 32 == counted
+
+
+@pytest.mark.parametrize("preset,canon,T,chunk", [("llama", "ABCD", 32, None), ("mamba2", "AbCD", 32, 16)])
+def test_training_flops_with_canon_are_three_counted_forwards(preset, canon, T, chunk):
+    """With Canon (and Mamba2's short conv): 3 x the counted forward, exactly; the backward's matrix products are
+    twice the forward's (counted), the convolutions' backward is left to the rule (the counter's
+    ``convolution_backward`` formula ignores ``groups`` and over-counts a depthwise conv)."""
+    cfg, model = _tiny(preset, canon, T, **({} if chunk is None else {"chunk_size": chunk}))
+    fwd, fwd_mm = _counted(model, T, backward=False)
+    _, both_mm = _counted(model, T, backward=True)
+    assert training_flops(cfg)["total"] * 2 * T == 3 * fwd
+    assert both_mm == 3 * fwd_mm
+
+
+@pytest.mark.parametrize("preset", ["gla", "gdn"])
+def test_training_flops_of_linear_models_against_the_counter(preset):
+    """GLA / GDN with Canon-AbCD at fla's chunk of 64 (what the estimate uses), T = 2 chunks. GDN: the estimate's
+    forward minus its triangular solve (a ``solve_triangular`` the counter does not see; its C(C-1) per column is
+    checked by tests/test_flops.py against a forward substitution) equals the count exactly. GLA: the dense count is
+    at least the counted one and within 2 % of it (the reference does its score blocks of size <= 2
+    elementwise)."""
+    T = 128
+    cfg, model = _tiny(preset, "AbCD", T, chunk_size=64)
+    fwd, _ = _counted(model, T, backward=False)
+    f = training_flops(cfg)
+    est = f["forward"] * 2 * T
+    print(f"{preset}: estimate {est:.0f} vs counted {fwd} ({est / fwd - 1:+.2%}); solve {f['scan_solve'] * 2 * T}")
+    if preset == "gdn":
+        assert est - f["scan_solve"] * 2 * T == fwd
+    else:
+        assert fwd <= est <= 1.02 * fwd
+
+
+# ------------------------------------------------------------------------------------------------------ memory
+
+
+@pytest.mark.parametrize("preset,canon,B,T", [("llama", "ABCD", 4, 64), ("llama", "", 1, 4), ("gla", "AbCD", 4, 64),
+                                             ("mamba2", "AbCD", 1, 4)],
+                         ids=["llama-ABCD-activations", "llama-state", "gla-AbCD-activations", "mamba2-AbCD-state"])
+def test_memory_is_a_lower_bound_of_the_measured_cpu_peak(preset, canon, B, T):
+    """``training_memory(...).total`` (what the estimate prints and train.py refuses with) is at most the peak that
+    torch's ``MemTracker`` measures over a second real training step (forward, loss, backward, AdamW, zero_grad;
+    fp32 on the CPU, reference ops), and not vacuous: at least 1/4 of it. Both regimes: activations larger than the
+    gradients, and the other way round (a sum of the two would exceed the peak there: they do not coexist)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from canonlm.arch.loss import lm_loss
+    from canonlm.arch.memory import training_memory
+
+    cfg, model = _tiny(preset, canon, T)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=False)
+    x = torch.randint(1, 32, (B, T))
+
+    def step():
+        lm_loss(model(x), x, None)["loss_sum"].backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    mt = MemTracker()
+    mt.track_external(model, opt, x)
+    with mt:
+        step()  # creates the AdamW state
+        mt.reset_mod_stats()
+        step()
+    measured = mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    est = training_memory(cfg, B, T)
+    print(f"{preset}-{canon or 'none'} B={B} T={T}: estimate {est.total} B <= measured {measured} B "
+          f"({measured / est.total:.2f}x); gradients {est.gradients}, activations {est.activations}")
+    assert est.total <= measured <= 4 * est.total
+
+
+# -------------------------------------------------------------------------------------------------- parameters
+
+
+def test_llama_parameters_against_the_paper_and_the_release(corpus, tmp_path, capsys):
+    """24L2048D Llama, vocabulary 32,000, untied, SwiGLU d_ff 5632 (8d/3 rounded up to 256, lingua): the hand
+    formula ``L(4d^2 + 3 d d_ff + 2d) + 2Vd + d``; the release's table (1.36B, 1.37B with Canon-ABCD) to its two
+    decimals; the paper's "~1.35B" within 1.5 %."""
+    L, d, ff = 24, 2048, 5632
+    hand = L * (4 * d * d + 3 * d * ff + 2 * d) + 2 * VOCAB * d + d
+    counts = {}
+    for canon in ("none", "ABCD"):
+        assert main([*paper(corpus, tmp_path, f"canon={canon}"), "--world-size", "8"]) == 0
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("parameters"))
+        counts[canon] = int(line.split()[1].replace(",", ""))
+    assert counts["none"] == hand
+    assert (round(counts["none"] / 1e9, 2), round(counts["ABCD"] / 1e9, 2)) == (1.36, 1.37)
+    assert abs(counts["none"] / 1.35e9 - 1) < 0.015
+
+
+@pytest.mark.parametrize("arch,heads", [("gla", 4), ("gdn", 12), ("mamba2_mlp", 16)])
+def test_linear_result12_parameters_are_the_papers_1_35b(arch, heads, corpus, tmp_path, capsys):
+    """Result 12's linear models at 24L2048D (GLA 4 heads, GDN 12, Mamba2 with MLP 16; their presets' widths,
+    Canon-AbCD): the paper's "~1.35B parameters" within 1.5 %."""
+    args = [*paper(corpus, tmp_path, f"arch={arch}", "canon=AbCD", f"model.n_heads={heads}"), "--world-size", "8"]
+    assert main(args) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("parameters"))
+    n = int(line.split()[1].replace(",", ""))
+    assert abs(n / 1.35e9 - 1) < 0.015, n
+
+
+# ------------------------------------------------------------------------------- the 1.3B printout, by hand
+
+
+def test_the_1_3b_llama_estimate_by_hand(corpus, tmp_path):
+    """Every number of the paper's 1.3B Llama on 8 H100s under FSDP2 (bf16 param_dtype, fp32 state) re-derived from
+    the formulas of docs/estimate.md."""
+    from canonlm.config.strict import compose_jobs
+    from canonlm.estimate import CONF, estimate_job, gpu_spec
+
+    (job,) = compose_jobs(paper(corpus, tmp_path), CONF, "train")
+    with job.active() as cfg:
+        e = estimate_job(cfg, 8, gpu_spec("h100"), None, [])
+    L, d, ff, V, T, H = 24, 2048, 5632, VOCAB, 4096, 32
+    N = L * (4 * d * d + 3 * d * ff + 2 * d) + 2 * V * d + d
+    fwd = 2 * (L * (4 * d * d + 3 * d * ff) + d * V) + L * 4 * H * (d // H) * T  # weight products + attention
+    assert (e.n_params, e.flops["total"]) == (N, 3 * fwd)
+    assert (e.steps, e.tokens, e.micro_batch) == (510_000, 510_000 * 48 * 4096, 48 // 8)
+    m = e.memory
+    shard = math.ceil(4 * N / 8)
+    assert (m.parameters, m.gradients, m.optimizer) == (shard, shard, 2 * shard)
+    root, block = 2 * V * d + d, 4 * d * d + 3 * d * ff + 2 * d
+    assert m.gathered == 2 * (root + block)
+    per_token = L * (d + (3 * d) + d + d + 2 * ff) + d + V  # input, qkv, attn out, MLP input, w13 out; head
+    assert m.activations == 6 * T * per_token * 2 and m.batch == 6 * T * 17
+    assert m.total == shard * 3 + max(shard, m.activations) + m.batch + m.gathered
+    ck_block = (per_token - d - V) // L  # checkpointing: every block's input + one block recomputed
+    assert e.memory_ckpt.activations == 6 * T * (L * d + ck_block + d + V) * 2
+    assert e.mfu == 0.40 and "ASSUMED" in e.mfu_from
+    assert e.gpu_seconds == pytest.approx(3 * fwd * 510_000 * 48 * 4096 / (989e12 * 0.40), rel=1e-12)
+    assert e.gpu.memory == 81559 * 2**20 == GPUS["h100"][1] * 2**20
+
+
+def test_max_tokens_sets_the_steps_as_training_does(corpus, tmp_path, capsys):
+    """``trainer.max_steps=null +data.max_tokens=1e11``: ceil(1e11 / (48 x 4096)) steps, as training resolves it."""
+    args = paper(corpus, tmp_path, "trainer.max_steps=null", "+data.max_tokens=1e11")
+    assert main([*args, "--world-size", "8"]) == 0
+    out = capsys.readouterr().out
+    assert f"{math.ceil(1e11 / (48 * 4096)):,} steps (data.max_tokens=1e+11)" in out
+
+
+def test_a_measured_mfu_is_used_and_named(corpus, tmp_path, capsys):
+    """A ``bench/gpu_step.py`` result of the same shape on the same GPU replaces the assumed MFU."""
+    bench = tmp_path / "gpu_step.jsonl"
+    bench.write_text("\n".join(json.dumps(r) for r in (
+        {"record": "header", "device_name": "NVIDIA H100 80GB HBM3"},
+        {"record": "variant", "name": "llama-none-eager", "shape": "1.3B", "model": "llama", "canon": "none",
+         "seq_len": 4096, "status": "ok", "mfu": 0.31},
+        {"record": "variant", "name": "llama-none-other-shape", "shape": "12L768D", "model": "llama",
+         "canon": "none", "seq_len": 2048, "status": "ok", "mfu": 0.6})) + "\n")
+    assert main([*paper(corpus, tmp_path), "--world-size", "8", "--bench", str(bench)]) == 0
+    out = capsys.readouterr().out
+    assert "MFU 0.31 (measured: " in out and "llama-none-eager" in out
+
+
+# ---------------------------------------------------------------------------------------- refusals, no writes
+
+
+def test_a_successful_estimate_writes_nothing(corpus, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    before = files_under(tmp_path, corpus, REPO / "logs") if (REPO / "logs").exists() else files_under(tmp_path,
+                                                                                                        corpus)
+    assert main([*paper(corpus, tmp_path), "--world-size", "24", "--gpu", "h100"]) == 0
+    after = files_under(tmp_path, corpus, REPO / "logs") if (REPO / "logs").exists() else files_under(tmp_path,
+                                                                                                       corpus)
+    assert after == before
+    assert "wall time" in capsys.readouterr().out
+
+
+def test_an_estimate_over_the_gpus_memory_is_refused_in_one_line(corpus, tmp_path, capsys, monkeypatch):
+    """48 windows of 4096 tokens on one H100: the activations alone are 219.5 GiB. Exit 2, one line on stderr
+    naming data.batch_size and the numbers, nothing on stdout, nothing written; the line says that activation
+    checkpointing would fit (bf16: 196,608 tokens x (24 x 2048 + one block 23,552 + 2048 + 32,000) x 2 B = 39.1 GiB
+    of activations (more than the 5.1 GiB of fp32 gradients), + 15.2 GiB of fp32 parameters and AdamW state + 0.3 GiB
+    FSDP2 all-gathered root and block + 3.2 MiB batch = 54.7 GiB)."""
+    monkeypatch.chdir(tmp_path)
+    before = files_under(tmp_path, corpus)
+    assert main([*paper(corpus, tmp_path), "--world-size", "1", "--gpu", "h100"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert err.startswith("canonlm: error: invalid config: data.batch_size=48; allowed: a run that fits in memory: "
+                          "training needs at least ")
+    assert "fsdp2 over 1 GPU) and one NVIDIA H100 80GB HBM3 (81559 MiB) has 79.6 GiB" in err
+    assert err.rstrip().endswith("with activation_checkpointing=true it needs 54.7 GiB, which fits")
+    assert files_under(tmp_path, corpus) == before
+
+
+def test_a_batch_that_does_not_split_over_the_gpus_is_refused(corpus, tmp_path, capsys):
+    """The paper's 48 windows per step cannot be split over 32 GPUs (``canonlm.config.rules.micro_batch``)."""
+    assert main([*paper(corpus, tmp_path), "--world-size", "32"]) == 2
+    assert capsys.readouterr().err == ("canonlm: error: invalid config: data.batch_size=48; allowed: a positive "
+                                       "multiple of world_size x accumulate_grad_batches = 32 x 1\n")
+
+
+def test_a_misspelt_key_is_refused_as_train_py_refuses_it(corpus, tmp_path, capsys):
+    """The same one line as ``python train.py`` (its pre-Hydra check, ``check_command_line``)."""
+    from canonlm.errors import ConfigError
+    from canonlm.train.run import check_command_line
+
+    args = [*paper(corpus, tmp_path), "data.batchsize=4"]
+    with pytest.raises(ConfigError) as e:
+        check_command_line(args, REPO / "conf")
+    assert main([*args, "--world-size", "8"]) == 2
+    assert capsys.readouterr().err == f"canonlm: error: {e.value}\n"
+
+
+@pytest.mark.parametrize("opt,value,allowed", [("--gpu", "h1000", "h100 | h200 | a100 or a memory size in GiB"),
+                                                ("--mfu", "1.5", "a number in (0, 1]"),
+                                                ("--world-size", "0", "a positive integer")])
+def test_bad_options_are_refused(opt, value, allowed, corpus, tmp_path, capsys):
+    assert main([*paper(corpus, tmp_path), opt, value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"canonlm: error: invalid config: {opt}={value!r}; allowed: {allowed}") and \
+        err.count("\n") == 1
+
+
+def test_the_command_runs_as_a_module(corpus, tmp_path):
+    """``python -m canonlm.estimate`` (a subprocess: the real exit code and streams)."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "canonlm.estimate", *paper(corpus, tmp_path), "--world-size", "1"],
+                       capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "PYTHONWARNINGS": "ignore"},
+                       timeout=120)
+    assert (r.returncode, r.stdout, r.stderr.count("\n")) == (2, "", 1), r.stderr
+    # the same through train.py --estimate, on the 8 GPUs it fits: the estimate printed, nothing run or written
+    before = sorted(p.name for p in tmp_path.iterdir())
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), *paper(corpus, tmp_path), "--estimate",
+                        "--world-size", "8"], capture_output=True, text=True, cwd=tmp_path,
+                       env={**os.environ, "PYTHONWARNINGS": "ignore"}, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("estimate: llama 24L2048D") and "1,364,297,728" in r.stdout, \
+        r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+# ------------------------------------------------------------------------- the lm-eval preset (eval/harness.py)
+
+
+def test_the_reallife_task_preset_names_lm_evals_own_tasks():
+    """``--tasks reallife`` expands to the paper's Result-12 list, every name a task of the installed lm-eval (its
+    ``TaskManager`` index of the task folder; nothing is downloaded), one per benchmark the paper lists."""
+    lm_eval_tasks = pytest.importorskip("lm_eval.tasks", reason="lm-evaluation-harness is the `eval` extra")
+    from canonlm.eval.harness import TASK_PRESETS, expand_tasks
+
+    names = expand_tasks("reallife")
+    assert names == list(TASK_PRESETS["reallife"])
+    root = Path(lm_eval_tasks.__file__).parent  # index only the benchmarks' folders (the whole index takes ~15 s)
+    folders = [str(root / f) for f in ("piqa", "hellaswag", "winogrande", "arc", "siqa", "super_glue/boolq",
+                                       "wikitext", "lambada")]
+    assert set(names) <= set(lm_eval_tasks.TaskManager(include_path=folders, include_defaults=False).all_tasks)
+    assert names == ["piqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "social_iqa", "boolq",
+                     "wikitext", "lambada_openai"]  # PIQA, HellaSwag, WinoGrande, ARC-e/c, SIQA, BoolQ, WikiText,
+    # LAMBADA: the paper's list, in its order
+    assert expand_tasks("boolq,reallife,,mmlu") == ["boolq", *[n for n in names if n != "boolq"], "mmlu"]
