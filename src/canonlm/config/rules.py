@@ -186,6 +186,9 @@ TRAINING_RULES: tuple[Rule | KnownKeys, ...] = (
     Rule("paths.log_dir", "a directory path", str),
     Rule("paths.output_dir", "a directory path", str),
     Rule("paths.kernel_cache", "null or a directory path (docs/kernel_cache.md)", str, null=True, optional=True),
+    # The prepared corpora of the reallife/* presets, named once (conf/experiment/reallife/_corpora.yaml); read where
+    # the presets interpolate them (task.sources.<name>.data_dir / task.data_dir), whose checks name the task key.
+    KnownKeys("paths.corpora", ("slimpajama", "fineweb_edu", "nemotron_cc", "nemotron_cc_llama3")),
     Rule("strategy.find_unused_parameters", BOOL, bool, optional=True, when=_DDP),
     Rule("strategy.param_dtype", "bf16 | fp32", choices=("bf16", "fp32"), optional=True, when=_FSDP),
     Rule("strategy.reduce_dtype", "bf16 | fp32", choices=("bf16", "fp32"), optional=True, when=_FSDP),
