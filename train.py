@@ -60,13 +60,9 @@ def remove_untouched_sweep(cfg: DictConfig) -> None:
     if not sweep.is_dir() or {p.name for p in sweep.iterdir()} != {"multirun.yaml"}:
         return
     (sweep / "multirun.yaml").unlink()
-    p = sweep
-    while p != stop and p != p.parent:
-        try:
-            p.rmdir()
-        except OSError:
-            break
-        p = p.parent
+    from canonlm.utils.io import remove_empty_dirs
+
+    remove_empty_dirs(sweep, stop)
 
 
 def check_first() -> None:

@@ -59,7 +59,7 @@ def files_under(*dirs: Path) -> set[str]:
 
 
 def _tiny(preset: str, canon: str, T: int, **kw):
-    cfg = build_model_config(dict(ARCH_PRESETS[preset], size="2L64D", **kw), canon={"set": canon},
+    cfg = build_model_config(dict(ARCH_PRESETS[preset], **{"size": "2L64D", **kw}), canon={"set": canon},
                              pos={"type": "rope"}, vocab_size=32, max_seq_len=T, ops="reference")
     torch.manual_seed(0)
     return cfg, CanonLM(cfg)
@@ -154,6 +154,43 @@ def test_memory_is_a_lower_bound_of_the_measured_cpu_peak(preset, canon, B, T):
     print(f"{preset}-{canon or 'none'} B={B} T={T}: estimate {est.total} B <= measured {measured} B "
           f"({measured / est.total:.2f}x); gradients {est.gradients}, activations {est.activations}")
     assert est.total <= measured <= 4 * est.total
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (pytest -m gpu)")
+@pytest.mark.parametrize("preset,canon", [("llama", "ABCD"), ("llama", ""), ("gla", "AbCD"), ("mamba2", "AbCD")])
+def test_memory_is_a_lower_bound_of_cuda_max_memory_allocated(preset, canon):
+    """The same bound on a GPU: ``training_memory(...).total`` <= ``torch.cuda.max_memory_allocated()`` over a second
+    real training step (fp32, reference ops: what the arithmetic counts) <= 4x it plus 64 MiB (cuBLAS workspaces and
+    the allocator's rounding, which the estimate does not count). Not written to pass without a GPU: it runs only
+    with ``-m gpu`` on CUDA and asserts the step ran there."""
+    from canonlm.arch.loss import lm_loss
+    from canonlm.arch.memory import training_memory
+
+    B, T = 8, 512
+    cfg, model = _tiny(preset, canon, T, size="4L256D")
+    dev = torch.device("cuda")
+    model = model.to(dev)
+    model.place(dev, torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=False)
+    x = torch.randint(1, 32, (B, T), device=dev)
+
+    def step():
+        lm_loss(model(x), x, None)["loss_sum"].backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()  # creates the AdamW state
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats(dev)
+    step()
+    torch.cuda.synchronize()
+    measured = torch.cuda.max_memory_allocated(dev)
+    assert next(model.parameters()).is_cuda and measured > 0
+    est = training_memory(cfg, B, T)
+    print(f"{preset}-{canon or 'none'} B={B} T={T} on {torch.cuda.get_device_name(dev)}: estimate {est.total} B <= "
+          f"max_memory_allocated {measured} B ({measured / est.total:.2f}x)")
+    assert est.total <= measured <= 4 * est.total + (64 << 20)
 
 
 # -------------------------------------------------------------------------------------------------- parameters

@@ -50,7 +50,7 @@ from canonlm.config.build import build_configs
 from canonlm.config.resolvers import register_resolvers
 from canonlm.config.rules import check_training, micro_batch, plain
 from canonlm.errors import ConfigError
-from canonlm.utils.io import atomic_write_text
+from canonlm.utils.io import atomic_write_text, remove_empty_dirs
 from canonlm.utils.kernel_cache import configure as configure_kernel_cache
 
 register_resolvers()  # also in Hydra launcher workers (submitit pickles `main`; train.py's import never runs there)
@@ -508,13 +508,7 @@ def _nothing_written_until_checked(output_dir: Path, log_dir: Path) -> Iterator[
                     h.handle(record)
         if refused and was_empty and output_dir.is_dir():
             shutil.rmtree(output_dir, ignore_errors=True)
-            stop, p = log_dir.resolve().parent, output_dir.resolve().parent
-            while p != stop and p != p.parent:
-                try:
-                    p.rmdir()
-                except OSError:
-                    break
-                p = p.parent
+            remove_empty_dirs(output_dir.resolve().parent, log_dir.resolve().parent)
 
 
 class _DropTips(logging.Filter):

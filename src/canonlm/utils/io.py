@@ -37,3 +37,16 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
 
 
 __all__ = ["atomic_write_bytes", "atomic_write_text"]
+
+
+def remove_empty_dirs(start: str | os.PathLike, stop: str | os.PathLike) -> None:
+    """Remove ``start`` and then each parent folder while it is empty, stopping below ``stop`` (never removed) or at
+    the first folder that is not empty or cannot be removed (``os.rmdir`` semantics: nothing with content is ever
+    deleted). For a refused run: the folders Hydra made for it, and only those left empty."""
+    p, stop = Path(start), Path(stop)
+    while p != stop and p != p.parent:
+        try:
+            p.rmdir()
+        except OSError:
+            break
+        p = p.parent
