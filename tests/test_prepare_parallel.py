@@ -21,6 +21,7 @@ import pytest
 from canonlm.data.prepare import MERGE_BELOW, assign_units
 from canonlm.data.prepare import main as prepare_main
 from canonlm.data.seeding import stable_hash64
+from test_text import read_split
 
 CORPORA = Path(__file__).parent / "fixtures" / "corpora"
 FILES = [*sorted((CORPORA / "licenses" / "text").glob("*.txt")), *sorted((CORPORA / "readmes" / "text").glob("*.md"))]
@@ -73,18 +74,14 @@ def split_u(seed: int, i: int) -> float:
 
 
 def read_corpus(d: Path) -> dict[int, tuple[str, list[int]]]:
-    """{document index: (split, ids)} read with numpy from meta.json + shards."""
-    meta = json.loads((d / "meta.json").read_text())
+    """{document index: (split, ids)} read with numpy from meta.json + shards (test_text.read_split per split)."""
     got = {}
     for split in ("train", "val", "test"):
-        for sh in meta["splits"][split]["shards"]:
-            arr = np.fromfile(d / sh["file"], dtype=meta["dtype"]).astype(np.int64)
-            idx = np.load(d / sh["index"])
-            assert arr.shape[0] == sh["tokens"] and idx.shape == (sh["documents"], 2)
-            for r, (i, s) in enumerate(idx):
-                e = idx[r + 1, 1] if r + 1 < len(idx) else arr.shape[0]
-                assert int(i) not in got, f"document {i} twice"
-                got[int(i)] = (split, arr[s:e].tolist())
+        for i, ids in read_split(d, split)[0].items():
+            assert i not in got, f"document {i} twice"
+            got[i] = (split, ids.tolist())
+    meta = json.loads((d / "meta.json").read_text())
+    assert len(got) == sum(sh["documents"] for sp in ("train", "val", "test") for sh in meta["splits"][sp]["shards"])
     return got
 
 
