@@ -505,3 +505,62 @@ def test_hydra_submitit_sweep_on_cpu_node(slurm_cluster, oracle, tmp_path):
                        capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert r.returncode == 0, f"{r.stdout}\n{r.stderr}"
     assert "none" in r.stdout and "ABCD" in r.stdout, r.stdout
+
+
+@pytest.mark.slurm
+def test_prepare_array_tasks_give_the_single_process_corpus(slurm_cluster, tmp_path):
+    """`sbatch --array=0-2` of docs/text_data.md's script (``srun <this interpreter> -m canonlm.data.prepare ...
+    --num-tasks 3``, no --task-index: each task takes ``SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN``) over the two
+    fixture corpora: every array task COMPLETES with exit code 0, each reports its own task index, exactly one
+    finalizes (the others leave the corpus to the last one), no ``.prepare/`` is left, and every file (meta.json
+    without its creation time, every shard and index) is byte-identical to a one-process ``prepare`` of the same
+    inputs in this process (the oracle of tests/test_prepare_parallel.py)."""
+    import shlex
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from canonlm.data.prepare import main as prepare_main
+    from test_prepare_parallel import COMMON, FILES, inputs, tree
+
+    tok = Tokenizer(models.BPE())  # as test_prepare_parallel.tok_path: byte-level BPE, vocab 512, with </s>
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train([str(f) for f in FILES], trainers.BpeTrainer(
+        vocab_size=512, special_tokens=["<pad>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    args = [*inputs(), "--tokenizer", str(tmp_path / "tokenizer.json"), *(a for a in COMMON if a != "--quiet")]
+
+    out, logs = tmp_path / "arr", tmp_path / "slurm"
+    logs.mkdir()
+    script = tmp_path / "prepare.sbatch"
+    script.write_text(
+        "#!/bin/bash\n"
+        "#SBATCH --job-name=prepare --nodes=1 --ntasks=1 --cpus-per-task=1 --mem=1G --time=5\n"
+        f"#SBATCH --output={logs}/%A_%a.out --error={logs}/%A_%a.err\n"
+        f"srun {shlex.join([sys.executable, '-m', 'canonlm.data.prepare', *args, '--out', str(out)])} "
+        "--num-tasks 3\n")
+    r = subprocess.run(["sbatch", "--parsable", "--array=0-2", f"--chdir={tmp_path}", str(script)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, f"sbatch failed ({r.returncode}):\n{r.stdout}\n{r.stderr}"
+    job = r.stdout.strip().split(";")[0]
+    assert job.isdigit(), r.stdout
+
+    # the oracle, while the array runs
+    assert prepare_main([*args, "--quiet", "--out", str(tmp_path / "one")]) == 0
+    ref = tree(tmp_path / "one")
+
+    files = (logs / f"{job}_*.out", logs / f"{job}_*.err")
+    outs = {}
+    for k in range(3):
+        info = wait_job_end(f"{job}_{k}", 120, files)
+        assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", job_report(f"{job}_{k}", *files)
+        outs[k] = (logs / f"{job}_{k}.out").read_text() + (logs / f"{job}_{k}.err").read_text()
+        assert f"[prepare] task {k}/3: " in outs[k], job_report(f"{job}_{k}", *files)
+    wrote = [k for k, o in outs.items() if f"wrote {out}:" in o]
+    waited = [k for k, o in outs.items() if "waits for the other tasks" in o]
+    assert len(wrote) == 1 and sorted(wrote + waited) == [0, 1, 2], job_report(job, *files)
+    assert (out / "meta.json").is_file() and not (out / ".prepare").exists(), sorted(map(str, out.rglob("*")))
+    got = tree(out)
+    assert sorted(got) == sorted(ref) and any(n.endswith(".idx.npy") for n in ref), (sorted(got), sorted(ref))
+    assert [n for n in ref if got[n] != ref[n]] == []
