@@ -650,7 +650,7 @@ def venv_jobs(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("version", [transformers.__version__, "4.51.3"])
 def test_export_runs_without_canonlm_installed(venv_jobs, version, tmp_path):
-    if version == "4.51.3" and not (HF451 / "transformers" / "__init__.py").is_file():
+    if version == "4.51.3" and not (HF451 / "transformers" / "__init__.py").is_file() and not os.environ.get("CI"):
         pytest.skip("transformers 4.51.3 is not side-installed in .cache/hf451 (bash scripts/setup.sh dev)")
     tmp, jobs = venv_jobs
     t0 = time.time()

@@ -148,7 +148,7 @@ def test_result12_preset_holds_the_papers_numbers(name, corpora, tmp_path):
     assert cfg.task.mix == "concat" and list(cfg.task.sources) == ["slimpajama", "fineweb_edu"]
     assert task.context == 4096 and task.source_names == ["slimpajama", "fineweb_edu"]
     assert cfg.data.batch_size == 48 and cfg.trainer.max_steps == 510_000
-    assert 510_000 * 48 * 4096 == pytest.approx(100.2e9, rel=1e-3)  # the paper's "≈ 100.2B tokens"
+    assert cfg.trainer.max_steps * cfg.data.batch_size * task.context == pytest.approx(100.2e9, rel=1e-3)  # "≈ 100.2B tokens"
     assert list(cfg.optim.betas) == [0.9, 0.98] and cfg.optim.eps == 1e-6 and cfg.optim.weight_decay == 0.03
     assert cfg.optim.lr in lrs
     assert (cfg.sched.name, cfg.sched.warmup_steps, cfg.sched.min_lr_ratio) == ("cosine", 1000, 0.1)  # [gap]: App. A's

@@ -200,7 +200,7 @@ def test_repetition_cap_is_respected_and_checked(corpora):
     assert len({slot_of(x, shards) for x in a_rows}) == len(a_rows) == S
     with pytest.raises(ValueError, match="cap"):
         task.windows("train", [n_ok])
-    assert task.source_extent(n_ok).tolist()[0] == S
+    assert task.source_windows(n_ok).tolist()[0] == S
 
 
 # ---------------------------------------------------------------------------------------------- resume

@@ -64,8 +64,6 @@ GPUS = {
 }
 #: The MFU assumed when no measurement of the shape exists: an assumption, not a measurement (``--mfu`` overrides).
 ASSUMED_MFU = 0.40
-#: GLA / GDN chunk of the fla kernels that run them on a GPU (``canonlm.arch.model._FLA_CHUNK``).
-FLA_CHUNK = 64
 
 
 @dataclass(frozen=True)
@@ -235,10 +233,12 @@ def measured_mfu(files: list[Path], gpu: Gpu, arch: str, size: str, canon: str,
 def training_flops(mcfg) -> dict[str, float]:
     """Training FLOPs per token of the model ``mcfg`` on its context, by component (``"total"`` = 3 x forward): the
     number training's MFU uses (``CanonLM.flops_per_token``: :func:`canonlm.arch.flops.flops_per_token`, dense
-    convention) with GLA / GDN at the GPU kernels' chunk (:data:`FLA_CHUNK`)."""
+    convention) with GLA / GDN at the GPU kernels' chunk (``canonlm.arch.model._FLA_CHUNK``)."""
     from canonlm.arch.flops import flops_per_token
 
-    chunk = FLA_CHUNK if mcfg.arch in ("gla", "gdn") else None
+    from canonlm.arch.model import _FLA_CHUNK  # the chunk of fla's GLA / GDN kernels, which run them on a GPU
+
+    chunk = _FLA_CHUNK if mcfg.arch in ("gla", "gdn") else None
     return flops_per_token(mcfg, int(mcfg.max_seq_len), training=True, chunk_size=chunk)
 
 
@@ -306,8 +306,7 @@ def refusal(e: Estimate, model_size: Any) -> ConfigError | None:
     m = e.chosen
     if m.total <= e.gpu.memory:
         return None
-    batch_part = m.activations + m.batch > m.model_state + m.gathered + m.buckets
-    key, value = ("data.batch_size", e.batch) if batch_part else ("model.size", model_size)
+    key, value = ("data.batch_size", e.batch) if m.batch_dominated else ("model.size", model_size)
     hint = ""
     if not e.checkpointing and e.memory_ckpt.total <= e.gpu.memory:
         hint = f"; with activation_checkpointing=true it needs {human_bytes(e.memory_ckpt.total)}, which fits"

@@ -89,11 +89,8 @@ class Canon(nn.Module):
         if x.shape[-1] != self.channels:
             raise ValueError(f"Canon: input has {x.shape[-1]} channels, expected {self.channels}")
         if cache is None:
-            if doc_pos is not None:
-                return canon_ops.causal_conv1d(x, self.weight, self.bias, residual=self.residual,
-                                               activation=self.activation, backend=self.backend, doc_pos=doc_pos)
             return canon_ops.causal_conv1d(x, self.weight, self.bias, residual=self.residual,
-                                           activation=self.activation, backend=self.backend)
+                                           activation=self.activation, backend=self.backend, doc_pos=doc_pos)
         if doc_pos is not None:
             raise ValueError("Canon: document masking (doc_pos) is not supported with a decode cache")
         prev = cache.get(self.cache_key)  # (B, C, K) last raw inputs, or None (zero history)

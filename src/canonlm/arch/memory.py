@@ -94,6 +94,13 @@ class TrainingMemory:
         """Parameters, gradients and optimizer state (independent of the batch)."""
         return self.parameters + self.gradients + self.optimizer
 
+    @property
+    def batch_dominated(self) -> bool:
+        """Whether the micro-batch's activations and data outweigh everything the model holds whatever the batch
+        (its state, FSDP2's gathered units, DDP's buckets): an over-memory refusal then names ``data.batch_size``,
+        else ``model.size`` (train.py's check and ``python -m canonlm.estimate``)."""
+        return self.activations + self.batch > self.model_state + self.gathered + self.buckets
+
     def describe(self) -> str:
         """``"parameters 1.2 MiB, gradients ..., AdamW state ..., activations ..., batch data ..."`` (binary units)."""
         extra = (f", FSDP2 all-gathered parameters {human_bytes(self.gathered)}" if self.gathered else "") + (
@@ -117,15 +124,11 @@ def dtype_bytes(precision: str | int | None, fsdp_param_dtype: str | None = None
     ``strategy.param_dtype``, None without FSDP2): parameters are fp32 except under ``bf16-true`` / ``16-true``
     (2) and ``64-true`` (8); the compute dtype is ``canonlm.arch.model.compute_dtype_for``'s rule (bf16 / fp16: 2,
     fp64: 8, else 4)."""
+    from canonlm.arch.model import compute_dtype_for
+
     prec = str(precision)
     param = 2 if prec in ("bf16-true", "16-true", "bf16", "16") else 8 if prec.startswith("64") else 4
-    if "bf16" in prec or fsdp_param_dtype == "bf16" or prec.startswith("16"):
-        compute = 2
-    elif prec.startswith("64"):
-        compute = 8
-    else:
-        compute = 4
-    return param, compute
+    return param, compute_dtype_for(precision, fsdp_param_dtype).itemsize
 
 
 def block_activations(cfg: ModelConfig) -> int:

@@ -109,7 +109,7 @@ class MLP(nn.Module):
             return self.w2(activation(self.act, F.linear(x, w1)) * F.linear(x, w3))
         h = self.w13(x)
         if self.canon_d is not None:
-            h = self.canon_d(h, cache) if doc_pos is None else self.canon_d(h, cache, doc_pos)
+            h = self.canon_d(h, cache, doc_pos)
         if self.kind == "gated":
             gate, up = h.chunk(2, dim=-1)
             return self.w2(activation(self.act, gate) * up)

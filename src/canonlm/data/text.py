@@ -782,12 +782,6 @@ class TextTask:
         cache[(T, seed)] = (n, counts.copy())
         return counts
 
-    def source_extent(self, n: int, window: int | None = None, seed: int | None = None) -> np.ndarray:
-        """int64 (sources,): 1 + the largest own window index each source gives among training windows ``[0, n)``
-        (0 if none): the windows a run of n windows needs under a cap. Weighted mixtures and one corpus: each
-        source's own windows are used in order (0, 1, 2, ...), so this equals :meth:`source_windows`."""
-        return self.source_windows(n, window, seed)
-
     def check_run(self, train_windows: int, window: int | None = None, what: str = "") -> None:
         """Refuse a run of ``train_windows`` training windows that a source's ``max_epochs`` cap cannot supply:
         ConfigError(``task.sources.<name>.max_epochs``) with the epochs the run needs. ``what``: how the run length
@@ -795,7 +789,7 @@ class TextTask:
         T = int(window or self.context)
         if all(s["max_epochs"] is None for s in self.sources):
             return
-        need = self.source_extent(train_windows, T)
+        need = self.source_windows(train_windows, T)  # each source's own windows are used in order: 0, 1, 2, ...
         for i, s in enumerate(self.sources):
             cap = self.capacity(i, T)
             if cap is not None and need[i] > cap:

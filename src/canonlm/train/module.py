@@ -218,7 +218,7 @@ class LMModule(L.LightningModule):
     def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, T, V) of ``tokens`` (B, T); ``doc_ids`` (B, T) int, each token's document within its row
         (``task.doc_mask=true``: no token sees another document, :meth:`canonlm.arch.model.CanonLM.forward`)."""
-        return self.model(tokens) if doc_ids is None else self.model(tokens, doc_ids=doc_ids)
+        return self.model(tokens, doc_ids=doc_ids)
 
     # ------------------------------------------------------------------ loss
     def _global_sum(self, x: torch.Tensor) -> torch.Tensor:
@@ -230,7 +230,7 @@ class LMModule(L.LightningModule):
     def _loss(self, batch: Mapping[str, torch.Tensor]):
         tokens = batch["tokens"]
         doc_ids = batch.get("doc_ids")  # only with task.doc_mask=true (canonlm.data.text)
-        logits = self.model(tokens) if doc_ids is None else self.model(tokens, doc_ids=doc_ids)
+        logits = self.model(tokens, doc_ids=doc_ids)
         out = self._loss_fn(logits[:, :-1], tokens[:, 1:], batch["loss_mask"][:, 1:],
                       z_loss=self.loss_cfg.get("z_loss", "none"), z_coef=float(self.loss_cfg.get("z_coef", 1e-4)))
         return logits, out

@@ -338,8 +338,8 @@ def check_memory(cfg: DictConfig, mcfg: ModelConfig, device: torch.device) -> in
     what = est.describe() if n_params is not None else (
         f"activations {human_bytes(est.activations)}, batch data {human_bytes(est.batch)}; before the model's "
         "parameters, gradients and optimizer state")
-    batch_part = est.activations + est.batch > est.model_state + est.gathered + est.buckets
-    key, value = ("data.batch_size", cfg.data.batch_size) if batch_part else ("model.size", cfg.model.get("size"))
+    key, value = (("data.batch_size", cfg.data.batch_size) if est.batch_dominated
+                  else ("model.size", cfg.model.get("size")))
     raise ConfigError(key, value, f"a run that fits in memory: training needs at least {human_bytes(est.total)}"
                       f"{per} ({what}; micro-batch {mb} windows x {mcfg.max_seq_len} tokens) and {where}")
 

@@ -80,7 +80,7 @@ class Mamba2Mixer(nn.Module):
         H, P, G, N, di = self.n_heads, self.head_dim, self.n_groups, self.ssm_state, self.d_inner
         zxbcdt = self.in_proj(x)
         if self.canon_b is not None:
-            zxbcdt = self.canon_b(zxbcdt, cache) if doc_pos is None else self.canon_b(zxbcdt, cache, doc_pos)
+            zxbcdt = self.canon_b(zxbcdt, cache, doc_pos)
         A = -torch.exp(at_least_fp32(self.A_log))
         # zxbcdt's dtype is the compute dtype (in_proj's output: bf16 under bf16 autocast); layout dims positional.
         # The fused kernel reads out_proj's weight itself: only for a plain nn.Linear (a peft LoRA layer or another
@@ -100,17 +100,13 @@ class Mamba2Mixer(nn.Module):
                 headdim=P, ngroups=G, norm_before_gate=False)
         z, xbc, dt = zxbcdt.split([di, self.conv_dim, H], dim=-1)
         if self.conv1d is not None:
-            xbc = self.conv1d(xbc, cache) if doc_pos is None else self.conv1d(xbc, cache, doc_pos)
+            xbc = self.conv1d(xbc, cache, doc_pos)
         xs, Bm, Cm = xbc.split([di, G * N, G * N], dim=-1)
         state = None if cache is None else cache.get("state")
-        if docs is not None:
-            y, _ = ssd_ops.ssd_scan(xs.reshape(B, T, H, P), dt, A, Bm.reshape(B, T, G, N), Cm.reshape(B, T, G, N),
-                                    chunk_size=self.chunk_size, D=self.D, dt_bias=self.dt_bias, dt_softplus=True,
-                                    backend=self.backend, seq_idx=docs.seq_idx)
-            return self.out_proj(self.norm(y.reshape(B, T, di), z))
         y, state = ssd_ops.ssd_scan(xs.reshape(B, T, H, P), dt, A, Bm.reshape(B, T, G, N), Cm.reshape(B, T, G, N),
                                     chunk_size=self.chunk_size, D=self.D, dt_bias=self.dt_bias, dt_softplus=True,
-                                    initial_state=state, output_final_state=cache is not None, backend=self.backend)
+                                    initial_state=state, output_final_state=cache is not None, backend=self.backend,
+                                    seq_idx=None if docs is None else docs.seq_idx)  # a cache is refused with docs
         if cache is not None:
             cache["state"] = state
         return self.out_proj(self.norm(y.reshape(B, T, di), z))

@@ -213,10 +213,3 @@ def bundle_sources() -> dict[str, str]:
     done[MAIN] += "\n".join(manifest) + "\n"
     return {f"{file_stem(m)}.py": done[m] for m in (*ROOTS, *rest)}
 
-
-def write_bundle(out_dir: str | Path) -> list[str]:
-    """Write :func:`bundle_sources` into ``out_dir`` (an existing directory); returns the file names."""
-    files = bundle_sources()
-    for name, text in files.items():
-        (Path(out_dir) / name).write_text(text, encoding="utf-8")
-    return list(files)

@@ -138,7 +138,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         ``(B, T, H, D)`` tensor of ``q.dtype``.
     Raises:
         ValueError: bad ranks/shapes, ``H % H_kv != 0``, unknown backend, or ``flash`` on CPU / fp32 tensors / head
-            dim > 256.
+            dim > 256; with document masking: ``doc_mask`` / ``cu_seqlens`` without ``causal=True`` or with S != T, a
+            ``doc_mask`` that is not (B, T, T), ``flash`` without ``cu_seqlens``, another backend without
+            ``doc_mask``.
     """
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         raise ValueError(f"attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; expected "
