@@ -374,3 +374,16 @@ def test_the_reallife_task_preset_names_lm_evals_own_tasks():
                      "wikitext", "lambada_openai"]  # PIQA, HellaSwag, WinoGrande, ARC-e/c, SIQA, BoolQ, WikiText,
     # LAMBADA: the paper's list, in its order
     assert expand_tasks("boolq,reallife,,mmlu") == ["boolq", *[n for n in names if n != "boolq"], "mmlu"]
+
+
+def test_lightning_precision_aliases_count_like_what_they_alias():
+    """``trainer.precision`` short names (``"bf16"``, ``"16"``, ``"32"``, ``"64"``) are counted as the modes Lightning
+    turns them into (oracle: Lightning's own alias table): ``bf16`` is ``bf16-mixed``, whose weights stay fp32."""
+    from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT_STR_ALIAS_CONVERSION as aliases
+
+    from canonlm.arch.memory import dtype_bytes
+
+    assert aliases["bf16"] == "bf16-mixed" and aliases["16"] == "16-mixed"
+    for short, full in aliases.items():
+        assert dtype_bytes(short) == dtype_bytes(full), (short, full)
+    assert dtype_bytes("bf16-mixed") == (4, 2) and dtype_bytes("bf16-true") == (2, 2)

@@ -127,7 +127,8 @@ def dtype_bytes(precision: str | int | None, fsdp_param_dtype: str | None = None
     from canonlm.arch.model import compute_dtype_for
 
     prec = str(precision)
-    param = 2 if prec in ("bf16-true", "16-true", "bf16", "16") else 8 if prec.startswith("64") else 4
+    # Lightning's short names are aliases of the mixed modes ("bf16" = "bf16-mixed", "16" = "16-mixed"): fp32 weights
+    param = 2 if prec in ("bf16-true", "16-true") else 8 if prec.startswith("64") else 4
     return param, compute_dtype_for(precision, fsdp_param_dtype).itemsize
 
 
