@@ -53,8 +53,12 @@ launches: collections.Counter = collections.Counter()
 _enabled = False
 
 
-def enable() -> collections.Counter:
+def enable(stub_selective_scan: bool = True) -> collections.Counter:
     """Switch the process to Triton's interpreter and apply patches 1-7 (idempotent). Returns :data:`launches`.
+
+    ``stub_selective_scan=False`` leaves ``selective_scan_cuda`` missing (patch 5 only stubs causal-conv1d's
+    extension), as on a GPU node whose mamba-ssm was built without CUDA: ``import mamba_ssm`` then fails, and
+    canonlm must reach the Triton SSD kernels without the package's ``__init__``.
 
     Raises:
         RuntimeError: triton was already imported (the kernels would be compiled, not interpreted), or the installed
@@ -180,7 +184,8 @@ def enable() -> collections.Counter:
     B.create_splat = create_splat
 
     # 5. the compiled extensions of a CPU install
-    sys.modules.setdefault("selective_scan_cuda", _Unavailable("selective_scan_cuda"))
+    if stub_selective_scan:
+        sys.modules.setdefault("selective_scan_cuda", _Unavailable("selective_scan_cuda"))
     sys.modules.setdefault("causal_conv1d_cuda", _causal_conv1d_cuda_standin())
 
     # 6. torch.cuda calls on CPU tensors
@@ -235,18 +240,48 @@ def _causal_conv1d_cuda_standin() -> types.ModuleType:
     writes ``out = act(bias + sum_i weight[:, i] * x[..., t - W + 1 + i])`` (zero history);
     ``causal_conv1d_bwd(x, weight, bias, dout, seq_idx, initial_states, dfinal_states, dx, dweight, dbias,
     dinitial_states, silu)`` writes dx and *adds* to the float32 dweight / dbias buffers (the library zeroes them,
-    ``cpp_functions.causal_conv1d_bwd_function``). seq_idx, initial_states and final states are not supported (the
-    fused Mamba2 path canonlm calls passes None for all three); the update op is not needed by that path.
+    ``cpp_functions.causal_conv1d_bwd_function``). ``seq_idx`` (B, T) as the channel-last kernels read it
+    (``causal_conv1d_channellast_fwd_kernel`` / ``_bwd_kernel``, ``csrc/causal_conv1d_fwd.cu`` / ``_bwd.cu``): the
+    term of tap w enters output t only when ``seq_idx[t - W + 1 + w] == seq_idx[t]`` (a position before 0 has
+    seq_idx -1), and an output whose own seq_idx is negative is 0; with the checks ``causal_conv1d_fwd`` /
+    ``_bwd`` make on it (channel-last layout only, int32, contiguous, shape (batch, seqlen)). initial_states and final
+    states are not supported (canonlm passes None for both with seq_idx, and the fused Mamba2 path passes None for
+    all three); the update op is not needed by these paths.
     """
     import torch
     import torch.nn.functional as F
 
     mod = types.ModuleType("causal_conv1d_cuda")
 
-    def pre_activation(x, weight, bias):        # (B, C, T) float32: bias + causal depthwise convolution
+    def same_doc(seq_idx, W):                   # (B, T, W) bool: tap w of output t reads a token of t's document
+        if seq_idx is None:
+            return None
+        if seq_idx.dtype != torch.int32 or not seq_idx.is_contiguous():
+            raise RuntimeError("causal_conv1d_cuda stand-in: seq_idx must be contiguous int32 (TORCH_CHECK)")
+        taps = F.pad(seq_idx.long(), (W - 1, 0), value=-1).unfold(-1, W, 1)       # (B, T, W): seq_idx[t-W+1+w]
+        cur = seq_idx.long().unsqueeze(-1)
+        return (taps == cur) & (cur >= 0)
+
+    def check_seq_idx(x, seq_idx):
+        if seq_idx is None:
+            return
+        if x.stride(1) != 1:
+            raise RuntimeError("causal_conv1d_cuda stand-in: seq_idx is only supported for channel last layout")
+        if tuple(seq_idx.shape) != (x.shape[0], x.shape[2]):
+            raise RuntimeError(f"causal_conv1d_cuda stand-in: seq_idx shape {tuple(seq_idx.shape)}, expected "
+                               f"(batch, seqlen) = {(x.shape[0], x.shape[2])}")
+
+    def pre_activation(x, weight, bias, seq_idx=None):   # (B, C, T) float32: bias + causal depthwise convolution
         W = weight.shape[-1]
-        return F.conv1d(F.pad(x.float(), (W - 1, 0)), weight.float().unsqueeze(1),
-                        None if bias is None else bias.float(), groups=x.shape[1])
+        if seq_idx is None:
+            return F.conv1d(F.pad(x.float(), (W - 1, 0)), weight.float().unsqueeze(1),
+                            None if bias is None else bias.float(), groups=x.shape[1])
+        same = same_doc(seq_idx, W)
+        windows = F.pad(x.float(), (W - 1, 0)).unfold(-1, W, 1)                    # (B, C, T, W)
+        y = torch.einsum("bctw,cw,btw->bct", windows, weight.float(), same.float())
+        if bias is not None:
+            y = y + bias.float()[:, None]
+        return y * (seq_idx >= 0).unsqueeze(1).float()
 
     def unsupported(**named):
         bad = [k for k, v in named.items() if v is not None]
@@ -254,25 +289,37 @@ def _causal_conv1d_cuda_standin() -> types.ModuleType:
             raise NotImplementedError(f"causal_conv1d_cuda stand-in: {', '.join(bad)} not supported")
 
     def causal_conv1d_fwd(x, weight, bias, seq_idx, initial_states, out, final_states_out, silu_activation):
-        unsupported(seq_idx=seq_idx, initial_states=initial_states, final_states_out=final_states_out)
-        y = pre_activation(x, weight, bias)
+        unsupported(initial_states=initial_states, final_states_out=final_states_out)
+        check_seq_idx(x, seq_idx)
+        y = pre_activation(x, weight, bias, seq_idx)
         out.copy_(F.silu(y) if silu_activation else y)
 
     def causal_conv1d_bwd(x, weight, bias, dout, seq_idx, initial_states, dfinal_states, dx, dweight, dbias,
                           dinitial_states, silu_activation):
-        unsupported(seq_idx=seq_idx, initial_states=initial_states, dfinal_states=dfinal_states,
-                    dinitial_states=dinitial_states)
+        unsupported(initial_states=initial_states, dfinal_states=dfinal_states, dinitial_states=dinitial_states)
+        check_seq_idx(x, seq_idx)
         # explicit gradients (a custom op runs below the autograd dispatch key: no autograd in here)
-        W = weight.shape[-1]
+        W, T = weight.shape[-1], x.shape[-1]
         g = dout.float()
         if silu_activation:
-            s = torch.sigmoid(pre_activation(x, weight, bias))
-            g = g * s * (1 + pre_activation(x, weight, bias) * (1 - s))
-        # dx[s] = sum_i w[i] g[s + W - 1 - i]: correlation of the right-padded gradient with the flipped kernel
-        dx.copy_(F.conv1d(F.pad(g, (0, W - 1)), weight.float().flip(-1).unsqueeze(1), groups=x.shape[1]))
-        # dw[c, i] = sum_{b,t} g[b, c, t] x[b, c, t - W + 1 + i]
+            pre = pre_activation(x, weight, bias, seq_idx)
+            s = torch.sigmoid(pre)
+            g = g * s * (1 + pre * (1 - s))
         windows = F.pad(x.float(), (W - 1, 0)).unfold(-1, W, 1)                    # (B, C, T, W)
-        dweight.add_(torch.einsum("bct,bctw->cw", g, windows).to(dweight.dtype))
+        if seq_idx is None:
+            # dx[s] = sum_i w[i] g[s + W - 1 - i]: correlation of the right-padded gradient with the flipped kernel
+            dx.copy_(F.conv1d(F.pad(g, (0, W - 1)), weight.float().flip(-1).unsqueeze(1), groups=x.shape[1]))
+            # dw[c, i] = sum_{b,t} g[b, c, t] x[b, c, t - W + 1 + i]
+            dweight.add_(torch.einsum("bct,bctw->cw", g, windows).to(dweight.dtype))
+        else:
+            g = g * (seq_idx >= 0).unsqueeze(1).float()
+            same = same_doc(seq_idx, W).float()                                      # (B, T, W)
+            dweight.add_(torch.einsum("bct,bctw,btw->cw", g, windows, same).to(dweight.dtype))
+            G = torch.einsum("bct,cw,btw->bctw", g, weight.float(), same)            # d out_t / d x_{t-W+1+w}
+            dxp = torch.zeros(*g.shape[:2], T + W - 1, dtype=torch.float32, device=g.device)
+            for w in range(W):                                                       # x index t-W+1+w = (t+w)-(W-1)
+                dxp[..., w:w + T] += G[..., w]
+            dx.copy_(dxp[..., W - 1:])
         if dbias is not None:
             dbias.add_(g.sum((0, 2)).to(dbias.dtype))
 

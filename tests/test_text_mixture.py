@@ -439,6 +439,8 @@ def test_doc_mask_run_hands_each_batch_doc_ids_to_the_model(corpora, tmp_path, m
                                                        "test=false", "trainer.num_sanity_val_steps=0",
                                                        f"trainer.val_check_interval={steps}"]))
     assert res["steps"] == steps
+    assert res["doc_mask"] is True  # results.json says document masking was on (hparams.json: resolved.doc_mask)
+    assert json.loads((tmp_path / "run" / "hparams.json").read_text())["resolved"]["doc_mask"] is True
     assert all(d is not None and d.shape == s and d.dtype == torch.int32 for s, d in seen)
     task = mix(corpora, seed=0, doc_mask=True)
     stream = task.make_stream("train", window=T, batch_size=4, seed=0)

@@ -343,6 +343,43 @@ def _run_all(names=None) -> dict:
     return out
 
 
+def _run_without_selective_scan() -> dict:
+    """Subprocess entry: a mamba-ssm installed without its CUDA extension (``MAMBA_SKIP_CUDA_BUILD``, as
+    scripts/wheelhouse.sh builds it), i.e. ``selective_scan_cuda`` absent, so ``import mamba_ssm`` fails in its
+    ``__init__``. canonlm's ``ssd=auto`` must still resolve to mamba-ssm's Triton SSD (imported without the package
+    ``__init__``, canonlm.ops.ssd._mamba.import_triton_module) and run it: the chunked scan with grad and the decode
+    step, against the reference."""
+    import _triton_interp
+    launches = _triton_interp.enable(stub_selective_scan=False)
+    try:
+        import mamba_ssm  # noqa: F401 -- the precondition: this must fail, as on such a node
+        package = "imported"
+    except ImportError as e:
+        package = f"{type(e).__name__}: {e}"
+    torch = _torch()
+    from canonlm.ops import ssd
+    from canonlm.ops.ssd import _mamba
+    out = {"package_import": package, "resolved": ssd.resolve_backend("auto", torch.device("cpu"), torch.float32)}
+    launches.clear()
+    out["err"] = compare(lambda **a: ssd.ssd_scan(**a, chunk_size=16, output_final_state=True, backend="auto"),
+                         lambda **a: ssd.ssd_scan_reference(**a, chunk_size=16, output_final_state=True),
+                         _ssd_inputs("fp32", T=40), grad=True)
+    out["chunk_launches"] = dict(launches)
+    launches.clear()
+    out["err"].update({f"decode.{k}": v for k, v in compare(
+        lambda **a: ssd.ssd_scan(**a, chunk_size=16, output_final_state=True, backend="auto"),
+        lambda **a: ssd.ssd_scan_reference(**a, chunk_size=16, output_final_state=True),
+        _ssd_inputs("fp32", T=1), grad=False).items()})
+    out["decode_launches"] = dict(launches)
+    out["problem"] = _mamba.package_problem()
+    from canonlm.arch import CanonLM, build_model_config   # what a run prints and records about it
+    model = CanonLM(build_model_config({"arch": "mamba2", "size": "1L64D"}, canon={"set": "AbCD"}, vocab_size=32,
+                                       max_seq_len=64))
+    model.place(torch.device("cpu"), torch.float32)
+    out["report"] = model.backend_report()
+    return out
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # pytest side
 # ----------------------------------------------------------------------------------------------------------------
@@ -380,6 +417,28 @@ def problems(name: str, r: dict) -> list:
 def test_triton_call_site(interp_results, name):
     bad = problems(name, interp_results["cases"][name])
     assert not bad, f"{name} (triton {interp_results['triton']}): " + "; ".join(bad)
+
+
+def test_mamba_ssm_without_its_cuda_extension_still_runs_the_triton_ssd():
+    """A mamba-ssm whose ``import mamba_ssm`` fails for the missing ``selective_scan_cuda`` (built with
+    ``MAMBA_SKIP_CUDA_BUILD``): ``ssd=auto`` resolves to ``mamba_ssm``, its chunked scan (with gradients) and decode
+    step launch their Triton kernels and match the reference, and the reason is kept for the backend report."""
+    code = (f"import sys, json; sys.path[:0] = [{str(HERE)!r}]; import test_triton_interpret as t; "
+            f"print('RESULT ' + json.dumps(t._run_without_selective_scan()))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900,
+                          env=dict(os.environ, TRITON_INTERPRET="1"), cwd=HERE.parent)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"subprocess failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    res = json.loads(lines[-1][len("RESULT "):])
+    assert res["package_import"].startswith("ModuleNotFoundError") and "selective_scan_cuda" in res["package_import"]
+    assert res["resolved"] == "mamba_ssm", res
+    assert res["chunk_launches"].get("_chunk_scan_fwd_kernel") and res["chunk_launches"].get(
+        "_chunk_scan_chunk_state_bwd_dx_kernel"), res
+    assert res["decode_launches"].get("_selective_scan_update_kernel"), res
+    assert "selective_scan_cuda" in (res["problem"] or ""), res
+    assert res["report"]["ssd"] == "mamba_ssm" and "without the mamba_ssm package __init__" in \
+        res["report"]["notes"]["ssd"] and "selective_scan_cuda" in res["report"]["notes"]["ssd"], res["report"]
+    assert res["err"] and max(res["err"].values()) <= TOL["fp32"], res
 
 
 def test_mutation_lines_still_exist():

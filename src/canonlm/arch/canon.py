@@ -43,9 +43,10 @@ class Canon(nn.Module):
     Forward: ``x (B, T, C)`` -> ``(B, T, C)`` of ``x.dtype`` (under autocast the backend decides the dtype).
     With ``cache`` (a layer dict of :class:`~canonlm.arch.cache.DecodeCache`), the conv continues from the
     inputs stored under ``cache_key`` (the last K raw inputs, ``(B, C, K)``) and stores the new ones, so chunked
-    calls equal one call. ``doc_pos`` (B, T) integer position of each token in its document, or None: document
-    masking (the conv restarts at each document start; :func:`canonlm.ops.canon.causal_conv1d`), not with a cache.
-    Raises ValueError (forward) when ``x.shape[-1] != C`` or ``doc_pos`` comes with a cache.
+    calls equal one call. ``docs`` (a :class:`canonlm.ops.varlen.Documents`, e.g. the model's
+    :class:`~canonlm.arch.doc_mask.DocMask`) or None: document masking (the conv restarts at each document start, on
+    this layer's backend; :func:`canonlm.ops.canon.causal_conv1d`), not with a cache.
+    Raises ValueError (forward) when ``x.shape[-1] != C`` or ``docs`` comes with a cache.
 
     ``cache_key`` names the state in the cache (``canon_a`` ... ``canon_d``, or ``conv_q`` etc. for a mixer's own
     short conv). ``native=True`` marks a mixer's own conv (``b``: GLA / GDN short convs, Mamba2 conv1d;
@@ -85,14 +86,14 @@ class Canon(nn.Module):
         if self.bias is not None:
             self.bias.zero_()
 
-    def forward(self, x: torch.Tensor, cache: dict | None = None, doc_pos: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: dict | None = None, docs=None) -> torch.Tensor:
         if x.shape[-1] != self.channels:
             raise ValueError(f"Canon: input has {x.shape[-1]} channels, expected {self.channels}")
         if cache is None:
             return canon_ops.causal_conv1d(x, self.weight, self.bias, residual=self.residual,
-                                           activation=self.activation, backend=self.backend, doc_pos=doc_pos)
-        if doc_pos is not None:
-            raise ValueError("Canon: document masking (doc_pos) is not supported with a decode cache")
+                                           activation=self.activation, backend=self.backend, docs=docs)
+        if docs is not None:
+            raise ValueError("Canon: document masking (docs) is not supported with a decode cache")
         prev = cache.get(self.cache_key)  # (B, C, K) last raw inputs, or None (zero history)
         if prev is not None and x.shape[1] == 1:
             y, cache[self.cache_key] = canon_ops.causal_conv1d_step(

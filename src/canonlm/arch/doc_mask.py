@@ -7,11 +7,13 @@ boundaries. With it, every sequence op restarts at each document start, so the l
 the document run alone as its own sequence (tests/test_doc_mask.py checks exactly that):
 
 * attention (Llama): block-causal mask -- query t sees key s iff ``s <= t`` and both are in one document. ``sdpa``
-  and ``reference`` take the (B, T, T) boolean mask (built once per forward, shared by all layers); ``flash`` runs
-  ``flash_attn_varlen_func`` with the documents' ``cu_seqlens``.
+  and ``reference`` take one additive (B, 1, T, T) mask in the compute dtype, built once per forward and shared by
+  all layers (B·T²·itemsize bytes per forward; :mod:`canonlm.ops.attention`); ``flash`` runs
+  ``flash_attn_varlen_func`` with the documents' ``cu_seqlens`` (no mask).
 * Canon (A/B/C/D, residual or not, any K) and the mixers' own short convs (``b``): a tap that would read the previous
-  document reads zero (the conv restarts per document); this runs the shift-and-add ``torch`` Canon path on every
-  backend (:func:`canonlm.ops.canon.causal_conv1d` ``doc_pos``).
+  document reads zero (the conv restarts per document), on each layer's own backend
+  (:func:`canonlm.ops.canon.causal_conv1d` ``docs``): Dao's ``causal_conv1d_fn(seq_idx=...)``, fla's
+  ``causal_conv1d(cu_seqlens=...)``, or the shift-and-add path with per-tap masks on CPU and under compile.
 * GLA / GDN: the recurrent state restarts from zero at every document start: fla's chunk kernels with ``cu_seqlens``
   (batch 1, the B rows flattened) on CUDA, the references on one zero-padded batch of documents elsewhere.
 * positions (RoPE): the window's positions 0..T-1 are kept (not restarted per document). RoPE makes a score depend
@@ -45,22 +47,15 @@ def doc_mask_problem(cfg: ModelConfig) -> str | None:
     return _ARCH_PROBLEMS.get(cfg.arch)
 
 
-@dataclass(frozen=True)
-class DocMask:
-    """What the layers of one document-masked forward need, built once per forward by :func:`build_doc_mask`.
+@dataclass(frozen=True, eq=False)
+class DocMask(varlen.Documents):
+    """What the layers of one document-masked forward need, built once per forward by :func:`build_doc_mask`: the
+    index forms of :class:`canonlm.ops.varlen.Documents` (``pos`` (B, T) int64, ``seq_idx`` (B, T) int32,
+    ``cu_seqlens`` / ``cu_seqlens_cpu`` or None, ``max_seqlen``), which the Canon layers take as they are, and
+    ``attn_mask``: the additive block-causal mask (B, 1, T, T) in the compute dtype (Llama with ``sdpa`` /
+    ``reference`` attention; :func:`canonlm.ops.varlen.block_causal_bias`) or None."""
 
-    Fields: ``pos`` (B, T) int64 position of each token in its document (Canon's per-tap mask); ``attn_mask``
-    (B, T, T) bool block-causal mask (Llama with ``sdpa`` / ``reference`` attention) or None; ``cu_seqlens`` /
-    ``cu_seqlens_cpu`` (N + 1,) int64 cumulative document lengths of the B·T flattened tokens (GLA / GDN, and
-    ``flash`` attention) or None, on the device and on the CPU; ``max_seqlen`` an upper bound on a document's length
-    (T); ``seq_idx`` (B, T) int64 document index within the row (Mamba2) or None."""
-
-    pos: torch.Tensor
     attn_mask: torch.Tensor | None = None
-    cu_seqlens: torch.Tensor | None = None
-    cu_seqlens_cpu: torch.Tensor | None = None
-    max_seqlen: int = 0
-    seq_idx: torch.Tensor | None = None
 
 
 def check_doc_ids(doc_ids: torch.Tensor, lead: torch.Tensor) -> None:
@@ -76,20 +71,19 @@ def check_doc_ids(doc_ids: torch.Tensor, lead: torch.Tensor) -> None:
                          f"{lead.device}, the index of each token's document within its row")
 
 
-def build_doc_mask(doc_ids: torch.Tensor, arch: str, attention_backend: str | None = None) -> DocMask:
-    """The :class:`DocMask` of ``doc_ids`` (B, T) for a model of ``arch``: ``pos`` always; the block mask for Llama
-    unless its attention backend is ``flash``; ``cu_seqlens`` for GLA / GDN and for ``flash`` (one device-host sync);
-    ``seq_idx`` for Mamba2.
+def build_doc_mask(doc_ids: torch.Tensor, arch: str, attention_backend: str | None = None,
+                   cu_seqlens: bool = False, dtype: torch.dtype | None = None) -> DocMask:
+    """The :class:`DocMask` of ``doc_ids`` (B, T) for a model of ``arch``: ``pos`` and ``seq_idx`` always; the
+    additive block mask in ``dtype`` (the dtype attention's q has: the autocast dtype, else the parameters') for Llama
+    unless its attention backend is ``flash``; ``cu_seqlens`` (one device-host sync) for GLA / GDN, for ``flash``, and
+    when ``cu_seqlens`` is True (some Canon layer runs fla's kernel).
     Raises ValueError for an architecture :func:`doc_mask_problem` refuses."""
     if arch in _ARCH_PROBLEMS:
         raise ValueError(_ARCH_PROBLEMS[arch])
-    pos = varlen.position_in_document(doc_ids)
-    mask = cu = cu_cpu = seq = None
+    need_cu = cu_seqlens or arch in ("gla", "gdn") or (arch == "llama" and attention_backend == "flash")
+    d = varlen.documents(doc_ids, cu_seqlens=need_cu)
+    mask = None
     if arch == "llama" and attention_backend != "flash":
-        mask = varlen.block_causal_mask(doc_ids)
-    elif arch == "mamba2":
-        seq = varlen.segment_ids(doc_ids)
-    else:
-        cu, cu_cpu = varlen.cu_seqlens_of(doc_ids)
-    return DocMask(pos=pos, attn_mask=mask, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, max_seqlen=int(doc_ids.shape[1]),
-                   seq_idx=seq)
+        mask = varlen.block_causal_bias(d.seq_idx, torch.float32 if dtype is None else dtype)
+    return DocMask(pos=d.pos, seq_idx=d.seq_idx, cu_seqlens=d.cu_seqlens, cu_seqlens_cpu=d.cu_seqlens_cpu,
+                   max_seqlen=d.max_seqlen, attn_mask=mask)

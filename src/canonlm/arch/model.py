@@ -18,6 +18,7 @@ full forward.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from typing import Callable
 
@@ -37,6 +38,8 @@ from canonlm.ops import canon as canon_ops
 from canonlm.ops import gdn as gdn_ops
 from canonlm.ops import gla as gla_ops
 from canonlm.ops import ssd as ssd_ops
+
+log = logging.getLogger("canonlm")
 
 # The sequence ops each architecture uses (besides Canon), and their modules (each has resolve_backend).
 MIXER_OP = {"llama": "attention", "gla": "gla", "gdn": "gdn", "mamba2": "ssd"}
@@ -186,6 +189,62 @@ def resolve_canon_layers(cfg: ModelConfig, shapes: dict[str, tuple[int, int]], d
     return out
 
 
+_FAST = {"gla": "fla", "gdn": "fla", "ssd": "mamba_ssm"}
+_said: set = set()
+
+
+def placement_notes(cfg: ModelConfig, backends: dict[str, str], canon_layers: dict[str, str],
+                    canon_shapes: dict[str, tuple[int, int]], device: torch.device, dtype: torch.dtype,
+                    compile_friendly: bool = False) -> tuple[dict[str, str], dict[str, str]]:
+    """``(fallbacks, notes)`` of a placement (:meth:`CanonLM.place`), each ``{op: one sentence}``.
+
+    ``fallbacks``: on a CUDA device, every op whose ``auto`` request resolved to a pure-PyTorch path, with the reason
+    the fast kernel cannot run -- Canon layers on ``torch`` (neither Dao's nor fla's kernel can take them: the op's
+    ``available_backends`` for the first such layer's C and K; not when the blocks are compiled, where ``torch`` is
+    the choice), GLA / GDN / SSD on ``reference`` (``available_backends`` of the op, or its shape limit). Each new
+    fallback is also logged once per process as a warning. ``notes``: Canon on ``torch`` because the blocks are
+    compiled; for Mamba2 on ``mamba_ssm``, whether training runs the fused conv + scan kernel
+    (``mamba_split_conv1d_scan_combined``) or why not, and whether mamba-ssm's Triton SSD was imported without its
+    failing package ``__init__`` (:func:`canonlm.ops.ssd._mamba.package_problem`). ``canon_layers`` / ``canon_shapes``:
+    ``{module name: backend}`` / ``{module name: (C, K)}`` of the Canon layers."""
+    fallbacks: dict[str, str] = {}
+    notes: dict[str, str] = {}
+    cuda = device.type == "cuda"
+    if cuda and _request(cfg, "canon")[0] == "auto" and canon_layers:
+        slow = sorted(w for w, b in canon_layers.items() if b in ("torch", "reference"))
+        if compile_friendly:
+            notes["canon"] = "torch shift-and-add on every Canon layer: the blocks are compiled (inductor fuses it)"
+        elif slow:
+            C, K = canon_shapes[slow[0]]
+            why = canon_ops.available_backends(device, dtype, C, K)
+            fallbacks["canon"] = (f"{len(slow)} Canon layer(s) on the torch path ({slow[0]}: C={C}, K={K}): dao "
+                                  f"{why['dao']}; fla {why['fla']}")
+    op = MIXER_OP[cfg.arch]
+    got = backends.get(op)
+    if op in _FAST and cuda and _request(cfg, op)[0] == "auto" and got == "reference":
+        why = _LINEAR_OPS[op].available_backends(device, dtype).get(_FAST[op]) or \
+            _fast_shape_reason(cfg, op, _FAST[op])
+        fallbacks[op] = f"{_FAST[op]}: {why or 'cannot run here'}"
+    if op == "ssd" and got == "mamba_ssm":
+        from canonlm.ops.ssd import _mamba
+
+        di = cfg.mamba_expand * cfg.d_model
+        why = ssd_ops.fused_split_reason(device, dtype, cfg.conv_kernel, d_inner=di,
+                                         conv_dim=di + 2 * cfg.n_groups * cfg.ssm_state, nheads=cfg.n_heads)
+        parts = ["training runs the fused conv + scan (mamba_split_conv1d_scan_combined; not with document masking)"
+                 if why is None else f"conv and scan run separately (mamba_split_conv1d_scan_combined: {why})"]
+        if _mamba.package_problem():
+            parts.append(f"mamba-ssm's Triton SSD imported without the mamba_ssm package __init__, which fails here "
+                         f"({_mamba.package_problem()})")
+        notes["ssd"] = "; ".join(parts)
+    for op_, why in fallbacks.items():
+        if (op_, why) not in _said:
+            _said.add((op_, why))
+            log.warning("%s: auto fell back to the %s path on %s: %s", op_,
+                        "torch" if op_ == "canon" else "reference", device, why)
+    return fallbacks, notes
+
+
 def _canon_report(layers: dict[str, str], op_level: str) -> str:
     """``backends["canon"]``: the backend every Canon layer runs, ``"+"``-joined names (sorted) when their shapes need
     different kernels (e.g. ``"dao+fla"``), or the op-level choice when the model has no Canon layer."""
@@ -232,10 +291,17 @@ class Block(nn.Module):
     Forward: ``x (B, T, d)`` residual stream, ``cos``/``sin`` RoPE tables of these positions (or None), ``cache`` a
     layer dict of :class:`~canonlm.arch.cache.DecodeCache` (or None), ``docs`` a
     :class:`~canonlm.arch.doc_mask.DocMask` (document masking) or None -> ``(B, T, d)``.
+
+    Activation checkpointing (``checkpointed = True``, set by :meth:`CanonLM.set_activation_checkpointing`): a forward
+    with gradients and no cache runs its body under ``torch.utils.checkpoint.checkpoint`` (non-reentrant) *inside*
+    ``forward``, so a compiled block (``block.compile()``) traces the checkpoint too and the compiler sees the
+    recompute -- torchtitan's order (activation checkpointing, then compile, then ``fully_shard``;
+    ``torchtitan/models/llama3/infra/parallelize.py``).
     """
 
     def __init__(self, cfg: ModelConfig, backends: dict[str, str]):
         super().__init__()
+        self.checkpointed = False
         d, c = cfg.d_model, cfg.canon
         self.attn_norm = RMSNorm(d, cfg.norm_eps)
         self.canon_a = Canon(d, c, backends["canon"], cache_key="canon_a") if c.has("A") else None
@@ -249,6 +315,12 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
                 cache: dict | None = None, docs: DocMask | None = None) -> torch.Tensor:
+        if self.checkpointed and cache is None and torch.is_grad_enabled():
+            return checkpoint(self._body, x, cos, sin, None, docs, use_reentrant=False)
+        return self._body(x, cos, sin, cache, docs)
+
+    def _body(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+              cache: dict | None = None, docs: DocMask | None = None) -> torch.Tensor:
         if docs is not None:
             return self._forward_docs(x, cos, sin, docs)
         h = self.attn_norm(x)
@@ -267,14 +339,14 @@ class Block(nn.Module):
         """The forward with document masking (no cache): every Canon layer and the mixer get ``docs``."""
         h = self.attn_norm(x)
         if self.canon_a is not None:
-            h = self.canon_a(h, None, docs.pos)
+            h = self.canon_a(h, None, docs)
         x = x + self.attn(h, cos, sin, None, docs)
         if self.mlp is None:
             return x
         h = self.mlp_norm(x)
         if self.canon_c is not None:
-            h = self.canon_c(h, None, docs.pos)
-        return x + self.mlp(h, None, docs.pos)
+            h = self.canon_c(h, None, docs)
+        return x + self.mlp(h, None, docs)
 
 
 class CanonLM(nn.Module):
@@ -337,6 +409,8 @@ class CanonLM(nn.Module):
         self.compile_friendly = False  # place(compiled=True) on CUDA with an auto Canon request: Canon on `torch`
         self.init_weights()
         self.canon_backends: dict[str, str] = {}
+        self.fallbacks: dict[str, str] = {}       # set by place(): auto requests that fell back on CUDA, and why
+        self.backend_notes: dict[str, str] = {}   # set by place(): see placement_notes
         if device.type != "meta":
             if "canon" not in self.pending:
                 try:
@@ -397,7 +471,6 @@ class CanonLM(nn.Module):
         limit = self.max_positions
         if limit is not None and t0 + T > limit:
             raise ValueError(f"input_ids: positions up to {t0 + T} exceed model.max_seq_len={limit}")
-        docs = None
         if doc_ids is not None:
             if cache is not None:
                 raise ValueError("CanonLM.forward: doc_ids (document masking) is not supported with a decode cache; "
@@ -406,29 +479,25 @@ class CanonLM(nn.Module):
             if problem is not None:
                 raise ValueError(f"CanonLM.forward: doc_ids: {problem}")
             check_doc_ids(doc_ids, lead)
-            docs = build_doc_mask(doc_ids, self.cfg.arch, self.backends.get("attention"))
         cos = sin = None
         if self.rope_cos is not None:
             cos, sin = self.rope_cos[t0:t0 + T], self.rope_sin[t0:t0 + T]
         x = self.tok_emb(input_ids) if inputs_embeds is None else inputs_embeds
+        docs = None
+        if doc_ids is not None:  # once per forward, shared by every layer; the mask in the dtype q will have
+            dev = x.device.type
+            dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+            docs = build_doc_mask(doc_ids, self.cfg.arch, self.backends.get("attention"),
+                                  cu_seqlens="fla" in self.canon_backends.values(), dtype=dtype)
         for i, block in enumerate(self.blocks):
             if hidden_states is not None:
                 hidden_states.append(x)
             if cache is not None:
                 x = block(x, cos, sin, cache.layers[i])
-            elif docs is not None:
-                if checkpoint_fn is not None:
-                    x = checkpoint_fn(block, x, cos, sin, None, docs)
-                elif self.activation_checkpointing and torch.is_grad_enabled():
-                    x = checkpoint(block, x, cos, sin, None, docs, use_reentrant=False)
-                else:
-                    x = block(x, cos, sin, None, docs)
             elif checkpoint_fn is not None:
-                x = checkpoint_fn(block, x, cos, sin)
-            elif self.activation_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(block, x, cos, sin, use_reentrant=False)
-            else:
-                x = block(x, cos, sin)
+                x = checkpoint_fn(block, x, cos, sin) if docs is None else checkpoint_fn(block, x, cos, sin, None, docs)
+            else:  # activation checkpointing, when on, is inside Block.forward (compiled with it)
+                x = block(x, cos, sin) if docs is None else block(x, cos, sin, None, docs)
         if cache is not None:
             cache.seen += T
         x = self.norm(x)
@@ -448,9 +517,25 @@ class CanonLM(nn.Module):
 
     def set_activation_checkpointing(self, enabled: bool = True) -> None:
         """Recompute each block in backward instead of storing its activations (``torch.utils.checkpoint``,
-        non-reentrant, one checkpoint per block; apply before compile and fully_shard -- the
-        call wraps the block module, so a compiled / FSDP2-sharded block is recomputed as a whole)."""
+        non-reentrant, one checkpoint per block, inside :meth:`Block.forward`): each block then keeps only its input.
+        Apply before :meth:`compile_blocks` and ``fully_shard`` (torchtitan's order): a compiled block traces the
+        checkpoint, so the compiler sees (and may fuse) the recompute."""
         self.activation_checkpointing = bool(enabled)
+        for block in self.blocks:
+            block.checkpointed = self.activation_checkpointing
+
+    def compile_blocks(self, **kwargs) -> None:
+        """``torch.compile`` every block in place (``nn.Module.compile(**kwargs)``: ``backend``, ``fullgraph``,
+        ``dynamic``, ``mode``), after :meth:`set_activation_checkpointing` and before ``fully_shard`` (torchtitan's
+        order). Any sequence length runs without a graph break from the model's own code: the first call compiles
+        for its shapes, the first call at another length recompiles once with dynamic sizes
+        (``torch._dynamo``'s automatic dynamic shapes), and later lengths reuse that graph. What still breaks the
+        graph is a library kernel the compiler cannot trace: fla's ``chunk_gla`` and ``chunk_gated_delta_rule``
+        are ``torch.compiler.disable`` d (fla-core 0.6.0, ``fla/ops/gla/chunk.py``,
+        ``fla/ops/gated_delta_rule/chunk.py``), one break per GLA / GDN block on a GPU; tests/test_compile.py counts
+        the breaks of every architecture on the CPU paths."""
+        for block in self.blocks:
+            block.compile(**kwargs)
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -541,8 +626,39 @@ class CanonLM(nn.Module):
             backends["canon"] = "torch"
         backends["canon"] = _canon_report(layers, backends["canon"])
         self.backends, self.canon_backends, self.pending = backends, layers, {}
+        self.fallbacks, self.backend_notes = placement_notes(self.cfg, backends, layers, self._canon_shapes(), device,
+                                                             dtype, self.compile_friendly)
         self._set_placement(device, dtype)
         return dict(self.backends)
+
+    def backend_report(self) -> dict:
+        """What the model runs where it was placed, for a run's start line, ``hparams.json`` and ``results.json``:
+        ``{"device": "cuda:0", "compute_dtype": "bfloat16", "canon": ..., <mixer op>: ..., "fallbacks": {op: why},
+        "notes": {op: ...}}`` -- the concrete backend of every op (:attr:`backends`; Canon's names joined by ``+``
+        when layers differ), the ``auto`` requests that fell back to a pure-PyTorch path on CUDA and why
+        (:func:`placement_notes`), and the notes (the Mamba2 fused kernel, a mamba-ssm imported without its package
+        ``__init__``, Canon on ``torch`` under compile). Before :meth:`place` the device is the construction one."""
+        device, dtype = self.placement or (None, None)
+        out = {"device": str(device), "compute_dtype": str(dtype).replace("torch.", ""), **self.backends}
+        out["fallbacks"] = dict(self.fallbacks)
+        out["notes"] = dict(self.backend_notes)
+        return out
+
+    def backend_line(self) -> str:
+        """One line for a run's start: ``backends on cpu (float32): canon=cpu, ssd=reference (mamba_ssm: needs a
+        CUDA device ...)`` -- each op's concrete backend (:meth:`backend_report`), with the reason beside an
+        ``auto`` request that runs the pure-PyTorch path, on any device."""
+        device, dtype = self.placement or (torch.device("cpu"), torch.float32)
+        parts = []
+        for op, name in self.backends.items():
+            why = None
+            if op in _FAST and name == "reference" and _request(self.cfg, op)[0] == "auto":
+                why = _LINEAR_OPS[op].available_backends(device, dtype).get(_FAST[op])
+                why = why and f"{_FAST[op]}: {why}"
+            elif op == "canon" and op in self.fallbacks:
+                why = self.fallbacks[op]
+            parts.append(f"{op}={name}" + (f" ({why})" if why else ""))
+        return f"backends on {device} ({str(dtype).replace('torch.', '')}): " + ", ".join(parts)
 
     def _canon_shapes(self) -> dict[str, tuple[int, int]]:
         """``{module name: (channels C, taps K)}`` of every Canon layer."""

@@ -97,9 +97,10 @@ class MLP(nn.Module):
                         if canon is not None and canon.has("D") else None)
         self.w2 = nn.Linear(d_ff, d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, cache: dict | None = None, doc_pos: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: dict | None = None, docs=None) -> torch.Tensor:
         """``x (B, T, d)`` -> ``(B, T, d)``; ``cache``: a decode-cache layer dict for Canon-D's history (or None);
-        ``doc_pos`` (B, T): document masking of Canon-D (:class:`~canonlm.arch.canon.Canon`), or None."""
+        ``docs`` (:class:`canonlm.ops.varlen.Documents`): document masking of Canon-D (:class:`~canonlm.arch.canon.Canon`),
+        or None."""
         if self.kind == "gated" and self.canon_d is None and type(self.w13) is nn.Linear:
             # No Canon-D: two matmuls on row slices of the fused weight. Same math; the backward then needs no
             # concatenation of the (B, T, 2·d_ff) gate/up gradients (a full activation-sized copy per layer). Only
@@ -109,7 +110,7 @@ class MLP(nn.Module):
             return self.w2(activation(self.act, F.linear(x, w1)) * F.linear(x, w3))
         h = self.w13(x)
         if self.canon_d is not None:
-            h = self.canon_d(h, cache, doc_pos)
+            h = self.canon_d(h, cache, docs)
         if self.kind == "gated":
             gate, up = h.chunk(2, dim=-1)
             return self.w2(activation(self.act, gate) * up)

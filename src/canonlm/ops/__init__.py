@@ -11,8 +11,9 @@ canonlm.selfcheck`` check the references against them. fla's own ``naive.py`` fi
 (:mod:`canonlm.ops._fla_naive`).
 
 Document masking (several documents packed in a window): :mod:`canonlm.ops.varlen` builds the index tensors
-(positions in a document, the block-causal mask, ``cu_seqlens``); every op takes them (``doc_pos``, ``doc_mask`` /
-``cu_seqlens``, ``seq_idx``) and restarts at each document.
+(positions in a document, segment indices, the additive block-causal mask, ``cu_seqlens``); every op takes them
+(Canon ``docs``, attention ``doc_mask`` / ``cu_seqlens``, GLA / GDN ``cu_seqlens``, SSD ``seq_idx``) and restarts at
+each document.
 
 What ran: :func:`backend_calls` counts the calls of every backend's entry point (:mod:`canonlm.ops.calls`);
 :func:`forget_backend_choices` empties the memoised backend choices.

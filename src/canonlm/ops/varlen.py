@@ -12,21 +12,73 @@ Functions (pure tensor code, no model or task knowledge):
 * :func:`position_in_document` -- (B, T) int64, 0 at a document start (Canon's per-tap mask: tap at lag ``l`` is
   read iff ``position >= l``).
 * :func:`block_causal_mask` -- (B, T, T) bool, True = query t may attend key s (``s <= t`` in t's document).
+* :func:`block_causal_bias` -- the same as the (B, 1, T, T) additive mask (0 / -inf) attention takes.
 * :func:`cu_seqlens_of` -- the documents of all rows, flattened row-major into one sequence of B·T tokens, as
   cumulative lengths ``(N + 1,)`` (int64 on the tensor's device and a CPU copy): the varlen form of flash-attn's
   ``flash_attn_varlen_func`` and fla's chunk kernels (``cu_seqlens`` with batch 1). One device-host sync.
 * :func:`pack` / :func:`unpack` -- (1, total, ...) <-> (N, L_max, ...) zero-padded at each document's end: how the
   pure-PyTorch references run a ``cu_seqlens`` call as a batch of independent sequences (the padding comes after
   each document, so by causality it changes none of its outputs).
+* :class:`Documents` / :func:`documents` -- the forms above that a forward needs, built once per forward and passed
+  to every layer (Canon's ``causal_conv1d(docs=...)``: ``pos`` for the torch path, ``seq_idx`` for Dao's
+  ``causal_conv1d_fn``, ``cu_seqlens`` for fla's ``causal_conv1d``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 from torch import Tensor
 
-__all__ = ["block_causal_mask", "check_varlen_call", "cu_seqlens_of", "document_starts", "pack",
-           "position_in_document", "segment_ids", "unpack"]
+__all__ = ["Documents", "block_causal_bias", "block_causal_mask", "check_varlen_call", "cu_seqlens_from_pos",
+           "cu_seqlens_of", "document_starts", "documents", "pack", "position_in_document", "segment_ids", "unpack"]
+
+
+@dataclass(frozen=True, eq=False)
+class Documents:
+    """The documents packed in the rows of a (B, T) window, in the index forms the sequence ops take.
+
+    Fields:
+        pos: (B, T) int64, each token's position in its document (0 at a document start): the mask of the
+            shift-and-add Canon path (the tap at lag ``l`` reads the previous token only where ``pos >= l``).
+        seq_idx: (B, T) int32, contiguous, each token's document index within its row (0, 1, ...): Dao's
+            ``causal_conv1d_fn(seq_idx=...)`` (a tap is read only when its token has the same ``seq_idx``,
+            ``causal_conv1d_channellast_fwd_kernel``) and mamba-ssm's ``mamba_chunk_scan_combined(seq_idx=...)``.
+        cu_seqlens, cu_seqlens_cpu: (N + 1,) int64 cumulative document lengths of the B rows flattened row-major into
+            one sequence of B·T tokens, on the device and on the CPU (fla's varlen kernels, flash-attn's
+            ``flash_attn_varlen_func``), or None when not computed (they cost one device-host sync).
+        max_seqlen: an upper bound on a document's length (T).
+    Built by :func:`documents`; holds no model or task knowledge.
+    """
+
+    pos: Tensor
+    seq_idx: Tensor
+    cu_seqlens: Optional[Tensor] = None
+    cu_seqlens_cpu: Optional[Tensor] = None
+    max_seqlen: int = 0
+
+
+def documents(doc_ids: Tensor, cu_seqlens: bool = False) -> Documents:
+    """:class:`Documents` of ``doc_ids`` (B, T) integer ids (a change of id starts a document).
+
+    ``pos`` and ``seq_idx`` always (no host sync); ``cu_seqlens`` / ``cu_seqlens_cpu`` when ``cu_seqlens`` is True
+    (one device-host sync: :func:`cu_seqlens_of`)."""
+    cu = cu_cpu = None
+    if cu_seqlens:
+        cu, cu_cpu = cu_seqlens_of(doc_ids)
+    return Documents(pos=position_in_document(doc_ids), seq_idx=segment_ids(doc_ids).to(torch.int32).contiguous(),
+                     cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, max_seqlen=int(doc_ids.shape[1]))
+
+
+def cu_seqlens_from_pos(pos: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`cu_seqlens_of` from ``pos`` (B, T) (:attr:`Documents.pos`): a document starts where ``pos == 0``.
+    One device-host sync."""
+    B, T = pos.shape
+    starts = (pos.reshape(-1) == 0).nonzero().squeeze(1).cpu()
+    cu_cpu = torch.cat([starts, torch.tensor([B * T])]).to(torch.int64)
+    return cu_cpu.to(pos.device), cu_cpu
 
 
 def document_starts(doc_ids: Tensor) -> Tensor:
@@ -56,6 +108,14 @@ def block_causal_mask(doc_ids: Tensor) -> Tensor:
     T = doc_ids.shape[1]
     causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril_()
     return (seg.unsqueeze(2) == seg.unsqueeze(1)) & causal
+
+
+def block_causal_bias(doc_ids: Tensor, dtype: torch.dtype) -> Tensor:
+    """(B, T) -> (B, 1, T, T) additive mask in ``dtype``: 0 where key s is visible to query t (:func:`block_causal_mask`),
+    -inf elsewhere. The form ``F.scaled_dot_product_attention`` takes as it is (a floating ``attn_mask`` of the query's
+    dtype, broadcast over heads), so one tensor built per forward serves every layer (``canonlm.ops.attention``)."""
+    allowed = block_causal_mask(doc_ids).unsqueeze(1)
+    return torch.zeros(allowed.shape, dtype=dtype, device=doc_ids.device).masked_fill_(~allowed, float("-inf"))
 
 
 def cu_seqlens_of(doc_ids: Tensor) -> tuple[Tensor, Tensor]:

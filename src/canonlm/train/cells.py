@@ -221,12 +221,14 @@ BEST_OF = ("optim.lr", "seed", "task.seed")
 # progress, profiling, sanity checks, caches; the data loader's worker count and the world size (the data stream and
 # the global batch are the same for any count; only the reduction order of cross-rank sums changes); activation
 # checkpointing and the GLA chunk length (the same math, recomputed or chunked). Backend choices (``ops``,
-# ``kernels.*``, ``compile``, ``optim.fused``) stay compared: their numerics differ.
+# ``kernels.*``, ``compile``, ``optim.fused``) stay compared: their numerics differ. ``resolved`` (what a run wrote
+# into hparams.json of its machine: the backends its requests resolved to, document masking on or off) is not a
+# setting: runs of one config share a cell on any machine, as they did before runs recorded it.
 NEUTRAL = ("run_name", "task_name", "tags", "paths", "logger", "callbacks.checkpoint", "callbacks.progress",
            "callbacks.lr_monitor", "callbacks.preemption", "trainer.default_root_dir", "trainer.log_every_n_steps",
            "trainer.enable_progress_bar", "trainer.enable_model_summary", "trainer.profiler",
            "trainer.num_sanity_val_steps", "trainer.devices", "trainer.num_nodes", "data.num_workers",
-           "data.gen_eval.batch_size", "task.cache_dir", "activation_checkpointing", "model.chunk_size")
+           "data.gen_eval.batch_size", "task.cache_dir", "activation_checkpointing", "model.chunk_size", "resolved")
 # Keys that cannot change a result at these values only: a fresh start or a resume of the run's own checkpoints
 # (another path continues another run).
 NEUTRAL_VALUES = {"ckpt_path": (None, "auto")}

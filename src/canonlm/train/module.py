@@ -103,7 +103,8 @@ class LMModule(L.LightningModule):
         loss: ``{"z_loss": none|lingua|palm, "z_coef": float}``.
         num_groups / group_name: metric groups of the task (Depo: k = 0..K, name "k").
         compile / activation_checkpointing / fsdp: applied in :meth:`configure_model` in torchtitan's order
-            (activation checkpointing, then per-block ``compile()``, then ``fully_shard``).
+            (activation checkpointing inside each block, then per-block ``compile()`` -- which traces the checkpoint
+            and so the recompute -- then ``fully_shard``).
         task: the task object (optional): its ``evaluate`` / ``eval_samples`` / ``finalize_metrics`` hooks are used.
         gen_eval: ``{"samples": int | None (None = task.eval_samples(split)), "batch_size": int, "on_val": bool}``.
         task_cfg: the task's config dict, stored in every checkpoint (with the model config) so that a resume
@@ -163,8 +164,10 @@ class LMModule(L.LightningModule):
         self._configured = False
         self._counts: dict[str, dict[str, torch.Tensor]] = {}
         self._loss_sums: dict[str, torch.Tensor] = {}
-        self._t_last: float | None = None
+        self._t_last: float | None = None      # start of the perf clock's current interval (None: not started)
         self._step_last = 0
+        self._paused_at: float | None = None    # perf clock paused (validation, a checkpoint write) since then
+        self._excluded_s = 0.0                  # seconds of pauses inside the current interval
         self._t_batch_end: float | None = None  # end of the previous on_train_batch_end (data-wait clock)
         self._wait_sum = 0.0                    # seconds waited for batches since the last perf log
         self.tokens_per_step = 0  # set by the run from the data config (global windows x window length)
@@ -173,26 +176,32 @@ class LMModule(L.LightningModule):
         self.results: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ model setup
-    def compute_dtype(self) -> torch.dtype:
-        """The dtype the model's kernels compute in: bf16 when the trainer precision says bf16 or FSDP2 casts the
-        parameters to bf16 (``strategy.param_dtype``), fp16 for ``16-mixed``, else fp32
-        (:func:`canonlm.arch.model.compute_dtype_for`, the rule ``prepare_run`` checks before the run)."""
-        prec = str(self.trainer.precision) if self._trainer is not None else "32-true"
+    def compute_dtype(self, trainer: L.Trainer | None = None) -> torch.dtype:
+        """The dtype the model's kernels compute in under ``trainer`` (default: the attached one): bf16 when the
+        trainer precision says bf16 or FSDP2 casts the parameters to bf16 (``strategy.param_dtype``), fp16 for
+        ``16-mixed``, else fp32 (:func:`canonlm.arch.model.compute_dtype_for`, the rule ``prepare_run`` checks
+        before the run)."""
+        trainer = trainer if trainer is not None else self._trainer
+        prec = str(trainer.precision) if trainer is not None else "32-true"
         fsdp_dtype = self.fsdp.get("param_dtype", "bf16") if self.fsdp is not None else None
         return compute_dtype_for(prec, fsdp_dtype)
 
-    def place_model(self) -> dict[str, str]:
-        """Resolve the model's op backends for where Lightning runs it (the strategy's root device, which the model
-        is moved to right after :meth:`configure_model`) and :meth:`compute_dtype`: ``CanonLM.place``. Returns the
+    def place_model(self, trainer: L.Trainer | None = None) -> dict[str, str]:
+        """Resolve the model's op backends for where ``trainer`` (default: the attached one) runs it (the strategy's
+        root device, which the model is moved to right after :meth:`configure_model`) and :meth:`compute_dtype`:
+        ``CanonLM.place``. The run calls it once before ``fit`` to print and record the choice
+        (``CanonLM.backend_report``); :meth:`configure_model` calls it again (the same answer). Returns the
         concrete backends; raises ConfigError (a pinned kernel or ``ops=fused`` that cannot run there) before any
         training or evaluation step."""
-        device = self.trainer.strategy.root_device if self._trainer is not None else self.device
-        return self.model.place(device, self.compute_dtype(), compiled=self.compile_blocks)
+        trainer = trainer if trainer is not None else self._trainer
+        device = trainer.strategy.root_device if trainer is not None else self.device
+        return self.model.place(device, self.compute_dtype(trainer), compiled=self.compile_blocks)
 
     def configure_model(self) -> None:
-        """Place the model (:meth:`place_model`), then activation checkpointing, per-block ``compile()`` (and the loss,
-        as torchtitan compiles its loss) and FSDP2 ``fully_shard`` (torchtitan's order). Runs once per module
-        (Lightning calls it for fit, validate and test)."""
+        """Place the model (:meth:`place_model`), then activation checkpointing (inside each block), per-block
+        ``compile()`` (:meth:`CanonLM.compile_blocks`; the compiled block contains the checkpoint, so the compiler
+        sees the recompute; the loss is compiled too, as torchtitan compiles its loss) and FSDP2 ``fully_shard``
+        (torchtitan's order). Runs once per module (Lightning calls it for fit, validate and test)."""
         if self._configured:
             return
         self.place_model()
@@ -200,8 +209,7 @@ class LMModule(L.LightningModule):
         if self.activation_checkpointing:
             self.model.set_activation_checkpointing(True)
         if self.compile_blocks:  # each block, and the loss (fp32 upcast, logsumexp, gather: one fused kernel)
-            for block in self.model.blocks:
-                block.compile()
+            self.model.compile_blocks()
             self._loss_fn = torch.compile(lm_loss)
         if self.fsdp is not None and getattr(self, "device_mesh", None) is not None:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -346,17 +354,20 @@ class LMModule(L.LightningModule):
         waiting for data), ``perf/peak_mem_gb`` (GiB, :func:`_peak_mem_gb`), ``perf/tokens_seen``, for a text mixture
         ``train/tokens/<source>`` (:meth:`_log_source_tokens`) and, on CUDA
         devices in :data:`PEAK_FLOPS`, ``perf/mfu`` (:func:`canonlm.arch.flops.mfu`). The read waits for this
-        step's backward, so the time between two logging steps is the device time of the steps in between."""
+        step's backward, so the time between two logging steps is the device time of the steps in between, less
+        the pauses of the clock (:meth:`_pause_clock`): validation passes with their generation evaluation and
+        checkpoint writes do not count as training time."""
         from canonlm.arch.flops import mfu
 
         for name, value in self._read_device().items():
             self._log_host(name, value, prog_bar=name == "train/loss")
         if self.nonfinite_steps:
             self._log_host("train/nonfinite_steps", float(self.nonfinite_steps))
+        self._resume_clock()
         now = time.perf_counter()
         if self._t_last is not None and step > self._step_last:
             n = step - self._step_last
-            dt = now - self._t_last
+            dt = now - self._t_last - self._excluded_s
             tok_s = n * self.tokens_per_step / max(dt, 1e-9)
             self._log_host("perf/tokens_per_s", tok_s, prog_bar=True)
             self._log_host("perf/step_time_s", dt / n)
@@ -369,7 +380,25 @@ class LMModule(L.LightningModule):
                 self._log_host("perf/mfu", mfu(tok_s, self.model.flops_per_token(self._seq_len), peak,
                                                self.trainer.world_size))
         self._t_last, self._step_last = now, step
-        self._wait_sum = 0.0
+        self._wait_sum = self._excluded_s = 0.0
+
+    def _pause_clock(self) -> None:
+        """Stop the training-throughput clock of ``perf/tokens_per_s`` / ``step_time_s`` / ``mfu`` (no-op before the
+        clock starts or while paused). Called when a validation pass starts (its generation evaluation runs inside
+        it) and when a checkpoint is written (:meth:`on_save_checkpoint`, before the write). On CUDA it first waits
+        for the device, so the queued kernels of the training steps are timed as training, not as the pause."""
+        if self._t_last is None or self._paused_at is not None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._paused_at = time.perf_counter()
+
+    def _resume_clock(self) -> None:
+        """Restart the clock paused by :meth:`_pause_clock`: the pause is left out of the current interval. Called
+        when a validation pass ends and at the next training batch boundary after a checkpoint write."""
+        if self._paused_at is not None:
+            self._excluded_s += time.perf_counter() - self._paused_at
+            self._paused_at = None
 
     def _log_source_tokens(self, step: int) -> None:
         """``train/tokens/<source>`` of a text mixture: the tokens each source gave in the first ``step`` optimizer
@@ -384,6 +413,7 @@ class LMModule(L.LightningModule):
             self._log_host(f"train/tokens/{name}", float(int(n) * T))
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._resume_clock()
         if self._t_batch_end is not None:  # time since the previous batch ended = waiting for this batch
             self._wait_sum += time.perf_counter() - self._t_batch_end
 
@@ -403,6 +433,7 @@ class LMModule(L.LightningModule):
             from canonlm.errors import RunStopped
 
             raise RunStopped(f"training stopped: {self.stop_reason}", 3)
+        self._resume_clock()  # after a checkpoint written by a callback at this batch end (they run before this hook)
         if self.first_step_s is None and self.trainer.global_step > self._fit_step0:  # first optimizer step done
             self._first_step_done()
         if self._t_last is None:  # the perf clock starts at the end of the first batch of this fit (after warm-up)
@@ -447,11 +478,13 @@ class LMModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Add ``checkpoint["canonlm"]``: format, model config, task config, training time, attempts and skipped
-        steps (plain Python values, so the file loads with ``torch.load(weights_only=True)``)."""
+        steps (plain Python values, so the file loads with ``torch.load(weights_only=True)``). Pauses the throughput
+        clock: the write that follows is not training time (:meth:`_pause_clock`)."""
         import dataclasses
 
         from canonlm.train.checkpoint import CKPT_FORMAT
 
+        self._pause_clock()
         self._read_device()  # the skip flags queued since the last logging step
         checkpoint["canonlm"] = {"format": CKPT_FORMAT, "model": dataclasses.asdict(self.model.cfg),
                                  "task": self.task_cfg,
@@ -617,6 +650,10 @@ class LMModule(L.LightningModule):
 
     def on_validation_start(self) -> None:
         self._t_batch_end = None  # a validation pass between two training batches is not data wait
+        self._pause_clock()       # nor training time (generation evaluation included: on_validation_epoch_end)
+
+    def on_validation_end(self) -> None:
+        self._resume_clock()
 
     def on_validation_epoch_end(self) -> None:
         self._eval_end("val")

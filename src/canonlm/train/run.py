@@ -724,6 +724,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             log.info("init_from=%s: weights loaded (fresh optimizer and schedule)", cfg.init_from)
     module.tokens_per_step = int(cfg.data.batch_size) * int(task_cfg["context"])
     module.windows_per_step = int(cfg.data.batch_size)
+    # the backends, resolved where Lightning will run the model (configure_model resolves them again, alike):
+    # printed, and recorded in hparams.json and results.json with the document-masking setting
+    module.place_model(trainer)
+    resolved = {"backends": module.model.backend_report(), "doc_mask": bool(task_cfg.get("doc_mask", False))}
 
     n_params = module.model.num_params()
     pos_type = position_encoding(mcfg.arch, mcfg.pos.type)
@@ -731,8 +735,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         log.info("task %s | vocab %d | context %d | model %s %dL %dD %dH canon=%r pos=%s | %.2fM params | "
                  "world size %d", task.name, task.vocab_size, task_cfg["context"], mcfg.arch, mcfg.n_layers,
                  mcfg.d_model, mcfg.n_heads, mcfg.canon.set, pos_type, n_params / 1e6, trainer.world_size)
-        for lg in trainer.loggers:
-            lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+        log.info("%s; document masking %s", module.model.backend_line(),
+                 "on (task.doc_mask=true)" if resolved["doc_mask"] else "off")
+        for op, note in resolved["backends"]["notes"].items():
+            log.info("  %s: %s", op, note)
+        for lg in trainer.loggers:  # ``resolved``: what this machine runs (train/cells.py keeps it out of cells)
+            lg.log_hyperparams({**OmegaConf.to_container(cfg, resolve=True), "resolved": resolved})
         if getattr(task, "is_mixture", False):
             for name, row in task.source_table().items():
                 log.info("source %s: share %.4f of the training windows (weight %s), %d windows of %d tokens per "
@@ -761,6 +769,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         **({"sources": {name: {**row, "tokens_seen": int(n) * int(task_cfg["context"])} for (name, row), n in zip(
             task.source_table().items(), task.source_windows(trainer.global_step * module.windows_per_step))}}
            if getattr(task, "is_mixture", False) else {}),
+        "doc_mask": resolved["doc_mask"],
+        "backends": resolved["backends"],
         "train_time_s": round(module.train_time_s, 1),
         "attempts": module.attempts,
         "world_size": trainer.world_size,

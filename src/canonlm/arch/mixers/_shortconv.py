@@ -39,18 +39,17 @@ def build_qkv(mod: nn.Module, cfg: ModelConfig, canon_backend: str) -> None:
         mod.conv_q = mod.conv_k = mod.conv_v = None
 
 
-def qkv_forward(mod: nn.Module, x: torch.Tensor, cache: dict | None,
-                doc_pos: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+def qkv_forward(mod: nn.Module, x: torch.Tensor, cache: dict | None, docs=None) -> tuple[torch.Tensor, ...]:
     """``x (B, T, d)`` -> ``q, k (B, T, key_dim)``, ``v (B, T, value_dim)`` through the front end of
     :func:`build_qkv`: projections, [Canon-B on the concatenation], then the short convs (``b``) or, without them,
-    SiLU (``no_conv_act=silu``, the official code) or nothing (``none``). ``doc_pos`` (B, T) or None: document
-    masking of Canon-B and the short convs."""
+    SiLU (``no_conv_act=silu``, the official code) or nothing (``none``). ``docs``
+    (:class:`canonlm.ops.varlen.Documents`) or None: document masking of Canon-B and the short convs."""
     q, k, v = mod.q_proj(x), mod.k_proj(x), mod.v_proj(x)
     if mod.canon_b is not None:
         Kd = mod.key_dim
-        q, k, v = mod.canon_b(torch.cat([q, k, v], dim=-1), cache, doc_pos).split([Kd, Kd, mod.value_dim], dim=-1)
+        q, k, v = mod.canon_b(torch.cat([q, k, v], dim=-1), cache, docs).split([Kd, Kd, mod.value_dim], dim=-1)
     if mod.conv_q is not None:
-        return mod.conv_q(q, cache, doc_pos), mod.conv_k(k, cache, doc_pos), mod.conv_v(v, cache, doc_pos)
+        return mod.conv_q(q, cache, docs), mod.conv_k(k, cache, docs), mod.conv_v(v, cache, docs)
     if mod.no_conv_act == "silu":
         return F.silu(q), F.silu(k), F.silu(v)
     return q, k, v

@@ -69,7 +69,7 @@ class Attention(nn.Module):
                     q, k = self.q_norm(q), self.k_norm(k)
                 qkv = torch.cat([q, k, v], dim=-1)
             if self.canon_b is not None:
-                qkv = self.canon_b(qkv, cache, None if docs is None else docs.pos)
+                qkv = self.canon_b(qkv, cache, docs)
             qk, v = qkv.unflatten(-1, (H + 2 * Hkv, dh)).split([H + Hkv, Hkv], dim=2)  # (B, T, heads, dh) views
             if cos is not None:
                 qk = apply_rope(qk, cos, sin, self.pairing)                # q and k rotated in one call

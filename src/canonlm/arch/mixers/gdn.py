@@ -81,7 +81,7 @@ class GatedDeltaNet(nn.Module):
                 cache: dict | None = None, docs=None) -> torch.Tensor:
         B, T, _ = x.shape
         H = self.n_heads
-        q, k, v = qkv_forward(self, x, cache, None if docs is None else docs.pos)
+        q, k, v = qkv_forward(self, x, cache, docs)
         beta = torch.sigmoid(at_least_fp32(self.b_proj(x)))
         g = -at_least_fp32(self.A_log).exp() * F.softplus(at_least_fp32(self.a_proj(x)) + at_least_fp32(self.dt_bias))
         if docs is not None:

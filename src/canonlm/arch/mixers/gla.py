@@ -64,7 +64,7 @@ class GLA(nn.Module):
                 cache: dict | None = None, docs=None) -> torch.Tensor:
         B, T, _ = x.shape
         H = self.n_heads
-        q, k, v = qkv_forward(self, x, cache, None if docs is None else docs.pos)
+        q, k, v = qkv_forward(self, x, cache, docs)
         gk = F.logsigmoid(at_least_fp32(self.gk_proj(x))) / self.normalizer
         if docs is not None:
             if cache is not None:

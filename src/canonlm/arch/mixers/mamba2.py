@@ -76,11 +76,10 @@ class Mamba2Mixer(nn.Module):
         if docs is not None and cache is not None:
             raise ValueError("Mamba2Mixer: document masking is not supported with a decode cache")
         B, T, _ = x.shape
-        doc_pos = None if docs is None else docs.pos
         H, P, G, N, di = self.n_heads, self.head_dim, self.n_groups, self.ssm_state, self.d_inner
         zxbcdt = self.in_proj(x)
         if self.canon_b is not None:
-            zxbcdt = self.canon_b(zxbcdt, cache, doc_pos)
+            zxbcdt = self.canon_b(zxbcdt, cache, docs)
         A = -torch.exp(at_least_fp32(self.A_log))
         # zxbcdt's dtype is the compute dtype (in_proj's output: bf16 under bf16 autocast); layout dims positional.
         # The fused kernel reads out_proj's weight itself: only for a plain nn.Linear (a peft LoRA layer or another
@@ -100,7 +99,7 @@ class Mamba2Mixer(nn.Module):
                 headdim=P, ngroups=G, norm_before_gate=False)
         z, xbc, dt = zxbcdt.split([di, self.conv_dim, H], dim=-1)
         if self.conv1d is not None:
-            xbc = self.conv1d(xbc, cache, doc_pos)
+            xbc = self.conv1d(xbc, cache, docs)
         xs, Bm, Cm = xbc.split([di, G * N, G * N], dim=-1)
         state = None if cache is None else cache.get("state")
         y, state = ssd_ops.ssd_scan(xs.reshape(B, T, H, P), dt, A, Bm.reshape(B, T, G, N), Cm.reshape(B, T, G, N),

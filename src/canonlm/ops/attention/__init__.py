@@ -22,12 +22,23 @@ Backends:
 ``"auto"`` and ``"fused"`` both mean ``"sdpa"`` (always available; it *is* a fused kernel on every device).
 
 Document masking (:func:`attention` with ``doc_mask`` / ``cu_seqlens``; several documents packed in one window, no
-token attending across a document boundary): ``sdpa`` passes the block-causal boolean mask ``(B, 1, T, T)`` as
-``attn_mask`` (PyTorch then picks a kernel that takes a mask: memory-efficient / cuDNN on CUDA, the math or CPU-flash
-kernel on CPU); ``reference`` masks the score matrix; ``flash`` calls ``flash_attn.flash_attn_varlen_func`` on the
-flattened (B·T, H, D) tokens with the documents' ``cu_seqlens`` (int32) and ``causal=True`` (flash-attn 2.x
-``flash_attn_interface.py``: q (total_q, nheads, headdim), k/v (total_k, nheads_k, headdim), ``cu_seqlens_q`` /
-``cu_seqlens_k`` (batch + 1,) int32, ``max_seqlen_q`` / ``max_seqlen_k`` ints, ``softmax_scale``, ``causal``).
+token attending across a document boundary). The choice, and what it costs beyond unmasked attention:
+
+* ``sdpa`` (and ``auto`` / ``fused``): ONE additive block-causal mask ``(B, 1, T, T)`` (0 where query t may attend key
+  s, -inf elsewhere) in q's dtype, built once per forward (:func:`canonlm.ops.varlen.block_causal_bias`) and passed to
+  every layer. SDPA uses a floating mask as it is (only a boolean one is converted, per call, into a new float tensor
+  by ``convert_boolean_attn_mask``), and the kernels that take a mask (memory-efficient / cuDNN on CUDA, CPU-flash or
+  math on CPU) keep a reference to that same tensor for their backward: **B·T²·itemsize bytes per forward, whatever
+  the number of layers** (6 x 4096² x 2 bytes = 192 MiB under bf16). PyTorch's flash kernel takes no mask, so SDPA
+  runs the memory-efficient one, which supports no grouped-query k/v (only flash and math do, per
+  ``F.scaled_dot_product_attention``'s docs; with ``enable_gqa`` it would fall back to the math kernel and keep a
+  (B, H, T, T) fp32 score matrix per layer): k and v are therefore repeated to H heads first (two (B, T, H, D) copies
+  per layer instead).
+* ``flash``: ``flash_attn.flash_attn_varlen_func`` on the flattened (B·T, H, D) tokens with the documents'
+  ``cu_seqlens`` (int32) and ``causal=True`` (flash-attn 2.x ``flash_attn_interface.py``: q (total_q, nheads, headdim),
+  k/v (total_k, nheads_k, headdim), ``cu_seqlens_q`` / ``cu_seqlens_k`` (batch + 1,) int32, ``max_seqlen_q`` /
+  ``max_seqlen_k`` ints, ``softmax_scale``, ``causal``): no mask, nothing beyond unmasked attention.
+* ``reference``: adds the same additive mask to its fp32 score matrix (the O(T²) oracle).
 """
 
 from __future__ import annotations
@@ -128,9 +139,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         scale: softmax scale, default ``D ** -0.5``.
         backend: ``auto | fused | reference | sdpa | flash`` (module docstring); resolve it once with
             :func:`resolve_backend`.
-        doc_mask: document masking for ``sdpa`` / ``reference`` (/ ``auto`` / ``fused``): ``(B, T, T)`` bool, True =
-            query t may attend key s, causality included (:func:`canonlm.ops.varlen.block_causal_mask`); needs
-            ``causal=True`` and S == T (no KV cache).
+        doc_mask: document masking for ``sdpa`` / ``reference`` (/ ``auto`` / ``fused``): the additive
+            block-causal mask ``(B, 1, T, T)`` in q's dtype, 0 where query t may attend key s (causality included) and
+            -inf elsewhere (:func:`canonlm.ops.varlen.block_causal_bias`), built once per forward and given to every
+            layer (module docstring: its memory); needs ``causal=True`` and S == T (no KV cache).
         cu_seqlens, max_seqlen: document masking for ``flash``: the documents of the B rows flattened into one
             sequence (:func:`canonlm.ops.varlen.cu_seqlens_of`; any integer dtype, passed as int32) and an upper
             bound on their lengths (T is one). ``flash`` with ``doc_mask`` but no ``cu_seqlens`` raises.
@@ -139,8 +151,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     Raises:
         ValueError: bad ranks/shapes, ``H % H_kv != 0``, unknown backend, or ``flash`` on CPU / fp32 tensors / head
             dim > 256; with document masking: ``doc_mask`` / ``cu_seqlens`` without ``causal=True`` or with S != T, a
-            ``doc_mask`` that is not (B, T, T), ``flash`` without ``cu_seqlens``, another backend without
-            ``doc_mask``.
+            ``doc_mask`` that is not a floating (B, 1, T, T) tensor of q's dtype, ``flash`` without ``cu_seqlens``,
+            another backend without ``doc_mask``.
     """
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         raise ValueError(f"attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; expected "
@@ -155,22 +167,30 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     if masked and (not causal or S != T):
         raise ValueError(f"attention: document masking needs causal=True and S == T (no KV cache); got causal={causal}"
                          f", T={T}, S={S}")
-    if doc_mask is not None and tuple(doc_mask.shape) != (B, T, T):
-        raise ValueError(f"attention: doc_mask shape {tuple(doc_mask.shape)}; expected (B, T, T) = {(B, T, T)}")
+    if doc_mask is not None and (tuple(doc_mask.shape) != (B, 1, T, T) or doc_mask.dtype != q.dtype):
+        raise ValueError(f"attention: doc_mask {tuple(doc_mask.shape)} {doc_mask.dtype}; expected the additive mask "
+                         f"(B, 1, T, T) = {(B, 1, T, T)} in q's dtype {q.dtype} (canonlm.ops.varlen.block_causal_bias)")
     if masked and backend == "flash":
         if cu_seqlens is None:
             raise ValueError("attention backend='flash': document masking needs cu_seqlens (flash_attn_varlen_func)")
         return _flash_varlen(q, k, v, cu_seqlens, T if max_seqlen is None else int(max_seqlen), scale)
     if masked and doc_mask is None:
-        raise ValueError(f"attention backend={backend!r}: document masking needs doc_mask (B, T, T)")
+        raise ValueError(f"attention backend={backend!r}: document masking needs doc_mask (B, 1, T, T)")
     if backend in ("auto", "fused", "sdpa") and doc_mask is not None:
+        if Hkv != H:  # the kernels that take a mask have no GQA (module docstring): repeat k/v rather than math
+            k, v = (t.repeat_interleave(H // Hkv, dim=2) for t in (k, v))
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             attn_mask=doc_mask.unsqueeze(1), scale=scale, enable_gqa=Hkv != H)
+                                             attn_mask=doc_mask, scale=scale)
         return out.transpose(1, 2)
     if backend == "reference" and doc_mask is not None:
-        return attention_reference(q, k, v, causal=causal, scale=scale, mask=doc_mask)
+        return attention_reference(q, k, v, causal=causal, scale=scale, bias=doc_mask)
     if backend in ("auto", "fused", "sdpa"):
-        mask, is_causal = None, causal and S == T
+        # is_causal must be a Python bool: under torch.compile with dynamic shapes ``S == T`` is a SymBool, which
+        # SDPA refuses (TypeError under fullgraph, else a graph break at every new length); a branch on it is decided
+        # at trace time with a guard on the sizes
+        mask, is_causal = None, False
+        if causal and S == T:
+            is_causal = True
         if causal and S > T and T > 1:  # cached decode of several tokens: bottom-right aligned causal mask
             mask = _causal_mask(T, S, q.device)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -189,10 +209,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-                        scale: float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+                        scale: float | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Explicit-math attention in float32 (float64 for float64 inputs); same shapes and semantics as
-    :func:`attention`. ``mask`` (B, T, S) bool (True = may attend), when given, replaces the causal mask (document
-    masking: it already holds causality).
+    :func:`attention`. ``bias`` (B, 1, T, S) additive mask (0 = may attend, -inf = may not), when given, is added to
+    the scores instead of the causal mask (document masking: it already holds causality).
 
     Materialises the ``(B, H, T, S)`` score matrix; autocast is disabled inside so the math stays in fp32.
     Causal masking is bottom-right aligned (query i sees keys ``0 .. i + S - T``; top-left = the same when S == T).
@@ -206,8 +226,8 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
         kf = k.to(cd).transpose(1, 2).repeat_interleave(H // Hkv, dim=1)  # (B, H, S, D)
         vf = v.to(cd).transpose(1, 2).repeat_interleave(H // Hkv, dim=1)
         scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale           # (B, H, T, S)
-        if mask is not None:
-            scores = scores.masked_fill(~mask.unsqueeze(1), -math.inf)
+        if bias is not None:
+            scores = scores + bias.to(cd)
         elif causal:
             S = k.shape[1]
             scores = scores.masked_fill(~_causal_mask(T, S, q.device), -math.inf)

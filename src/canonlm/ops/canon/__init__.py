@@ -2,7 +2,8 @@
 
 Public API (the model calls only these names)::
 
-    causal_conv1d(x, weight, bias=None, *, residual=True, activation=False, backend="auto", initial_state=None)
+    causal_conv1d(x, weight, bias=None, *, residual=True, activation=False, backend="auto", initial_state=None,
+                  docs=None)
     causal_conv1d_reference(x, weight, bias=None, *, residual=True, activation=False, initial_state=None)
     causal_conv1d_step(x_t, state, weight, bias=None, *, residual=True, activation=False, backend="auto")
     causal_conv1d_state(x, kernel_size, initial_state=None)
@@ -37,10 +38,19 @@ the same function to the tensors it gets.
 
 All backends are differentiable w.r.t. x, weight, bias and initial_state, and return x.dtype.
 
-Document masking (``doc_pos``, several documents packed in one window): the conv restarts at every document start,
-i.e. tap ``i`` (lag ``K-1-i``) reads ``x_{t-K+1+i}`` only when that token is in t's document (``doc_pos_t >= K-1-i``),
-else zero -- what running each document alone gives. Every backend request then runs the ``torch`` shift-and-add
-path with that per-tap mask (no kernel's document support -- fla's ``cu_seqlens``, Dao's ``seq_idx`` -- is wired).
+Document masking (``docs``, a :class:`canonlm.ops.varlen.Documents`: several documents packed in one window): the
+conv restarts at every document start, i.e. tap ``i`` (lag ``K-1-i``) reads ``x_{t-K+1+i}`` only when that token is
+in t's document (``pos_t >= K-1-i``), else zero -- what running each document alone gives. Each backend keeps its
+kernel and its memory:
+
+* ``dao`` -- ``causal_conv1d_fn(x, w, b, seq_idx=docs.seq_idx)``: Dao's channel-last kernel reads a tap only when its
+  token has the output token's ``seq_idx`` (causal-conv1d ``causal_conv1d_channellast_fwd_kernel`` / ``_bwd``);
+* ``fla`` -- fla's ``causal_conv1d(x as (1, B·T, C), cu_seqlens=docs.cu_seqlens)``, its ``IS_VARLEN`` kernels;
+* ``torch`` / ``cpu`` / ``reference`` -- the shift-and-add path, each tap's product multiplied by its (B, T, 1)
+  mask ``pos >= lag`` (autograd keeps the masks and the one padded input it keeps without masking, not a masked
+  copy per tap).
+
+Both kernels take the folded weight (the residual is the current-token tap, which is always in t's own document).
 """
 
 from __future__ import annotations
@@ -53,6 +63,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from canonlm.errors import ConfigError
+from canonlm.ops import varlen
 from canonlm.ops._dispatch import assume_constant, cuda_reason, memo_table
 
 from . import _cuda, _native
@@ -143,9 +154,10 @@ def causal_conv1d_torch(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None
     break under compile: its dispatch is wrapped in ``torch.compiler.disable``). ``CanonLM.place(...,
     compiled=True)`` therefore resolves an ``auto`` Canon request on CUDA to this backend.
 
-    ``doc_pos`` (B, T) integer, each token's position in its document (:func:`canonlm.ops.varlen.position_in_document`),
-    or None: with it, the tap at lag ``l`` is multiplied by ``doc_pos >= l`` (document masking; module docstring);
-    ``initial_state`` must then be None.
+    ``doc_pos`` (B, T) integer, each token's position in its document (:attr:`canonlm.ops.varlen.Documents.pos`), or
+    None: with it, the product of the tap at lag ``l`` is multiplied by the (B, T, 1) mask ``doc_pos >= l`` (document
+    masking; module docstring) -- after the weight, so autograd keeps only the masks besides what the unmasked path
+    keeps; ``initial_state`` must then be None.
     """
     _validate(x, weight, bias, initial_state)
     if doc_pos is not None and (initial_state is not None or tuple(doc_pos.shape) != tuple(x.shape[:2])):
@@ -170,9 +182,10 @@ def causal_conv1d_torch(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None
     acc = xc * w[:, K - 1]
     for i in range(K - 1):
         tap = xp[:, i:i + T]
-        if doc_pos is not None:  # lag K-1-i reaches the previous document where doc_pos < K-1-i
-            tap = tap * (doc_pos >= K - 1 - i).unsqueeze(-1).to(cd)
-        acc = torch.addcmul(acc, tap, w[:, i])
+        if doc_pos is None:
+            acc = torch.addcmul(acc, tap, w[:, i])
+        else:  # lag K-1-i reaches the previous document where doc_pos < K-1-i: that product is zeroed
+            acc = acc + (tap * w[:, i]) * (doc_pos >= K - 1 - i).unsqueeze(-1).to(cd)
     if bias is not None:
         acc = acc + bias.to(cd)
     if activation:
@@ -294,7 +307,7 @@ _select_cache: dict = memo_table()
 
 def causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, residual: bool = True,
                   activation: bool = False, backend: str = "auto", initial_state: Optional[Tensor] = None,
-                  doc_pos: Optional[Tensor] = None) -> Tensor:
+                  docs: Optional[varlen.Documents] = None) -> Tensor:
     """Canon layer op: ``y_t = [x_t +] act(b + sum_i weight[:, i] * x_{t-K+1+i})`` (paper eq. 4.1).
 
     Args:
@@ -307,23 +320,36 @@ def causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, r
             :func:`resolve_backend`: with ``"auto"``, shapes a fast path does not support (Dao: K not in {2,3,4} or
             C % 8 != 0; native: K > 64) fall back to the next backend; an explicit name that cannot take them raises.
         initial_state: (B, C, K-1) = the K-1 raw inputs before x (chunked prefill), or None for zeros.
-        doc_pos: (B, T) integer position of each token in its document, or None: document masking (module
-            docstring); runs :func:`causal_conv1d_torch` whatever ``backend`` says; no ``initial_state`` with it.
+        docs: the documents packed in x's rows (:func:`canonlm.ops.varlen.documents` of the (B, T) document ids), or
+            None: document masking (module docstring) on the backend resolved for this call: ``dao`` with
+            ``docs.seq_idx``, ``fla`` with ``docs.cu_seqlens`` (computed here, one device-host sync, when the
+            ``Documents`` were built without it), the others on :func:`causal_conv1d_torch` with ``docs.pos``;
+            no ``initial_state`` with it.
 
     Returns:
         (B, T, C) in x.dtype (accumulation in float32 for low-precision inputs on every backend but
         ``reference``, which computes in ``promote_types(x.dtype, weight.dtype)``).
 
     Raises:
-        ValueError: bad shapes/devices/dtypes.
+        ValueError: bad shapes/devices/dtypes; ``docs`` whose ``pos`` is not (B, T), or with ``initial_state``.
         ConfigError: unknown or unavailable backend, or a shape the explicitly requested backend cannot take (see
             :func:`resolve_backend`).
     """
     _validate(x, weight, bias, initial_state)
-    if doc_pos is not None:
-        return causal_conv1d_torch(x, weight, bias, residual=residual, activation=activation,
-                                   initial_state=initial_state, doc_pos=doc_pos)
     be = _select(backend, str(x.device), x.dtype, int(weight.shape[0]), int(weight.shape[1]))
+    if docs is not None:
+        if initial_state is not None or tuple(docs.pos.shape) != tuple(x.shape[:2]):
+            raise ValueError(f"causal_conv1d: docs.pos.shape={tuple(docs.pos.shape)} with initial_state "
+                             f"{'given' if initial_state is not None else 'None'}; allowed: docs for (B, T) = "
+                             f"{tuple(x.shape[:2])} and no initial_state")
+        if be == "dao":
+            return _cuda.dao_forward(x, weight, bias, residual, activation, None, seq_idx=docs.seq_idx)
+        if be == "fla":
+            cu, cu_cpu = docs.cu_seqlens, docs.cu_seqlens_cpu
+            if cu is None:
+                cu, cu_cpu = varlen.cu_seqlens_from_pos(docs.pos)
+            return _cuda.fla_forward(x, weight, bias, residual, activation, None, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
+        return causal_conv1d_torch(x, weight, bias, residual=residual, activation=activation, doc_pos=docs.pos)
     if be == "cpu":
         return _native.canon_conv(x, weight, bias, initial_state, bool(residual), bool(activation))
     if be == "torch":

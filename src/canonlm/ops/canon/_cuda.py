@@ -124,12 +124,17 @@ def _at_least_fp32(weight: Tensor) -> Tensor:
 
 
 def dao_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: bool, activation: bool,
-                initial_state: Optional[Tensor]) -> Tensor:
+                initial_state: Optional[Tensor], seq_idx: Optional[Tensor] = None) -> Tensor:
     """Canon via ``causal_conv1d_fn`` on the channel-last view of x; differentiable (the library's autograd).
 
     Args: x (B, T, C) with C % 8 == 0, any strides (copied only when :func:`dao_channel_last_ok` fails); weight (C, K)
     with K in {2, 3, 4}; bias (C,) or None (cast to the weight's dtype); initial_state (B, C, K-1) or None (passed as
-    a channel-last tensor of x's dtype, copied only when needed). Returns (B, T, C) in x.dtype.
+    a channel-last tensor of x's dtype, copied only when needed); seq_idx (B, T) or None: document masking -- each
+    token's document index within its row, passed as a contiguous int32 tensor (``causal_conv1d_fwd`` checks
+    ``seq_idx.scalar_type() == torch::kInt32``, contiguity and shape (batch, seqlen), channel-last layout only); the
+    kernel reads a tap only when its token has the output token's ``seq_idx`` (``causal_conv1d_channellast_fwd_kernel``
+    / ``_bwd_kernel``), which is the conv restarted at every document; not with ``initial_state`` (the library
+    asserts it). Returns (B, T, C) in x.dtype.
     Raises RuntimeError (causal_conv1d not importable) or ValueError (shape / dtype the kernel refuses)."""
     fns, err = dao_functions()
     if fns is None:
@@ -145,17 +150,26 @@ def dao_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: boo
     fold = residual and not activation          # the residual as part of tap K-1: one kernel, no add (fwd or bwd)
     w = fold_residual(_at_least_fp32(weight)) if fold else weight
     b = None if bias is None else bias.to(w.dtype)  # causal-conv1d wants the bias in the weight's dtype
-    y = fn(xt, w, b, None, init, False, None, "silu" if activation else None).transpose(1, 2)
+    seq = None if seq_idx is None else seq_idx.to(device=x.device, dtype=torch.int32).contiguous()
+    y = fn(xt, w, b, seq, init, False, None, "silu" if activation else None).transpose(1, 2)
     return x + y if residual and not fold else y
 
 
 def fla_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: bool, activation: bool,
-                initial_state: Optional[Tensor]) -> Tensor:
+                initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor] = None,
+                cu_seqlens_cpu: Optional[Tensor] = None) -> Tensor:
     """Canon via fla's Triton ``causal_conv1d``; differentiable.
 
     Without an activation the residual is folded into the weight (:func:`fold_residual`: one kernel pass; fla's own
     ``residual=x`` would make autograd add the kernel's dx and the residual's dy in a separate kernel). With SiLU
-    (a residual short conv) x goes in as fla's ``residual`` argument, added after the activation."""
+    (a residual short conv) x goes in as fla's ``residual`` argument, added after the activation.
+
+    Document masking: ``cu_seqlens`` / ``cu_seqlens_cpu`` (N + 1,) int64, the documents of the B rows flattened
+    row-major (:func:`canonlm.ops.varlen.cu_seqlens_of`), or None. With them x runs as one (1, B·T, C) sequence
+    (a view when x's rows are evenly strided, as a (B, T, C) tensor or a channel slice of one is) through fla's
+    ``IS_VARLEN`` kernels (fla-core 0.6.0 ``causal_conv1d_fwd_kernel`` / ``_bwd_kernel``: each time tile reads only
+    ``[bos, eos)`` of its document, so the conv restarts at every document, forward and backward); no
+    ``initial_state`` then. Returns (B, T, C)."""
     fns, err = fla_functions()
     if fns is None:
         raise RuntimeError(f"fla causal_conv1d unavailable: {err}")
@@ -164,10 +178,33 @@ def fla_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: boo
     if initial_state is not None:
         state = F.pad(initial_state.to(x.dtype), (1, 0))  # (B, C, K): column 0 unused by fla
     fold = residual and not activation
-    out = fn(x, weight=fold_residual(_at_least_fp32(weight)) if fold else weight, bias=bias,
-             residual=x if residual and not fold else None, initial_state=state,
-             output_final_state=False, activation="silu" if activation else None)
-    return out[0] if isinstance(out, (tuple, list)) else out
+    B, T, C = x.shape
+    xin = x if cu_seqlens is None else x.reshape(1, B * T, C)
+    varlen = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+    if cu_seqlens is not None and cu_seqlens_cpu is not None and _takes(fn, "cu_seqlens_cpu"):
+        varlen["cu_seqlens_cpu"] = cu_seqlens_cpu  # fla-core >= 0.5: chunk indices without a device-host sync
+    out = fn(xin, weight=fold_residual(_at_least_fp32(weight)) if fold else weight, bias=bias,
+             residual=xin if residual and not fold else None, initial_state=state,
+             output_final_state=False, activation="silu" if activation else None, **varlen)
+    y = out[0] if isinstance(out, (tuple, list)) else out
+    return y if cu_seqlens is None else y.view(B, T, C)
+
+
+_TAKES: dict = {}
+
+
+def _takes(fn, name: str) -> bool:
+    """Whether ``fn`` has a parameter ``name`` (or ``**kwargs``); memoised per function."""
+    key = (fn, name)
+    if key not in _TAKES:
+        import inspect
+
+        try:
+            params = inspect.signature(fn).parameters
+            _TAKES[key] = name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+        except (TypeError, ValueError):
+            _TAKES[key] = False
+    return _TAKES[key]
 
 
 def dao_step(x_t: Tensor, state: Tensor, weight: Tensor, bias: Optional[Tensor], residual: bool,

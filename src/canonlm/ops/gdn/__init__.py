@@ -68,6 +68,7 @@ __all__ = [
     "BACKENDS",
     "CONFIG_KEY",
     "L2NORM_EPS",
+    "available_backends",
     "chunk_gated_delta_rule",
     "chunk_gated_delta_rule_reference",
     "resolve_backend",
@@ -242,6 +243,13 @@ def _fla_reason(device: torch.device, dtype: torch.dtype) -> Optional[str]:
     if fns is None:
         return f"fla.ops.gated_delta_rule.chunk_gated_delta_rule is not importable ({err})"
     return _fla.dtype_reason(dtype)
+
+
+def available_backends(device, dtype: torch.dtype = torch.float32) -> dict:
+    """Map every concrete backend name to None (runs on (device, dtype)) or the reason it cannot. fla is imported only
+    for a CUDA device with CUDA available."""
+    device = torch.device(device)
+    return {"reference": None, "fla": _fla_reason(device, dtype)}
 
 
 def resolve_backend(name: str, device, dtype: torch.dtype) -> str:

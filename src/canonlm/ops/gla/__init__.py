@@ -63,7 +63,7 @@ from canonlm.ops._dispatch import (compute_dtype, cuda_reason, make_selector, no
 
 from . import _fla
 
-__all__ = ["BACKENDS", "CONFIG_KEY", "chunk_gla", "chunk_gla_reference", "resolve_backend"]
+__all__ = ["BACKENDS", "CONFIG_KEY", "available_backends", "chunk_gla", "chunk_gla_reference", "resolve_backend"]
 
 BACKENDS = ("auto", "reference", "fla")
 CONFIG_KEY = "model.kernels.gla"
@@ -293,6 +293,13 @@ def _fla_unavailable_reason(device: torch.device, dtype: torch.dtype) -> Optiona
         return f"supports float16, bfloat16 and float32 inputs (got {dtype})"
     fns, err = _fla.fla_functions()
     return None if fns is not None else f"fla.ops.gla is not importable ({err})"
+
+
+def available_backends(device, dtype: torch.dtype = torch.float32) -> dict:
+    """Map every concrete backend name to None (runs on (device, dtype)) or the reason it cannot. fla is imported only
+    for a CUDA device with CUDA available."""
+    device = torch.device(device)
+    return {"reference": None, "fla": _fla_unavailable_reason(device, dtype)}
 
 
 def resolve_backend(name: str, device, dtype: torch.dtype) -> str:

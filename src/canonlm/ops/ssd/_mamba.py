@@ -1,9 +1,12 @@
 """CUDA fast paths for the Mamba2 SSD scan: the mamba-ssm Triton kernels (``mamba_ssm.ops.triton``).
 
 mamba-ssm is optional at run time and imported here lazily (inside functions, only for CUDA tensors), never when
-canonlm is imported (it does not install usably without a CUDA build, and
-``mamba_ssm/__init__.py`` imports the compiled ``selective_scan_cuda``, so even its pure-Triton SSD kernel is not
-importable from a CPU-only install). Shapes follow :func:`canonlm.ops.ssd.ssd_scan`: x (B, T, H, P), dt (B, T, H),
+canonlm is imported. Its Triton modules are reached by :func:`import_triton_module`: ``mamba_ssm/__init__.py``
+imports the compiled Mamba-1 scan ``selective_scan_cuda`` unguarded (mamba-ssm 2.3.1,
+``ops/selective_scan_interface.py`` line 20), so a mamba-ssm built without its CUDA extension
+(``MAMBA_SKIP_CUDA_BUILD=TRUE``, as ``scripts/wheelhouse.sh`` builds it on a node without nvcc) fails ``import
+mamba_ssm`` although the SSD kernels canonlm calls are pure Triton; the loader then imports them with the package's
+``__init__`` skipped and says so (:func:`package_problem`). Shapes follow :func:`canonlm.ops.ssd.ssd_scan`: x (B, T, H, P), dt (B, T, H),
 A (H,), B/C (B, T, G, N), D (H,) or (H, P), dt_bias (H,), state (B, H, P, N).
 
 * prefill / training: ``mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size,
@@ -39,7 +42,9 @@ A (H,), B/C (B, T, G, N), D (H,) or (H, P), dt_bias (H,), state (B, H, P, N).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
+import sys
 from types import SimpleNamespace
 from typing import Optional
 
@@ -49,15 +54,61 @@ from torch import Tensor
 
 from canonlm.ops._dispatch import probe
 
+PACKAGE = "mamba_ssm"
+#: Why ``import mamba_ssm`` failed in this process (its ``__init__``), or None: set by :func:`import_triton_module`.
+_package_error: list[Optional[str]] = [None]
+
+
+def package_problem() -> Optional[str]:
+    """Why ``import mamba_ssm`` (the package's ``__init__``) failed in this process when :func:`import_triton_module`
+    had to skip it (e.g. ``"ModuleNotFoundError: No module named 'selective_scan_cuda'"``: installed without its CUDA
+    extension), or None (it imported, or was not tried yet)."""
+    return _package_error[0]
+
+
+def import_triton_module(name: str):
+    """Import ``name``, a module of mamba-ssm's pure-Triton ops (``mamba_ssm.ops.triton.<module>``).
+
+    The package is imported first, the normal way. When its own ``__init__`` raises -- mamba-ssm 2.x's imports the
+    compiled Mamba-1 extension ``selective_scan_cuda`` and the Mamba / Mamba2 modules, which fail on an install built
+    without CUDA (``MAMBA_SKIP_CUDA_BUILD``) or against another torch -- the package is registered in ``sys.modules``
+    without running its ``__init__`` (a module made from its import spec: the package path, nothing executed; the
+    half-imported submodules of the failed attempt are dropped first), and ``name`` is imported below it; the Triton
+    modules import only ``mamba_ssm.ops.triton.*`` and ``mamba_ssm.utils.*``. The reason is kept
+    (:func:`package_problem`) and reported with the backend choice. Afterwards ``import mamba_ssm`` in this process
+    gives that bare package (its top-level names -- ``Mamba2``, ``selective_scan_fn`` -- were not importable anyway).
+
+    Raises:
+        ImportError: mamba-ssm is not installed; or (what the module raises) ``name`` itself fails to import, with
+        the package ``__init__``'s failure named when it was skipped.
+    """
+    if PACKAGE not in sys.modules:
+        try:
+            importlib.import_module(PACKAGE)
+        except Exception as e:  # noqa: BLE001 -- ImportError, OSError (undefined symbol): what the __init__ raises
+            spec = importlib.util.find_spec(PACKAGE)
+            if spec is None or not spec.submodule_search_locations:
+                raise
+            for key in [k for k in sys.modules if k == PACKAGE or k.startswith(PACKAGE + ".")]:
+                del sys.modules[key]    # half-imported leftovers of the failed __init__
+            sys.modules[PACKAGE] = importlib.util.module_from_spec(spec)
+            _package_error[0] = f"{type(e).__name__}: {e}"
+    try:
+        return importlib.import_module(name)
+    except Exception as e:  # noqa: BLE001
+        if _package_error[0] is None:
+            raise
+        raise ImportError(f"{name} does not import even without the {PACKAGE} package __init__ "
+                          f"({type(e).__name__}: {e}); the package __init__ failed with {_package_error[0]}") from e
 
 
 def _load_chunk():
-    mod = importlib.import_module("mamba_ssm.ops.triton.ssd_combined")
+    mod = import_triton_module("mamba_ssm.ops.triton.ssd_combined")
     return mod.mamba_chunk_scan_combined
 
 
 def _load_state_update():
-    mod = importlib.import_module("mamba_ssm.ops.triton.selective_state_update")
+    mod = import_triton_module("mamba_ssm.ops.triton.selective_state_update")
     return mod.selective_state_update
 
 
@@ -174,7 +225,7 @@ def has_stride_fix(mod) -> bool:
 
 
 def _load_split():
-    mod = importlib.import_module("mamba_ssm.ops.triton.ssd_combined")
+    mod = import_triton_module("mamba_ssm.ops.triton.ssd_combined")
     fn = mod.mamba_split_conv1d_scan_combined
     reason = causal_conv1d_compat_reason(mod)
     if reason is not None:
