@@ -142,6 +142,7 @@ def test_result12_preset_holds_the_papers_numbers(name, corpora, tmp_path):
     else:  # recurrent state per layer H x d_k x d_v, the paper's multiple of d
         assert m.n_heads * m.head_k_dim * m.head_v_dim == STATE_PER_D[arch] * 2048
     assert m.vocab_size == LLAMA2_VOCAB
+    assert (cfg.task.vocab_size, cfg.task.tokenizer_name) == (LLAMA2_VOCAB, "Llama-2")  # estimated before the corpora
     n = _params(m)
     assert 1.30e9 < n < 1.40e9, n  # "1.3B-class models (~1.35B parameters)"
     # data (default): the two corpora, in this order, concatenated; random 4096-token windows
@@ -211,6 +212,44 @@ def test_an_unset_corpus_is_refused_naming_it(tmp_path):
         _job("p42_gla5_conv_1b", [], tmp_path)
 
 
+def test_a_corpus_of_another_vocabulary_is_refused_for_training(corpora, tmp_path):
+    """A preset declares its tokenizer's vocabulary (``task.vocab_size``: Llama-2's 32,000); a prepared corpus whose
+    meta.json says 4,096 would train another model than the preset's, so train.py's checks refuse it naming
+    ``task.vocab_size``, both numbers and the way out; ``task.vocab_size=4096`` (or null) trains that model, with
+    the corpus' vocabulary."""
+    from canonlm.errors import ConfigError
+
+    bpe = _fake_corpus(tmp_path / "bpe4096", 4096)
+    one = ["experiment/reallife/data=slimpajama", f"paths.corpora.slimpajama={bpe}"]
+    with pytest.raises(ConfigError) as e:
+        _job("llama_1b", corpora, tmp_path, *one)
+    assert (e.value.key, e.value.value) == ("task.vocab_size", LLAMA2_VOCAB)
+    assert f"the corpus {bpe} has a vocabulary of 4,096 (its meta.json); task.vocab_size declares 32,000 (the " \
+           "Llama-2 tokenizer)" in e.value.allowed and "task.vocab_size=4096 (or null)" in e.value.allowed
+    for declared in ("4096", "null"):
+        _, task, m = _job("llama_1b", corpora, tmp_path, *one, f"task.vocab_size={declared}",
+                          "task.tokenizer_name=null")
+        assert m.vocab_size == task.vocab_size == 4096
+
+
+def test_a_run_resumes_whatever_tokenizer_the_plan_keys_name():
+    """``task.vocab_size`` / ``task.tokenizer_name`` describe a plan and change nothing that trains (the model's
+    vocabulary is checked through the weights' shapes): a checkpoint written before they existed, or with other
+    values, is compared without them; any other task key still counts."""
+    from types import SimpleNamespace
+
+    from canonlm.train.checkpoint import _diff
+    from canonlm.train.run import _task_cfg_as_saved
+
+    now = {"name": "text", "data_dir": "/d", "context": 4096, "vocab_size": 32000, "tokenizer_name": "Llama-2"}
+    for saved in ({"name": "text", "data_dir": "/d", "context": 4096},
+                  {"name": "text", "data_dir": "/d", "context": 4096, "vocab_size": 128256, "tokenizer_name": "x"}):
+        assert _diff(saved, _task_cfg_as_saved(now, SimpleNamespace(meta={"task": saved})), "task") == []
+    saved = {"name": "text", "data_dir": "/d", "context": 2048}
+    assert _diff(saved, _task_cfg_as_saved(now, SimpleNamespace(meta={"task": saved})), "task") == [
+        "task.context: checkpoint 2048, config 4096"]
+
+
 def test_train_py_prints_a_preset_with_cfg_job():
     """``python train.py experiment=reallife/llama_1b --cfg job`` (Hydra's own output; nothing is checked or
     written): the composed job with the paper's numbers."""
@@ -242,6 +281,8 @@ def test_part42_recipe_holds_the_releases_numbers(name, corpora, tmp_path):
         assert m.pos.pairing == "interleaved" and m.init == "lingua" and m.norm_eps == 1e-5
         assert (m.qk_norm == "whole") == qk_z and (cfg.loss.z_loss == "lingua") == qk_z
         assert m.vocab_size == vocab
+        assert (cfg.task.vocab_size, cfg.task.tokenizer_name) == (vocab, "Llama-2" if vocab == LLAMA2_VOCAB
+                                                                  else "Llama-3")
         expect = L * (4 * d * d - 2 * d * d * (heads - kv) // heads + 3 * d * dff + 2 * d) + 2 * vocab * d + d
         n = _params(m)
         extra = n - expect  # QK-norm gains and Canon taps only
@@ -256,6 +297,7 @@ def test_part42_recipe_holds_the_releases_numbers(name, corpora, tmp_path):
         else:
             assert (m.head_k_dim, m.head_v_dim, m.output_gate_rank) == (128, 256, 16)
         assert m.vocab_size == LLAMA2_VOCAB
+        assert (cfg.task.vocab_size, cfg.task.tokenizer_name) == (LLAMA2_VOCAB, "Llama-2")
         per_layer = (12 if size != "8b" else 6 + 3 * mlp / d) * d * d  # ≈ 6d² mixer + 3·d·I MLP
         n = _params(m)
         assert n == pytest.approx(L * per_layer + 2 * LLAMA2_VOCAB * d, rel=0.06)

@@ -757,16 +757,16 @@ def test_memory_numbers_of_the_refusal():
 
     _, cfg = build_configs(compose(TINY))
     d, f, V, L = 64, 256, cfg.vocab_size, 2
-    # block input, q k v (twice: Canon-B), attention output, MLP input, w13 output (twice: Canon-D); the default
-    # Canon set is ABCD
-    per_token = L * (d + 2 * (d + 2 * d) + d + d + 2 * (2 * f)) + d + V
+    # block input, Canon-A's input, q k v (twice: Canon-B), attention output, Canon-C's input, MLP input, w13 output
+    # (twice: Canon-D); the default Canon set is ABCD; the final norm's input and the loss' fp32 log-softmax (V)
+    per_token = L * (d + d + 2 * (d + 2 * d) + d + d + d + 2 * (2 * f)) + d + V
     est = training_memory(cfg, 100_000_000, 128)
     assert est.activations == 100_000_000 * 128 * per_token * 4
     assert est.batch == 100_000_000 * 128 * BATCH_BYTES_PER_TOKEN == 100_000_000 * 128 * 17
     assert est.optimizer == 2 * est.parameters == 2 * est.gradients
     ck = training_memory(cfg, 8, 128, activation_checkpointing=True)  # block inputs + one block recomputed
-    block = (per_token - d - V) // L
-    assert ck.activations == 8 * 128 * (L * d + block + d + V) * 4 < training_memory(cfg, 8, 128).activations
+    block = (per_token - d - V) // L  # the recomputed block's input is the one the checkpoint holds: not twice
+    assert ck.activations == 8 * 128 * (L * d + block - d + d + V) * 4 < training_memory(cfg, 8, 128).activations
 
 
 def test_the_memory_check_on_cuda_uses_the_free_memory_of_the_device_it_trains_on(monkeypatch, tmp_path):

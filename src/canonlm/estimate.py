@@ -11,10 +11,16 @@ The overrides are composed exactly as ``python train.py <overrides>`` composes t
 function training runs first (:func:`canonlm.train.run.check_job`, without the checks of this machine's devices), so
 a misspelt key, a bad value or a batch that does not split over the ranks is refused with the same one line. The
 task is built as training builds it (``task=text`` reads the prepared corpus' ``meta.json`` for its vocabulary; the
-token shards are not read).
+token shards are not read), with one difference: a run is planned before its corpus exists. When a ``task=text``
+corpus key is unset (a real-life preset's ``${paths.corpora.<name>}`` left ``???``), ``check_job(plan=True)`` builds
+the model with the vocabulary the config declares for its tokenizer (``task.vocab_size``, e.g. the presets' Llama-2
+32,000 or Llama-3 128,256; :class:`canonlm.data.text.TextPlan`) instead of refusing, as ``train.py`` still does.
 
 Printed, per job (docs/estimate.md gives every formula and a hand check):
 
+* **vocabulary**: where it comes from: the corpus' meta.json, or the declared tokenizer while the corpus is unset;
+  a ``VOCABULARY DIFFERS`` line when the corpus' vocabulary is not the one ``task.vocab_size`` declares (the numbers
+  are then the corpus' model's, and ``train.py`` refuses the run until ``task.vocab_size`` agrees or is null);
 * **parameters**: ``CanonLM(cfg).num_params()`` on the meta device (:func:`canonlm.arch.memory.count_parameters`);
 * **FLOPs per token**: the training FLOPs ``3 x forward`` of :func:`canonlm.arch.flops.flops_per_token` (dense
   convention), the number training's MFU uses (``CanonLM.flops_per_token``), with GLA / GDN at fla's chunk of 64
@@ -26,7 +32,9 @@ Printed, per job (docs/estimate.md gives every formula and a hand check):
   ``train.py``'s own refusal uses):
   parameters, gradients and AdamW state, sharded over the ranks under ``strategy=fsdp2`` and replicated under DDP;
   FSDP2's all-gathered units or DDP's gradient buckets; activations of the micro-batch without and with
-  ``activation_checkpointing``; a lower bound;
+  ``activation_checkpointing``, with document masking's costs under ``task.doc_mask=true`` (the attention mask for
+  the ``model.kernels.attention`` / ``model.ops`` backend, the index tensors, ``doc_ids``; a line says which were
+  counted); a lower bound;
 * **GPU-hours and wall time**: ``total FLOPs / (peak x MFU)``, at the GPU's dense bf16 peak
   (:data:`canonlm.train.module.PEAK_FLOPS`) and an MFU that is said to be measured (a ``bench/gpu_step.py`` result of
   the same architecture, size, Canon set, context and GPU, in ``--bench`` files or ``docs/results/**/gpu_step.jsonl``)
@@ -105,6 +113,10 @@ class Estimate:
     gpu: Gpu
     mfu: float
     mfu_from: str
+    vocab_from: str = ""          # where the vocabulary comes from (the corpus' meta.json, or the declared tokenizer)
+    vocab_differs: str | None = None  # the corpus' vocabulary differs from task.vocab_size's: the sentence saying so
+    corpus_vocab: int | None = None   # the corpus' own vocabulary (meta.json) when it differs
+    doc_mask: bool = False        # task.doc_mask: the memory counts document masking's costs
 
     @property
     def tokens(self) -> int:
@@ -257,13 +269,18 @@ def world_size_of(cfg, given: int | None) -> int:
 
 def estimate_job(cfg, world: int, gpu: Gpu, mfu: float | None, bench: list[str], label: str = "") -> Estimate:
     """The estimate of one composed job ``cfg`` (a train.py config, within its ``Job.active()``) on ``world`` GPUs
-    of kind ``gpu``: checks it as training does (:func:`canonlm.train.run.check_job`, no device checks; this
-    resolves ``data.max_tokens`` into ``trainer.max_steps``), then computes :class:`Estimate`. Raises ConfigError."""
+    of kind ``gpu``: checks it as training does (:func:`canonlm.train.run.check_job` with ``plan=True``: no device
+    checks, an unset ``text`` corpus planned with ``task.vocab_size``, a vocabulary that differs from it reported
+    rather than refused; this resolves ``data.max_tokens`` into ``trainer.max_steps``), then computes
+    :class:`Estimate` (memory with ``task.doc_mask``'s costs). Raises ConfigError."""
+    from omegaconf import OmegaConf
+
     from canonlm.arch.memory import count_parameters, strategy_memory
     from canonlm.config.rules import micro_batch, plain
     from canonlm.train.run import check_job
 
-    task, mcfg, _ = check_job(cfg, device_checks=False)
+    task, mcfg, _ = check_job(cfg, device_checks=False, plan=True)
+    doc_mask = OmegaConf.select(cfg, "task.doc_mask", default=False) is True
     batch = int(plain(cfg.data.batch_size))
     accumulate = int(cfg.trainer.get("accumulate_grad_batches") or 1)
     mb = micro_batch(batch, world, accumulate)
@@ -274,10 +291,11 @@ def estimate_job(cfg, world: int, gpu: Gpu, mfu: float | None, bench: list[str],
     strategy = str(cfg.strategy.name)
     param_dtype = str(cfg.strategy.get("param_dtype")) if strategy == "fsdp2" else None
     common = dict(strategy=strategy, world_size=world, precision=str(cfg.trainer.precision), param_dtype=param_dtype,
-                  accumulate=accumulate, amsgrad=bool(cfg.optim.get("amsgrad")), n_params=n)
+                  accumulate=accumulate, amsgrad=bool(cfg.optim.get("amsgrad")), n_params=n, doc_mask=doc_mask)
     mem = strategy_memory(mcfg, mb, T, activation_checkpointing=False, **common)
     mem_ck = strategy_memory(mcfg, mb, T, activation_checkpointing=True, **common)
-    from omegaconf import OmegaConf
+    vocab_from = task.vocab_source() if hasattr(task, "vocab_source") else f"task {task.name}"
+    differs = task.vocab_mismatch() if hasattr(task, "vocab_mismatch") else None
 
     max_tokens = plain(OmegaConf.select(cfg, "data.max_tokens", default=None))
     steps_from = f"data.max_tokens={max_tokens:g}" if max_tokens is not None else "trainer.max_steps"
@@ -294,7 +312,9 @@ def estimate_job(cfg, world: int, gpu: Gpu, mfu: float | None, bench: list[str],
                     steps=int(cfg.trainer.max_steps), steps_from=steps_from, batch=batch, world=world,
                     accumulate=accumulate, micro_batch=mb, strategy=strategy, precision=str(cfg.trainer.precision),
                     param_dtype=param_dtype, checkpointing=bool(cfg.get("activation_checkpointing", False)),
-                    memory=mem, memory_ckpt=mem_ck, gpu=gpu, mfu=float(mfu), mfu_from=mfu_from)
+                    memory=mem, memory_ckpt=mem_ck, gpu=gpu, mfu=float(mfu), mfu_from=mfu_from, vocab_from=vocab_from,
+                    vocab_differs=differs, corpus_vocab=task.corpus_vocab_size if differs else None,
+                    doc_mask=doc_mask)
 
 
 def refusal(e: Estimate, model_size: Any) -> ConfigError | None:
@@ -346,6 +366,13 @@ def report(e: Estimate) -> str:
     out = [
         f"estimate{' ' + e.label if e.label else ''}: {e.arch} {e.size}, Canon {e.canon}, context {e.context}, "
         f"vocabulary {e.vocab} (nothing is trained or written)",
+        f"  vocabulary       {e.vocab:,} ({e.vocab_from})",
+    ]
+    if e.vocab_differs:
+        out.append(f"  VOCABULARY DIFFERS from the preset's: {e.vocab_differs}. The parameters, FLOPs, memory and "
+                   f"GPU-hours below are for the corpus' {e.vocab:,}; train.py refuses this run until "
+                   f"task.vocab_size={e.corpus_vocab} (or null) is given")
+    out += [
         f"  parameters       {e.n_params:,} ({e.n_params / 1e9:.3f} B; without embedding and LM head "
         f"{e.n_non_embedding:,})",
         f"  FLOPs per token  {f['total']:.4e} training = 3 x forward {f['forward']:.4e} (weight matmuls "
@@ -357,6 +384,9 @@ def report(e: Estimate) -> str:
         f"{human_bytes(e.gpu.memory)}",
         f"    {'':36s}{'no checkpointing':>18s}{'checkpointing':>18s}",
         *[f"    {name:36s}{human_bytes(x):>18s}{human_bytes(y):>18s}" for name, x, y in rows],
+        ("    document masking (task.doc_mask=true), in the rows above: " + a.doc_masking.describe()
+         if a.doc_masking is not None else "    document masking off (task.doc_mask=false): no mask, index tensors "
+         "or doc_ids counted"),
         f"    this config: activation_checkpointing={str(e.checkpointing).lower()} -> "
         f"{human_bytes(e.chosen.total)} of {human_bytes(e.gpu.memory)} "
         f"({100 * e.chosen.total / e.gpu.memory:.0f} %)",

@@ -288,11 +288,18 @@ def feistel_permute(x: np.ndarray, n: int, keys: np.ndarray) -> np.ndarray:
 
 # ============================================================================================== task
 _DEFAULTS: dict[str, Any] = dict(name="text", data_dir=None, sources=None, mix="weighted", context=1024, seed=0,
-                                 tail="drop", vocab_multiple=1, doc_mask=False)
+                                 tail="drop", vocab_multiple=1, doc_mask=False, vocab_size=None, tokenizer_name=None)
 KEYS = tuple(_DEFAULTS)
 #: Keys added after the first text release, with their defaults: a checkpoint written before them (its task config
 #: lacks them) resumes when they hold these values (``canonlm.train.run``).
 ADDED_KEYS: dict[str, Any] = dict(sources=None, mix="weighted", doc_mask=False)
+#: Keys that describe the tokenizer a corpus is (to be) prepared with, for planning before it exists
+#: (``python -m canonlm.estimate``; :class:`TextPlan`): ``vocab_size`` (its vocabulary; null = the corpus' meta.json
+#: alone) and ``tokenizer_name`` (a human name for printouts). A prepared corpus' own meta.json always gives the
+#: vocabulary the model is built with; they change nothing that trains, so a resumed run does not compare them.
+PLAN_KEYS = ("vocab_size", "tokenizer_name")
+#: The task keys that name a prepared corpus (``task.data_dir`` and ``task.sources.<name>.data_dir``).
+_CORPUS_KEYS = ("data_dir", "sources")
 #: ``task.mix`` options: ``weighted`` (each source at its weight, block-deterministic) | ``concat`` (the sources'
 #: slots concatenated in the listed order, one permutation over all of them: the paper's Result 12).
 MIX_MODES = ("weighted", "concat")
@@ -305,6 +312,47 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _DD_ALLOWED = "a directory written by `python -m canonlm.data.prepare` (meta.json + token shards)"
 _SAME_TOKENIZER = (("tokenizer sha256", ("tokenizer", "sha256")), ("vocab_size", ("vocab_size",)),
                    ("eos_id", ("eos_id",)), ("dtype", ("dtype",)))
+
+
+def round_vocab(vocab: int, multiple: int) -> int:
+    """``vocab`` rounded up to a multiple of ``multiple`` (``task.vocab_multiple``): the model's embedding rows."""
+    return -(-int(vocab) // int(multiple)) * int(multiple)
+
+
+def _tokenizer_label(name: str | None) -> str:
+    return f"the {name} tokenizer" if name else "the tokenizer task.vocab_size declares"
+
+
+def _check_settings(task: Any, c: Mapping[str, Any]) -> None:
+    """Check the keys of a text task config ``c`` (defaults merged) that name no corpus and set them on ``task``:
+    context, seed, tail, vocab_multiple, doc_mask, mix, and the plan keys (:data:`PLAN_KEYS`) as
+    ``declared_vocab_size`` (int or None) and ``tokenizer_name`` (str or None). Raises ConfigError naming the key."""
+    task.context = check_int("context", c["context"], 2)
+    task.seed = check_int("seed", c["seed"], 0)
+    if c["tail"] != "drop":
+        raise ConfigError("task.tail", c["tail"], "drop (text windows are contiguous token slices; nothing is cut)")
+    task.tail = "drop"
+    task.vocab_multiple = check_int("vocab_multiple", c["vocab_multiple"], 1)
+    if not isinstance(c["doc_mask"], bool):
+        raise ConfigError("task.doc_mask", c["doc_mask"], "true or false (batches carry doc_ids: the document "
+                          "index of every token within its window)")
+    task.doc_mask = c["doc_mask"]
+    if c["mix"] not in MIX_MODES:
+        raise ConfigError("task.mix", c["mix"], " | ".join(MIX_MODES))
+    task.mix = c["mix"]
+    v = c["vocab_size"]
+    task.declared_vocab_size = None if v is None else check_int(
+        "vocab_size", v, 2, allowed="null (the prepared corpus' meta.json gives the vocabulary) or an integer >= 2: "
+        "the vocabulary of the tokenizer the corpus is prepared with (Llama-2 32000, Llama-3 128256), which an "
+        "estimate uses before the corpus exists")
+    t = c["tokenizer_name"]
+    if t is not None and not (isinstance(t, str) and t.strip()):
+        raise ConfigError("task.tokenizer_name", t, "null or a non-empty name of the tokenizer task.vocab_size "
+                          "describes, for printouts (e.g. Llama-2)")
+    if t is not None and v is None:
+        raise ConfigError("task.tokenizer_name", t, "null while task.vocab_size is null (it names the tokenizer "
+                          "whose vocabulary task.vocab_size declares)")
+    task.tokenizer_name = None if t is None else t.strip()
 
 
 class _Layout:
@@ -354,7 +402,10 @@ class TextTask:
     ``{name: {data_dir, weight, max_epochs}}`` or a list of such mappings with an optional ``name``, default the
     directory's name; exactly one of the two); ``mix`` (``weighted`` | ``concat``, below); ``context`` (window T,
     tokens); ``seed`` (data order); ``tail`` (only ``drop``); ``vocab_multiple`` (round ``vocab_size`` up to a
-    multiple of this; 1 = the tokenizer's size); ``doc_mask`` (bool: batches also carry ``doc_ids``).
+    multiple of this; 1 = the tokenizer's size); ``doc_mask`` (bool: batches also carry ``doc_ids``);
+    ``vocab_size`` / ``tokenizer_name`` (:data:`PLAN_KEYS`: the vocabulary, and a name, of the tokenizer the corpus
+    is expected to be prepared with, or null; the corpus' meta.json still gives the model's vocabulary:
+    :meth:`vocab_mismatch` says when the two differ).
 
     One corpus: window w of a split = slot ``perm_e(w mod S)`` of its S slots (module docstring).
 
@@ -385,7 +436,9 @@ class TextTask:
 
     Attributes: name, cfg, sources (list of dicts: name, data_dir (Path), meta, weight, max_epochs), source_names,
         is_mixture (more than one source), mix, data_dir (Path of the first source), context, seed, tail, doc_mask,
-        meta (meta.json of the first source), vocab_size, pad_id (0; there is no padding in text windows), eos_id
+        meta (meta.json of the first source), vocab_size (the corpus' ``vocab_size`` rounded up to
+        ``vocab_multiple``), corpus_vocab_size (meta.json's), declared_vocab_size (``task.vocab_size``: int or None),
+        tokenizer_name (str or None), vocab_multiple, pad_id (0; there is no padding in text windows), eos_id
         (int | None), num_groups 1, group_name ``"text"``, group_labels ``{0: "text"}``, chance None, eval_mode
         ``"teacher_forced"``, tokenizer_path (str), mix_counts (int64 (n,): windows of each source per block;
         weighted mixtures only, else None).
@@ -395,7 +448,7 @@ class TextTask:
         numbers > 0 (or below 1 / MIX_BLOCK of the total), ``max_epochs`` not null or a number > 0 (or too small to
         give one window), weight / max_epochs with ``mix=concat``, sources whose tokenizer / vocab / EOS / dtype
         differ, a ``context`` < 2 or longer than every shard of a split of a source, ``tail`` other than drop, a bad
-        ``seed`` / ``vocab_multiple`` / ``mix`` / ``doc_mask``.
+        ``seed`` / ``vocab_multiple`` / ``mix`` / ``doc_mask`` / ``vocab_size`` / ``tokenizer_name``.
     """
 
     group_name = "text"
@@ -408,28 +461,15 @@ class TextTask:
     def __init__(self, name: str, cfg: Mapping[str, Any]):
         c = merge_config(name, cfg, {"text": _DEFAULTS}, KEYS, mismatch="text")
         self.name = name
-        self.context = check_int("context", c["context"], 2)
-        self.seed = check_int("seed", c["seed"], 0)
-        if c["tail"] != "drop":
-            raise ConfigError("task.tail", c["tail"], "drop (text windows are contiguous token slices; nothing is cut)")
-        self.tail = "drop"
-        check_int("vocab_multiple", c["vocab_multiple"], 1)
-        if not isinstance(c["doc_mask"], bool):
-            raise ConfigError("task.doc_mask", c["doc_mask"], "true or false (batches carry doc_ids: the document "
-                              "index of every token within its window)")
-        self.doc_mask = c["doc_mask"]
-        if c["mix"] not in MIX_MODES:
-            raise ConfigError("task.mix", c["mix"], " | ".join(MIX_MODES))
-        self.mix = c["mix"]
+        _check_settings(self, c)
         self.sources = self._read_sources(c)
         self.source_names = [s["name"] for s in self.sources]
         self.is_mixture = len(self.sources) > 1
         first = self.sources[0]
         self.meta = first["meta"]
         self.data_dir = first["data_dir"]
-        base = int(self.meta["vocab_size"])
-        m = int(c["vocab_multiple"])
-        self.vocab_size = -(-base // m) * m
+        self.corpus_vocab_size = int(self.meta["vocab_size"])
+        self.vocab_size = round_vocab(self.corpus_vocab_size, self.vocab_multiple)
         self.eos_id = self.meta.get("eos_id")
         self.tokenizer_path = self.meta.get("tokenizer", {}).get("path")
         self._dtype = np.dtype(self.meta["dtype"])
@@ -553,6 +593,29 @@ class TextTask:
         if len(out) == 1 and out[0]["weight"] is None:
             out[0]["weight"] = 1.0
         return out
+
+    def vocab_source(self) -> str:
+        """Where the vocabulary comes from, for printouts: ``"the corpus' meta.json, <dir>/meta.json"`` (a mixture:
+        ``"the corpora's meta.json, <dir>/meta.json and 1 more"``), with the declared tokenizer when it agrees and
+        the rounding of ``vocab_multiple``."""
+        n = len(self.sources) - 1
+        whose = "the corpora's" if n else "the corpus'"
+        where = f"{whose} meta.json, {Path(self.sources[0]['data_dir_given']) / META}" + (f" and {n} more" if n else "")
+        if self.declared_vocab_size == self.corpus_vocab_size:
+            where += f"; {_tokenizer_label(self.tokenizer_name)}'s, as task.vocab_size declares"
+        if self.vocab_size != self.corpus_vocab_size:
+            where += f"; {self.corpus_vocab_size:,} rounded up to task.vocab_multiple={self.vocab_multiple}"
+        return where
+
+    def vocab_mismatch(self) -> str | None:
+        """None when ``task.vocab_size`` is null or equals the corpus' vocabulary; else one sentence naming both
+        (``"the corpus <dir> has a vocabulary of 4,096 (its meta.json); task.vocab_size declares 32,000 (the
+        Llama-2 tokenizer)"``)."""
+        if self.declared_vocab_size is None or self.declared_vocab_size == self.corpus_vocab_size:
+            return None
+        return (f"the corpus {self.sources[0]['data_dir_given']} has a vocabulary of {self.corpus_vocab_size:,} (its "
+                f"meta.json); task.vocab_size declares {self.declared_vocab_size:,} "
+                f"({_tokenizer_label(self.tokenizer_name)})")
 
     def capacity(self, source: int, window: int | None = None) -> int | None:
         """Training windows source ``source`` (index) can give under its cap: ``floor(max_epochs * S)`` with S its
@@ -839,6 +902,124 @@ class TextTask:
         return self.tokenizer().decode(ids, skip_special_tokens=False)
 
 
+# ============================================================================================== plan
+def unset_corpora(task: Any) -> list[tuple[str, Any, str]]:
+    """The corpus keys of a composed ``text`` task node (``cfg.task``, an OmegaConf ``DictConfig``) that are unset:
+    ``???`` itself, or an interpolation that ends at ``???`` (a real-life preset's ``${paths.corpora.slimpajama}``
+    before the user names the prepared corpus). ``task.data_dir`` counts only without ``task.sources``.
+
+    Returns ``[(task key, its raw value, the unset key)]`` in config order, e.g. ``("task.sources.slimpajama.data_dir",
+    "${paths.corpora.slimpajama}", "paths.corpora.slimpajama")`` (the unset key is the task key itself for a plain
+    ``???`` or an interpolation with more than one reference); [] when every corpus key resolves (to anything:
+    :class:`TextTask` checks the paths) or ``task`` is not a ``DictConfig``."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+    from omegaconf.errors import InterpolationToMissingValueError, MissingMandatoryValue
+
+    out: list[tuple[str, Any, str]] = []
+    if not isinstance(task, DictConfig):
+        return out
+
+    def unset(node: Any, key: Any, dotted: str) -> bool:
+        try:
+            node[key]
+        except (MissingMandatoryValue, InterpolationToMissingValueError):
+            raw = OmegaConf.to_container(node, resolve=False)[key]
+            ref = re.fullmatch(r"\$\{([A-Za-z0-9_.\-]+)\}", str(raw))
+            out.append((dotted, raw, ref.group(1) if ref else dotted))
+            return True
+        return False
+
+    if "sources" in task.keys() and unset(task, "sources", "task.sources"):  # `in` skips ??? values: keys() has them
+        return out
+    src = task.get("sources", None)
+    if isinstance(src, (DictConfig, ListConfig)):
+        for k in (list(src.keys()) if isinstance(src, DictConfig) else range(len(src))):
+            item = src[k]
+            if isinstance(item, DictConfig) and "data_dir" in item.keys():
+                unset(item, "data_dir", f"task.sources.{k}.data_dir")
+    elif src is None and "data_dir" in task.keys():
+        unset(task, "data_dir", "task.data_dir")
+    return out
+
+
+class TextPlan:
+    """The ``text`` task of a run planned before its corpus is prepared (``python -m canonlm.estimate``; it is never
+    trained: ``train.py`` refuses an unset corpus): the keys that name no corpus, checked as :class:`TextTask` checks
+    them, and the vocabulary the config declares (``task.vocab_size``, e.g. a real-life preset's Llama-2 32,000,
+    rounded up to ``task.vocab_multiple``) in place of the corpus' meta.json.
+
+    Args: name: the registry key (``"text"``). cfg: the task config without its corpus keys (``data_dir``,
+        ``sources``; plain values). unset: :func:`unset_corpora`'s entries (at least one).
+    Attributes (those of :class:`TextTask` that need no corpus): name, context, seed, tail, doc_mask, mix,
+        vocab_multiple, declared_vocab_size, tokenizer_name, vocab_size, corpus_vocab_size (None), unset, planned
+        (True), num_groups (1), group_name, is_mixture (False: the sources are not read).
+    Raises ConfigError as TextTask for those keys, and, when ``task.vocab_size`` is null (nothing gives the
+    vocabulary then), naming the first unset corpus key and its raw value.
+    """
+
+    group_name = "text"
+    group_labels = {0: "text"}
+    pad_id = 0
+    num_groups = 1
+    chance = None
+    eval_mode = "teacher_forced"
+    planned = True
+    is_mixture = False
+    corpus_vocab_size = None
+
+    def __init__(self, name: str, cfg: Mapping[str, Any], unset: Sequence[tuple[str, Any, str]]):
+        if not unset:
+            raise ValueError("TextPlan: no unset corpus key (build a TextTask)")
+        c = merge_config(name, {k: v for k, v in cfg.items() if k not in _CORPUS_KEYS}, {"text": _DEFAULTS}, KEYS,
+                         mismatch="text")
+        self.name = name
+        self.unset = [tuple(u) for u in unset]
+        _check_settings(self, c)
+        if self.declared_vocab_size is None:
+            key, raw, missing = self.unset[0]
+            unset_key = f"{missing} is unset; " if missing != key else ""
+            raise ConfigError(key, raw, f"{_DD_ALLOWED} ({unset_key}its meta.json gives the vocabulary), or, to "
+                              "estimate the run before the corpus exists, task.vocab_size: the vocabulary of the "
+                              "tokenizer it will be prepared with (Llama-2 32000)")
+        self.vocab_size = round_vocab(self.declared_vocab_size, self.vocab_multiple)
+
+    def max_instance_len(self, split: str) -> int:
+        """1, as :meth:`TextTask.max_instance_len`."""
+        return 1
+
+    def min_instance_len(self, split: str) -> int:
+        """1, as :meth:`TextTask.min_instance_len`."""
+        return 1
+
+    def vocab_source(self) -> str:
+        """Where the vocabulary comes from, for printouts: ``"the Llama-2 tokenizer, task.vocab_size; corpus not
+        prepared yet: paths.corpora.slimpajama is unset"`` (with the rounding of ``vocab_multiple``)."""
+        keys = [u[2] for u in self.unset]
+        named = f"the {self.tokenizer_name} tokenizer, " if self.tokenizer_name else ""
+        where = f"{named}task.vocab_size; corpus not prepared yet: " + (
+            f"{keys[0]} is unset" if len(keys) == 1 else f"{', '.join(keys)} are unset")
+        if self.vocab_size != self.declared_vocab_size:
+            where += f"; {self.declared_vocab_size:,} rounded up to task.vocab_multiple={self.vocab_multiple}"
+        return where
+
+    def vocab_mismatch(self) -> str | None:
+        """None: there is no corpus to differ from."""
+        return None
+
+
+def plan_text_task(task: Any) -> TextPlan | None:
+    """:class:`TextPlan` of a composed ``text`` task node (``cfg.task``) when some corpus key is unset
+    (:func:`unset_corpora`), else None (build the :class:`TextTask`). Raises ConfigError as TextPlan."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    unset = unset_corpora(task)
+    if not unset:
+        return None
+    cfg = {k: OmegaConf.to_container(v, resolve=True) if isinstance(v, (DictConfig, ListConfig)) else v
+           for k, v in ((k, task[k]) for k in task.keys() if k not in _CORPUS_KEYS)}
+    return TextPlan(str(cfg.get("name", "text")), cfg, unset)
+
+
 # ============================================================================================== stream
 class TextStream(StepStream):
     """IterableDataset of per-rank batches of text windows (interface of
@@ -899,6 +1080,7 @@ def perplexity(loss_nats: float) -> float:
         return math.inf
 
 
-__all__ = ["TextTask", "TextStream", "TextTokenizer", "load_tokenizer", "tokenizer_sha256", "read_meta",
+__all__ = ["TextTask", "TextPlan", "TextStream", "TextTokenizer", "plan_text_task", "unset_corpora", "round_vocab",
+           "PLAN_KEYS", "load_tokenizer", "tokenizer_sha256", "read_meta",
            "dtype_for_vocab", "feistel_permute", "apportion", "perplexity", "FORMAT", "META", "SPLITS", "MIX_BLOCK",
            "MIX_MODES", "ADDED_KEYS"]

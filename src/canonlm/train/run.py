@@ -299,7 +299,8 @@ def available_memory(device: torch.device) -> tuple[int, str]:
 
 def check_memory(cfg: DictConfig, mcfg: ModelConfig, device: torch.device) -> int | None:
     """Refuse a run whose training step cannot fit in memory: :func:`canonlm.arch.memory.training_memory` (a lower
-    bound: parameters, gradients, AdamW state, activations and batch data of one micro-batch per process) against
+    bound: parameters, gradients, AdamW state, activations and batch data of one micro-batch per process, with
+    document masking's mask, index tensors and ``doc_ids`` under ``task.doc_mask=true``) against
     :func:`available_memory`. On the CPU the ranks of this machine (``trainer.devices``) share its memory; on CUDA
     each rank has its device. The micro-batch's part is compared first (it needs no model: a huge batch is refused
     in a second), then the whole with the parameter count of the model built on the meta device. Raises ConfigError
@@ -326,7 +327,8 @@ def check_memory(cfg: DictConfig, mcfg: ModelConfig, device: torch.device) -> in
                                precision=cfg.trainer.precision, param_dtype=cfg.strategy.get("param_dtype"),
                                accumulate=int(accumulate),
                                activation_checkpointing=bool(cfg.get("activation_checkpointing", False)),
-                               amsgrad=bool(cfg.optim.get("amsgrad")), n_params=n_params)
+                               amsgrad=bool(cfg.optim.get("amsgrad")), n_params=n_params,
+                               doc_mask=OmegaConf.select(cfg, "task.doc_mask", default=False) is True)
 
     n_params, est = None, need(0)
     if est.total * here <= have:
@@ -335,37 +337,72 @@ def check_memory(cfg: DictConfig, mcfg: ModelConfig, device: torch.device) -> in
         if est.total * here <= have:
             return n_params
     per = f" per process x {here} processes on this machine" if here > 1 else " per process"
+    masked = (f" (document masking {human_bytes(est.doc_masking.activations)} of them)"
+              if est.doc_masking is not None else "")
     what = est.describe() if n_params is not None else (
-        f"activations {human_bytes(est.activations)}, batch data {human_bytes(est.batch)}; before the model's "
-        "parameters, gradients and optimizer state")
+        f"activations {human_bytes(est.activations)}{masked}, batch data {human_bytes(est.batch)}; before the "
+        "model's parameters, gradients and optimizer state")
     key, value = (("data.batch_size", cfg.data.batch_size) if est.batch_dominated
                   else ("model.size", cfg.model.get("size")))
     raise ConfigError(key, value, f"a run that fits in memory: training needs at least {human_bytes(est.total)}"
                       f"{per} ({what}; micro-batch {mb} windows x {mcfg.max_seq_len} tokens) and {where}")
 
 
-def check_job(cfg: DictConfig, device_checks: bool = True) -> tuple[Any, ModelConfig, int | None]:
+def check_job(cfg: DictConfig, device_checks: bool = True, plan: bool = False) -> tuple[Any, ModelConfig, int | None]:
     """Every check of a job's config that needs neither Lightning nor its run directory (module docstring, step 1),
     in order: the keys (:func:`canonlm.config.strict.check_keys`), task and model config, ``trainer.max_steps:
     auto``, the training keys and the schedule, the batch split; with ``device_checks`` (the job runs on this
     machine) the kernels requested for the device it will use and the memory of a training step
     (:func:`check_memory`); last the optimizer's arguments (built once on a one-element tensor). The Canon set is
-    written back as the model records it (``AbbCD`` -> ``AbCD``), so the saved config is what trains. Returns
-    (task, model config, parameter count when the memory check computed it). Raises ConfigError (a value whose
-    interpolation does not resolve included); writes nothing."""
+    written back as the model records it (``AbbCD`` -> ``AbCD``), so the saved config is what trains.
+
+    A ``text`` task whose prepared corpus' vocabulary differs from the one ``task.vocab_size`` declares (a
+    real-life preset's Llama-2 32,000 on a corpus of another tokenizer) is refused, naming ``task.vocab_size``: the
+    run would train another model than the preset's (give ``task.vocab_size=<the corpus'>`` or ``null`` to train it
+    anyway). ``plan`` (``python -m canonlm.estimate``, never training): instead, a ``text`` task whose corpus keys
+    are unset is planned with the declared vocabulary (:class:`canonlm.data.text.TextPlan`, whose repetition caps
+    are not checked), and a differing vocabulary is left to the caller (``task.vocab_mismatch()``).
+
+    Returns (task, model config, parameter count when the memory check computed it). Raises ConfigError (a value
+    whose interpolation does not resolve included); writes nothing."""
     from canonlm.config.strict import interpolation_errors
 
     with interpolation_errors(cfg):
-        return _check_job(cfg, device_checks)
+        return _check_job(cfg, device_checks, plan)
 
 
-def _check_job(cfg: DictConfig, device_checks: bool) -> tuple[Any, ModelConfig, int | None]:
+def _planned_text(cfg: DictConfig) -> tuple[Any, ModelConfig] | None:
+    """(:class:`canonlm.data.text.TextPlan`, model config) of a ``text`` job whose corpus is unset, or None (any
+    other job): the model is :func:`canonlm.config.build.build_configs`'s, with the declared vocabulary."""
+    if OmegaConf.select(cfg, "task.name", default=None) != "text":
+        return None
+    from canonlm.arch.config import build_model_config
+    from canonlm.data.text import plan_text_task
+
+    task = plan_text_task(cfg.task)
+    if task is None:
+        return None
+    model = dict(plain(cfg.model))  # as build_configs (the text task sets no model keys of its own)
+    model["ops"] = cfg.get("ops", "auto")
+    model["kernels"] = {k: v for k, v in (plain(cfg.get("kernels")) or {}).items() if v is not None}
+    return task, build_model_config(model, plain(cfg.canon), plain(cfg.pos), vocab_size=task.vocab_size,
+                                    max_seq_len=task.context)
+
+
+def _check_job(cfg: DictConfig, device_checks: bool, plan: bool = False) -> tuple[Any, ModelConfig, int | None]:
     from omegaconf import open_dict
 
     from canonlm.config.strict import check_keys
 
     check_keys(cfg)
-    task, mcfg = build_configs(cfg)
+    planned = _planned_text(cfg) if plan else None
+    task, mcfg = planned if planned is not None else build_configs(cfg)
+    mismatch = task.vocab_mismatch() if hasattr(task, "vocab_mismatch") else None
+    if mismatch is not None and not plan:
+        raise ConfigError("task.vocab_size", task.declared_vocab_size, f"the vocabulary of the corpus it trains on: "
+                          f"{mismatch}, so this run would train another model than the config declares; prepare the "
+                          f"corpus with that tokenizer, or give task.vocab_size={task.corpus_vocab_size} (or null) to "
+                          "train on this one")
     if OmegaConf.select(cfg, "canon.set", default=None) not in (None, mcfg.canon.set):
         with open_dict(cfg):
             cfg.canon.set = mcfg.canon.set
@@ -451,13 +488,17 @@ def _check_config(cfg: DictConfig) -> tuple[Any, ModelConfig, str | None, int]:
 def _task_cfg_as_saved(task_cfg: dict[str, Any], info: Any) -> dict[str, Any]:
     """``task_cfg`` without the keys a task gained after ``info``'s checkpoint was written, where they hold their
     defaults (text: ``sources``, ``mix``, ``doc_mask`` of :data:`canonlm.data.text.ADDED_KEYS`), so that a run
-    started before those keys existed resumes; any other difference is still one (``check_compatible``)."""
+    started before those keys existed resumes; any other difference is still one (``check_compatible``). The text
+    task's plan keys (:data:`canonlm.data.text.PLAN_KEYS`: the declared tokenizer, which changes nothing that trains;
+    the model's vocabulary is compared through its weights' shapes) are taken as the checkpoint has them."""
     saved = (info.meta or {}).get("task") if info.meta is not None else None
     if not saved or task_cfg.get("name") != "text":
         return task_cfg
-    from canonlm.data.text import ADDED_KEYS
+    from canonlm.data.text import ADDED_KEYS, PLAN_KEYS
 
-    return {k: v for k, v in task_cfg.items() if k in saved or k not in ADDED_KEYS or ADDED_KEYS[k] != v}
+    out = {k: v for k, v in task_cfg.items() if k not in PLAN_KEYS and (
+        k in saved or k not in ADDED_KEYS or ADDED_KEYS[k] != v)}
+    return {**out, **{k: saved[k] for k in PLAN_KEYS if k in saved}}
 
 
 def prepare_run(cfg: DictConfig) -> tuple[Any, ModelConfig, str | None]:
