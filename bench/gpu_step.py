@@ -46,7 +46,17 @@ Printed last, with their targets (issue 25) and whether each is met -- reported,
   (target <= 1.15 at 12L768D, <= 1.10 at 1.3B);
 * ``vs_transformers``: step(LlamaForCausalLM) / step(canonlm Llama, no Canon) per compile mode (target >= 1.3 at
   12L768D and 1.3B);
-* ``linear_overhead``: step(Canon-AbCD) / step(``b``) for GLA, GDN and Mamba2 (target <= 1.10 at 12L768D).
+* ``linear_overhead``: step(Canon-AbCD) / step(``b``) for GLA, GDN and Mamba2 (target <= 1.10 at 12L768D);
+* ``doc_mask_overhead``: step(with ``doc_ids``) / step(the same variant without) -- no target, reported.
+
+Document masking (``--doc-models``, default every canonlm model of ``--models``): for each of those models one more
+eager variant of its Canon set (Llama ``ABCD``, a linear preset ``AbCD``) with the ``auto`` Canon backend (else the
+first of ``--backends`` / ``--linear-backends``), named ``.../docs`` and run right after its plain twin, whose step
+passes ``doc_ids`` to ``CanonLM.forward`` (every sequence op restarts at each document: ``canonlm.arch.doc_mask``) and
+counts only the targets inside a document (the loss mask). Each window packs documents of random lengths, uniform in
+``1 .. 2·--doc-len - 1`` (mean ``--doc-len``, default T/4: 512 at 12L768D, 16 tiny), cut at the window's end, drawn
+from a fixed seed (the same batch for every variant of a shape); the record's ``docs`` says how many. MFU counts the
+model's FLOPs as without masking (``flops_per_token`` does not know the documents).
 
 Ratios are taken per token (step time / (batch x T)), which is the step ratio when both used the same batch.
 
@@ -58,6 +68,7 @@ Usage::
     python bench/gpu_step.py --tiny --out DIR          # CPU, the tiny shape, every variant a CPU can run, 3 steps
                                                        # after 1, 1 thread, compiled with aot_eager (the tests)
     python bench/gpu_step.py --shapes 12L768D --models llama,hf --backends fla,torch --compile eager --out DIR
+    python bench/gpu_step.py --quick --list            # the variants it would run, in order, and nothing else
 
 Options pick the shapes (``--shapes``), models (``--models``: llama, hf, any conf/arch preset), the Canon backends
 (``--backends`` for the Llama, ``--linear-backends``; ``available`` = ``auto`` and every backend of
@@ -65,8 +76,10 @@ Options pick the shapes (``--shapes``), models (``--models``: llama, hf, any con
 on CPU, plus ``fla_gluon``, fla with its Gluon conv kernels (``FLA_CONV_GLUON=1``), where fla runs and triton has
 Gluon; a name that cannot run is measured as a failure), compile modes (``--compile eager,compiled``,
 ``--compile-models``, ``--compile-backends``, ``--compile-backend``), ``--steps``, ``--warmup``, ``--batch``, the time
-limits (``--budget-s`` per variant, ``--max-minutes`` for the run) and ``--peak-flops`` (a device not in canonlm's
-table). ``--out`` must not hold a previous run's files (nothing is overwritten).
+limits (``--budget-s`` per variant, ``--max-minutes`` for the run), document masking (``--doc-models``,
+``--doc-len``) and ``--peak-flops`` (a device not in canonlm's table). ``--out`` must not hold a previous run's files
+(nothing is overwritten). ``--list`` prints the variants and exits (planned for CUDA unless ``--tiny`` or ``--device
+cpu``; the device is not checked).
 
 The issue's table (12L768D, then the 1.3B shape, every variant; at most an hour by its ``--max-minutes``)::
 
@@ -145,13 +158,15 @@ def full_linear_set(arch: str) -> str:
 class Variant:
     """One measured configuration. ``model``: ``llama`` (canonlm), ``hf`` (transformers' LlamaForCausalLM) or a
     linear preset; ``canon``: ``none`` / ``ABCD`` / ``b`` / ``AbCD``; ``backend``: ``model.kernels.canon`` (``-``
-    where no Canon layer exists)."""
+    where no Canon layer exists); ``docs``: document masking (``doc_ids`` packed in every window, the module
+    docstring)."""
 
     shape: str
     model: str
     canon: str
     backend: str
     compiled: bool
+    docs: bool = False
 
     @property
     def mode(self) -> str:
@@ -159,7 +174,7 @@ class Variant:
 
     @property
     def name(self) -> str:
-        return f"{self.shape}/{self.model}/{self.canon}/{self.backend}/{self.mode}"
+        return f"{self.shape}/{self.model}/{self.canon}/{self.backend}/{self.mode}" + ("/docs" if self.docs else "")
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -332,11 +347,34 @@ def alarm_at(deadline: float) -> Iterator[None]:
             signal.setitimer(signal.ITIMER_REAL, max(before - (time.monotonic() - t0), 1e-4))
 
 
+def doc_ids_for(batch: int, seq_len: int, mean_len: int, device=None):
+    """(batch, seq_len) int64 document ids of windows packing documents of random lengths, uniform in
+    ``1 .. 2·mean_len - 1`` (mean ``mean_len`` tokens), the last one of each row cut at its end; drawn from a fixed
+    seed (``torch.Generator().manual_seed(0)``), so every variant of a shape gets the same documents. Row b's ids run
+    0, 0, ..., 1, ... (a change of id starts a document: ``canonlm.ops.varlen``). Raises ValueError for
+    ``mean_len < 1``."""
+    import torch
+
+    if mean_len < 1:
+        raise ValueError(f"doc_ids_for: mean_len={mean_len}; allowed: an integer >= 1")
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(batch):
+        lengths, total = [], 0
+        while total < seq_len:
+            n = int(torch.randint(1, 2 * mean_len, (1,), generator=g))
+            lengths.append(min(n, seq_len - total))
+            total += lengths[-1]
+        rows.append(torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)))
+    return torch.stack(rows).to(device)
+
+
 class Stepper:
-    """One training step of a model on a fixed random batch (see the module docstring)."""
+    """One training step of a model on a fixed random batch (see the module docstring); with ``doc_len`` the batch
+    packs documents (:func:`doc_ids_for`), passed as ``doc_ids``, and the loss counts the targets inside a document."""
 
     def __init__(self, model, hf: bool, batch: int, shape: Shape, device, compiled: bool = False,
-                 compile_backend: str = "inductor"):
+                 compile_backend: str = "inductor", doc_len: int | None = None):
         import torch
 
         from canonlm.arch.loss import lm_loss
@@ -347,6 +385,10 @@ class Stepper:
         self.loss_fn = torch.compile(lm_loss, backend=compile_backend) if compiled else lm_loss
         g = torch.Generator(device=device).manual_seed(0)
         self.x = torch.randint(0, shape.vocab, (batch, shape.seq_len), device=device, generator=g)
+        self.doc_ids = self.mask = None
+        if doc_len is not None:
+            self.doc_ids = doc_ids_for(batch, shape.seq_len, doc_len, device)
+            self.mask = self.doc_ids[:, 1:] == self.doc_ids[:, :-1]  # the next token is in the same document
         params = [p for p in model.parameters() if p.requires_grad]
         # conf/optim/adamw.yaml; weight decay on matrices only, as training's parameter groups
         groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.03},
@@ -363,9 +405,9 @@ class Stepper:
         import torch
 
         with torch.autocast(self.device.type, dtype=torch.bfloat16):
-            out = self.model(self.x)
+            out = self.model(self.x) if self.doc_ids is None else self.model(self.x, doc_ids=self.doc_ids)
             logits = out.logits if self.hf else out
-            out = self.loss_fn(logits[:, :-1], self.x[:, 1:], None)
+            out = self.loss_fn(logits[:, :-1], self.x[:, 1:], self.mask)
             loss = out["loss_sum"] / out["n_tokens"]
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.params, 1.0)
@@ -399,7 +441,7 @@ class Stepper:
         self.opt.zero_grad(set_to_none=True)
         for p in self.params:
             p.grad = None
-        self.opt = self.params = self.x = self.loss = self.model = None
+        self.opt = self.params = self.x = self.loss = self.model = self.doc_ids = self.mask = None
 
 
 def sync(device) -> None:
@@ -468,7 +510,8 @@ def _measure(v: Variant, shape: Shape, device, args, deadline: float, batch_star
     stepper = first = None
     for b in batches:
         phase[0] = f"first step (batch {b})"
-        stepper = Stepper(model, v.model == "hf", b, shape, device, v.compiled, args.compile_backend)
+        stepper = Stepper(model, v.model == "hf", b, shape, device, v.compiled, args.compile_backend,
+                          doc_len(args, shape) if v.docs else None)
         oom = None
         try:
             first = stepper.wall()
@@ -486,6 +529,9 @@ def _measure(v: Variant, shape: Shape, device, args, deadline: float, batch_star
         raise RuntimeError(f"out of memory at every batch in {batches}: {tried[-1]['reason'] if tried else ''}")
     batch_start[v.shape] = b  # later variants of this shape start here
     rec.update(batch=b, tokens_per_step=b * shape.seq_len, first_step_s=round(first, 3), fused_adamw=stepper.fused)
+    if v.docs:
+        starts = int((stepper.doc_ids[:, 1:] != stepper.doc_ids[:, :-1]).sum()) + b
+        rec["docs"] = {"mean_len": doc_len(args, shape), "documents": starts, "loss_tokens": int(stepper.mask.sum())}
     if tried:
         rec["batches_oom"] = tried
     rec["loss_first"] = float(stepper.loss)
@@ -511,8 +557,8 @@ def run_variant(v: Variant, shape: Shape, device, args, budget_s: float, batch_s
     import torch
 
     rec: dict = {"record": "variant", "name": v.name, "shape": v.shape, "model": v.model, "canon": v.canon,
-                 "backend": v.backend, "mode": v.mode, "compiled": v.compiled, "seq_len": shape.seq_len,
-                 "status": "ok", "reason": None, "budget_s": round(budget_s, 3)}
+                 "backend": v.backend, "mode": v.mode, "compiled": v.compiled, "doc_mask": v.docs,
+                 "seq_len": shape.seq_len, "status": "ok", "reason": None, "budget_s": round(budget_s, 3)}
     t0 = time.monotonic()
     phase = ["build"]
     done = False
@@ -561,10 +607,22 @@ def free_memory_keep_graphs(device) -> None:
 # variants, ratios, output
 # ------------------------------------------------------------------------------------------------------------------
 
+def doc_len(args, shape: Shape) -> int:
+    """Mean document length (tokens) of the document-masked variants: ``--doc-len``, else a quarter of the window."""
+    return args.doc_len or max(1, shape.seq_len // 4)
+
+
+def _doc_backend(backends: list[str]) -> str | None:
+    """The Canon backend of a model's document-masked variant: ``auto`` when listed, else the first one."""
+    return "auto" if "auto" in backends else (backends[0] if backends else None)
+
+
 def plan(args) -> list[Variant]:
     """Every variant, in the order they run: per shape, the canonlm Llama pairs and transformers eager, then
     compiled, then each linear preset's ``b`` / AbCD pairs (eager, then compiled) -- so that a run cut short by
-    ``--max-minutes`` has measured complete pairs of what matters most first."""
+    ``--max-minutes`` has measured complete pairs of what matters most first. A model of ``--doc-models`` gets its
+    document-masked variant (eager, its Canon set, :func:`_doc_backend`) right after the eager variants it pairs
+    with, so that a short run measures it too."""
     out: list[Variant] = []
     linear = [m for m in args.models if m not in ("llama", "hf")]
     for s in args.shapes:
@@ -575,6 +633,9 @@ def plan(args) -> list[Variant]:
             if "llama" in args.models and (not c or "llama" in args.compile_models):
                 out.append(Variant(s, "llama", "none", "-", c))
                 out += [Variant(s, "llama", "ABCD", b, c) for b in args.backends if not c or b in args.compile_backends]
+                doc_b = _doc_backend(args.backends)
+                if not c and "llama" in args.doc_models and doc_b is not None:
+                    out.append(Variant(s, "llama", "ABCD", doc_b, False, docs=True))
             if "hf" in args.models and (not c or "hf" in args.compile_models):
                 out.append(Variant(s, "hf", "none", "-", c))
         for arch in linear:
@@ -586,6 +647,8 @@ def plan(args) -> list[Variant]:
                     if c and b not in args.compile_backends:
                         continue
                     out += [Variant(s, arch, "b", b, c), Variant(s, arch, full_linear_set(arch), b, c)]
+                    if not c and arch in args.doc_models and b == _doc_backend(args.linear_backends):
+                        out.append(Variant(s, arch, full_linear_set(arch), b, False, docs=True))
     return out
 
 
@@ -607,7 +670,12 @@ def ratios(results: list[dict]) -> list[dict]:
 
     for r in ok.values():
         mode, s = r["mode"], r["shape"]
-        if r["model"] == "llama" and r["canon"] == "ABCD":
+        if r.get("doc_mask"):
+            den = ok.get(r["name"].rsplit("/docs", 1)[0])
+            if den:
+                add("doc_mask_overhead", r, den, per_token(r) / per_token(den), None, "<=", s,
+                    f"{r['model']} {r['canon']} docs/plain {r['backend']} {mode}")
+        elif r["model"] == "llama" and r["canon"] == "ABCD":
             den = ok.get(f"{s}/llama/none/-/{mode}")
             if den:
                 add("canon_overhead", r, den, per_token(r) / per_token(den), CANON_TARGET.get(s), "<=", s,
@@ -719,8 +787,8 @@ def _csv(s: str) -> list[str]:
 def parse_args(argv: list[str] | None = None):
     """The options, with the preset's defaults (``--tiny``, ``--quick`` or the full run) filled in where not given."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="folder for gpu_step.jsonl and gpu_step.md (created; must not hold "
-                                                 "a previous run's files)")
+    ap.add_argument("--out", help="folder for gpu_step.jsonl and gpu_step.md (created; must not hold a previous "
+                                  "run's files); required unless --list")
     ap.add_argument("--tiny", action="store_true", help="CPU, the tiny shape, every variant a CPU can run, a few steps")
     ap.add_argument("--quick", action="store_true", help="12L768D, Canon auto backend, 5 steps after 2: a short "
                                                          "GPU allocation")
@@ -750,7 +818,16 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--device", help="cuda (default when available) or cpu (default with --tiny)")
     ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's; --tiny: 1, steadier on a "
                                                 "shared CPU)")
+    ap.add_argument("--doc-models", help="models that also get a document-masked variant (doc_ids packed in every "
+                                         "window): comma list of canonlm models of --models, or 'none' (default: "
+                                         "every canonlm model of --models)")
+    ap.add_argument("--doc-len", type=int, help="mean document length in tokens of the document-masked variants "
+                                                "(default: a quarter of the window, 512 at 12L768D)")
+    ap.add_argument("--list", action="store_true", help="print the variants in the order they would run, then exit "
+                                                        "(--out is not needed)")
     args = ap.parse_args(argv)
+    if args.out is None and not args.list:
+        ap.error("--out is required (unless --list)")
     preset = "tiny" if args.tiny else "quick" if args.quick else "full"
     if args.tiny and args.quick:
         ap.error("--tiny and --quick: choose one")
@@ -793,10 +870,10 @@ def check_args(args, ap) -> None:
         if m not in MODES:
             bad("--compile", m, "one of eager, compiled")
     if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+        args.device = "cuda" if torch.cuda.is_available() or args.list else "cpu"
     if args.device not in ("cuda", "cpu") and not args.device.startswith("cuda:"):
         bad("--device", args.device, "cuda, cuda:<index> or cpu")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
+    if args.device.startswith("cuda") and not torch.cuda.is_available() and not args.list:
         bad("--device", args.device, "no CUDA device is available here (use --tiny or --device cpu)")
     device = torch.device(args.device)
     if device.type == "cpu":
@@ -822,6 +899,16 @@ def check_args(args, ap) -> None:
 
     args.backends = backends("--backends", args.backends)
     args.linear_backends = backends("--linear-backends", args.linear_backends)
+    canonlm_models = [m for m in args.models if m != "hf"]
+    if args.doc_models is None:
+        args.doc_models = canonlm_models
+    else:
+        args.doc_models = [] if args.doc_models.strip() == "none" else _csv(args.doc_models)
+        for m in args.doc_models:
+            if m not in canonlm_models:
+                bad("--doc-models", m, f"'none' or canonlm models of --models: {', '.join(canonlm_models)}")
+    if args.doc_len is not None and args.doc_len < 1:
+        bad("--doc-len", args.doc_len, "an integer >= 1 (tokens)")
     args.compile_models = args.models if args.compile_models is None else _csv(args.compile_models)
     for m in args.compile_models:
         if m not in allowed_models:
@@ -852,6 +939,9 @@ def check_args(args, ap) -> None:
         bad("--peak-flops", args.peak_flops, "a positive number of FLOP/s")
     if args.threads is not None and args.threads < 1:
         bad("--threads", args.threads, "a positive integer")
+    if args.list:
+        args.device = device
+        return
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         bad("--out", args.out, "a folder (this is a file)")
@@ -867,6 +957,14 @@ def main(argv: list[str] | None = None) -> int:
     args, ap = parse_args(argv)
     check_args(args, ap)
     import torch
+
+    if args.list:
+        variants = plan(args)
+        for v in variants:
+            print(v.name + (f"  [documents of mean length {doc_len(args, SHAPES[v.shape])} tokens]" if v.docs else ""))
+        print(f"gpu_step: {len(variants)} variants on {args.device}, --max-minutes {args.max_minutes:g}, --budget-s "
+              f"{args.budget_s:g}", file=sys.stderr)
+        return 0
 
     from canonlm.utils.kernel_cache import configure
 
@@ -898,8 +996,9 @@ def main(argv: list[str] | None = None) -> int:
         left = end - time.monotonic()
         if left <= 0 or left < min(5.0, args.budget_s):
             rec = {"record": "variant", "name": v.name, "shape": v.shape, "model": v.model, "canon": v.canon,
-                   "backend": v.backend, "mode": v.mode, "compiled": v.compiled, "seq_len": SHAPES[v.shape].seq_len,
-                   "status": "skipped", "reason": f"--max-minutes {args.max_minutes:g} spent"}
+                   "backend": v.backend, "mode": v.mode, "compiled": v.compiled, "doc_mask": v.docs,
+                   "seq_len": SHAPES[v.shape].seq_len, "status": "skipped",
+                   "reason": f"--max-minutes {args.max_minutes:g} spent"}
         else:
             rec = run_variant(v, SHAPES[v.shape], device, args, min(args.budget_s, left), batch_start)
         results.append(rec)

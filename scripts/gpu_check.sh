@@ -43,8 +43,9 @@
 #   --max-files N           files allowed in --out (default 8; 0: no limit)
 #   --max-file-mib M        size allowed per file (default 16; 0: no limit)
 #   --force                 overwrite this script's own files in --out
-#   --dry-run               check the inputs (wheelhouse, cache archive, --out writable, cache directory) and print
-#                           each phase's command and limit; runs nothing, writes nothing
+#   --dry-run               check the inputs (wheelhouse, cache archive, --out writable, cache directory), print
+#                           each phase's command and limit, and the lines of the self-check and the variants of the
+#                           bench (their --list, document masking included); runs nothing, writes nothing
 # Exit status: 0 when every phase that ran passed, 1 when one failed or timed out, 2 for bad input (nothing run).
 set -uo pipefail
 caller=$PWD                       # relative paths in the options are taken from here
@@ -200,7 +201,7 @@ why_skip() {   # why phase $1 does not run (empty: it runs)
 }
 
 if [ -n "$dry" ]; then
-  say "dry run: inputs checked, nothing runs and nothing is written"
+  say "dry run: inputs checked, no phase runs and nothing is written"
   say "  --out $out ($( [ -d "$out" ] && echo exists || echo 'will be created'), at most ${max_files/#0/any number of} files of ${max_file_mib/#0/any} MiB)"
   say "  --wheelhouse ${wheelhouse:-none}$( [ -n "$wheelhouse" ] && echo " ($(compgen -G "$wheelhouse/*.whl" | wc -l) wheels)")"
   say "  --cache-in ${cache_in:-none}$( [ ${#cache_parts[@]} -gt 0 ] && echo " ($(cat "${cache_parts[@]}" | tar -tzf - | grep -vc '/$') files)")"
@@ -212,6 +213,26 @@ if [ -n "$dry" ]; then
     w=$(why_skip "$p")
     printf '[gpu_check] %d %-9s limit %4s s  %s\n' "$i" "$p" "${LIMIT[$p]}" "${w:-$(cmd_of "$p")}"
   done
+  # what the selfcheck and bench phases would run, line by line (their own --list: nothing runs, nothing written)
+  list_plan() {   # $1: label, rest: the listing command; each line indented, or why there is no listing
+    local label=$1 listing rc; shift
+    listing=$("$@" 2>/dev/null); rc=$?
+    if [ $rc = 0 ]; then
+      say "$label ($*):"
+      printf '%s\n' "$listing" | sed 's/^/[gpu_check]     /'
+    else   # run again for its error (a failing listing is quick)
+      say "$label: not listed ($* exits $rc: $("$@" 2>&1 >/dev/null | grep -v '^\s*$' | tail -n 1 | cut -c1-200))"
+    fi
+  }
+  if [ -z "${SKIP[selfcheck]:-}" ]; then
+    list_plan "selfcheck plan: its lines, document masking (doc-mask) included" "$(vpy)" -m canonlm.selfcheck --quick --list
+  fi
+  if [ -z "${SKIP[bench]:-}" ]; then
+    if [ -f bench/gpu_step.py ]; then
+      # shellcheck disable=SC2086
+      list_plan "bench plan (on a CUDA GPU): its variants, document-masked ones (/docs) included" "$(vpy)" bench/gpu_step.py $bench_args --list
+    else say "bench plan: not listed (bench/gpu_step.py not found)"; fi
+  fi
   if [ -n "$wheelhouse" ] && [ -z "$(why_skip install)" ]; then
     say "install plan (SETUP_DRY_RUN=1 bash scripts/setup.sh --wheelhouse ...): checks the wheelhouse against this machine"
     SETUP_DRY_RUN=1 bash scripts/setup.sh --wheelhouse "$wheelhouse" $extras || exit 2

@@ -3,8 +3,10 @@
 The whole ``--tiny`` run happens once, in a subprocess, as a user runs it; the tests then read its files and stdout.
 Every figure is re-derived here from the raw step times in ``gpu_step.jsonl`` (median, tokens/s, the per-token
 ratios printed last) and MFU from the issue's own count (``6N + 12·L·T·d`` per token with N the matrix parameters);
-the expected variants come from ``canonlm.ops.canon.available_backends`` on this CPU. The time limit, the batch
-fallback after an out-of-memory error and the skip when the whole run's time is spent are checked in this process.
+the expected variants come from ``canonlm.ops.canon.available_backends`` on this CPU; the document-masked variants
+(``.../docs``) must have stepped with their ``doc_ids`` (the documents and loss tokens recorded, re-derived here from
+the documented generator). The time limit, the batch fallback after an out-of-memory error, the skip when the whole
+run's time is spent, ``--list`` and the step's ``doc_ids`` and loss mask are checked in this process.
 """
 
 from __future__ import annotations
@@ -61,8 +63,22 @@ def _expected_names() -> set[str]:
     if importlib.util.find_spec("transformers") is not None:
         names.add("tiny/hf/none/-/eager")
     for arch in ("gla", "gdn", "mamba2"):
-        names |= {f"tiny/{arch}/b/auto/eager", f"tiny/{arch}/AbCD/auto/eager"}
+        names |= {f"tiny/{arch}/b/auto/eager", f"tiny/{arch}/AbCD/auto/eager", f"tiny/{arch}/AbCD/auto/eager/docs"}
+    names.add("tiny/llama/ABCD/auto/eager/docs")  # document masking: one variant per canonlm model, after its twin
     return names
+
+
+def mod_doc_ids(batch: int, seq_len: int, mean_len: int) -> torch.Tensor:
+    """The documented document generator, re-implemented: lengths uniform in 1 .. 2·mean - 1 from seed 0, cut at the
+    window's end, row after row."""
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(batch):
+        lengths = []
+        while sum(lengths) < seq_len:
+            lengths.append(min(int(torch.randint(1, 2 * mean_len, (1,), generator=g)), seq_len - sum(lengths)))
+        rows.append(torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]))
+    return torch.stack(rows)
 
 
 def _per_token(r: dict) -> float:
@@ -100,6 +116,19 @@ def test_tiny_run_records_every_variant_and_the_forced_failure(tiny):
             assert r["dynamo"]["unique_graphs"] >= 1
         else:
             assert r["dynamo"] is None
+        # document masking: the step passed doc_ids (documents of mean length T/4) and masked cross-document targets
+        assert r["doc_mask"] == r["name"].endswith("/docs")
+        if r["doc_mask"]:
+            ids = mod_doc_ids(B, T, T // 4)
+            starts = int((ids[:, 1:] != ids[:, :-1]).sum()) + B
+            same = int((ids[:, 1:] == ids[:, :-1]).sum())
+            assert r["docs"] == {"mean_len": T // 4, "documents": starts, "loss_tokens": same}, r["docs"]
+            assert B < starts and same < B * (T - 1)
+            # run right after the eager variants it pairs with: its twin (linear), the Llama's Canon backends
+            before = [n for n in names if n.startswith(f"tiny/{r['model']}/") and n.endswith("/eager")]
+            assert names.index(r["name"]) == names.index(before[-1]) + 1 and r["name"][:-5] in before
+        else:
+            assert "docs" not in r
     md = (out / "gpu_step.md").read_text()
     assert all(f"| {n} |" in md for n in names)
 
@@ -125,7 +154,11 @@ def test_ratios_are_printed_last_and_recomputed_from_the_medians(tiny):
     want = {}
     for r in ok.values():
         none = ok.get(f"tiny/llama/none/-/{r['mode']}")
-        if r["model"] == "llama" and r["canon"] == "ABCD":
+        if r["name"].endswith("/docs"):
+            twin = ok[r["name"][: -len("/docs")]]
+            want[("doc_mask_overhead", f"{r['model']} {r['canon']} docs/plain {r['backend']} {r['mode']}")] = \
+                _per_token(r) / _per_token(twin)
+        elif r["model"] == "llama" and r["canon"] == "ABCD":
             want[("canon_overhead", f"llama ABCD/none {r['backend']} {r['mode']}")] = _per_token(r) / _per_token(none)
         elif r["model"] == "hf":
             want[("vs_transformers", f"transformers/canonlm llama none {r['mode']}")] = _per_token(r) / _per_token(none)
@@ -212,7 +245,8 @@ def test_variants_left_when_the_run_is_out_of_time_are_skipped(bench, tmp_path, 
                      "--max-minutes", "1e-9"]) == 0
     recs = [json.loads(x) for x in (out / "gpu_step.jsonl").read_text().splitlines()]
     variants = [r for r in recs if r["record"] == "variant"]
-    assert [r["name"] for r in variants] == ["tiny/llama/none/-/eager", "tiny/llama/ABCD/torch/eager"]
+    assert [r["name"] for r in variants] == ["tiny/llama/none/-/eager", "tiny/llama/ABCD/torch/eager",
+                                             "tiny/llama/ABCD/torch/eager/docs"]
     assert all(r["status"] == "skipped" and "--max-minutes" in r["reason"] for r in variants)
     assert recs[-1] == {"record": "ratios", "ratios": []}
     assert capsys.readouterr().out.rstrip().endswith("ratio: none (no complete pair measured)")
@@ -225,6 +259,8 @@ def test_variants_left_when_the_run_is_out_of_time_are_skipped(bench, tmp_path, 
     (["--compile", "eager,jit"], "--compile"),
     (["--batch", "4,0"], "--batch"),
     (["--steps", "0"], "--steps"),
+    (["--doc-models", "hf"], "--doc-models"),  # transformers' model takes no doc_ids
+    (["--doc-len", "0"], "--doc-len"),
 ])
 def test_bad_options_are_refused_before_anything_is_written(tmp_path, capsys, argv, option):
     mod = _load()
@@ -250,3 +286,43 @@ def test_the_bench_uses_the_kernel_cache(tiny):
     assert head["record"] == "header"
     assert head["options"]["kernel_cache"] == str(out.parent / "kernels")
     assert (out.parent / "kernels" / "triton").is_dir()
+
+
+def test_list_prints_the_plan_with_the_document_masked_variants(capsys, tmp_path):
+    """``--list`` prints the variants in run order (a GPU preset is planned for CUDA even on this CPU) and writes
+    nothing; ``--doc-models none`` leaves the document-masked variants out."""
+    mod = _load()
+    assert mod.main(["--quick", "--list"]) == 0
+    names = capsys.readouterr().out.split("\n")
+    names = [n.split("  [", 1)[0] for n in names if n]
+    assert names == ["12L768D/llama/none/-/eager", "12L768D/llama/ABCD/auto/eager",
+                     "12L768D/llama/ABCD/auto/eager/docs", "12L768D/hf/none/-/eager", "12L768D/llama/none/-/compiled",
+                     "12L768D/llama/ABCD/auto/compiled"] + [
+        f"12L768D/{a}/{c}" for a in ("gla", "gdn", "mamba2") for c in ("b/auto/eager", "AbCD/auto/eager",
+                                                                       "AbCD/auto/eager/docs")]
+    assert mod.main(["--quick", "--list", "--doc-models", "none", "--models", "llama,gla"]) == 0
+    assert "/docs" not in capsys.readouterr().out
+
+
+def test_a_document_masked_step_passes_doc_ids_and_masks_cross_document_targets(bench):
+    """The step of a ``docs`` variant calls the model with the generator's ``doc_ids`` and gives the loss the
+    same-document targets as its mask; its plain twin passes neither."""
+    mod, args = bench
+    shape, cpu = mod.SHAPES["tiny"], torch.device("cpu")
+    for docs in (True, False):
+        model, _ = mod.build(mod.Variant("tiny", "llama", "ABCD", "torch", False, docs=docs), shape, cpu)
+        seen, masks, forward, loss_fn = [], [], model.forward, None
+        model.forward = lambda x, **kw: (seen.append(kw), forward(x, **kw))[1]
+        step = mod.Stepper(model, False, 2, shape, cpu, doc_len=8 if docs else None)
+        loss_fn = step.loss_fn
+        step.loss_fn = lambda logits, tgt, mask: (masks.append(mask), loss_fn(logits, tgt, mask))[1]
+        step()
+        if docs:
+            ids = mod_doc_ids(2, T, 8)
+            assert len(seen) == 1 and torch.equal(seen[0]["doc_ids"], ids)
+            assert torch.equal(masks[0], ids[:, 1:] == ids[:, :-1]) and not masks[0].all()
+        else:
+            assert seen == [{}] and masks == [None]
+        assert math.isfinite(float(step.loss))
+    with pytest.raises(ValueError, match="mean_len=0"):
+        mod.doc_ids_for(1, 8, 0)

@@ -1,5 +1,6 @@
-"""scripts/gpu_check.sh on this CPU machine: its dry run (inputs checked, each phase's command and limit printed,
-nothing run or written), its refusals of bad input, and real runs whose GPU phases cannot run here.
+"""scripts/gpu_check.sh on this CPU machine: its dry run (inputs checked, each phase's command and limit printed, the
+self-check's lines and the bench's variants listed -- document masking included --, nothing run or written), its
+refusals of bad input, and real runs whose GPU phases cannot run here.
 
 Each test copies the script (with setup.sh and pyproject.toml) into an empty repository whose ``.venv/bin/python``
 runs this interpreter, so the phases that run (facts, restore, selfcheck, pack) run canonlm for real, and puts a
@@ -30,12 +31,16 @@ ROOT = Path(__file__).resolve().parents[1]
 PHASES = ["facts", "install", "restore", "warmup", "selfcheck", "pytest", "bench", "pack"]
 
 
-def _repo(tmp_path: Path) -> Path:
+def _repo(tmp_path: Path, bench: bool = False) -> Path:
     repo = tmp_path / "repo"
     (repo / "scripts").mkdir(parents=True)
     for s in ("gpu_check.sh", "setup.sh"):
         shutil.copy(ROOT / "scripts" / s, repo / "scripts" / s)
     shutil.copy(ROOT / "pyproject.toml", repo / "pyproject.toml")
+    if bench:  # the bench and the presets it reads (conf/arch)
+        (repo / "bench").mkdir()
+        shutil.copy(ROOT / "bench" / "gpu_step.py", repo / "bench" / "gpu_step.py")
+        shutil.copytree(ROOT / "conf", repo / "conf")
     (repo / ".venv" / "bin").mkdir(parents=True)
     py = repo / ".venv" / "bin" / "python"
     py.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
@@ -107,12 +112,57 @@ def test_dry_run_checks_inputs_prints_each_phase_and_writes_nothing(tmp_path):
     assert "--cache-in" in res.stdout and "(5 files)" in res.stdout
     assert "[setup] dry run: nothing was changed" in res.stdout            # setup.sh's offline plan, checked too
     assert not out.exists() and not cache.exists() and not (repo / ".venv" / "lib").exists()
+    # the self-check's lines (its --list), the document-masking ones among them; the bench is not in this copy
+    listed = _listed(res.stdout, "selfcheck plan: its lines, document masking (doc-mask) included (.venv/bin/python "
+                                 "-m canonlm.selfcheck --quick --list):")
+    archs = ("llama", "gla", "gdn", "mamba2")
+    doc = [f"kernel {o} bf16 doc-mask ({how}) fwd+bwd"
+           for o, how in (("gla/fla", "cu_seqlens"), ("gdn/fla", "cu_seqlens"), ("ssd/mamba_ssm", "seq_idx"))] + \
+        ["model llama doc-mask == documents alone (cuda, fp32)"] + \
+        [f"cpu model {a} doc-mask == documents alone (fp32)" for a in archs]
+    assert [n for n in listed if "doc-mask" in n] == doc
+    assert "kernel canon/dao bf16 fwd+bwd" in listed and "cpu train llama canon=ABCD 2L64D 5 steps" in listed
+    assert "[gpu_check] bench plan: not listed (bench/gpu_step.py not found)" in res.stdout
 
     res = _run(repo, "--dry-run", "--out", "out", "--warmup", "arch=gla canon=AbCD trainer=gpu", gpu=True)
     assert res.returncode == 0, res.stderr
     assert re.search(r"^\[gpu_check\] 4 warmup +limit +90 s  \.venv/bin/python -m canonlm\.warmup arch=gla canon=AbCD "
                      r"trainer=gpu$", res.stdout, re.M)
     assert re.search(r"^\[gpu_check\] 2 install .*skipped \(no --wheelhouse", res.stdout, re.M)
+
+
+def _listed(stdout: str, header: str) -> list[str]:
+    """The names listed under ``[gpu_check] <header>``: its indented lines, without their ``[...]`` notes."""
+    lines = stdout.splitlines()
+    assert f"[gpu_check] {header}" in lines, stdout[-3000:]
+    out = []
+    for line in lines[lines.index(f"[gpu_check] {header}") + 1:]:
+        if not line.startswith("[gpu_check]     "):
+            break
+        out.append(line[len("[gpu_check]     "):].split("  [", 1)[0])
+    return out
+
+
+def test_dry_run_lists_the_bench_variants_with_document_masking(tmp_path):
+    """With the bench in the repository, the dry run lists its variants for the bench's arguments (--bench-args):
+    each canonlm model's document-masked variant right after its plain twin; none with --doc-models none."""
+    repo = _repo(tmp_path, bench=True)
+    res = _run(repo, "--dry-run", "--out", "out", "--bench-args", "--quick --models llama,gla", gpu=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+    listed = _listed(res.stdout, "bench plan (on a CUDA GPU): its variants, document-masked ones (/docs) included "
+                                 "(.venv/bin/python bench/gpu_step.py --quick --models llama,gla --list):")
+    assert listed == ["12L768D/llama/none/-/eager", "12L768D/llama/ABCD/auto/eager",
+                      "12L768D/llama/ABCD/auto/eager/docs", "12L768D/llama/none/-/compiled",
+                      "12L768D/llama/ABCD/auto/compiled", "12L768D/gla/b/auto/eager", "12L768D/gla/AbCD/auto/eager",
+                      "12L768D/gla/AbCD/auto/eager/docs"]
+    assert not (tmp_path / "out").exists()
+    res = _run(repo, "--dry-run", "--out", "out", "--bench-args", "--quick --doc-models none", gpu=True)
+    listed = _listed(res.stdout, "bench plan (on a CUDA GPU): its variants, document-masked ones (/docs) included "
+                                 "(.venv/bin/python bench/gpu_step.py --quick --doc-models none --list):")
+    assert res.returncode == 0 and len(listed) == 11 and not [n for n in listed if "/docs" in n], listed
+    res = _run(repo, "--dry-run", "--out", "out", "--bench-args", "--quick --doc-len x", gpu=True)
+    assert res.returncode == 0 and re.search(r"^\[gpu_check\] bench plan .*: not listed \(.* exits 2: .*--doc-len",
+                                             res.stdout, re.M), res.stdout[-2000:]
 
 
 @pytest.mark.parametrize("make, args, names", [

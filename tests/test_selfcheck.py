@@ -75,6 +75,7 @@ QUICK_CPU = ["cpu canon/cpu native kernel fp32 fwd+bwd", "cpu canon reference + 
              "cpu attention sdpa fp32 fwd+bwd + decode"] + \
     [f"cpu {op} chunked reference vs recurrence (fp64) fwd+bwd" for op in ("gla", "gdn", "ssd")] + \
     [f"cpu model {a} decode == full forward (fp32)" for a in ("llama", "gla", "gdn", "mamba2")] + \
+    [f"cpu model {a} doc-mask == documents alone (fp32)" for a in ("llama", "gla", "gdn", "mamba2")] + \
     ["cpu train llama canon=ABCD 2L64D 5 steps"]
 
 
@@ -113,7 +114,10 @@ def test_cpu_quick_run_writes_the_report_with_compile_and_check_times(tmp_path, 
     assert f"- fp32 precision of Triton tl.dot: {numerics.triton_fp32_precision()} (" in report
     assert "- time budget: 120 s (--budget-s): every line finished within it" in report
     assert "- kernel cache: Triton " in report and "- autotune: first config that runs" in report
-    assert "(11 PASS, 0 FAIL," in report
+    assert "(15 PASS, 0 FAIL," in report
+    for a in ("llama", "gla", "gdn", "mamba2"):  # document masking: a packed window == each document alone
+        assert "7 documents in 2 rows of 48 tokens vs each alone" in cpu[f"cpu model {a} doc-mask == documents alone "
+                                                                        f"(fp32)"]["detail"]
     # an existing report is not overwritten (refused before anything runs)
     from canonlm.selfcheck.__main__ import main
 
@@ -133,15 +137,21 @@ def test_full_and_quick_plans(capsys):
               + [f"kernel attention/{b} {dt} {m}" for b in ("sdpa", "flash") if not (b == "flash" and dt == "fp32")
                  for m in ("fwd+bwd", "decode")]
               + [f"kernel {o} {dt} {m}" for o in ("gla/fla", "gdn/fla", "ssd/mamba_ssm") for m in ("fwd+bwd", "decode")]
-              + [f"kernel ssd/mamba_ssm fused split {dt} fwd+bwd"] for dt in ("fp32", "bf16")}
+              + [f"kernel ssd/mamba_ssm fused split {dt} fwd+bwd"]
+              + [f"kernel {o} {dt} doc-mask ({how}) fwd+bwd"
+                 for o, how in (("gla/fla", "cu_seqlens"), ("gdn/fla", "cu_seqlens"), ("ssd/mamba_ssm", "seq_idx"))]
+              for dt in ("fp32", "bf16")}
     archs = ("llama", "gla", "gdn", "mamba2")
     sets = {"llama": "ABCD", "gla": "AbCD", "gdn": "AbCD", "mamba2": "AbCD"}
     want_full = kernel["fp32"] + kernel["bf16"] \
         + [n for a in archs for n in (f"model {a} fast vs reference (cuda, bf16)",
-                                      f"model {a} decode == full forward (cuda, fp32)")] \
+                                      f"model {a} decode == full forward (cuda, fp32)",
+                                      f"model {a} doc-mask == documents alone (cuda, fp32)")] \
         + [f"train {a} canon={sets[a]} 12L768D 20 steps (1 GPU, bf16-mixed)" for a in archs] \
         + [f"fsdp2 {a} canon={sets[a]} 12L768D 20 steps (all GPUs)" for a in ("llama", "gla")]
-    want_quick = kernel["bf16"] + [f"model {a} decode == full forward (cuda, fp32)" for a in archs] \
+    want_quick = kernel["bf16"] + ["model llama decode == full forward (cuda, fp32)",  # llama: Canon-ABCD masked
+                                   "model llama doc-mask == documents alone (cuda, fp32)"] \
+        + [f"model {a} decode == full forward (cuda, fp32)" for a in archs[1:]] \
         + [f"train {a} canon={sets[a]} 4L256D 10 steps (1 GPU, bf16-mixed)" for a in ("llama", "gla")] \
         + ["fsdp2 llama canon=ABCD 4L256D 10 steps (all GPUs)"] + QUICK_CPU
     want_full += [QUICK_CPU[0], "cpu canon/cpu native kernel bf16 fwd+bwd"] + QUICK_CPU[1:] + \
@@ -161,6 +171,18 @@ def test_full_and_quick_plans(capsys):
             elif s.name.startswith("cpu "):
                 assert s.device == "cpu" and s.group.startswith("cpu")
         assert all(s.static == [SKIP, "needs >= 2 GPUs (1 visible)"] for s in specs if s.name.startswith("fsdp2"))
+        # the document-masking lines run their own checks: the varlen kernels, and the model on doc_ids
+        for s in specs:
+            if "doc-mask" in s.name:
+                want = ("canonlm.selfcheck.kernels:check_doc_mask_kernel" if s.name.startswith("kernel ") else
+                        "canonlm.selfcheck.models:check_model_doc_mask")
+                assert s.target == want and s.static is None, s
+                if s.name.startswith("cpu "):
+                    assert s.group == "cpu" and s.kwargs == {"fast": False, "T": 48} and s.args[1:] == ["cpu", "2L64D"]
+                elif s.name.startswith("model "):
+                    assert s.group == f"model {s.args[0]}" and s.kwargs == {"device": "cuda", "size": "2L256D"}
+                else:
+                    assert s.group == s.name.split()[1].split("/")[0] + " " + s.name.split()[2] and s.est_compiles > 0
         train = [s for s in specs if s.name.startswith("train ")]
         assert all(s.args[0]["autotune"] == "first" and f"data.batch_size=8" in s.args[0]["overrides"]
                    for s in train)
@@ -412,13 +434,58 @@ def test_run_check_turns_exceptions_into_lines():
 
 
 def test_missing_library_skips_and_broken_install_fails(monkeypatch):
+    """Not installed: SKIP. Installed without its CUDA op (the probe's ``ModuleNotFoundError`` names the package's
+    own extension): SKIP with the module and how to get it. Anything else: FAIL. (tests/test_selfcheck_classify.py
+    builds such installs for real and runs the probes in a subprocess.)"""
     monkeypatch.setattr(env, "dist_version", lambda names: None)
-    status, reason = env.fast_unavailable("attention", "flash", "cuda", torch.bfloat16)
-    assert status == SKIP and "flash-attn not installed" in reason
-    monkeypatch.setattr(env, "dist_version", lambda names: "9.9")  # "installed", but the module does not import
-    monkeypatch.setitem(env.FAST_LIBS, ("gla", "fla"), ((("fla-core",),), ("canonlm_no_such_module.ops",)))
-    status, reason = env.fast_unavailable("gla", "fla", "cuda", torch.bfloat16)
-    assert status == FAIL and "installed but" in reason
+    assert env.fast_unavailable("attention", "flash", "cuda", torch.bfloat16) == (SKIP, "flash-attn not installed")
+    assert env.fast_unavailable("ssd", "split", "cuda", torch.bfloat16) == (
+        SKIP, "mamba-ssm, causal-conv1d not installed")
+    monkeypatch.setattr(env, "dist_version", lambda names: "9.9")  # "installed", but the probe fails
+    monkeypatch.setattr(env.importlib.util, "find_spec", lambda name: None)  # and no such extension module here
+
+    def probes(error):
+        monkeypatch.setitem(env.FAST_PROBES, ("gla", "fla"), ((("fla-core",), lambda: error),))
+        return env.fast_unavailable("gla", "fla", "cuda", torch.bfloat16)
+
+    assert probes("ModuleNotFoundError: No module named 'einops'") == (
+        FAIL, "fla-core is installed but does not load: ModuleNotFoundError: No module named 'einops'")
+    status, reason = probes("ImportError: /x/causal_conv1d_cuda.so: undefined symbol: _ZN3c105ErrorC2E")
+    assert status == FAIL and reason.startswith("fla-core is installed but does not load: ImportError: ")
+    assert probes(ModuleNotFoundError("No module named 'selective_scan_cuda'", name="selective_scan_cuda")) == (
+        SKIP, "mamba-ssm installed without its CUDA op (selective_scan_cuda): install its CUDA build for this torch "
+              "(`bash scripts/setup.sh cuda` where GitHub is reachable, or with nvcc `MAMBA_FORCE_BUILD=TRUE pip "
+              "install --no-build-isolation --no-cache-dir --no-deps mamba-ssm==9.9`; docs/gpu.md)")
+    # the split line needs causal-conv1d's op: SKIP naming it, though the SSD kernels load
+    monkeypatch.setitem(env.FAST_PROBES, ("ssd", "split"), (
+        (("mamba-ssm",), lambda: None),
+        (("causal-conv1d",), lambda: "ModuleNotFoundError: No module named 'causal_conv1d_cuda'")))
+    status, reason = env.fast_unavailable("ssd", "split", "cuda", torch.bfloat16)
+    assert status == SKIP and reason.startswith("causal-conv1d installed without its CUDA op (causal_conv1d_cuda): ")
+
+
+@pytest.mark.parametrize("error, want", [
+    ("ModuleNotFoundError: No module named 'causal_conv1d_cuda'", ("causal-conv1d", "causal_conv1d_cuda")),
+    ("ModuleNotFoundError: No module named 'flash_attn_2_cuda'", ("flash-attn", "flash_attn_2_cuda")),
+    (ModuleNotFoundError("No module named 'selective_scan_cuda'", name="selective_scan_cuda"),
+     ("mamba-ssm", "selective_scan_cuda")),
+    ("ModuleNotFoundError: No module named 'triton'", None),                # a missing dependency: broken
+    ("ImportError: No module named 'causal_conv1d_cuda'", None),            # not the plain absence of the module
+    (ImportError("causal_conv1d_cuda.so: undefined symbol: _ZN3c10"), None),
+    ("ImportError: mamba_ssm.ops.triton.ssd_combined does not import even without the mamba_ssm package __init__ "
+     "(NameError: x); the package __init__ failed with ModuleNotFoundError: No module named 'selective_scan_cuda'",
+     None),                                                                 # the Triton module itself is broken
+])
+def test_missing_cuda_op_is_only_the_plain_absence_of_the_packages_own_extension(monkeypatch, error, want):
+    monkeypatch.setattr(env, "dist_version", lambda names: "1.0")
+    monkeypatch.setattr(env.importlib.util, "find_spec", lambda name: None)
+    assert env.missing_cuda_op(error) == want
+    if want is not None:  # a module of that name on the path (it exists, so it was not missing): not this case
+        monkeypatch.setattr(env.importlib.util, "find_spec", lambda name: object())
+        assert env.missing_cuda_op(error) is None
+        monkeypatch.setattr(env.importlib.util, "find_spec", lambda name: None)
+        monkeypatch.setattr(env, "dist_version", lambda names: None)  # its distribution not installed
+        assert env.missing_cuda_op(error) is None
 
 
 def test_write_report_never_overwrites_without_force(tmp_path):
@@ -509,20 +576,53 @@ def fake_gpu(monkeypatch):
     def conv_fwd(x, w, b, residual, act, h):
         return conv(x, w, b, residual=residual, activation=act, initial_state=h)
 
+    # the document-masked calls: each document run alone through the reference (no state across a boundary)
+    def per_span(fn, flat, cu_cpu):  # fn(*docs) -> (1, L, ...) for tensors (1, total, ...)
+        ends = cu_cpu.tolist()
+        return torch.cat([fn(*[t[:, a:e] for t in flat]) for a, e in zip(ends[:-1], ends[1:])], 1)
+
+    def per_row_segment(fn, seqs, seq_idx):  # fn(*docs) -> (1, L, ...) for tensors (B, T, ...), runs of seq_idx
+        rows = []
+        for b in range(seq_idx.shape[0]):
+            _, counts = torch.unique_consecutive(seq_idx[b], return_counts=True)
+            ends = [0] + torch.cumsum(counts, 0).tolist()
+            rows.append(torch.cat([fn(*[t[b:b + 1, a:e] for t in seqs]) for a, e in zip(ends[:-1], ends[1:])], 1))
+        return torch.cat(rows, 0)
+
+    def dao_fwd(x, w, b, residual, act, h, seq_idx=None):
+        if seq_idx is None:
+            return conv_fwd(x, w, b, residual, act, h)
+        return per_row_segment(lambda xd: conv_fwd(xd, w, b, residual, act, None), [x], seq_idx)
+
+    def fla_fwd(x, w, b, residual, act, h, cu_seqlens=None, cu_seqlens_cpu=None):
+        if cu_seqlens is None:
+            return conv_fwd(x, w, b, residual, act, h)
+        B, T, C = x.shape
+        return per_span(lambda xd: conv_fwd(xd, w, b, residual, act, None), [x.reshape(1, B * T, C)],
+                        cu_seqlens_cpu).view(B, T, C)
+
     def conv_step(x_t, state, w, b, residual, act):
         return step(x_t, state, w, b, residual=residual, activation=act, backend="torch")
 
-    def scan(x, dt, A, B, C, Q, D, db, sp, lim, h, final):
+    def scan(x, dt, A, B, C, Q, D, db, sp, lim, h, final, seq_idx=None):
+        if seq_idx is not None:
+            y = per_row_segment(lambda *xs: ssd_ref(*xs[:2], A, *xs[2:], chunk_size=Q, D=D, dt_bias=db,
+                                                    dt_softplus=sp, dt_limit=lim)[0], [x, dt, B, C], seq_idx)
+            return y, None
         return ssd_ref(x, dt, A, B, C, chunk_size=Q, D=D, dt_bias=db, dt_softplus=sp, dt_limit=lim, initial_state=h,
                        output_final_state=final)
 
     stand_ins = {
-        (_cuda, "dao_forward"): conv_fwd, (_cuda, "fla_forward"): conv_fwd,
+        (_cuda, "dao_forward"): dao_fwd, (_cuda, "fla_forward"): fla_fwd,
         (_cuda, "dao_step"): conv_step, (_cuda, "fla_step"): conv_step,
         (gla_fla, "fla_forward"): lambda q, k, v, g, s, h, final: gla_ref(q, k, v, g, scale=s, initial_state=h,
                                                                           output_final_state=final),
+        (gla_fla, "fla_forward_varlen"): lambda q, k, v, g, s, cu, cu_cpu: per_span(
+            lambda *xs: gla_ref(*xs, scale=s)[0], [q, k, v, g], cu_cpu),
         (gdn_fla, "forward"): lambda q, k, v, g, b, s, h, final, l2: gdn_ref(
             q, k, v, g, b, scale=s, initial_state=h, output_final_state=final, use_qk_l2norm=l2),
+        (gdn_fla, "forward_varlen"): lambda q, k, v, g, b, s, l2, cu, cu_cpu: per_span(
+            lambda *xs: gdn_ref(*xs, scale=s, use_qk_l2norm=l2)[0], [q, k, v, g, b], cu_cpu),
         (_mamba, "chunk_scan"): scan,
         (_mamba, "state_update"): lambda x, dt, A, B, C, *rest: scan(x, dt, A, B, C, 64, *rest),
         (_mamba, "split_conv1d_scan"): split_ref,
@@ -538,7 +638,7 @@ def test_gpu_kernel_harness_dry_run_on_cpu(fake_gpu):
     """Every kernel line (bf16) and the model lines pass on the CPU with the fast entry points called -- and each line
     saw exactly its fast backends run; flash-attn, "not installed", is SKIP with the reason."""
     results = kernels.run_kernel_checks("cpu", ("bf16",))
-    assert len(results) == 16
+    assert len(results) == 19
     for r in results:
         if r.backend == "flash":
             assert (r.status, r.detail) == (SKIP, "flash-attn not installed"), r
@@ -554,13 +654,62 @@ def test_gpu_kernel_harness_dry_run_on_cpu(fake_gpu):
     assert "inductor: 1 graph" in compiled.detail and set(compiled.errors) == {
         "canon.y", "shortconv.y", "dx", "dw", "db", "dinit"}
     assert compiled.compile_s > 0.5 and compiled.compile_s > compiled.check_s, compiled
-    assert [r.op for r in kernels.run_kernel_checks("cpu", ("bf16",), ops=["gdn"])] == ["gdn", "gdn"]
+    assert [r.op for r in kernels.run_kernel_checks("cpu", ("bf16",), ops=["gdn"])] == ["gdn", "gdn", "gdn"]
     for arch in models.PRESETS:
         v = models.check_model_decode(arch, "cpu", "2L64D")
         assert v.status == PASS, (arch, v.detail)
         assert set(v.ran["cached"]) == {"canon", models.MIXER_OP[arch]}
     v = models.check_model_fast_vs_reference("gla", "cpu", "2L64D")  # 2 layers x (Canon-A/C/D, short convs q/k/v)
     assert v.status == PASS and v.ran == {"fwd+bwd": {"canon": {"dao": 12}, "gla": {"fla": 2}}}, v.detail
+
+
+def test_doc_mask_lines_pass_on_the_fast_paths_and_fail_on_a_leak(fake_gpu, monkeypatch):
+    """The document-masking lines on the CPU with the fast entry points as stand-ins: the kernel lines call the varlen
+    entry points (GLA / GDN ``cu_seqlens``, SSD ``seq_idx``) and match each document alone; the model lines run
+    Canon on its fast kernel and the mixer on its fast op with ``doc_ids`` (Mamba2 without its fused split). A
+    kernel that lets the state cross the document boundaries FAILs on its errors, and a model whose Canon layers fall
+    back to the shift-and-add path FAILs on the calls."""
+    from canonlm.ops.gla import _fla as gla_fla
+    from canonlm.ops.ssd import _mamba
+
+    lines = {r.name: r for r in kernels.run_kernel_checks("cpu", ("fp32",)) if "doc-mask" in r.name}
+    assert sorted(lines) == ["kernel gdn/fla fp32 doc-mask (cu_seqlens) fwd+bwd",
+                             "kernel gla/fla fp32 doc-mask (cu_seqlens) fwd+bwd",
+                             "kernel ssd/mamba_ssm fp32 doc-mask (seq_idx) fwd+bwd"]
+    for r in lines.values():
+        assert r.status == PASS, (r.name, r.detail)
+        assert r.ran == {r.op: {r.backend: 1}} and max(r.errors.values()) < 1e-5, r
+        assert "7 documents in 2 rows of 300 tokens" in r.detail
+    assert set(lines["kernel gdn/fla fp32 doc-mask (cu_seqlens) fwd+bwd"].errors) == {
+        "o", "dq", "dk", "dv", "dg", "dbeta"}
+    for arch, mixer in (("llama", {"attention": {"sdpa": 2}}), ("gla", {"gla": {"fla": 2}}),
+                        ("gdn", {"gdn": {"fla": 2}}), ("mamba2", {"ssd": {"mamba_ssm": 2}})):
+        v = models.check_model_doc_mask(arch, "cpu", "2L64D", T=48)
+        assert v.status == PASS, (arch, v.detail)
+        ran = v.ran["packed fwd+bwd"]
+        assert set(ran["canon"]) == {"dao"} and {k: x for k, x in ran.items() if k != "canon"} == mixer, (arch, ran)
+        assert v.errors["logits"] < 1e-5 and v.errors["grads(L2)"] < 1e-5, v.errors
+
+    # a varlen kernel that ignores the document boundaries: the state leaks from one document into the next
+    whole = gla_fla.fla_forward
+    monkeypatch.setattr(gla_fla, "fla_forward_varlen",
+                        lambda q, k, v, g, s, cu, cu_cpu: whole(q, k, v, g, s, None, False)[0])
+    r = run_check("kernel gla/fla fp32 doc-mask (cu_seqlens) fwd+bwd",
+                  lambda: kernels.check_doc_mask_kernel("gla", "fp32", "cpu"))
+    assert r.status == FAIL and r.errors["o"] > 1e-2 and "> tol 5e-03" in r.detail, r.detail
+    chunk = _mamba.chunk_scan
+    monkeypatch.setattr(_mamba, "chunk_scan", lambda *a, seq_idx=None, **k: chunk(*a, **k))
+    r = run_check("kernel ssd doc-mask", lambda: kernels.check_doc_mask_kernel("ssd", "fp32", "cpu"))
+    assert r.status == FAIL and r.errors["y"] > 1e-2, r.detail
+    # Canon's document masking on the shift-and-add path instead of the kernel auto resolved: a fallback
+    import canonlm.ops.canon as canon
+
+    select = canon._select
+    monkeypatch.setattr(canon, "_select", lambda backend, *a: "torch" if backend == "auto" else select(backend, *a))
+    v = models.check_model_doc_mask("gla", "cpu", "2L64D", T=48)
+    assert v.status == FAIL and "canon ran torch (want dao/fla: fallback)" in v.detail, v.detail
+    with pytest.raises(ValueError, match="allowed: gla, gdn, ssd"):
+        kernels.check_doc_mask_kernel("canon", "fp32", "cpu")
 
 
 def test_compiled_canon_line_fails_on_a_graph_break(monkeypatch):

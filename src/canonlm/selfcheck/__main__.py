@@ -121,7 +121,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"selfcheck: error: {out} exists; pass --force to overwrite it or --out to choose another file",
               file=sys.stderr)
         return 2
-    _setup_process()
     budget = args.budget_s if args.budget_s is not None else BUDGET_S[args.quick]
     jobs = args.jobs or default_jobs()
     opts = Options(quick=args.quick, size=args.size, steps=args.steps, batch=args.batch, autotune=args.autotune)
@@ -140,6 +139,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"selfcheck: {len(plan)} lines ({sum(s.static is None for s in plan)} to run), budget {budget:.0f} s, "
               f"{jobs} workers at once", file=sys.stderr)
         return 0
+    _setup_process()  # the kernel cache (after --list, which writes nothing)
     if not cuda:
         print(NO_CUDA_MESSAGE, flush=True)
     heavy = 1

@@ -1,11 +1,15 @@
 """The machine the self-check runs on: the versions table of the report, and whether each fast backend can run here
-(its library installed, importable, and accepted by the op's backend resolution)."""
+(its library installed, loaded by canonlm's own probe, and accepted by the op's backend resolution). A library that
+is not installed, or installed without its compiled CUDA op, makes its lines SKIP with the reason; one that is
+installed but does not load otherwise makes them FAIL (:func:`classify_import_failure`)."""
 
 from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import importlib.util
 import platform
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -25,15 +29,81 @@ LIBRARIES = (("lightning", ("lightning",)), ("triton", ("triton", "pytorch-trito
              ("causal-conv1d", ("causal-conv1d",)), ("mamba-ssm", ("mamba-ssm",)))
 
 _FLA = ("fla-core", "flash-linear-attention")
-#: Fast backend -> (required distributions, each a tuple of alternative names; modules its import needs).
-FAST_LIBS = {
-    ("canon", "dao"): ((("causal-conv1d",),), ("causal_conv1d",)),
-    ("canon", "fla"): ((_FLA,), ("fla.modules",)),
-    ("attention", "flash"): ((("flash-attn",),), ("flash_attn",)),
-    ("gla", "fla"): ((_FLA,), ("fla.ops.gla",)),
-    ("gdn", "fla"): ((_FLA,), ("fla.ops.gated_delta_rule",)),
-    ("ssd", "mamba_ssm"): ((("mamba-ssm",),), ("mamba_ssm.ops.triton.ssd_combined",)),
-    ("ssd", "split"): ((("mamba-ssm",), ("causal-conv1d",)), ("mamba_ssm.ops.triton.ssd_combined", "causal_conv1d")),
+
+#: The compiled CUDA extension module(s) each optional distribution's Python code imports, read from their sources:
+#: causal-conv1d 1.6.2.post1 ``causal_conv1d/cpp_functions.py`` line 5 ``import causal_conv1d_cuda`` (reached from
+#: the package ``__init__`` through ``causal_conv1d_interface.py``); mamba-ssm 2.3.1
+#: ``mamba_ssm/ops/selective_scan_interface.py`` line 20 ``import selective_scan_cuda`` (reached from the package
+#: ``__init__``); flash-attn 2.x ``flash_attn/flash_attn_interface.py`` line 15 ``import flash_attn_2_cuda as
+#: flash_attn_gpu``. fla-core has none (Triton only). A ``ModuleNotFoundError`` naming one of these, with no such
+#: module on the path, is an install built without its CUDA op (``*_SKIP_CUDA_BUILD=TRUE``, as
+#: ``scripts/wheelhouse.sh`` and ``scripts/setup.sh`` build them where no nvcc or prebuilt wheel is at hand).
+CUDA_EXTENSIONS = {"causal-conv1d": ("causal_conv1d_cuda",), "mamba-ssm": ("selective_scan_cuda",),
+                   "flash-attn": ("flash_attn_2_cuda",)}
+#: The variable that makes each distribution's ``setup.py`` compile its CUDA op with nvcc instead of downloading a
+#: prebuilt wheel (docs/gpu.md, "No prebuilt wheel: compiling").
+FORCE_BUILD = {"causal-conv1d": "CAUSAL_CONV1D_FORCE_BUILD", "mamba-ssm": "MAMBA_FORCE_BUILD",
+               "flash-attn": "FLASH_ATTENTION_FORCE_BUILD"}
+#: ``ModuleNotFoundError``'s own message (``No module named 'x'``), as the ops' probes keep it: ``<type>: <message>``.
+_NOT_FOUND = re.compile(r"ModuleNotFoundError: No module named '([A-Za-z0-9_.]+)'")
+
+
+def _probe_dao():
+    from canonlm.ops.canon import _cuda
+
+    return _cuda.dao_functions()[1]
+
+
+def _probe_fla_conv():
+    from canonlm.ops.canon import _cuda
+
+    return _cuda.fla_functions()[1]
+
+
+def _probe_flash():
+    from canonlm.ops.attention import flash_available
+
+    if flash_available():
+        return None
+    try:  # canonlm's probe answers a bool: import again only to say why (the same import, already failed once)
+        from flash_attn import flash_attn_func  # noqa: F401
+    except Exception as e:  # noqa: BLE001 -- ImportError, OSError (undefined symbol), RuntimeError
+        return e
+    return "flash_attn imports now, but canonlm.ops.attention.flash_available() found it unavailable"
+
+
+def _probe_gla():
+    from canonlm.ops.gla import _fla
+
+    return _fla.fla_functions()[1]
+
+
+def _probe_gdn():
+    from canonlm.ops.gdn import _fla
+
+    return _fla.functions()[1]
+
+
+def _probe_ssd():
+    from canonlm.ops.ssd import _mamba
+
+    return _mamba.chunk_scan_function()[1]
+
+
+#: Fast backend -> ``((required distributions as alternative names, canonlm probe), ...)``. Each probe is the loader
+#: the op itself uses (``canonlm.ops.canon._cuda.dao_functions`` / ``fla_functions``,
+#: ``canonlm.ops.attention.flash_available``, ``canonlm.ops.gla._fla.fla_functions``,
+#: ``canonlm.ops.gdn._fla.functions``, ``canonlm.ops.ssd._mamba.chunk_scan_function``) and returns None when it
+#: loads, else its error (the probe's ``"<Error>: <message>"`` or the exception). ``split``: the SSD kernels and
+#: causal-conv1d's C++ op, which ``mamba_split_conv1d_scan_combined`` calls for its conv.
+FAST_PROBES = {
+    ("canon", "dao"): ((("causal-conv1d",), _probe_dao),),
+    ("canon", "fla"): ((_FLA, _probe_fla_conv),),
+    ("attention", "flash"): ((("flash-attn",), _probe_flash),),
+    ("gla", "fla"): ((_FLA, _probe_gla),),
+    ("gdn", "fla"): ((_FLA, _probe_gdn),),
+    ("ssd", "mamba_ssm"): ((("mamba-ssm",), _probe_ssd),),
+    ("ssd", "split"): ((("mamba-ssm",), _probe_ssd), (("causal-conv1d",), _probe_dao)),
 }
 
 
@@ -88,19 +158,79 @@ def resolve(op: str, name: str, device, dtype) -> str:
     return mod.resolve_backend(name, device, dtype)
 
 
+def missing_cuda_op(error) -> Optional[tuple[str, str]]:
+    """``(distribution, extension module)`` when ``error`` says an installed distribution lacks its compiled CUDA op,
+    else None.
+
+    ``error`` is what an import probe kept: the exception, or its ``"<Error>: <message>"`` string
+    (:func:`canonlm.ops._dispatch.probe`). It qualifies only when it is, as a whole, Python's ``ModuleNotFoundError:
+    No module named '<ext>'`` (a message with more in it -- an error chained from another, a wrapper's sentence -- is
+    something else), ``<ext>`` is one of :data:`CUDA_EXTENSIONS`, its distribution is installed
+    (``importlib.metadata``), and no module of that name is on the path now (``importlib.util.find_spec``: a module
+    that exists but fails to load raises ``ImportError`` / ``OSError``, never this)."""
+    if isinstance(error, BaseException):
+        name = error.name if type(error) is ModuleNotFoundError else None
+    else:
+        m = _NOT_FOUND.fullmatch(" ".join(str(error).split()))
+        name = m.group(1) if m else None
+    if not name:
+        return None
+    dist = next((d for d, exts in CUDA_EXTENSIONS.items() if name in exts), None)
+    if dist is None or dist_version([dist]) is None:
+        return None
+    try:
+        if importlib.util.find_spec(name) is not None:
+            return None
+    except (ImportError, ValueError):  # a sys.modules entry without a spec: not a plain absent module
+        return None
+    return dist, name
+
+
+def cuda_op_hint(dist: str, ext: str) -> str:
+    """The one-line SKIP reason of a distribution installed without its CUDA op: what is missing and how to get it
+    (docs/gpu.md: the prebuilt wheel through ``scripts/setup.sh cuda``, or an nvcc build)."""
+    version = dist_version([dist])
+    pin = f"=={version}" if version else ""
+    return (f"{dist} installed without its CUDA op ({ext}): install its CUDA build for this torch (`bash "
+            f"scripts/setup.sh cuda` where GitHub is reachable, or with nvcc `{FORCE_BUILD[dist]}=TRUE pip install "
+            f"--no-build-isolation --no-cache-dir --no-deps {dist}{pin}`; docs/gpu.md)")
+
+
+def classify_import_failure(dist: str, error) -> tuple[str, str]:
+    """Verdict of a fast library whose import probe failed although ``dist`` is installed.
+
+    Returns:
+        ``(SKIP, reason)`` when :func:`missing_cuda_op` recognises an install without its compiled CUDA op (the
+        reason from :func:`cuda_op_hint`: which module, how to get it); ``(FAIL, reason)`` for anything else -- an
+        extension that exists but does not load (``ImportError`` / ``OSError`` "undefined symbol": built against
+        another torch), a missing Python dependency, an error raised inside the package.
+    """
+    found = missing_cuda_op(error)
+    if found is not None:
+        return SKIP, cuda_op_hint(*found)
+    text = f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else str(error)
+    return FAIL, f"{dist} is installed but does not load: {short(text, 240)}"
+
+
 def fast_unavailable(op: str, fast: str, device, dtype) -> Optional[tuple[str, str]]:
-    """None when backend ``fast`` of ``op`` can run on (device, dtype); else ``(SKIP | FAIL, reason)``: SKIP when its
-    library is not installed or refuses this dtype, FAIL when it is installed but its import fails (a broken
-    build, e.g. compiled against another torch)."""
-    dists, modules = FAST_LIBS[(op, fast)]
-    missing = [alts[0] for alts in dists if dist_version(alts) is None]
+    """None when backend ``fast`` of ``op`` can run on (device, dtype); else ``(SKIP | FAIL, reason)``.
+
+    Availability is canonlm's own (:data:`FAST_PROBES`: the loaders the ops call, then the op's
+    ``resolve_backend``), never a direct import of a library module, so that the self-check sees what the ops see
+    (mamba-ssm's Triton SSD kernels load without its package ``__init__``, :mod:`canonlm.ops.ssd._mamba`).
+    SKIP: a required distribution is not installed; one is installed without its compiled CUDA op
+    (:func:`classify_import_failure`; e.g. the fused ``split`` without causal-conv1d's C++ op while the SSD kernels
+    run); the op refuses this device / dtype. FAIL: a distribution is installed but its probe fails otherwise (a
+    broken build, e.g. an extension compiled against another torch)."""
+    entries = FAST_PROBES[(op, fast)]
+    missing = [alts[0] for alts, _ in entries if dist_version(alts) is None]
     if missing:
-        return SKIP, f"{', '.join(missing)} not installed"
-    for module in modules:
-        try:
-            importlib.import_module(module)
-        except Exception as e:  # noqa: BLE001 -- ImportError, OSError (undefined symbol), Triton driver errors
-            return FAIL, f"installed but `import {module}` fails: {type(e).__name__}: {short(str(e), 200)}"
+        return SKIP, f"{', '.join(dict.fromkeys(missing))} not installed"
+    for alts, probe_fn in entries:
+        error = probe_fn()
+        if error is not None:
+            dist = next(d for d in alts if dist_version([d]) is not None)
+            return classify_import_failure(dist, error)
     try:
         resolve(op, "mamba_ssm" if fast == "split" else fast, device, dtype)
     except ConfigError as e:
@@ -109,17 +239,16 @@ def fast_unavailable(op: str, fast: str, device, dtype) -> Optional[tuple[str, s
 
 
 def preload() -> list[str]:
-    """Import every fast library's modules (:data:`FAST_LIBS`) that import here, so that a worker's start-up, not
-    its first line, pays for them (fla imports every kernel module, several seconds). Errors are ignored: the lines
-    report them. Returns the modules imported."""
+    """Run every fast backend's probe (:data:`FAST_PROBES`), so that a worker's start-up, not its first line, pays
+    for the libraries' imports (fla imports every kernel module, several seconds). Failures are ignored here: the
+    lines report them. Returns the ``op/backend`` names whose probes loaded."""
     done = []
-    for _, modules in FAST_LIBS.values():
-        for module in modules:
-            try:
-                importlib.import_module(module)
-                done.append(module)
-            except Exception:  # noqa: BLE001 -- missing or broken: the kernel lines say which and why
-                continue
+    for (op, fast), entries in FAST_PROBES.items():
+        try:
+            if all(probe_fn() is None for _, probe_fn in entries):
+                done.append(f"{op}/{fast}")
+        except Exception:  # noqa: BLE001 -- a probe is not expected to raise; a line reports whatever does
+            continue
     return done
 
 

@@ -307,6 +307,115 @@ def check_ssd_kernel(dt: str, mode: str, device: str = "cuda") -> Verdict:
                         tol_note("ssd", "mamba_ssm", dt))
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# document masking: the varlen kernels against each document run alone
+# ----------------------------------------------------------------------------------------------------------------
+
+def doc_lengths(T: int, row: int) -> list[int]:
+    """Document lengths (tokens) of row ``row`` of a document-masking line's (B, T) window, T >= 12: even rows
+    ``[T//8, 1, T//2, rest]``, odd rows ``[T - T//3 - 3, 3, T//3]`` -- a 1-token and a 3-token document (shorter than
+    a conv's taps), documents across chunk boundaries, and boundaries at other places in the two rows."""
+    if T < 12:
+        raise ValueError(f"doc_lengths: T={T}; allowed: T >= 12")
+    if row % 2 == 0:
+        return [T // 8, 1, T // 2, T - T // 8 - 1 - T // 2]
+    return [T - T // 3 - 3, 3, T // 3]
+
+
+def doc_ids_of(B: int, T: int, device):
+    """(B, T) int64 document ids, row b holding the documents of :func:`doc_lengths` ``(T, b)`` (0, 0, ..., 1, ...):
+    the ``doc_ids`` of ``CanonLM.forward`` and of :mod:`canonlm.ops.varlen`."""
+    import torch
+
+    lengths = [doc_lengths(T, b) for b in range(B)]
+    return torch.stack([torch.repeat_interleave(torch.arange(len(n)), torch.tensor(n)) for n in lengths]).to(device)
+
+
+def doc_spans(B: int, T: int) -> list[tuple[int, int, int]]:
+    """``[(row, start, end)]`` of every document of :func:`doc_ids_of` ``(B, T)``, row by row, in time order."""
+    out = []
+    for b in range(B):
+        a = 0
+        for n in doc_lengths(T, b):
+            out.append((b, a, a + n))
+            a += n
+    return out
+
+
+def check_doc_mask_kernel(op: str, dt: str, device: str = "cuda") -> Verdict:
+    """Document masking in the fast kernels: ``op``'s varlen call, forward and backward, against the float64
+    reference run on each document alone (the oracle of tests/test_doc_mask.py; independent of
+    :func:`canonlm.ops.varlen.pack`), two rows packing the documents of :func:`doc_lengths`.
+
+    * ``gla``: ``chunk_gla(q, k, v, g, cu_seqlens=, cu_seqlens_cpu=, backend="fla")`` on the B rows flattened to a
+      batch of 1 (:func:`canonlm.ops.varlen.cu_seqlens_of`; fla's ``IS_VARLEN`` kernels) vs ``chunk_gla_reference``
+      per document, at :func:`gla_case`'s shape;
+    * ``gdn``: ``chunk_gated_delta_rule(..., cu_seqlens=, cu_seqlens_cpu=, backend="fla")`` vs
+      ``chunk_gated_delta_rule_reference`` per document (q/k L2-normalised), at :func:`gdn_case`'s shape;
+    * ``ssd``: ``ssd_scan(..., seq_idx=, backend="mamba_ssm")`` ((B, T) segment ids,
+      :func:`canonlm.ops.varlen.segment_ids`; ``mamba_chunk_scan_combined(seq_idx=...)``, chunk 64, D, dt_bias) vs
+      ``ssd_scan_reference`` per document, at :func:`ssd_case`'s shape.
+
+    No initial or final state (document masking starts every document from zero). The line passes only when the fast
+    backend was the one called (:func:`~canonlm.selfcheck.verdict.judge_kernel`) and every output and input gradient
+    is within :func:`~canonlm.selfcheck.numerics.kernel_tol`. Raises ValueError for another ``op``."""
+    import torch
+
+    from canonlm.ops import varlen
+
+    if op not in ("gla", "gdn", "ssd"):
+        raise ValueError(f"check_doc_mask_kernel: op={op!r}; allowed: gla, gdn, ssd")
+    fast = "mamba_ssm" if op == "ssd" else "fla"
+    dtype = dtype_of(dt)
+    resolved = kernel_prelude(op, fast, dtype, device)
+    errors: dict[str, float] = {}
+    if op in ("gla", "gdn"):
+        if op == "gla":
+            from canonlm.ops.gla import chunk_gla as fast_op
+            from canonlm.ops.gla import chunk_gla_reference as ref_op
+
+            case, names = gla_case(dtype, device)[:4], ["q", "k", "v", "g"]
+        else:
+            from canonlm.ops.gdn import chunk_gated_delta_rule as fast_op
+            from canonlm.ops.gdn import chunk_gated_delta_rule_reference as ref_op
+
+            case, names = gdn_case(dtype, device)[:5], ["q", "k", "v", "g", "beta"]
+        B, T = case[0].shape[:2]
+        cu, cu_cpu = varlen.cu_seqlens_of(doc_ids_of(B, T, device))
+        flat = [t.reshape(1, B * T, *t.shape[2:]) for t in case]
+        spans = list(zip(cu_cpu[:-1].tolist(), cu_cpu[1:].tolist()))
+
+        def fast_fn(*xs):
+            return (fast_op(*xs, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, backend=fast)[0],)
+
+        def ref_fn(*xs):
+            return (torch.cat([ref_op(*[x[:, a:e] for x in xs])[0] for a, e in spans], 1),)
+    else:
+        from canonlm.ops.ssd import ssd_scan, ssd_scan_reference
+
+        x, dtv, A, Bm, Cm, D, db, _ = ssd_case(dtype, device)
+        B, T = x.shape[:2]
+        seq_idx = varlen.segment_ids(doc_ids_of(B, T, device))
+        flat, names = [x, dtv, Bm, Cm, A, D, db], ["x", "dt", "B", "C", "A", "D", "dt_bias"]
+        kw = dict(chunk_size=64)
+
+        def fast_fn(x, d, Bm, Cm, A, D, db):
+            return (ssd_scan(x, d, A, Bm, Cm, D=D, dt_bias=db, seq_idx=seq_idx, backend=fast, **kw)[0],)
+
+        def ref_fn(x, d, Bm, Cm, A, D, db):
+            rows = [torch.cat([ssd_scan_reference(x[b:b + 1, a:e], d[b:b + 1, a:e], A, Bm[b:b + 1, a:e],
+                                                  Cm[b:b + 1, a:e], D=D, dt_bias=db, **kw)[0]
+                               for r, a, e in doc_spans(B, T) if r == b], 1) for b in range(B)]
+            return (torch.cat(rows, 0),)
+    with backend_calls([op]) as ran, compiling():
+        got = fwd_bwd(fast_fn, flat)
+    ref = fwd_bwd(ref_fn, [t.double() for t in flat])
+    compare(["o" if op != "ssd" else "y"], names, got, ref, errors)
+    v = judge_kernel(op, fast, resolved, ran, errors, kernel_tol(op, fast, dt), tol_note(op, fast, dt))
+    v.detail += f"; {len(doc_spans(B, T))} documents in {B} rows of {T} tokens"
+    return v
+
+
 # The fused-split line's shape (batch, time, heads, head dim, groups, state size, conv width, out-projection width):
 # every width a multiple of 8, as causal-conv1d's channel-last kernel needs.
 SPLIT_SHAPE = dict(B=2, T=130, H=8, P=8, G=1, N=32, W=4, out=48)
@@ -418,19 +527,22 @@ KERNEL_LINES = (
                             ("ssd", "mamba_ssm", "check_ssd_kernel"))
        for mode in ("fwd+bwd", "decode")]
     + [("kernel ssd/mamba_ssm fused split {dt} fwd+bwd", "ssd", "split", "check_ssd_split_kernel", ("{dt}",))]
+    + [(f"kernel {op}/{fast} {{dt}} doc-mask ({how}) fwd+bwd", op, fast, "check_doc_mask_kernel", (op, "{dt}"))
+       for op, fast, how in (("gla", "fla", "cu_seqlens"), ("gdn", "fla", "cu_seqlens"),
+                             ("ssd", "mamba_ssm", "seq_idx"))]
 )
 
 
 def kernel_lines(dtypes: Iterable[str] = ("fp32", "bf16")) -> list[tuple[str, str, str, str, tuple, str, str]]:
     """Every kernel line as ``(name, op, fast backend, function name in this module, arguments before device, dtype,
-    mode)`` (mode ``fwd+bwd`` or ``decode``), dtype by dtype (flash-attn has no fp32 kernel: its fp32 lines are left
-    out)."""
+    mode)`` (mode ``fwd+bwd``, ``decode`` or ``doc-mask``), dtype by dtype (flash-attn has no fp32 kernel: its fp32
+    lines are left out)."""
     out = []
     for dt in dtypes:
         for name, op, fast, fn, args in KERNEL_LINES:
             if fast == "flash" and dt == "fp32":
                 continue
-            mode = "decode" if "decode" in args else "fwd+bwd"
+            mode = "doc-mask" if fn == "check_doc_mask_kernel" else "decode" if "decode" in args else "fwd+bwd"
             out.append((name.format(dt=dt), op, fast, fn, tuple(a.format(dt=dt) for a in args), dt, mode))
     return out
 

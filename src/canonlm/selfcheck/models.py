@@ -191,3 +191,64 @@ def check_model_decode(arch: str, device: str = "cuda", size: str = "2L256D", fa
     if tl_dot:
         v.detail += f"; fp32 tl.dot: {triton_fp32_precision()}"
     return v
+
+
+def check_model_doc_mask(arch: str, device: str = "cuda", size: str = "2L256D", fast: bool = True,
+                         T: int = 256) -> Verdict:
+    """Document masking at the model level: a ``size`` model of ``arch`` with its Canon set (llama Canon-ABCD; gla,
+    gdn, mamba2 AbCD), two rows of ``T`` tokens packing the documents of
+    :func:`canonlm.selfcheck.kernels.doc_lengths` (``CanonLM.forward(ids, doc_ids=...)``), fp32, no autocast, against
+    the same weights on ``ops=reference`` in float64 running each document alone as its own sequence -- the oracle of
+    tests/test_doc_mask.py. Compared: the logits (max rel err) and every parameter gradient of a fixed random
+    projection of the logits (relative L2 norm of all gradients together).
+
+    This is where the Canon op's document masking is checked on a GPU (its layers get the documents from the model:
+    Dao's ``seq_idx`` or fla's ``cu_seqlens``), beside the mixer's (GLA / GDN ``cu_seqlens``, SSD ``seq_idx``,
+    attention's block-causal mask).
+
+    ``fast``: the packed forward + backward must call only the fast kernels (:func:`expected_fast`; Mamba2's fused
+    split kernel is not used with documents, so its scan is ``mamba_ssm``), tolerance
+    :func:`~canonlm.selfcheck.numerics.fp32_tol` (1e-3 / 1e-2 under TF32) for the ``tl.dot`` mixers, 1e-3 for
+    llama. Without ``fast`` (the CPU line) the calls are only reported and the tolerance is 1e-4. Compile time: the
+    packed forward + backward."""
+    import torch
+
+    from canonlm.selfcheck.kernels import doc_ids_of, doc_spans
+
+    dtype = torch.float32
+    want: dict = {}
+    if fast:
+        env.need_cuda(device)
+        want = expected_fast(arch, dtype, device)
+    canon = CANON_SETS[arch][1]
+    torch.manual_seed(0)
+    m = _build(arch, canon, size).to(device)
+    ref = _build(arch, canon, size, ops="reference")
+    ref.load_state_dict(m.state_dict())
+    ref = ref.double().to(device)
+    placed = _place(m, device, dtype)
+    _place(ref, device, torch.float64)
+    B, V = 2, 64
+    ids = torch.randint(0, V, (B, T), generator=gen(4)).to(device)
+    doc_ids = doc_ids_of(B, T, device)
+    cot = torch.randn(B, T, V, generator=gen(5), dtype=torch.float64).to(device)
+    with backend_calls(["canon", MIXER_OP[arch]]) as ran, compiling():
+        packed = m(ids, doc_ids=doc_ids)
+        (packed.double() * cot).sum().backward()
+    alone = torch.zeros(B, T, V, dtype=torch.float64, device=device)
+    for b, a, e in doc_spans(B, T):
+        out = ref(ids[b:b + 1, a:e])
+        (out * cot[b:b + 1, a:e]).sum().backward()
+        alone[b, a:e] = out[0].detach()
+    got = dict(m.named_parameters())
+    names = [n for n, p in ref.named_parameters() if p.grad is not None and got[n].grad is not None]
+    gf = torch.cat([got[n].grad.flatten().double() for n in names])
+    gr = torch.cat([p.grad.flatten() for n, p in ref.named_parameters() if n in names])
+    errors = {"logits": rel_err(packed, alone), "grads(L2)": ((gf - gr).norm() / gr.norm().clamp_min(1e-30)).item()}
+    tl_dot = (MIXER_OP[arch], want.get(MIXER_OP[arch])) in TL_DOT_BACKENDS
+    tol = (fp32_tol(1e-3, 1e-2) if tl_dot else 1e-3) if want else 1e-4
+    v = _judge_model({"packed fwd+bwd": (want, ran)}, required_ops(arch, canon) if want else (), errors, tol, placed)
+    v.detail += f"; {len(doc_spans(B, T))} documents in {B} rows of {T} tokens vs each alone (fp64 reference)"
+    if tl_dot:
+        v.detail += f"; fp32 tl.dot: {triton_fp32_precision()}"
+    return v

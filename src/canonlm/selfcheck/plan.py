@@ -30,12 +30,18 @@ KERNEL_COMPILES = {("canon", "dao", "fwd+bwd"): 0, ("canon", "dao", "decode"): 0
                    ("gla", "fla", "fwd+bwd"): 11, ("gla", "fla", "decode"): 2,
                    ("gdn", "fla", "fwd+bwd"): 13, ("gdn", "fla", "decode"): 3,
                    ("ssd", "mamba_ssm", "fwd+bwd"): 15, ("ssd", "mamba_ssm", "decode"): 1,
-                   ("ssd", "split", "fwd+bwd"): 13}
+                   ("ssd", "split", "fwd+bwd"): 13,
+                   # document masking: the same kernels' varlen variants (fla's IS_VARLEN, mamba-ssm's HAS_SEQ_IDX
+                   # constexprs), so about the fwd+bwd line's count again -- estimated from it, not counted
+                   ("gla", "fla", "doc-mask"): 11, ("gdn", "fla", "doc-mask"): 13, ("ssd", "mamba_ssm", "doc-mask"): 15}
 #: The same for the model lines (2L256D; counted at 2L64D: the variants do not depend on the widths). Mamba2's
 #: forward + backward (bf16 autocast through the fused split kernel) did not run under the interpreter: its count is
 #: the split line's 13 plus the Canon layers' 6.
 MODEL_COMPILES = {("llama", "fwd"): 6, ("llama", "decode"): 6, ("gla", "fwd"): 20, ("gla", "decode"): 7,
-                  ("gdn", "fwd"): 20, ("gdn", "decode"): 11, ("mamba2", "fwd"): 19, ("mamba2", "decode"): 9}
+                  ("gdn", "fwd"): 20, ("gdn", "decode"): 11, ("mamba2", "fwd"): 19, ("mamba2", "decode"): 9,
+                  # document masking (the varlen variants: Canon's and the mixer's forward + backward; estimated as
+                  # the fwd lines' counts, Mamba2's as its scan's 15 plus Canon's 6 -- not counted)
+                  ("llama", "doc"): 6, ("gla", "doc"): 20, ("gdn", "doc"): 20, ("mamba2", "doc"): 21}
 #: Training runs: the model lines' forward + backward kernels at the run's shapes, plus the process start-up.
 TRAIN_START_S = 25.0
 
@@ -45,6 +51,9 @@ TRAIN_DEFAULTS = {False: ("12L768D", 20), True: ("4L256D", 10)}
 TRAIN_ARCHS = {False: ("llama", "gla", "gdn", "mamba2"), True: ("llama", "gla")}
 #: Architectures of the FSDP2 lines (all GPUs; SKIP with one): full / --quick.
 FSDP2_ARCHS = {False: ("llama", "gla"), True: ("llama",)}
+#: Architectures whose model document-masking line ``--quick`` keeps: llama (Canon-ABCD, the Canon op's document
+#: masking at the model level); the mixers' varlen kernels have their own kernel lines.
+QUICK_DOC = ("llama",)
 #: Model-line size (small: a float64 reference model runs beside the fast one).
 MODEL_SIZE = "2L256D"
 
@@ -74,9 +83,10 @@ def _family(op: str, fast: str) -> str:
 
 
 def gpu_lines(opts: Options, cuda: bool, n_gpu: int) -> list[LineSpec]:
-    """The GPU lines: kernels (fp32 and bf16; ``--quick``: bf16), models (``--quick``: the decode lines), one training
-    run per architecture with its Canon set (``--quick``: llama and gla), FSDP2 (SKIP below two GPUs). Without CUDA
-    every line is a static SKIP ``no CUDA``."""
+    """The GPU lines: kernels (fp32 and bf16; ``--quick``: bf16; the GLA / GDN / SSD document-masking lines
+    included), models (``--quick``: the decode lines and llama's document-masking line), one training run per
+    architecture with its Canon set (``--quick``: llama and gla), FSDP2 (SKIP below two GPUs). Without CUDA every line
+    is a static SKIP ``no CUDA``."""
     dts = ["bf16"] if opts.quick else ["fp32", "bf16"]
     out: list[LineSpec] = []
     for name, op, fast, fn, args, dt, mode in kernel_lines(dts):
@@ -85,11 +95,13 @@ def gpu_lines(opts: Options, cuda: bool, n_gpu: int) -> list[LineSpec]:
                             {"device": "cuda"}, op=op, backend=fast, est_compiles=n, est_s=0.5 + S_PER_COMPILE * n,
                             device="cuda"))
     for arch in PRESETS:
-        kinds = ("decode",) if opts.quick else ("fwd", "decode")
+        kinds = ("fwd", "decode", "doc") if not opts.quick else ("decode",) + (("doc",) if arch in QUICK_DOC else ())
         for kind in kinds:
             n = MODEL_COMPILES[(arch, kind)]
             if kind == "fwd":
                 name, fn = f"model {arch} fast vs reference (cuda, bf16)", "check_model_fast_vs_reference"
+            elif kind == "doc":
+                name, fn = f"model {arch} doc-mask == documents alone (cuda, fp32)", "check_model_doc_mask"
             else:
                 name, fn = f"model {arch} decode == full forward (cuda, fp32)", "check_model_decode"
             out.append(LineSpec(name, f"model {arch}", f"canonlm.selfcheck.models:{fn}", [arch],
@@ -128,8 +140,8 @@ CPU_TRAIN = ["model.size=2L64D", "task=depo1_cpu", "task.N=8", "task.K=4", "task
 
 def cpu_lines(opts: Options) -> list[LineSpec]:
     """The CPU lines (always run): the native Canon kernel (fp32; bf16 outside ``--quick``), the references against
-    their loops, SDPA, cached decoding of every architecture, and a 5-step tiny training per architecture
-    (``--quick``: llama)."""
+    their loops, SDPA, cached decoding of every architecture, document masking of every architecture (a packed
+    window against each document alone), and a 5-step tiny training per architecture (``--quick``: llama)."""
     k, r, m = "canonlm.selfcheck.kernels", "canonlm.selfcheck.references", "canonlm.selfcheck.models"
     out = [LineSpec("cpu canon/cpu native kernel fp32 fwd+bwd", "cpu", f"{k}:check_cpu_canon_native", ["fp32"])]
     if not opts.quick:
@@ -144,6 +156,10 @@ def cpu_lines(opts: Options) -> list[LineSpec]:
     for arch in PRESETS:
         out.append(LineSpec(f"cpu model {arch} decode == full forward (fp32)", "cpu", f"{m}:check_model_decode",
                             [arch, "cpu", "2L64D"], {"fast": False}, est_s=1.5))
+    for arch in PRESETS:
+        out.append(LineSpec(f"cpu model {arch} doc-mask == documents alone (fp32)", "cpu",
+                            f"{m}:check_model_doc_mask", [arch, "cpu", "2L64D"], {"fast": False, "T": 48},
+                            est_s=1.0))
     for arch, sets in CANON_SETS.items():
         if opts.quick and arch != "llama":
             continue
