@@ -59,8 +59,8 @@ MUTATIONS = {
                          "o, ht = fused(q, k, v, gk=g, scale=scale, initial_state=None,",
                          ["gla_decode-fp32"], "GLA decode: the recurrent state not passed to fused_recurrent_gla"),
     "canon_fold_twice": ("ops/canon/_cuda.py",
-                         "residual=x if residual and not fold else None, initial_state=state,",
-                         "residual=x if residual else None, initial_state=state,",
+                         "residual=xin if residual and not fold else None, initial_state=state,",
+                         "residual=xin if residual else None, initial_state=state,",
                          ["canon_residual_state-fp32"], "Canon (fla): residual folded into the weight and also "
                                                          "passed as fla's residual (added twice)"),
     "canon_fold_tap": ("ops/canon/_fold.py",

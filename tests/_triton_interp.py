@@ -224,6 +224,24 @@ def enable(stub_selective_scan: bool = True) -> collections.Counter:
     return launches
 
 
+def run_in_subprocess(module: str, func: str, timeout: int = 900) -> dict:
+    """``<module>.<func>()`` of a test module (which calls :func:`enable` itself) in a fresh Python process with
+    ``TRITON_INTERPRET=1`` (the interpreter must be on before triton is imported): its JSON result. Fails the calling
+    test with the subprocess's output tails when it exits non-zero or prints no result."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    code = (f"import sys, json; sys.path[:0] = [{str(here)!r}]; import {module} as t; "
+            f"print('RESULT ' + json.dumps(t.{func}()))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, TRITON_INTERPRET="1"), cwd=here.parent)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"interpreter subprocess failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
 class _Unavailable(types.ModuleType):
     """A compiled extension absent from a CPU install: importable, every use raises."""
 

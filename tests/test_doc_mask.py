@@ -9,9 +9,7 @@ document alone, and fla's / mamba-ssm's Triton kernels with ``cu_seqlens`` / ``s
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -401,13 +399,9 @@ def _interp_cases() -> dict:
 
 @pytest.fixture(scope="module")
 def interp_results():
-    code = (f"import sys, json; sys.path[:0] = [{str(HERE)!r}]; import test_doc_mask as t; "
-            f"print('RESULT ' + json.dumps(t._interp_cases()))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900,
-                          env=dict(os.environ, TRITON_INTERPRET="1"), cwd=HERE.parent)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"interpreter subprocess failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+    from _triton_interp import run_in_subprocess
+
+    return run_in_subprocess("test_doc_mask", "_interp_cases")
 
 
 _needs_interp = pytest.mark.skipif(bool(_INTERP_MISSING) and not os.environ.get("CI"),

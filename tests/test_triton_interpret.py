@@ -42,7 +42,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import time
 import traceback
@@ -386,14 +385,9 @@ def _run_without_selective_scan() -> dict:
 
 @pytest.fixture(scope="module")
 def interp_results():
-    code = (f"import sys, json; sys.path[:0] = [{str(HERE)!r}]; import test_triton_interpret as t; "
-            f"print('RESULT ' + json.dumps(t._run_all()))")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=1500,
-                          cwd=HERE.parent)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"interpreter subprocess failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+    from _triton_interp import run_in_subprocess
+
+    return run_in_subprocess("test_triton_interpret", "_run_all", timeout=1500)
 
 
 def problems(name: str, r: dict) -> list:
@@ -423,13 +417,9 @@ def test_mamba_ssm_without_its_cuda_extension_still_runs_the_triton_ssd():
     """A mamba-ssm whose ``import mamba_ssm`` fails for the missing ``selective_scan_cuda`` (built with
     ``MAMBA_SKIP_CUDA_BUILD``): ``ssd=auto`` resolves to ``mamba_ssm``, its chunked scan (with gradients) and decode
     step launch their Triton kernels and match the reference, and the reason is kept for the backend report."""
-    code = (f"import sys, json; sys.path[:0] = [{str(HERE)!r}]; import test_triton_interpret as t; "
-            f"print('RESULT ' + json.dumps(t._run_without_selective_scan()))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900,
-                          env=dict(os.environ, TRITON_INTERPRET="1"), cwd=HERE.parent)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"subprocess failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    res = json.loads(lines[-1][len("RESULT "):])
+    from _triton_interp import run_in_subprocess
+
+    res = run_in_subprocess("test_triton_interpret", "_run_without_selective_scan")
     assert res["package_import"].startswith("ModuleNotFoundError") and "selective_scan_cuda" in res["package_import"]
     assert res["resolved"] == "mamba_ssm", res
     assert res["chunk_launches"].get("_chunk_scan_fwd_kernel") and res["chunk_launches"].get(

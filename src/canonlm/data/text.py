@@ -394,7 +394,19 @@ def apportion(weights: Sequence[float], total: int) -> np.ndarray:
     return c
 
 
-class TextTask:
+class _TextMetrics:
+    """What the training loop reads of a text task, whether its corpus is read (:class:`TextTask`) or only planned
+    (:class:`TextPlan`): one metric group (the loss of every token), no chance level, teacher-forced evaluation."""
+
+    group_name = "text"
+    group_labels = {0: "text"}
+    pad_id = 0
+    num_groups = 1
+    chance = None
+    eval_mode = "teacher_forced"
+
+
+class TextTask(_TextMetrics):
     """Causal-LM pretraining on one prepared token corpus or a mixture of several (``text`` task). Build with
     :func:`canonlm.data.tasks.build_task` (``build_task("text", cfg)``).
 
@@ -451,12 +463,6 @@ class TextTask:
         ``seed`` / ``vocab_multiple`` / ``mix`` / ``doc_mask`` / ``vocab_size`` / ``tokenizer_name``.
     """
 
-    group_name = "text"
-    group_labels = {0: "text"}
-    pad_id = 0
-    num_groups = 1
-    chance = None
-    eval_mode = "teacher_forced"
 
     def __init__(self, name: str, cfg: Mapping[str, Any]):
         c = merge_config(name, cfg, {"text": _DEFAULTS}, KEYS, mismatch="text")
@@ -942,7 +948,7 @@ def unset_corpora(task: Any) -> list[tuple[str, Any, str]]:
     return out
 
 
-class TextPlan:
+class TextPlan(_TextMetrics):
     """The ``text`` task of a run planned before its corpus is prepared (``python -m canonlm.estimate``; it is never
     trained: ``train.py`` refuses an unset corpus): the keys that name no corpus, checked as :class:`TextTask` checks
     them, and the vocabulary the config declares (``task.vocab_size``, e.g. a real-life preset's Llama-2 32,000,
@@ -957,12 +963,6 @@ class TextPlan:
     vocabulary then), naming the first unset corpus key and its raw value.
     """
 
-    group_name = "text"
-    group_labels = {0: "text"}
-    pad_id = 0
-    num_groups = 1
-    chance = None
-    eval_mode = "teacher_forced"
     planned = True
     is_mixture = False
     corpus_vocab_size = None

@@ -151,6 +151,20 @@ def check_model_fast_vs_reference(arch: str, device: str = "cuda", size: str = "
                         {"logits": rel_err(lf, lr), "grads(L2)": gerr}, BF16_TOL, placed)
 
 
+def _fp32_model(arch: str, device: str, size: str, fast: bool):
+    """(model of ``arch`` with its Canon set built on ``device`` with seed 0, that Canon set, the fast kernels the
+    line requires: :func:`expected_fast` when ``fast`` -- which first skips the line without CUDA -- else none)."""
+    import torch
+
+    want: dict = {}
+    if fast:
+        env.need_cuda(device)
+        want = expected_fast(arch, torch.float32, device)
+    canon = CANON_SETS[arch][1]
+    torch.manual_seed(0)
+    return _build(arch, canon, size).to(device), canon, want
+
+
 def check_model_decode(arch: str, device: str = "cuda", size: str = "2L256D", fast: bool = True) -> Verdict:
     """Cached decoding (17-token prefill, then 23 one-token steps) against one full forward, fp32, no autocast,
     for ``arch`` with Canon-ABCD / AbCD on ``device``.
@@ -163,13 +177,7 @@ def check_model_decode(arch: str, device: str = "cuda", size: str = "2L256D", fa
     import torch
 
     dtype = torch.float32
-    want: dict = {}
-    if fast:
-        env.need_cuda(device)
-        want = expected_fast(arch, dtype, device)
-    canon = CANON_SETS[arch][1]
-    torch.manual_seed(0)
-    m = _build(arch, canon, size).to(device)
+    m, canon, want = _fp32_model(arch, device, size, fast)
     placed = _place(m, device, dtype)
     m.eval()
     ids = torch.randint(0, 64, (3, 40), generator=gen(2)).to(device)
@@ -216,13 +224,7 @@ def check_model_doc_mask(arch: str, device: str = "cuda", size: str = "2L256D", 
     from canonlm.selfcheck.kernels import doc_ids_of, doc_spans
 
     dtype = torch.float32
-    want: dict = {}
-    if fast:
-        env.need_cuda(device)
-        want = expected_fast(arch, dtype, device)
-    canon = CANON_SETS[arch][1]
-    torch.manual_seed(0)
-    m = _build(arch, canon, size).to(device)
+    m, canon, want = _fp32_model(arch, device, size, fast)
     ref = _build(arch, canon, size, ops="reference")
     ref.load_state_dict(m.state_dict())
     ref = ref.double().to(device)

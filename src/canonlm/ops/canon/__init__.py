@@ -46,9 +46,9 @@ kernel and its memory:
 * ``dao`` -- ``causal_conv1d_fn(x, w, b, seq_idx=docs.seq_idx)``: Dao's channel-last kernel reads a tap only when its
   token has the output token's ``seq_idx`` (causal-conv1d ``causal_conv1d_channellast_fwd_kernel`` / ``_bwd``);
 * ``fla`` -- fla's ``causal_conv1d(x as (1, B·T, C), cu_seqlens=docs.cu_seqlens)``, its ``IS_VARLEN`` kernels;
-* ``torch`` / ``cpu`` / ``reference`` -- the shift-and-add path, each tap's product multiplied by its (B, T, 1)
-  mask ``pos >= lag`` (autograd keeps the masks and the one padded input it keeps without masking, not a masked
-  copy per tap).
+* ``torch`` / ``cpu`` / ``reference`` -- the shift-and-add path, each tap's term added only where its (B, T, 1)
+  mask ``pos >= lag`` holds (autograd keeps the boolean masks and the one padded input it keeps without masking, not
+  a masked copy per tap).
 
 Both kernels take the folded weight (the residual is the current-token tap, which is always in t's own document).
 """
@@ -155,9 +155,10 @@ def causal_conv1d_torch(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None
     compiled=True)`` therefore resolves an ``auto`` Canon request on CUDA to this backend.
 
     ``doc_pos`` (B, T) integer, each token's position in its document (:attr:`canonlm.ops.varlen.Documents.pos`), or
-    None: with it, the product of the tap at lag ``l`` is multiplied by the (B, T, 1) mask ``doc_pos >= l`` (document
-    masking; module docstring) -- after the weight, so autograd keeps only the masks besides what the unmasked path
-    keeps; ``initial_state`` must then be None.
+    None: with it, the term of the tap at lag ``l`` is added only where the (B, T, 1) mask ``doc_pos >= l`` holds
+    (``torch.where`` between the sums with and without it; document masking, module docstring), so autograd keeps
+    only the boolean masks besides what the unmasked path keeps, and a document that fills its row gives the unmasked
+    path's values bit for bit; ``initial_state`` must then be None.
     """
     _validate(x, weight, bias, initial_state)
     if doc_pos is not None and (initial_state is not None or tuple(doc_pos.shape) != tuple(x.shape[:2])):
@@ -184,8 +185,8 @@ def causal_conv1d_torch(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None
         tap = xp[:, i:i + T]
         if doc_pos is None:
             acc = torch.addcmul(acc, tap, w[:, i])
-        else:  # lag K-1-i reaches the previous document where doc_pos < K-1-i: that product is zeroed
-            acc = acc + (tap * w[:, i]) * (doc_pos >= K - 1 - i).unsqueeze(-1).to(cd)
+        else:  # lag K-1-i reaches the previous document where doc_pos < K-1-i: that term is left out there
+            acc = torch.where((doc_pos >= K - 1 - i).unsqueeze(-1), torch.addcmul(acc, tap, w[:, i]), acc)
     if bias is not None:
         acc = acc + bias.to(cd)
     if activation:
