@@ -65,6 +65,19 @@ def compose(overrides: list[str] | None = None, output_dir: str | os.PathLike | 
     return cfg
 
 
+@pytest.fixture(autouse=True)
+def _grad_mode_is_left_on():
+    """Every test leaves autograd as it found it (on): a test that ends with grad mode off would make later tests in
+    its worker process fail far from the cause ("element 0 of tensors does not require grad"). The culprit fails
+    here, by name, and the mode is restored for the tests after it."""
+    yield
+    import torch
+
+    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+        torch.set_grad_enabled(True)
+        pytest.fail("this test left torch's grad mode off (torch.set_grad_enabled(False) or inference mode)")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _session_kernel_cache(tmp_path_factory):
     """The kernel cache of the test session (``CANONLM_KERNEL_CACHE``, which in-process runs and every subprocess

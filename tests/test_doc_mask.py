@@ -356,8 +356,7 @@ def _interp_cases() -> dict:
 
     C = 24
     for backend in ("fla", "dao"):
-        for residual, act, layout, with_cu in ((True, False, "contiguous", True), (False, True, "strided", True),
-                                               (True, True, "contiguous", False)):
+        for residual, act, layout, with_cu in ((True, False, "contiguous", True), (False, True, "strided", False)):
             # strided: a channel slice of a wider activation (as Canon-B's q|k|v), sliced inside so it stays a view
             cut = (lambda t: t[:, :, C:2 * C]) if layout == "strided" else (lambda t: t)
             xx = r(2, 40, 3 * C) if layout == "strided" else r(2, 40, C)
@@ -372,7 +371,7 @@ def _interp_cases() -> dict:
 
     # the model: Llama Canon-ABCD with every Canon layer pinned to fla (cu_seqlens built once per forward by
     # build_doc_mask) against each document run alone, logits and parameter gradients
-    cfg = build_model_config(dict(ARCH_PRESETS["llama"], size="2L64D"), canon={"set": "ABCD"}, pos={"type": "rope"},
+    cfg = build_model_config(dict(ARCH_PRESETS["llama"], size="1L64D"), canon={"set": "ABCD"}, pos={"type": "rope"},
                              vocab_size=32, max_seq_len=64, kernels={"canon": "fla"})
     torch.manual_seed(0)
     model = CanonLM(cfg)
@@ -419,15 +418,15 @@ def test_triton_varlen_kernels_equal_reference(interp_results, op):
 
 
 _CANON_CASES = [f"canon_{be}_{flags}" for be in ("fla", "dao") for flags in
-                ("res1_silu0_contiguous_cu1", "res0_silu1_strided_cu1", "res1_silu1_contiguous_cu0")]
+                ("res1_silu0_contiguous_cu1", "res0_silu1_strided_cu0")]
 
 
 @_needs_interp
 @pytest.mark.parametrize("case", _CANON_CASES)
 def test_canon_kernels_with_documents_equal_the_loop_per_document(interp_results, case):
     """Canon with ``docs`` on fla's ``causal_conv1d(cu_seqlens=...)`` (its ``IS_VARLEN`` Triton kernels, forward and
-    backward launched; the folded weight with a residual, SiLU without one, a strided channel slice as Canon-B's
-    q|k|v, ``Documents`` without ``cu_seqlens`` computed in the op) and on Dao's ``causal_conv1d_fn(seq_idx=...)`` (its
+    backward launched; Canon's residual folded into the weight, and a mixer's short conv -- SiLU, no residual -- on a
+    strided channel slice as Canon-B's q|k|v, with ``Documents`` whose ``cu_seqlens`` the op computes itself) and on Dao's ``causal_conv1d_fn(seq_idx=...)`` (its
     autograd wrapper and argument checks over the plain-torch stand-in of its C++ op, written from
     ``causal_conv1d_channellast_fwd_kernel`` / ``_bwd_kernel``; forward and backward called with seq_idx) equal the
     float64 loop on each document alone: output and the gradients of x, weight and bias."""
@@ -444,5 +443,5 @@ def test_model_with_canon_on_fla_keeps_documents_apart(interp_results):
     """A Llama Canon-ABCD with every Canon layer pinned to fla: ``doc_ids`` gives each document's logits and the
     parameter gradients of running it alone (cu_seqlens built once per forward because a layer runs fla)."""
     res = interp_results["model_llama_canon_fla"]
-    assert res["launches"] >= 8, res                   # 4 Canon sites x 2 layers, forward
+    assert res["launches"] >= 4, res                   # 4 Canon sites, forward
     assert res["err"] <= 1e-5, res
