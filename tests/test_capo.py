@@ -500,6 +500,20 @@ def test_bits_formula_by_hand(task):
     # a model with a larger vocabulary: the extra rows are unused
     big = task.finalize_metrics("test", table(10.0, [1.0] * 6), dict(info, vocab_size=task.vocab_size + 10))
     assert big["params_counted"] == 1_000_000 - 11 * d
+    # the untrained scale: a model uniform over its V ids pays ln V per answer token (p_g = tokens_g / answers_g ln V)
+    V = task.vocab_size + 10
+    tok = {1: 3, 2: 4, 3: 2, 4: 3, 5: 2, 6: 2, 7: 1}
+    counted = {"by_group": {g: dict(row, tokens=tok[g] * N) for g, row in table(10.0, [1.0] * 6)["by_group"].items()}}
+    m = task.finalize_metrics("test", counted, dict(info, vocab_size=V))
+    p1u, p2u = 3 * math.log(V), sum(tok[g] for g in range(2, 8)) * math.log(V)
+    assert m["bits_uniform"] == pytest.approx(N * (math.log2(N0) - p1u / math.log(2))
+                                              + N * (math.log2(S0) - p2u / math.log(2)), rel=1e-12)
+    assert m["bits_uniform"] < 0 and "bits_uniform" not in big  # no token counts, no scale
+    lines = task.explain_metrics(m)
+    assert "Part 3.3 Def. 4.3" in lines[0] and "0 = a uniform guess among the valid answers" in lines[0]
+    assert "nothing is proven stored yet" not in lines[0]  # bits > 0 here (p1 = 10 nats < ln N0)
+    assert "nothing is proven stored yet" in task.explain_metrics(dict(m, bits=-5.0))[0]
+    assert f"{m['bits_uniform']:.6g}" in lines[1] and f"{m['bits_total_max']:.6g}" in lines[1]
     assert task.model_overrides() == {"tie_embeddings": True}
     assert task.num_groups == 8 and task.group_labels[1] == "name" and task.group_labels[7] == "gender"
 

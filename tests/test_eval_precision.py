@@ -31,7 +31,7 @@ from canonlm.config.rules import PRECISIONS
 
 from conftest import ROOT, compose
 
-TINY = ["model.size=2L64D", "task.N=8", "task.K=4", "task.vocab_V=6", "task.context=128"]
+TINY = ["task=depo1_cpu", "model.size=2L64D", "task.N=8", "task.K=4", "task.vocab_V=6", "task.context=128"]
 CUDA = torch.device("cuda")
 
 

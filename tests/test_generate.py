@@ -18,7 +18,7 @@ import torch
 
 from conftest import ROOT, compose
 
-TINY = ["model.size=2L64D", "task.N=8", "task.K=4", "task.vocab_V=6", "task.context=128"]
+TINY = ["task=depo1_cpu", "model.size=2L64D", "task.N=8", "task.K=4", "task.vocab_V=6", "task.context=128"]
 ARCHS = {"llama": [], "gla": ["arch=gla", "canon=AbCD"], "gdn": ["arch=gdn", "canon=AbCD"],
          "mamba2": ["arch=mamba2", "canon=AbCD"]}
 PROMPTS = ["<bos> p3.e1 e2 p4.e5 <query_1> p3.e1 <ans>", "<bos> e4", "<bos> e2 e6 p1.e3 e2 <query_2>"]

@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 
 from conftest import compose
 
-TINY = ["model.size=2L64D", "task.N=8", "task.K=4", "task.vocab_V=6", "task.context=128"]
+TINY = ["task=depo1_cpu", "model.size=2L64D", "task.N=8", "task.K=4", "task.vocab_V=6", "task.context=128"]
 BATCH = 8
 READS = ("item", "__bool__", "__float__", "__int__", "__index__", "tolist", "cpu", "numpy")
 

@@ -178,7 +178,7 @@ def test_evaluate_oracle_is_perfect_and_uniform_fails():
     idx = np.arange(16)
     lm = LanguageModel(oracle_forward(t.grammar, t.vocab_size), vocab_size=t.vocab_size, batch_size=16)
     res = t.evaluate(lm, "val", idx)
-    assert set(res) == {"correct", "group", "kl"}
+    assert set(res) == {"correct", "group", "kl", "kl_uniform"}
     assert res["correct"].all() and (res["group"] == 1).all()
     kl = res["kl"]
     assert np.isnan(kl[8:]).all() and (np.abs(kl[:8]) < 1e-5).all()
@@ -189,6 +189,12 @@ def test_evaluate_oracle_is_perfect_and_uniform_fails():
     uni = LanguageModel(lambda x: torch.zeros(*x.shape, t.vocab_size), vocab_size=t.vocab_size, batch_size=16)
     ru = t.evaluate(uni, "val", idx)
     assert ru["correct"].mean() <= 0.1 and (ru["kl"][:8] > 0.05).all()
+    # kl_uniform is the KL a model with flat logits scores (the untrained scale), whatever model is evaluated
+    np.testing.assert_allclose(ru["kl_uniform"][:8], ru["kl"][:8], rtol=1e-9)
+    np.testing.assert_allclose(res["kl_uniform"][:8], ru["kl"][:8], rtol=1e-9)
+    assert np.isnan(ru["kl_uniform"][8:]).all()
+    line = t.explain_metrics({"kl": 0.01, "kl_uniform": float(np.mean(ru["kl"][:8]))})[0]
+    assert "nats per position" in line and f"{np.mean(ru['kl'][:8]):.4g}" in line and "first 8 sentences" in line
 
 
 def test_score_generations_rules():

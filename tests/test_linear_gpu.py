@@ -154,7 +154,8 @@ def test_fsdp2_bf16_training_smoke(arch, tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs >= 2 GPUs")
     n = min(torch.cuda.device_count(), 2)
-    args = [f"arch={arch}", "model.size=2L128D", "task.N=8", "task.K=4", "task.vocab_V=6", "task.context=128",
+    args = [f"arch={arch}", "task=depo1_cpu",
+            "model.size=2L128D", "task.N=8", "task.K=4", "task.vocab_V=6", "task.context=128",
             f"data.batch_size={4 * n}", "data.val_windows=8", "data.test_windows=8", "trainer.max_steps=4",
             "trainer.val_check_interval=4", "trainer.log_every_n_steps=1", "strategy=fsdp2",
             "strategy.param_dtype=bf16", "trainer=gpu", f"trainer.devices={n}", "trainer.precision=32-true",

@@ -99,6 +99,24 @@ def _jobs(preset, tmp_path):
     return out
 
 
+def test_the_default_run_is_mini_depths_setting_and_its_twin_only_drops_canon(tmp_path):
+    """Plain ``python train.py`` trains at mini/depth's setting (its task, model size, batch) with Canon-ABCD and RoPE;
+    ``experiment=default_nocanon`` is the same run without Canon, and both land in ``logs/train/runs/`` (what the
+    README names)."""
+    default = compose([], output_dir=tmp_path)
+    twin = compose(["experiment=default_nocanon"], output_dir=tmp_path)
+    depth = [c for c in _jobs("depth", tmp_path) if c.canon.set == "ABCD" and c.pos.type == "rope"][0]
+    assert default.canon.set == "ABCD" and default.pos.type == "rope" and twin.canon.set == ""
+    assert default.task == depth.task and default.task.K == 2
+    assert (default.model.size, default.data.batch_size) == (depth.model.size, depth.data.batch_size)
+    a, b = OmegaConf.to_container(default), OmegaConf.to_container(twin)
+    a.pop("canon"), b.pop("canon")
+    assert a == b
+    for overrides in ([], ["experiment=default_nocanon"]):
+        run_dir = str(_hydra_cfg(overrides).hydra.run.dir)
+        assert "/train/runs/" in run_dir, run_dir
+
+
 def test_depth_follows_the_paper_protocol_on_a_two_hop_depo(tmp_path):
     """The issue: Llama with and without Canon-ABCD, RoPE and NoPE, at least 2 learning rates x 2 seeds; a Depo with
     1-token names where k = 2 is the deepest question (the report's acc@2); with and without Canon see the same
@@ -192,6 +210,36 @@ def test_report_callback_prints_the_tables_and_a_command_that_writes_the_figures
     assert matplotlib.image.imread(sweep / "report" / "heatmap.png").shape[0] > 100
     md = (sweep / "report" / "table.md").read_text()
     assert "| ABCD | 30.0 / 6.0 | 50.0 / 6.0 |" in md
+
+
+def test_a_plain_sweeps_report_compares_what_was_swept(tmp_path, capsys):
+    """``python train.py -m canon=none,ABCD`` (the callback's default, --rows/--cols auto): one table with the two
+    Canon sets side by side, each cell the best of its seeds -- not one single-cell table per Canon set with rows
+    task.N and columns model.size. A 2 x 2 (canon x pos) sweep gets the paper's layout, rows canon.set."""
+    from canonlm.train.sweep_callbacks import ReportCommand
+
+    sweep = tmp_path / "plain"
+    runs = [("", 1, 0.10), ("", 2, 0.20), ("ABCD", 1, 0.70), ("ABCD", 2, 0.60)]
+    for i, (canon, seed, a) in enumerate(runs):
+        _depo_run(sweep / str(i), canon, "rope", seed, {1: a, 2: a / 2, 4: a / 4})
+    ReportCommand().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}}))
+    cap = capsys.readouterr()
+    out = cap.out.split("== report of", 1)[1]
+    header = [line for line in out.splitlines() if " | " in line]
+    assert header[0].split() == ["task.name", "\\", "canon.set", "|", "none", "|", "ABCD"]  # one table
+    assert len(header) == 2 and header[1].split()[0] == "depo1"
+    # the best of the two seeds per Canon set: acc@K / acc@K/2 = k=4 / k=2 by default
+    assert header[1].split("|")[1].split("/")[0].strip() == "5.0" and header[1].split("|")[2].split("/")[0].strip() \
+        == "17.5"
+    assert "canon.set=" not in out and "rows task.name, columns canon.set (auto" in cap.err
+    assert "--rows auto --cols auto" in out.splitlines()[-1]
+
+    square = tmp_path / "square"
+    for i, (canon, pos) in enumerate([("", "rope"), ("", "nope"), ("ABCD", "rope"), ("ABCD", "nope")]):
+        _depo_run(square / str(i), canon, pos, 1, {1: 0.5, 2: 0.3, 4: 0.1})
+    ReportCommand().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(square)}}}))
+    out = capsys.readouterr().out
+    assert out.count("canon.set \\ pos.type |") == 1
 
 
 def test_report_callback_survives_a_failing_report(tmp_path, capsys):

@@ -16,7 +16,8 @@ import pytest
 
 from conftest import ROOT
 
-TINY = ["model.size=2L64D", "task.N=8", "task.K=4", "task.vocab_V=6", "task.context=128", "data.batch_size=8",
+TINY = ["task=depo1_cpu",
+        "model.size=2L64D", "task.N=8", "task.K=4", "task.vocab_V=6", "task.context=128", "data.batch_size=8",
         "data.val_windows=16", "data.test_windows=16", "trainer.log_every_n_steps=5", "trainer.val_check_interval=5",
         "callbacks.checkpoint.every_n_train_steps=5", "callbacks.progress.force=lines"]
 ENV = {**os.environ, "WANDB_MODE": "disabled"}
@@ -61,10 +62,12 @@ def test_two_by_two_sweep_from_the_command_line(where, tmp_path):
         assert sorted(d.name for d in sweeps[0].iterdir() if d.is_dir()) == ["0", "1", "2", "3"]
         assert "Launching 4 jobs locally" in p.stdout + p.stderr
         # the sweep ends with its tables and the report command (canonlm.train.sweep_callbacks.ReportCommand)
-        assert "canon.set=none" in p.stdout and "canon.set=ABCD" in p.stdout
+        # one table that compares what was swept: Canon sets as rows, positions as columns (--rows/--cols auto)
+        table = p.stdout.split("== report of", 1)[1]
+        assert table.count("canon.set \\ pos.type |") == 1 and "canon.set=" not in table
         assert p.stdout.strip().splitlines()[-1] == (
             "report (tables, heat maps, learning curves): python -m canonlm.train.report "
-            f"{sweeps[0]} --rows task.N --cols model.size --out {sweeps[0] / 'report'}")
+            f"{sweeps[0]} --rows auto --cols auto --out {sweeps[0] / 'report'}")
         r = subprocess.run([sys.executable, "-m", "canonlm.train.report", str(sweeps[0])], capture_output=True,
                            text=True, cwd=cwd, env=ENV, timeout=120)
         assert r.returncode == 0, r.stderr

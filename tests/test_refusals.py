@@ -52,7 +52,8 @@ import torch
 
 from conftest import ARCH_PRESETS, CONF, ROOT, compose
 
-TINY = ["model.size=2L64D", "task.N=8", "task.K=4", "task.vocab_V=6", "task.context=128", "data.batch_size=8",
+TINY = ["task=depo1_cpu",
+        "model.size=2L64D", "task.N=8", "task.K=4", "task.vocab_V=6", "task.context=128", "data.batch_size=8",
         "data.val_windows=16", "data.test_windows=32", "trainer.max_steps=20"]
 ENV = {**os.environ, "WANDB_MODE": "disabled"}
 RUN = Path("logs") / "train" / "runs" / "bad"  # the run directory of run_name=bad under a row's folder

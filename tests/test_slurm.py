@@ -24,7 +24,8 @@ from _slurm_cluster import (EXIT_UNAVAILABLE, ClusterHandle, cluster_dir, job_in
 from conftest import ROOT, compose
 
 LAUNCH = ROOT / "slurm" / "launch.py"
-TINY = ["model.size=2L64D", "task.N=8", "task.K=4", "task.vocab_V=6", "task.context=128", "data.batch_size=6",
+TINY = ["task=depo1_cpu",
+        "model.size=2L64D", "task.N=8", "task.K=4", "task.vocab_V=6", "task.context=128", "data.batch_size=6",
         "data.val_windows=12", "data.test_windows=24", "trainer.log_every_n_steps=5"]  # batches split over 1, 2, 3 ranks
 MAX_STEPS = 60
 RUN = [*TINY, f"trainer.max_steps={MAX_STEPS}", "trainer.val_check_interval=30",

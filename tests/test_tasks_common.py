@@ -118,6 +118,20 @@ def test_every_task_trains_through_train_py(preset, tmp_path):
     test = res["test"]
     assert test["loss"] == test["loss"] and test["loss"] > 0  # finite, not NaN
     task, _ = _task(preset)
+    # the closing table says how to read it: the chance level (re-derived here), the scale of bits and KL, the
+    # paper's numbers
+    closing = p.stdout[p.stdout.rindex(f"{task.name}: "):]
+    want_chance = {"depo1": lambda: f"chance ~{100 / task.N:.1f} %", "brevo1": lambda: "chance 0.0 % (a guessed list",
+                   "brevo2": lambda: "chance 0.0 % (a guessed list", "mano": lambda: f"chance ~{100 / task.mod:.1f} %",
+                   "lano": lambda: "chance 0.0 % (a guessed string",
+                   "fullcopy": lambda: "chance ~0 % (a guessed copy is right with probability 1/n!)"}
+    want_chance = want_chance[task.name]() if task.name in want_chance else None
+    assert want_chance is None or want_chance in closing.splitlines()[0], closing
+    assert ("read against: paper Fig." in closing) or task.name == "capo"
+    if preset.startswith("capo"):
+        assert "Part 3.3 Def. 4.3" in closing and "scale: a model uniform over the vocabulary" in closing
+    if preset.startswith("lano"):
+        assert "kl = KL(p* || model) in nats per position" in closing and "kl_uniform" in closing
     if getattr(task, "eval_mode", "teacher_forced") == "generate":
         gen = test["generate"]
         assert gen["samples"] == 4 == sum(row["samples"] for row in gen["by_group"].values())

@@ -14,7 +14,8 @@ import torch
 
 from conftest import ROOT, compose
 
-TINY = ["model.size=2L64D", "task.N=8", "task.K=4", "task.vocab_V=6", "task.context=128", "data.batch_size=8",
+TINY = ["task=depo1_cpu",
+        "model.size=2L64D", "task.N=8", "task.K=4", "task.vocab_V=6", "task.context=128", "data.batch_size=8",
         "data.val_windows=16", "data.test_windows=32", "trainer.log_every_n_steps=5"]
 
 

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from conftest import compose
 
-TINY = ["model.size=2L64D", "task.N=8", "task.K=4", "task.vocab_V=6", "task.context=128"]
+TINY = ["task=depo1_cpu", "model.size=2L64D", "task.N=8", "task.K=4", "task.vocab_V=6", "task.context=128"]
 STEPS, ACCUMULATE, BATCH = 6, 2, 4  # 12 micro-batches of 2 windows
 
 

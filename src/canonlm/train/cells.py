@@ -263,6 +263,22 @@ def compared_keys(runs: list[dict[str, Any]], rows: str, cols: str,
     return [k for k in IDENTITY if k in keep] + sorted(k for k in keep if k not in IDENTITY)
 
 
+def auto_axes(runs: list[dict[str, Any]], best_of: tuple[str, ...] = BEST_OF) -> tuple[str, str]:
+    """The table layout that compares what a sweep swept (``--rows auto`` / ``--cols auto``): the compared keys
+    (:func:`compared_keys`, so never the ``best_of`` keys a cell takes its best over) that take more than one value
+    among ``runs``, :data:`IDENTITY` first. Two or more: rows = the first, columns = the second (the paper's Fig. 7:
+    rows ``canon.set``, columns ``pos.type``), the rest split tables. One: it is the columns (its values side by side)
+    and the rows are ``task.name``. None: rows ``task.N``, columns ``model.size`` (the paper's grid).
+    Returns (rows, cols)."""
+    keys = compared_keys(runs, "", "", best_of)
+    varying = [k for k in keys if len({compared_label(r, k) for r in runs} - {UNKNOWN}) > 1]
+    if len(varying) >= 2:
+        return varying[0], varying[1]
+    if len(varying) == 1:
+        return "task.name", varying[0]
+    return "task.N", "model.size"
+
+
 #: What :func:`compared_label` returns for a value an unfinished run's Hydra config leaves unresolved.
 UNKNOWN = "(unresolved)"
 

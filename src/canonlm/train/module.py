@@ -572,9 +572,9 @@ class LMModule(L.LightningModule):
 
     def model_info(self) -> dict[str, Any]:
         """Parameter facts for task metrics: ``num_params`` (unique parameters; tied embeddings counted once),
-        ``embedding_params`` (input embedding), ``d_model``, ``tie_embeddings``."""
+        ``embedding_params`` (input embedding), ``d_model``, ``tie_embeddings``, ``vocab_size`` (embedding rows)."""
         cfg = self.model.cfg
-        return {"num_params": int(self.model.num_params()),
+        return {"num_params": int(self.model.num_params()), "vocab_size": int(cfg.vocab_size),
                 "embedding_params": int(self.model.tok_emb.weight.numel()),
                 "d_model": int(cfg.d_model), "tie_embeddings": bool(getattr(cfg, "tie_embeddings", False))}
 

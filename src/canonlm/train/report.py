@@ -52,7 +52,7 @@ from typing import Any
 
 from canonlm.utils.io import atomic_write_bytes, atomic_write_text
 
-from canonlm.train.cells import (BEST_OF, NEUTRAL, axis_keys, cell, cell_kind, compared_keys, compared_label,
+from canonlm.train.cells import (BEST_OF, NEUTRAL, auto_axes, axis_keys, cell, cell_kind, compared_keys, compared_label,
                                  depo_ks, find_unfinished, label, label_order, load_runs, natural_key, protocol,
                                  table, tables, under, value, UNKNOWN)
 
@@ -429,8 +429,12 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("roots", type=Path, nargs="+", metavar="dir",
                     help="sweep (multirun) folders, run directories, or any folders holding run directories")
-    ap.add_argument("--rows", default="task.N", help="config key of the rows (default: task.N)")
-    ap.add_argument("--cols", default="model.size", help="config key of the columns (default: model.size)")
+    ap.add_argument("--rows", default="task.N", help="config key of the rows (default: task.N); auto: the first key "
+                    "that varies among the runs (see --cols)")
+    ap.add_argument("--cols", default="model.size", help="config key of the columns (default: model.size); auto: the "
+                    "second key that varies among the runs, or the only one (then the rows are task.name); the "
+                    "learning rate and seeds a cell takes its best over never count. A sweep's closing report uses "
+                    "auto for both unless its preset names them")
     ap.add_argument("--k", metavar="K1,K2", help="Depo cells: accuracy at these two hop counts, e.g. 1,2 (default: K "
                     "and K/2, the paper's layout; at CPU budgets only k=1 is learnt)")
     ap.add_argument("--best-of", default=None, metavar="KEY,KEY",
@@ -459,6 +463,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"report: error: {e}", file=sys.stderr)
         return 2
     runs, unfinished, empty = _read_roots(args.roots)
+    if "auto" in (args.rows, args.cols):
+        evaluated = [r for r in runs if cell(r) is not None] or runs
+        rows, cols = auto_axes(evaluated, best_of)
+        args.rows = rows if args.rows == "auto" else args.rows
+        args.cols = cols if args.cols == "auto" else args.cols
+        if args.rows == args.cols:  # one axis named, auto picked the same key for the other
+            args.cols = "model.size" if args.rows != "model.size" else "task.N"
+        if args.best_of is None:
+            best_of = tuple(k for k in BEST_OF if k not in (args.rows, args.cols))
+        print(f"report: rows {args.rows}, columns {args.cols} (auto: the keys that vary among the runs)",
+              file=sys.stderr)
     if ks is not None:
         for r in runs:
             r["report_k"] = ks

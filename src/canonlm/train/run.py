@@ -828,28 +828,45 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     return results
 
 
+def _chance_text(task: Any) -> str:
+    """"; chance X %" (with the reason where it is about 0: ``references.CHANCE_NOTE``), or "" without one."""
+    from canonlm.data.tasks.references import CHANCE_NOTE
+
+    chance = getattr(task, "chance", None)
+    note = CHANCE_NOTE.get(task.name)
+    if chance is None:
+        return f"; chance ~0 % ({note})" if note else ""
+    return f"; chance {'~' if chance else ''}{100 * chance:.1f} %" + (f" ({note})" if note else "")
+
+
 def format_table(results: dict[str, Any], task: Any) -> str:
-    """Human-readable accuracy-by-group table of the last evaluation (test, else val)."""
+    """Human-readable table of the last evaluation (test, else val): accuracy by group with the task's chance level,
+    the task's extra metrics with what they mean and their untrained scale (``task.explain_metrics``: Capo's bits,
+    Lano's KL), the paper's numbers to read them against (``canonlm.data.tasks.references.PAPER``), and the run's
+    length, time and loss."""
+    from canonlm.data.tasks.references import PAPER
+
     split = "test" if "test" in results else "val"
     res = results.get(split)
     if not res:
         return "(no evaluation was run)"
     g = res.get("group_name", "group")
-    chance = getattr(task, "chance", None)
     lines = []
     gen = res.get("generate")
+    extras: dict[str, float] = {}
     if gen is not None:
         lines += [f"{task.name}: generation accuracy by {g} ({split} split, {gen['samples']} samples, "
-                  "accepted by the task's validator)", f"  {g:>6} {'samples':>8} {'acc':>8}"]
+                  "accepted by the task's validator)" + _chance_text(task), f"  {g:>6} {'samples':>8} {'acc':>8}"]
         for k, row in gen["by_group"].items():
             lines.append(f"  {k:>6} {row['samples']:>8} {100 * row['acc']:>7.1f}%")
         lines.append(f"  {'all':>6} {gen['samples']:>8} {100 * gen['acc']:>7.1f}%")
         for k, v in gen.items():
             if k not in ("by_group", "samples", "acc"):
                 lines.append(f"  {k} {v:.6g}")
+                extras[k] = v
     elif res["by_group"]:
         lines += [f"{task.name}: accuracy by {g} ({split} split, whole-answer exact match under teacher forcing)"
-                  + (f"; chance ~ {100 * chance:.1f}%" if chance else ""),
+                  + _chance_text(task),
                   f"  {g:>4} {'answers':>8} {'exact':>8} {'token':>8}"]
         labels = getattr(task, "group_labels", None) or {}
         w = max([4, len(g)] + [len(str(labels.get(int(k), k))) for k in res["by_group"]])
@@ -864,6 +881,11 @@ def format_table(results: dict[str, Any], task: Any) -> str:
         lines.append(f"{task.name}: {split} loss {res['loss']:.4f} nats/token, perplexity {ppl:.3f}")
     for k, v in (res.get("task_metrics") or {}).items():
         lines.append(f"  {k} {v:.6g}")
+        extras[k] = v
+    if extras and hasattr(task, "explain_metrics"):
+        lines += [f"  {x}" for x in task.explain_metrics(extras)]
+    if PAPER.get(task.name):
+        lines.append(f"  read against: {PAPER[task.name]} (at CPU scale read the direction, not the level)")
     attempts = results.get("attempts", 1)
     lines.append(f"  steps {results['steps']}, tokens {results['tokens_seen'] / 1e6:.2f}M, "
                  f"training time {results['train_time_s']:.0f} s"

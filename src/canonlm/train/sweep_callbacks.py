@@ -25,13 +25,15 @@ class ReportCommand(Callback):
     """Print the sweep's report and the command that writes it with its figures when a multirun ends.
 
     Args:
-        rows: config key of the table rows (``--rows`` of ``canonlm.train.report``).
-        cols: config key of the columns (``--cols``).
+        rows: config key of the table rows (``--rows`` of ``canonlm.train.report``); ``auto`` (default): the keys the
+            sweep varied, so that ``-m canon=none,ABCD`` prints one table with the two Canon sets side by side
+            (:func:`canonlm.train.cells.auto_axes`).
+        cols: config key of the columns (``--cols``); ``auto`` as for ``rows``.
         k: Depo hop counts shown in a cell, e.g. ``"1,2"`` (``--k``); null = the report's default (K, K/2).
         run: also print the tables at the end of the sweep (False: only the command).
     """
 
-    def __init__(self, rows: str = "task.N", cols: str = "model.size", k: str | None = None, run: bool = True):
+    def __init__(self, rows: str = "auto", cols: str = "auto", k: str | None = None, run: bool = True):
         self.rows, self.cols, self.k, self.run = rows, cols, (None if k in (None, "") else str(k)), run
 
     def args(self, sweep_dir: str | Path) -> list[str]:

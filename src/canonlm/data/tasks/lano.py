@@ -284,13 +284,16 @@ class LanoTask:
         Returns dict of (n,) arrays: ``correct`` bool (see :meth:`score_generations`), ``group`` int64 (all 1), ``kl``
             float64 -- for idx[r] < kl_samples the mean over the n+1 positions of the split's sentence (idx[r], 0)
             of KL(p* || model) (:func:`canonlm.data.cfg.lano_kl`, restrict = ``kl_restrict``), NaN otherwise (the
-            trainer averages extra metrics over non-NaN values, i.e. a nanmean over the kl_samples sentences).
+            trainer averages extra metrics over non-NaN values, i.e. a nanmean over the kl_samples sentences);
+            ``kl_uniform`` float64, the same KL for a model that predicts uniformly over its vocabulary (about an
+            untrained one: the scale ``kl`` starts from), NaN where ``kl`` is.
         """
         pr = self.prompts(split, idx)
         idx = pr.meta["idx"]
         gens = lm.generate(pr.prompts, pr.max_new_tokens, pr.stop_ids, pr.temperature, pr.keys)
         correct = self.score_generations(gens)
         kl = np.full(idx.size, np.nan)
+        kl_uniform = np.full(idx.size, np.nan)
         sel = np.nonzero(idx < self.kl_samples)[0]
         if sel.size:
             b = self.generate(split, idx[sel], np.zeros(sel.size, dtype=np.int64))
@@ -299,7 +302,20 @@ class LanoTask:
             for r, (seq, lp) in enumerate(zip(seqs, lps)):
                 p_star = next_symbol_probs(self.grammar, seq[1:])
                 kl[sel[r]] = lano_kl(p_star, lp, self.symbol_ids, restrict=self.kl_restrict)
-        return {"correct": correct, "group": pr.group, "kl": kl}
+                flat = np.full(np.shape(lp), -np.log(np.shape(lp)[-1]))  # log(1/V) at every position
+                kl_uniform[sel[r]] = lano_kl(p_star, flat, self.symbol_ids, restrict=self.kl_restrict)
+        return {"correct": correct, "group": pr.group, "kl": kl, "kl_uniform": kl_uniform}
+
+    def explain_metrics(self, metrics: Mapping[str, float]) -> list[str]:
+        """Lines that say how to read :meth:`evaluate`'s KL (printed under a run's closing table): its unit, the
+        untrained scale (``kl_uniform``) and 0 for the grammar's own law. Returns a list of str (empty without
+        ``kl``)."""
+        if "kl" not in metrics:
+            return []
+        scale = (f"; a model uniform over the vocabulary (about an untrained one) scores {metrics['kl_uniform']:.4g}"
+                 if "kl_uniform" in metrics else "")
+        return [f"kl = KL(p* || model) in nats per position, mean over the first {self.kl_samples} sentences "
+                f"(App. A.5; restrict={self.kl_restrict}); 0 = the grammar's own next-symbol law{scale}"]
 
     def __repr__(self) -> str:
         src = self.grammar_file or f"{self.grammar_label} family, grammar_seed={self.grammar_seed}"

@@ -413,26 +413,60 @@ class CapoTask:
         Returns: ``bits`` = N log2(N0 / e^p1) + N log2(S0 / e^p2) with p1 = nll_sum[name] / answers[name] and
             p2 = sum over groups 2..7 of nll_sum[g] / answers[g]; ``bits_per_param`` = bits / P;
             ``bits_per_param_max`` = [N log2(N0/N) + N log2 S0] / P (R_max of a perfect model); ``p1_name_nats``,
-            ``p2_value_nats``, ``params_counted`` (P), ``bits_total_max`` (numerator of bits_per_param_max, in bits).
+            ``p2_value_nats``, ``params_counted`` (P), ``bits_total_max`` (numerator of bits_per_param_max, in bits),
+            ``bits_uniform``: the bits of a model that predicts every answer token uniformly over the model's V
+            vocabulary ids (an untrained model's loss is close to ln V a token), i.e. the same formula with
+            p_g = (tokens_g / answers_g) ln V (only when every group has its ``tokens`` count); negative, since a name
+            or value spans more tokens than it has choices.
         Raises KeyError if a group is missing from the table, ValueError if one has no answers.
         """
         by = table["by_group"]
         get = lambda g: by[g] if g in by else by[str(g)]
-        avg = {}
+        avg, toks = {}, {}
         for g in range(1, 8):
             row = get(g)
             n = float(row["answers"])
             if n <= 0:
                 raise ValueError(f"group {g} ({GROUP_LABELS[g]}) has no scored answers")
             avg[g] = float(row["nll_sum"]) / n
+            if "tokens" in row:
+                toks[g] = float(row["tokens"]) / n
+        N, ln2 = self.N, math.log(2.0)
+
+        def bits_of(p1: float, p2: float) -> float:
+            return N * (math.log2(self.N0) - p1 / ln2) + N * (math.log2(self.S0) - p2 / ln2)
+
         p1 = avg[1]
         p2 = sum(avg[g] for g in range(2, 8))
-        N, ln2 = self.N, math.log(2.0)
-        bits = N * (math.log2(self.N0) - p1 / ln2) + N * (math.log2(self.S0) - p2 / ln2)
+        bits = bits_of(p1, p2)
+        ln_v = math.log(int(model_info.get("vocab_size", self.vocab_size)))
+        uniform = ({"bits_uniform": bits_of(toks[1] * ln_v, sum(toks[g] for g in range(2, 8)) * ln_v)}
+                   if len(toks) == 7 else {})
         bmax = N * math.log2(self.N0 / N) + N * math.log2(self.S0)
         P = self.params_counted(model_info)
         return {"bits": bits, "bits_per_param": bits / P, "bits_per_param_max": bmax / P, "bits_total_max": bmax,
-                "p1_name_nats": p1, "p2_value_nats": p2, "params_counted": float(P)}
+                "p1_name_nats": p1, "p2_value_nats": p2, "params_counted": float(P), **uniform}
+
+    def explain_metrics(self, metrics: Mapping[str, float]) -> list[str]:
+        """Lines that say how to read :meth:`finalize_metrics`'s numbers (printed under a run's closing table).
+
+        Part 3.3 Def. 4.3 counts the bits a model's loss proves it stores beyond a uniform guess among the valid
+        answers (N0 names, S0 value tuples): 0 bits = no better than that guess; a negative count = a loss above
+        that guess (probability spent on tokens that are no valid answer, as early in training), i.e. nothing
+        stored yet. Returns a list of str; never raises on missing keys (those lines are left out)."""
+        out = []
+        if "bits" in metrics:
+            sign = ("negative: the loss on the answers is still above a uniform guess among the valid names and "
+                    "values, so nothing is proven stored yet" if metrics["bits"] < 0 else
+                    "positive: the loss on the answers is below a uniform guess among the valid names and values")
+            out.append(f"bits = N log2(N0/e^p1) + N log2(S0/e^p2) (Part 3.3 Def. 4.3, N={self.N}, log2 N0 = "
+                       f"{math.log2(self.N0):.1f}, log2 S0 = {math.log2(self.S0):.1f}); 0 = a uniform guess among "
+                       f"the valid answers; here {sign}")
+        if "bits_uniform" in metrics and "bits_total_max" in metrics:
+            out.append(f"scale: a model uniform over the vocabulary (about an untrained one) scores bits "
+                       f"{metrics['bits_uniform']:.6g}; a perfect one {metrics['bits_total_max']:.6g} "
+                       f"(bits_per_param_max {metrics.get('bits_per_param_max', float('nan')):.4g})")
+        return out
 
     def __repr__(self) -> str:
         return (f"CapoTask(N={self.N}, exposures={self.exposures}, templates={self.T_tmpl}, "
