@@ -10,7 +10,7 @@ A generated block is the text between two HTML comments in a markdown file (invi
     ...generated, never edited by hand...
     <!-- /table -->
 
-Two kinds:
+Three kinds:
 
 * ``report <folder> [--rows KEY] [--cols KEY] [--k K1,K2] [--best-of KEYS]``: the table ``python -m
   canonlm.train.report`` prints for the runs in ``<folder>`` (one per setting, each cell the best of its
@@ -18,6 +18,11 @@ Two kinds:
 * ``runs <folder> --keys K1,K2,... [--k K1,K2,...]``: a markdown table with one line per run: the config values of
   ``--keys`` (as ``hparams.json`` holds them), the steps, the training time (``results.json`` ``train_time_s``), and
   the test accuracy in percent at each hop count of ``--k`` (Depo ``by_group``), else the overall answer accuracy.
+
+* ``atlas <png> <skill>=<folder>[:K1,K2] ...`` (``<skill>=-`` for a skill not run yet): the atlas figure of
+  :mod:`canonlm.train.atlas` (the skills side by side, no Canon against Canon-ABCD under NoPE and RoPE): the picture
+  (written to ``<png>``, relative to the repository root, as the README links it), its caption and a table of every
+  number it draws. ``--check`` also fails when the PNG is missing or the numbers it embeds differ from the runs.
 
 ``--collect`` copies each finished run's ``results.json`` and ``hparams.json`` (small: a few KB) into
 ``<into>/<run name>/``, without the keys that only say where the run's files were (``paths``, ``logger``,
@@ -48,6 +53,10 @@ FILES = ("README.md", "docs/results.md")
 BLOCK = re.compile(r"(<!-- table: (?P<spec>.*?) -->\n)(?P<body>.*?)(<!-- /table -->)", flags=re.S)
 # keys that only say where a run's files were: left out of the committed hparams.json
 WHERE = ("paths", "logger", "trainer.default_root_dir", "callbacks.checkpoint.dirpath")
+
+
+# figures rendered by ``atlas`` blocks in this process: {path: (png bytes, the numbers it embeds)}
+FIGURES: dict[Path, tuple[bytes, dict[str, Any]]] = {}
 
 
 class Usage(Exception):
@@ -135,8 +144,18 @@ def render(spec: str, root: Path | None = None) -> str:
     the repository). Raises :class:`Usage`."""
     root = ROOT if root is None else root
     words = shlex.split(spec)
-    if not words or words[0] not in ("report", "runs") or len(words) < 2:
-        raise Usage(f"block spec {spec!r}: allowed: 'report <folder> [report options]' or 'runs <folder> --keys ...'")
+    if not words or words[0] not in ("report", "runs", "atlas") or len(words) < 2:
+        raise Usage(f"block spec {spec!r}: allowed: 'report <folder> [report options]', 'runs <folder> --keys ...' "
+                    "or 'atlas <png> <skill>=<folder>[:K1,K2] ...'")
+    if words[0] == "atlas":
+        from canonlm.train.atlas import build
+
+        try:
+            png, data, md, _ = build(words[2:], root)
+        except ValueError as e:
+            raise Usage(f"block spec {spec!r}: {e}") from None
+        FIGURES[root / words[1]] = (png, data)
+        return md.replace("{png}", words[1])
     folder = root / words[1]
     if not folder.is_dir():
         raise Usage(f"block spec {spec!r}: {words[1]} is not a folder")
@@ -158,6 +177,20 @@ def regenerate(text: str, root: Path | None = None) -> str:
     return BLOCK.sub(lambda m: m.group(1) + render(m.group("spec"), root) + m.group(4), text)
 
 
+def build_atlas(panels: list[str], root: Path):
+    """:func:`canonlm.train.atlas.build` (png, data, markdown, info) of ``panels`` relative to ``root``."""
+    from canonlm.train.atlas import build
+
+    return build(panels, root)
+
+
+def stale_figures() -> list[Path]:
+    """The figures of :data:`FIGURES` whose file is missing or embeds other numbers than its runs give now."""
+    from canonlm.train.atlas import embedded
+
+    return [path for path, (_, data) in FIGURES.items() if embedded(path) != json.loads(json.dumps(data))]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="change nothing; exit 1 when a block is stale")
@@ -166,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--files", nargs="+", default=list(FILES),
                     help="markdown files to regenerate (default: %(default)s)")
     args = ap.parse_args(argv)
+    FIGURES.clear()
     try:
         if args.collect:
             if args.into is None:
@@ -188,11 +222,18 @@ def main(argv: list[str] | None = None) -> int:
     except Usage as e:
         print(f"docs_tables: error: {e}", file=sys.stderr)
         return 2
+    figures = stale_figures()
     if args.check:
+        stale += figures
         if stale:
             print(f"docs_tables: stale: {', '.join(map(str, stale))} (run python scripts/docs_tables.py)",
                   file=sys.stderr)
         return 1 if stale else 0
+    from canonlm.utils.io import atomic_write_bytes
+
+    for path in figures:
+        atomic_write_bytes(path, FIGURES[path][0])
+        print(f"drew {path}")
     for path, new in new_texts.items():
         path.write_text(new)
         print(f"rewrote {path}")

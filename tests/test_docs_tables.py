@@ -97,3 +97,67 @@ def test_a_bad_block_is_one_error(tmp_path, capsys, monkeypatch, spec):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("docs_tables: error: block spec"), err
     assert md.read_text() == f"<!-- table: {spec} -->\n<!-- /table -->\n"
+
+
+def _pos_run(folder, name, canon, pos, lr, acc2):
+    """A finished Depo run (K=2) of the atlas's grid: Canon set x positions, at one learning rate."""
+    d = _fake_run(folder, name, 5, canon, lr, {1: 1.0, 2: acc2})
+    hp = json.loads((d / "hparams.json").read_text())
+    hp["pos"] = {"type": pos}
+    (d / "hparams.json").write_text(json.dumps(hp))
+    return d
+
+
+def test_the_atlas_is_drawn_from_the_runs_and_a_changed_run_or_picture_is_caught(tmp_path, capsys, monkeypatch):
+    """The atlas block: its table holds each cell's best run over the learning rates (by hand below), the PNG shows
+    those numbers in the cells' colours (read back at the probe pixels), and --check fails when a run's result
+    changes (table and picture stale) or when the picture alone no longer matches (a PNG that embeds other numbers
+    or none)."""
+    import matplotlib.image
+    import numpy as np
+
+    from canonlm.train.figures import cell_color
+
+    res = tmp_path / "docs" / "results" / "depth"
+    accs = {("", "nope"): (0.30, 0.25), ("", "rope"): (0.20, 0.35), ("ABCD", "nope"): (0.90, 1.0),
+            ("ABCD", "rope"): (0.80, 0.95)}
+    for i, ((canon, pos), (a, b)) in enumerate(accs.items()):
+        _pos_run(res, f"r{2 * i}", canon, pos, 1e-3, a)
+        _pos_run(res, f"r{2 * i + 1}", canon, pos, 2e-3, b)
+    md = tmp_path / "README.md"
+    spec = "atlas docs/figures/atlas.png depth=docs/results/depth:2,1 breadth=-"
+    md.write_text(f"<!-- table: {spec} -->\n<!-- /table -->\n")
+    monkeypatch.setattr(docs_tables, "ROOT", tmp_path)
+    assert docs_tables.main(["--check", "--files", str(md)]) == 1
+    assert docs_tables.main(["--files", str(md)]) == 0
+    text = md.read_text()
+    # best of the two learning rates per cell: none/NoPE 30.0, ABCD/NoPE 100.0, none/RoPE 35.0, ABCD/RoPE 95.0
+    assert "| depth | Depo (`experiment=mini/depth`) | acc@2 (%) | 30.0 | 100.0 | 35.0 | 95.0 |" in text, text
+    assert "| breadth | Brevo (`experiment=mini/breadth`, planned) | not run yet | - | - | - | - |" in text
+    assert "![canonlm atlas](docs/figures/atlas.png)" in text and "optim.lr in {0.001, 0.002}" in text
+    png = tmp_path / "docs" / "figures" / "atlas.png"
+    img = matplotlib.image.imread(png)
+    _, _, _, info = docs_tables.build_atlas(spec.split()[2:], tmp_path)
+    assert list(img.shape[1::-1]) == info["size_px"]
+    want = {("none", "nope"): 30.0, ("ABCD", "nope"): 100.0, ("none", "rope"): 35.0, ("ABCD", "rope"): 95.0}
+    for c in info["cells"]:
+        x, y = c["probe_px"]
+        if c["panel"] == 0:
+            assert np.allclose(img[y, x, :3], cell_color(want[(c["row"], c["col"])], 0, 100)[:3], atol=0.02)
+        else:  # the skill without runs: grey
+            assert c["value"] is None
+    assert docs_tables.main(["--check", "--files", str(md)]) == 0
+    # a run's result changes: the table and the picture are stale
+    r = res / "r1" / "results.json"
+    doc = json.loads(r.read_text())
+    doc["test"]["by_group"]["2"]["acc"] = 0.40
+    r.write_text(json.dumps(doc))
+    assert docs_tables.main(["--check", "--files", str(md)]) == 1
+    err = capsys.readouterr().err
+    assert str(png) in err and str(md) in err
+    assert docs_tables.main(["--files", str(md)]) == 0 and "| 40.0 | 100.0 | 35.0 | 95.0 |" in md.read_text()
+    assert docs_tables.main(["--check", "--files", str(md)]) == 0
+    # the picture alone: another PNG (no embedded numbers) in its place is caught
+    matplotlib.image.imsave(png, np.zeros((4, 4, 3)))
+    assert docs_tables.main(["--check", "--files", str(md)]) == 1
+    assert str(png) in capsys.readouterr().err and "stale" not in md.read_text()

@@ -132,6 +132,8 @@ def test_every_task_trains_through_train_py(preset, tmp_path):
         assert "Part 3.3 Def. 4.3" in closing and "scale: a model uniform over the vocabulary" in closing
     if preset.startswith("lano"):
         assert "kl = KL(p* || model) in nats per position" in closing and "kl_uniform" in closing
+    if preset.startswith("brevo"):
+        assert "set_correct = the fraction of answers that name the right set" in closing
     if getattr(task, "eval_mode", "teacher_forced") == "generate":
         gen = test["generate"]
         assert gen["samples"] == 4 == sum(row["samples"] for row in gen["by_group"].values())

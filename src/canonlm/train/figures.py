@@ -73,9 +73,11 @@ def _na_text(c: dict[str, Any]) -> str:
     return t
 
 
-def _png(fig: Figure) -> bytes:
+def _png(fig: Figure, text: dict[str, str] | None = None) -> bytes:
+    """The figure as PNG bytes; ``text``: tEXt chunks to embed (key: value)."""
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=DPI)  # never bbox_inches="tight": the probe pixels need the same geometry
+    # never bbox_inches="tight": the probe pixels need the same geometry
+    fig.savefig(buf, format="png", dpi=DPI, metadata=text)
     return buf.getvalue()
 
 
@@ -274,3 +276,75 @@ def _last(run_dir: str) -> int:
         return rows[-1]["step"] if rows else -1
     except OSError:
         return -1
+
+
+ATLAS_ROWS = ("none", "ABCD")   # canon.set labels: no Canon, Canon-ABCD
+ATLAS_COLS = ("nope", "rope")   # pos.type labels
+_ATLAS_ROW_NAMES = {"none": "no Canon", "ABCD": "Canon-ABCD"}
+_ATLAS_COL_NAMES = {"nope": "NoPE", "rope": "RoPE"}
+
+
+def atlas(panels: list[dict[str, Any]], *, title: str, caption: str,
+          text: dict[str, str] | None = None) -> tuple[bytes, dict[str, Any]]:
+    """The skills side by side (the paper's Fig. 7 read across tasks): one 2 x 2 panel per skill, rows no Canon /
+    Canon-ABCD, columns NoPE / RoPE, each cell the number of :mod:`canonlm.train.atlas` (the best run of the cell)
+    written in it and its colour on the panel's own scale (accuracy 0-100 %; bits per parameter from 0 to
+    max(0.5, largest cell)). A cell without runs is grey and hatched ("n/a"); a skill without committed runs is a
+    grey panel that names its preset ("not run yet").
+
+    Args:
+        panels: ``canonlm.train.atlas.panels`` items: ``skill``, ``task``, ``preset``, ``metric`` (str), ``bits``
+            (bool), ``cells`` ({row: {col: float or None}} or None when the skill has no runs).
+        title: the figure's title. caption: the text under the panels (budgets, learning rates, seeds).
+        text: PNG tEXt chunks to embed (``canonlm.train.atlas`` stores the numbers drawn, to check the picture).
+    Returns: (png bytes, info) with info ``size_px``, per cell ``panel``, ``row``, ``col``, ``value``, ``rgba`` and
+        ``probe_px`` (a pixel of the PNG inside the cell, clear of its text, where ``rgba`` can be read back).
+    """
+    n = len(panels)
+    w, h = n * 2.6 + 0.6, 3.4
+    fig = Figure(figsize=(w, h), dpi=DPI, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, n, squeeze=False)[0]
+    drawn = []
+    for k, p in enumerate(panels):
+        ax = axes[k]
+        ax.set_xlim(-0.5, 1.5)
+        ax.set_ylim(1.5, -0.5)
+        vals = [v for row in (p["cells"] or {}).values() for v in row.values() if v is not None]
+        vmin, vmax = (0.0, max([0.5] + vals)) if p["bits"] else (0.0, 100.0)
+        for i, r in enumerate(ATLAS_ROWS):
+            for j, c in enumerate(ATLAS_COLS):
+                v = (p["cells"] or {}).get(r, {}).get(c)
+                if v is not None:
+                    face = cell_color(v, vmin, vmax)
+                    ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor=face, edgecolor="white", lw=2))
+                    ax.text(j, i, f"{v:.3g}" if p["bits"] else f"{v:.1f}", ha="center", va="center", fontsize=10,
+                            color=_text_color(face))
+                else:
+                    face = NA_FACE
+                    ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor=NA_FACE, edgecolor=NA_HATCH,
+                                           hatch=NA_HATCH_PATTERN, lw=0))
+                    ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="white", lw=2))
+                    if p["cells"] is not None:
+                        ax.text(j, i, "n/a", ha="center", va="center", fontsize=8,
+                                bbox={"facecolor": NA_FACE, "edgecolor": "none", "pad": 1.0})
+                drawn.append((ax, k, i, j, r, c, v, list(face)))
+        if p["cells"] is None:
+            ax.text(0.5, 0.5, f"not run yet\n(planned: experiment=\n{p['preset']})", ha="center", va="center", fontsize=8,
+                    bbox={"facecolor": "white", "edgecolor": NA_HATCH, "pad": 3.0})
+        ax.set_xticks(range(2), [_ATLAS_COL_NAMES[c] for c in ATLAS_COLS])
+        ax.set_yticks(range(2), [_ATLAS_ROW_NAMES[r] for r in ATLAS_ROWS] if k == 0 else ["", ""])
+        ax.tick_params(length=0, labelsize=9)
+        for s in ax.spines.values():
+            s.set_visible(False)
+        ax.set_title(f"{p['skill']}: {p['task']}\n{p['metric']}", fontsize=9)
+    fig.suptitle(title, fontsize=11)
+    fig.supxlabel(textwrap.fill(caption, width=int(w * 16)), fontsize=7)
+    fig.canvas.draw()
+    H = fig.bbox.height
+    cells = []
+    for ax, k, i, j, r, c, v, face in drawn:
+        x, y = ax.transData.transform((j, i - 0.5 + PROBE))
+        cells.append({"panel": k, "row": r, "col": c, "value": v, "rgba": face,
+                      "probe_px": [int(round(x)), int(round(H - y))]})
+    return _png(fig, text), {"size_px": [int(round(fig.bbox.width)), int(round(H))], "cells": cells}

@@ -660,7 +660,6 @@ def _build_trainer(cfg: DictConfig, task: Any, output_dir: str) -> tuple[Any, An
     (``_HELD_WARNINGS``) and shown by :func:`run` once every check passed (a refusal stays one line). Raises
     ConfigError."""
     import lightning.pytorch as L
-    from hydra.utils import instantiate
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
     from canonlm.train.checkpoint import AtomicCheckpointIO

@@ -627,6 +627,14 @@ class BrevoTask:
             set_ok[r] = reason in ("ok", "order", "duplicate")
         return {"correct": ok, "group": P.group, "set_correct": set_ok}
 
+    def explain_metrics(self, metrics: Mapping[str, float]) -> list[str]:
+        """How to read :meth:`evaluate`'s diagnostic (printed under a run's closing table). Returns a list of str
+        (empty without ``set_correct``)."""
+        if "set_correct" not in metrics:
+            return []
+        return ["set_correct = the fraction of answers that name the right set of vertices, in any order (a "
+                "diagnostic: the score is the valid topological order, paper App. A.2)"]
+
     def _read_name(self, toks: Sequence[int], p: int) -> tuple[tuple[int, ...] | None, int]:
         """Read one name at p: (name tuple, next position), or (None, position of the offending token)."""
         if not self.multi:
