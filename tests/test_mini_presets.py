@@ -47,7 +47,7 @@ def _grid(preset: str) -> list[list[str]]:
 
 
 def test_the_three_presets_exist():
-    assert {"depth", "copy", "linear"} <= set(PRESETS)
+    assert {"depth", "copy", "linear", "breadth"} <= set(PRESETS)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -133,6 +133,25 @@ def test_depth_follows_the_paper_protocol_on_a_two_hop_depo(tmp_path):
         assert c.trainer.max_steps == first.trainer.max_steps and c.data.batch_size == first.data.batch_size
     h = _hydra_cfg(["experiment=mini/depth"]).hydra.callbacks.report
     assert (h.rows, h.cols, h.k) == ("canon.set", "pos.type", "2,1")  # colour = acc@K (Fig. 7)
+
+
+def test_breadth_follows_the_paper_protocol_on_a_small_brevo1_scored_by_generation(tmp_path):
+    """Brevo1 (the paper's breadth task) with and without Canon-ABCD, RoPE and NoPE, >= 2 learning rates x 2 seeds,
+    scored as the paper scores it: generation accepted by the validator, here only in the final test; every job
+    sees the same task, data, model size and steps."""
+    jobs = _jobs("breadth", tmp_path)
+    grid = {(c.pos.type, c.canon.set, c.optim.lr, c.seed) for c in jobs}
+    lrs, seeds = sorted({c.optim.lr for c in jobs}), sorted({c.seed for c in jobs})
+    assert len(lrs) >= 2 and len(seeds) >= 2
+    assert grid == set(itertools.product(["rope", "nope"], ["", "ABCD"], lrs, seeds))
+    first = jobs[0]
+    for c in jobs:
+        assert c.task.name == "brevo1" and c.task == first.task and c.model.size == first.model.size
+        assert c.trainer.max_steps == first.trainer.max_steps and c.data.gen_eval.on_val is False
+    from canonlm.data.tasks import build_task
+
+    task = build_task("brevo1", OmegaConf.to_container(first.task))
+    assert task.eval_mode == "generate" and task.max_instance_len("test") <= first.task.context
 
 
 def test_copy_is_one_layer_d16_rope_copy_length_64_with_and_without_canon(tmp_path):
