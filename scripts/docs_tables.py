@@ -17,7 +17,8 @@ Three kinds:
   ``--best-of`` runs, the budget and protocol line under it), in a code block.
 * ``runs <folder> --keys K1,K2,... [--k K1,K2,...]``: a markdown table with one line per run: the config values of
   ``--keys`` (as ``hparams.json`` holds them), the steps, the training time (``results.json`` ``train_time_s``), and
-  the test accuracy in percent at each hop count of ``--k`` (Depo ``by_group``), else the overall answer accuracy.
+  the test accuracy in percent at each hop count of ``--k`` (Depo ``by_group``), else the run's headline: the
+  generation accuracy (Brevo, Lano), bits per parameter (Capo) or the overall answer accuracy.
 
 * ``atlas <png> <skill>=<folder>[:K1,K2] ...`` (``<skill>=-`` for a skill not run yet): the atlas figure of
   :mod:`canonlm.train.atlas` (the skills side by side, no Canon against Canon-ABCD under NoPE and RoPE): the picture
@@ -131,7 +132,12 @@ def _runs_block(folder: Path, keys: list[str], ks: list[int]) -> str:
     for r in runs:
         split = r.get("test") or r.get("val") or {}
         by = split.get("by_group") or {}
-        accs = [_pct((by.get(str(k)) or {}).get("acc")) for k in ks] or [_pct((split.get("overall") or {}).get("acc"))]
+        if ks:
+            accs = [_pct((by.get(str(k)) or {}).get("acc")) for k in ks]
+        elif "bits_per_param" in (split.get("task_metrics") or {}):
+            accs = [f"{split['task_metrics']['bits_per_param']:.4g} bits/param"]
+        else:  # the run's own headline: generation accuracy (Brevo, Lano), else the answer accuracy
+            accs = [_pct((split.get("generate") or split.get("overall") or {}).get("acc"))]
         t = r.get("train_time_s")
         cells = [Path(r["dir"]).name, *(label(k, value(r, k)) for k in keys), str(r.get("steps", "n/a")),
                  f"{t:.0f}" if isinstance(t, (int, float)) else "n/a", *accs]

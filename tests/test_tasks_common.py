@@ -121,9 +121,9 @@ def test_every_task_trains_through_train_py(preset, tmp_path):
     # the closing table says how to read it: the chance level (re-derived here), the scale of bits and KL, the
     # paper's numbers
     closing = p.stdout[p.stdout.rindex(f"{task.name}: "):]
-    want_chance = {"depo1": lambda: f"chance ~{100 / task.N:.1f} %", "brevo1": lambda: "chance 0.0 % (a guessed list",
-                   "brevo2": lambda: "chance 0.0 % (a guessed list", "mano": lambda: f"chance ~{100 / task.mod:.1f} %",
-                   "lano": lambda: "chance 0.0 % (a guessed string",
+    want_chance = {"depo1": lambda: f"chance ~{100 / task.N:.1f} %", "brevo1": lambda: "chance ~0 % (a guessed list",
+                   "brevo2": lambda: "chance ~0 % (a guessed list", "mano": lambda: f"chance ~{100 / task.mod:.1f} %",
+                   "lano": lambda: "chance ~0 % (a guessed string",
                    "fullcopy": lambda: "chance ~0 % (a guessed copy is right with probability 1/n!)"}
     want_chance = want_chance[task.name]() if task.name in want_chance else None
     assert want_chance is None or want_chance in closing.splitlines()[0], closing

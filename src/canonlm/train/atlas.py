@@ -71,8 +71,9 @@ def panel(skill: str, folder: Path | None, ks: tuple[int, int] | None = None) ->
     if not ts:
         raise ValueError(f"{skill}: no finished run below {folder}")
     if len(ts) > 1:
-        raise ValueError(f"{skill}: the runs below {folder} form {len(ts)} settings ({'; '.join(t['title'] for t in ts)}),"
-                         " not one (Canon set x positions) table")
+        titles = "; ".join(t["title"] for t in ts)
+        raise ValueError(f"{skill}: the runs below {folder} form {len(ts)} settings ({titles}), not one (Canon set x "
+                         "positions) table")
     t = ts[0]
     kinds = {e["kind"] for row in t["cells"].values() for e in row.values()}
     kind = kinds.pop() if len(kinds) == 1 else "mixed"

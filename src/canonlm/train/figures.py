@@ -330,7 +330,8 @@ def atlas(panels: list[dict[str, Any]], *, title: str, caption: str,
                                 bbox={"facecolor": NA_FACE, "edgecolor": "none", "pad": 1.0})
                 drawn.append((ax, k, i, j, r, c, v, list(face)))
         if p["cells"] is None:
-            ax.text(0.5, 0.5, f"not run yet\n(planned: experiment=\n{p['preset']})", ha="center", va="center", fontsize=8,
+            ax.text(0.5, 0.5, f"not run yet\n(planned: experiment=\n{p['preset']})", ha="center", va="center",
+                    fontsize=8,
                     bbox={"facecolor": "white", "edgecolor": NA_HATCH, "pad": 3.0})
         ax.set_xticks(range(2), [_ATLAS_COL_NAMES[c] for c in ATLAS_COLS])
         ax.set_yticks(range(2), [_ATLAS_ROW_NAMES[r] for r in ATLAS_ROWS] if k == 0 else ["", ""])

@@ -835,7 +835,7 @@ def _chance_text(task: Any) -> str:
     note = CHANCE_NOTE.get(task.name)
     if chance is None:
         return f"; chance ~0 % ({note})" if note else ""
-    return f"; chance {'~' if chance else ''}{100 * chance:.1f} %" + (f" ({note})" if note else "")
+    return (f"; chance ~{100 * chance:.1f} %" if chance else "; chance ~0 %") + (f" ({note})" if note else "")
 
 
 def format_table(results: dict[str, Any], task: Any) -> str:

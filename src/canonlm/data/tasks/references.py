@@ -29,8 +29,10 @@ PAPER: dict[str, str] = {
 }
 
 CHANCE_NOTE: dict[str, str] = {
-    "brevo1": "a guessed list of names is almost never a valid topological order",
-    "brevo2": "a guessed list of names is almost never a valid topological order",
+    "brevo1": "a guessed list of names is rarely a valid topological order; not 0 at small N, where a query with "
+              "one ancestor is a 1-in-(N-1) guess",
+    "brevo2": "a guessed list of names is rarely a valid topological order; not 0 at small N, where a query with "
+              "one ancestor is a 1-in-(N-1) guess",
     "lano": "a guessed string is almost never a sentence of the grammar",
     "fullcopy": "a guessed copy is right with probability 1/n!",
 }
