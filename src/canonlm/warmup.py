@@ -279,11 +279,22 @@ def warm(overrides: list[str], json_path: Optional[str] = None) -> int:
     from canonlm.train.run import launch_rank, run
     from canonlm.utils import kernel_cache
 
+    import signal
+
     child = os.environ.get(_DIR_ENV)
-    tmp = Path(child) if child else Path(tempfile.mkdtemp(prefix="canonlm-warmup-"))
-    if not child:
-        os.environ[_DIR_ENV] = str(tmp)
+    tmp = None
+    # SIGTERM is held while the temporary directory is made and named: one that arrives in between is delivered
+    # inside the ``try`` below, whose ``finally`` then knows the directory and removes it
+    held = child is None and hasattr(signal, "pthread_sigmask")
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM}) if held else None
     try:
+        try:
+            tmp = Path(child) if child else Path(tempfile.mkdtemp(prefix="canonlm-warmup-"))
+            if not child:
+                os.environ[_DIR_ENV] = str(tmp)
+        finally:
+            if held:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         try:
             root = kernel_cache.configure(cfg.paths.get("kernel_cache"), key="paths.kernel_cache",
                                           base=cfg.paths.get("root_dir"))
@@ -317,7 +328,7 @@ def warm(overrides: list[str], json_path: Optional[str] = None) -> int:
             Path(json_path).write_text(json.dumps(s, indent=1))
         return 0
     finally:
-        if not child:
+        if not child and tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
             os.environ.pop(_DIR_ENV, None)
 
