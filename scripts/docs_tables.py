@@ -183,13 +183,6 @@ def regenerate(text: str, root: Path | None = None) -> str:
     return BLOCK.sub(lambda m: m.group(1) + render(m.group("spec"), root) + m.group(4), text)
 
 
-def build_atlas(panels: list[str], root: Path):
-    """:func:`canonlm.train.atlas.build` (png, data, markdown, info) of ``panels`` relative to ``root``."""
-    from canonlm.train.atlas import build
-
-    return build(panels, root)
-
-
 def stale_figures() -> list[Path]:
     """The figures of :data:`FIGURES` whose file is missing or embeds other numbers than its runs give now."""
     from canonlm.train.atlas import embedded

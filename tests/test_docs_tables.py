@@ -116,6 +116,7 @@ def test_the_atlas_is_drawn_from_the_runs_and_a_changed_run_or_picture_is_caught
     import matplotlib.image
     import numpy as np
 
+    from canonlm.train.atlas import build
     from canonlm.train.figures import cell_color
 
     res = tmp_path / "docs" / "results" / "depth"
@@ -137,7 +138,7 @@ def test_the_atlas_is_drawn_from_the_runs_and_a_changed_run_or_picture_is_caught
     assert "![canonlm atlas](docs/figures/atlas.png)" in text and "optim.lr in {0.001, 0.002}" in text
     png = tmp_path / "docs" / "figures" / "atlas.png"
     img = matplotlib.image.imread(png)
-    _, _, _, info = docs_tables.build_atlas(spec.split()[2:], tmp_path)
+    _, _, _, info = build(spec.split()[2:], tmp_path)
     assert list(img.shape[1::-1]) == info["size_px"]
     want = {("none", "nope"): 30.0, ("ABCD", "nope"): 100.0, ("none", "rope"): 35.0, ("ABCD", "rope"): 95.0}
     for c in info["cells"]:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from canonlm.train.cells import BEST_OF, load_runs, tables
-from canonlm.train.figures import ATLAS_COLS, ATLAS_ROWS, atlas as draw_atlas
+from canonlm.train.figures import ATLAS_COL_NAMES, ATLAS_COLS, ATLAS_ROW_NAMES, ATLAS_ROWS, atlas as draw_atlas
 
 #: skill -> (task, its mini preset), in the atlas's order (the paper's Fig. 7: depth, breadth, manipulation,
 #: structure, capacity; full copy, Fig. 5, last and optional).
@@ -58,11 +58,11 @@ def parse_panel(spec: str) -> tuple[str, str | None, tuple[int, int] | None]:
 def panel(skill: str, folder: Path | None, ks: tuple[int, int] | None = None) -> dict[str, Any]:
     """One panel: ``skill``, ``task``, ``preset``, ``metric``, ``bits``, ``cells`` ({canon label: {pos label: value
     in % (bits per parameter for Capo) or None}}; None without runs), ``protocol`` (budget, learning rates and seeds
-    the cells are the best of) and ``runs`` (finished runs). ValueError (see the module docstring)."""
+    the cells are the best of; None without runs) and ``runs`` (finished runs). ValueError (see the module docstring)."""
     task, preset = SKILLS[skill]
     if folder is None:
         return {"skill": skill, "task": task, "preset": preset, "metric": "not run yet", "bits": False,
-                "cells": None, "protocol": f"{skill}: not run yet (experiment={preset})", "runs": 0}
+                "cells": None, "protocol": None, "runs": 0}
     runs = load_runs(folder)
     if ks is not None:
         for r in runs:
@@ -108,8 +108,7 @@ def build(specs: list[str], root: Path) -> tuple[bytes, dict[str, Any], str, dic
     png, info = draw_atlas(panels, title="canonlm atlas: what Canon-ABCD adds to each skill (CPU scale)",
                         caption=caption, text={KEY: json.dumps(data, sort_keys=True)})
     head = "| skill | task (preset) | metric | " + " | ".join(
-        f"{'no Canon' if r == 'none' else 'Canon-ABCD'}, {'NoPE' if c == 'nope' else 'RoPE'}"
-        for c in ATLAS_COLS for r in ATLAS_ROWS) + " |"
+        f"{ATLAS_ROW_NAMES[r]}, {ATLAS_COL_NAMES[c]}" for c in ATLAS_COLS for r in ATLAS_ROWS) + " |"
     lines = ["![canonlm atlas]({png})", "", caption, "", head, "|" + "---|" * (3 + len(ATLAS_ROWS) * len(ATLAS_COLS))]
     for p in panels:
         vals = ["-" if p["cells"] is None else

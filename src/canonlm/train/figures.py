@@ -280,8 +280,8 @@ def _last(run_dir: str) -> int:
 
 ATLAS_ROWS = ("none", "ABCD")   # canon.set labels: no Canon, Canon-ABCD
 ATLAS_COLS = ("nope", "rope")   # pos.type labels
-_ATLAS_ROW_NAMES = {"none": "no Canon", "ABCD": "Canon-ABCD"}
-_ATLAS_COL_NAMES = {"nope": "NoPE", "rope": "RoPE"}
+ATLAS_ROW_NAMES = {"none": "no Canon", "ABCD": "Canon-ABCD"}
+ATLAS_COL_NAMES = {"nope": "NoPE", "rope": "RoPE"}
 
 
 def atlas(panels: list[dict[str, Any]], *, title: str, caption: str,
@@ -333,8 +333,8 @@ def atlas(panels: list[dict[str, Any]], *, title: str, caption: str,
             ax.text(0.5, 0.5, f"not run yet\n(planned: experiment=\n{p['preset']})", ha="center", va="center",
                     fontsize=8,
                     bbox={"facecolor": "white", "edgecolor": NA_HATCH, "pad": 3.0})
-        ax.set_xticks(range(2), [_ATLAS_COL_NAMES[c] for c in ATLAS_COLS])
-        ax.set_yticks(range(2), [_ATLAS_ROW_NAMES[r] for r in ATLAS_ROWS] if k == 0 else ["", ""])
+        ax.set_xticks(range(2), [ATLAS_COL_NAMES[c] for c in ATLAS_COLS])
+        ax.set_yticks(range(2), [ATLAS_ROW_NAMES[r] for r in ATLAS_ROWS] if k == 0 else ["", ""])
         ax.tick_params(length=0, labelsize=9)
         for s in ax.spines.values():
             s.set_visible(False)

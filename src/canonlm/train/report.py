@@ -52,9 +52,9 @@ from typing import Any
 
 from canonlm.utils.io import atomic_write_bytes, atomic_write_text
 
-from canonlm.train.cells import (BEST_OF, NEUTRAL, auto_axes, axis_keys, cell, cell_kind, compared_keys, compared_label,
-                                 depo_ks, find_unfinished, label, label_order, load_runs, natural_key, protocol,
-                                 table, tables, under, value, UNKNOWN)
+from canonlm.train.cells import (BEST_OF, NEUTRAL, auto_axes, axis_keys, cell, cell_kind, compared_keys,
+                                 compared_label, depo_ks, find_unfinished, label, label_order, load_runs, natural_key,
+                                 protocol, table, tables, under, value, UNKNOWN)
 
 
 def _fmt(e: dict[str, Any] | None) -> str:

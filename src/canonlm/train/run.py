@@ -833,9 +833,9 @@ def _chance_text(task: Any) -> str:
 
     chance = getattr(task, "chance", None)
     note = CHANCE_NOTE.get(task.name)
-    if chance is None:
-        return f"; chance ~0 % ({note})" if note else ""
-    return (f"; chance ~{100 * chance:.1f} %" if chance else "; chance ~0 %") + (f" ({note})" if note else "")
+    if chance is None and note is None:
+        return ""
+    return f"; chance ~{100 * (chance or 0):.{1 if chance else 0}f} %" + (f" ({note})" if note else "")
 
 
 def format_table(results: dict[str, Any], task: Any) -> str:

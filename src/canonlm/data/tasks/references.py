@@ -28,11 +28,11 @@ PAPER: dict[str, str] = {
                 "layers a far smaller one does",
 }
 
+_BREVO = ("a guessed list of names is rarely a valid topological order; not 0 at small N, where a query with one "
+          "ancestor is a 1-in-(N-1) guess")
 CHANCE_NOTE: dict[str, str] = {
-    "brevo1": "a guessed list of names is rarely a valid topological order; not 0 at small N, where a query with "
-              "one ancestor is a 1-in-(N-1) guess",
-    "brevo2": "a guessed list of names is rarely a valid topological order; not 0 at small N, where a query with "
-              "one ancestor is a 1-in-(N-1) guess",
+    "brevo1": _BREVO,
+    "brevo2": _BREVO,
     "lano": "a guessed string is almost never a sentence of the grammar",
     "fullcopy": "a guessed copy is right with probability 1/n!",
 }
