@@ -47,6 +47,7 @@ def bench_width(B: int, T: int, C: int, K: int, dtype: torch.dtype, reps: int, i
             x.grad = w.grad = None
             y = causal_conv1d(x, w, backend=backend)
             y.backward(dy)
+
         return f
 
     out["reference"] = _time(run("reference"), reps)
@@ -70,6 +71,7 @@ def bench_width(B: int, T: int, C: int, K: int, dtype: torch.dtype, reps: int, i
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
             y = lin(xl.to(dtype) if dtype != torch.bfloat16 else xl)
         y.backward(dyl.to(y.dtype))
+
     out["linear"] = _time(f_lin, reps)
     return out
 
@@ -82,10 +84,12 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--kernel", type=int, default=4)
     ap.add_argument("--widths", type=int, nargs="+", default=[256, 768, 1408])
-    ap.add_argument("--rows", action="store_true",
-                    help="also time the native row (ring-buffer) kernel, impl 1, as 'cpu_rows'")
-    ap.add_argument("--subblock", type=int, default=_native.SUBBLOCK,
-                    help="time rows per sub-block of the register-window kernel")
+    ap.add_argument(
+        "--rows", action="store_true", help="also time the native row (ring-buffer) kernel, impl 1, as 'cpu_rows'"
+    )
+    ap.add_argument(
+        "--subblock", type=int, default=_native.SUBBLOCK, help="time rows per sub-block of the register-window kernel"
+    )
     ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"])
     ap.add_argument("--stat", choices=["min", "median"], default="min")
     args = ap.parse_args()
@@ -95,16 +99,20 @@ def main() -> None:
     _native.set_subblock(args.subblock)
     impls = [0, 1] if args.rows else [0]
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, native kernel: "
-          f"{'yes' if _native.available() else _native.unavailable_reason()}"
-          f"{' (OpenMP)' if _native.has_openmp() else ''}; [B, T, C] = [{args.batch}, {args.seq}, C], K={args.kernel}")
+    print(
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}, native kernel: "
+        f"{'yes' if _native.available() else _native.unavailable_reason()}"
+        f"{' (OpenMP)' if _native.has_openmp() else ''}; [B, T, C] = [{args.batch}, {args.seq}, C], K={args.kernel}"
+    )
     print(f"fwd+bwd ms, {args.stat} of {args.reps}")
     # per-call overhead of the custom op path (tiny input: dispatch + ctypes, no real work)
     xt = torch.randn(1, 4, 8, requires_grad=True)
     wt = torch.randn(8, args.kernel, requires_grad=True)
     if _native.available():
+
         def tiny():
             causal_conv1d(xt, wt, backend="cpu").sum().backward()
+
         print(f"native op overhead, tiny [1, 4, 8] fwd+bwd+sum: {_time(tiny, 200) * 1e3:.0f} us")
     results: dict[str, dict[int, dict[str, float]]] = {}
     for dn in args.dtypes:
@@ -116,10 +124,12 @@ def main() -> None:
             if "cpu" in r:
                 n = args.batch * args.seq * C * (2 if dt == torch.bfloat16 else 4)
                 bw = 5 * n / (r["cpu"] * 1e-3) / 1e9
-                line += (f"\n    ratios: reference/cpu {r['reference'] / r['cpu']:.1f}x  torch/cpu "
-                         f"{r['torch'] / r['cpu']:.1f}x  cpu/linear {r['cpu'] / r['linear']:.2f}  "
-                         f"(native fwd {r['cpu_fwd']:.2f} ms, bwd ~{r['cpu'] - r['cpu_fwd']:.2f} ms; "
-                         f"~{bw:.1f} GB/s moved)")
+                line += (
+                    f"\n    ratios: reference/cpu {r['reference'] / r['cpu']:.1f}x  torch/cpu "
+                    f"{r['torch'] / r['cpu']:.1f}x  cpu/linear {r['cpu'] / r['linear']:.2f}  "
+                    f"(native fwd {r['cpu_fwd']:.2f} ms, bwd ~{r['cpu'] - r['cpu_fwd']:.2f} ms; "
+                    f"~{bw:.1f} GB/s moved)"
+                )
             print(line, flush=True)
     if {256, 768, 1408} <= set(args.widths):
         # Canon-ABCD of the 4L/256D Llama: 4 layers x (A 256 + B 768 + C 256 + D 1408)
@@ -128,6 +138,7 @@ def main() -> None:
             keys = [k for k in per_w[256] if not k.endswith("_fwd")]
             est = {k: 4 * (2 * per_w[256][k] + per_w[768][k] + per_w[1408][k]) for k in keys}
             print(f"  {dn}: " + "  ".join(f"{k} {v:6.1f}" for k, v in est.items()))
+
 
 if __name__ == "__main__":
     main()

@@ -60,8 +60,9 @@ def main() -> None:
         pass
     print(f"pinned to core {cpu}; numpy {np.__version__}; {a.reps} rep(s) x >= {a.seconds:g} s, median")
     print("tokens/s = tokens per CPU-second of the pinned core (wall-clock rate in brackets)")
-    hdr = (f"{'setting':40s} {'path':7s} {'tokens/s':>12s} {'(wall)':>12s} {'official':>10s} {'ratio':>7s} "
-           f"{'s/step':>7s}")
+    hdr = (
+        f"{'setting':40s} {'path':7s} {'tokens/s':>12s} {'(wall)':>12s} {'official':>10s} {'ratio':>7s} {'s/step':>7s}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for label, name, cfg, split, official in ROWS:

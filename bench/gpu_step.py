@@ -140,8 +140,17 @@ CANON_TARGET = {"12L768D": 1.15, "1.3B": 1.10}
 LINEAR_TARGET = {"12L768D": 1.10}
 HF_TARGET = {"12L768D": 1.3, "1.3B": 1.3}
 MODES = ("eager", "compiled")
-VERSIONED = ("torch", "triton", "fla-core", "mamba-ssm", "causal-conv1d", "transformers", "lightning",
-             "hydra-core", "canonlm")
+VERSIONED = (
+    "torch",
+    "triton",
+    "fla-core",
+    "mamba-ssm",
+    "causal-conv1d",
+    "transformers",
+    "lightning",
+    "hydra-core",
+    "canonlm",
+)
 
 
 def linear_presets() -> list[str]:
@@ -180,6 +189,7 @@ class Variant:
 # ------------------------------------------------------------------------------------------------------------------
 # models
 # ------------------------------------------------------------------------------------------------------------------
+
 
 def _yaml_preset(arch: str) -> dict:
     """``conf/arch/<arch>.yaml``'s model keys without Hydra: its ``defaults`` presets of the same group first, then
@@ -225,8 +235,14 @@ def model_config(v: Variant, shape: Shape):
     kernels = {} if v.backend in ("-", "auto") else {"canon": "fla" if v.backend == GLUON else v.backend}
     canon = {"set": "" if v.canon == "none" else v.canon}
     if v.model in ("llama", "hf"):
-        model = {"arch": "llama", "n_layers": shape.n_layers, "d_model": shape.d_model, "n_heads": shape.n_heads,
-                 "d_ff": shape.d_ff, "tie_embeddings": False}
+        model = {
+            "arch": "llama",
+            "n_layers": shape.n_layers,
+            "d_model": shape.d_model,
+            "n_heads": shape.n_heads,
+            "d_ff": shape.d_ff,
+            "tie_embeddings": False,
+        }
         pos = {"type": "rope"}
     else:
         model, _ = preset_model(v.model, shape.size)
@@ -239,10 +255,20 @@ def hf_llama(shape: Shape):
     layer (SwiGLU, RMSNorm eps 1e-6, untied, no biases, no GQA)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.d_model, intermediate_size=shape.d_ff,
-                      num_hidden_layers=shape.n_layers, num_attention_heads=shape.n_heads,
-                      num_key_value_heads=shape.n_heads, max_position_embeddings=shape.seq_len, rms_norm_eps=1e-6,
-                      tie_word_embeddings=False, attention_bias=False, mlp_bias=False, use_cache=False)
+    cfg = LlamaConfig(
+        vocab_size=shape.vocab,
+        hidden_size=shape.d_model,
+        intermediate_size=shape.d_ff,
+        num_hidden_layers=shape.n_layers,
+        num_attention_heads=shape.n_heads,
+        num_key_value_heads=shape.n_heads,
+        max_position_embeddings=shape.seq_len,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+        use_cache=False,
+    )
     cfg._attn_implementation = "sdpa"
     return LlamaForCausalLM(cfg)
 
@@ -319,6 +345,7 @@ def flops_per_token(v: Variant, shape: Shape, model) -> float:
 # timing
 # ------------------------------------------------------------------------------------------------------------------
 
+
 class VariantTimeout(BaseException):
     """Raised by SIGALRM when a variant's time is spent (a BaseException, so that no library's ``except Exception``
     swallows it)."""
@@ -373,8 +400,17 @@ class Stepper:
     """One training step of a model on a fixed random batch (see the module docstring); with ``doc_len`` the batch
     packs documents (:func:`doc_ids_for`), passed as ``doc_ids``, and the loss counts the targets inside a document."""
 
-    def __init__(self, model, hf: bool, batch: int, shape: Shape, device, compiled: bool = False,
-                 compile_backend: str = "inductor", doc_len: int | None = None):
+    def __init__(
+        self,
+        model,
+        hf: bool,
+        batch: int,
+        shape: Shape,
+        device,
+        compiled: bool = False,
+        compile_backend: str = "inductor",
+        doc_len: int | None = None,
+    ):
         import torch
 
         from canonlm.arch.loss import lm_loss
@@ -391,8 +427,10 @@ class Stepper:
             self.mask = self.doc_ids[:, 1:] == self.doc_ids[:, :-1]  # the next token is in the same document
         params = [p for p in model.parameters() if p.requires_grad]
         # conf/optim/adamw.yaml; weight decay on matrices only, as training's parameter groups
-        groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.03},
-                  {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+        groups = [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.03},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ]
         hp = dict(lr=2e-3, betas=(0.9, 0.98), eps=1e-6)
         try:
             self.opt, self.fused = torch.optim.AdamW(groups, fused=True, **hp), True
@@ -484,8 +522,10 @@ def _dynamo_counts() -> dict:
         from torch._dynamo.utils import counters
     except ImportError:
         return {}
-    return {"unique_graphs": int(counters["stats"].get("unique_graphs", 0)),
-            "graph_breaks": int(sum(counters["graph_break"].values()))}
+    return {
+        "unique_graphs": int(counters["stats"].get("unique_graphs", 0)),
+        "graph_breaks": int(sum(counters["graph_break"].values())),
+    }
 
 
 def _clear_dynamo_counters() -> None:
@@ -496,8 +536,9 @@ def _clear_dynamo_counters() -> None:
     counters.clear()
 
 
-def _measure(v: Variant, shape: Shape, device, args, deadline: float, batch_start: dict, rec: dict,
-             phase: list) -> None:
+def _measure(
+    v: Variant, shape: Shape, device, args, deadline: float, batch_start: dict, rec: dict, phase: list
+) -> None:
     """The body of :func:`run_variant`, filling ``rec`` as it goes (``phase[0]``: what it is doing). Its model,
     optimizer and batch are locals of this frame: they are freed when it returns or its exception is handled."""
     t0 = time.monotonic()
@@ -510,8 +551,16 @@ def _measure(v: Variant, shape: Shape, device, args, deadline: float, batch_star
     stepper = first = None
     for b in batches:
         phase[0] = f"first step (batch {b})"
-        stepper = Stepper(model, v.model == "hf", b, shape, device, v.compiled, args.compile_backend,
-                          doc_len(args, shape) if v.docs else None)
+        stepper = Stepper(
+            model,
+            v.model == "hf",
+            b,
+            shape,
+            device,
+            v.compiled,
+            args.compile_backend,
+            doc_len(args, shape) if v.docs else None,
+        )
         oom = None
         try:
             first = stepper.wall()
@@ -556,9 +605,21 @@ def run_variant(v: Variant, shape: Shape, device, args, budget_s: float, batch_s
     the returned dict with its reason; the variant's memory and compiled graphs are freed before it returns."""
     import torch
 
-    rec: dict = {"record": "variant", "name": v.name, "shape": v.shape, "model": v.model, "canon": v.canon,
-                 "backend": v.backend, "mode": v.mode, "compiled": v.compiled, "doc_mask": v.docs,
-                 "seq_len": shape.seq_len, "status": "ok", "reason": None, "budget_s": round(budget_s, 3)}
+    rec: dict = {
+        "record": "variant",
+        "name": v.name,
+        "shape": v.shape,
+        "model": v.model,
+        "canon": v.canon,
+        "backend": v.backend,
+        "mode": v.mode,
+        "compiled": v.compiled,
+        "doc_mask": v.docs,
+        "seq_len": shape.seq_len,
+        "status": "ok",
+        "reason": None,
+        "budget_s": round(budget_s, 3),
+    }
     t0 = time.monotonic()
     phase = ["build"]
     done = False
@@ -571,8 +632,10 @@ def run_variant(v: Variant, shape: Shape, device, args, budget_s: float, batch_s
             done = True
     except VariantTimeout:
         if not done:  # (an alarm that fired between the end of the work and its cancellation changes nothing)
-            rec.update(status="timeout", reason=f"time limit of {budget_s:g} s (--budget-s, or what --max-minutes "
-                                                f"left) spent in the {phase[0]}")
+            rec.update(
+                status="timeout",
+                reason=f"time limit of {budget_s:g} s (--budget-s, or what --max-minutes left) spent in the {phase[0]}",
+            )
     except KeyboardInterrupt:
         raise
     except Exception as e:  # noqa: BLE001 - recorded, the bench goes on
@@ -581,8 +644,12 @@ def run_variant(v: Variant, shape: Shape, device, args, budget_s: float, batch_s
     times = rec.get("step_times_s") or []
     if times:
         med = statistics.median(times)
-        rec.update(steps_measured=len(times), step_s=med, step_ms=round(med * 1e3, 3),
-                   tokens_per_s=rec["tokens_per_step"] / med)
+        rec.update(
+            steps_measured=len(times),
+            step_s=med,
+            step_ms=round(med * 1e3, 3),
+            tokens_per_s=rec["tokens_per_step"] / med,
+        )
         peak = args.peak_flops
         rec["mfu"] = (rec["tokens_per_s"] * rec["flops_per_token"] / peak) if peak else None
     elif rec["status"] == "ok":
@@ -606,6 +673,7 @@ def free_memory_keep_graphs(device) -> None:
 # ------------------------------------------------------------------------------------------------------------------
 # variants, ratios, output
 # ------------------------------------------------------------------------------------------------------------------
+
 
 def doc_len(args, shape: Shape) -> int:
     """Mean document length (tokens) of the document-masked variants: ``--doc-len``, else a quarter of the window."""
@@ -664,32 +732,75 @@ def ratios(results: list[dict]) -> list[dict]:
 
     def add(kind, num, den, value, target, op, shape, what):
         met = None if target is None else (value <= target if op == "<=" else value >= target)
-        out.append({"kind": kind, "shape": shape, "what": what, "num": num["name"], "den": den["name"],
-                    "value": value, "target": target, "op": op, "met": met,
-                    "same_batch": num["batch"] == den["batch"]})
+        out.append(
+            {
+                "kind": kind,
+                "shape": shape,
+                "what": what,
+                "num": num["name"],
+                "den": den["name"],
+                "value": value,
+                "target": target,
+                "op": op,
+                "met": met,
+                "same_batch": num["batch"] == den["batch"],
+            }
+        )
 
     for r in ok.values():
         mode, s = r["mode"], r["shape"]
         if r.get("doc_mask"):
             den = ok.get(r["name"].rsplit("/docs", 1)[0])
             if den:
-                add("doc_mask_overhead", r, den, per_token(r) / per_token(den), None, "<=", s,
-                    f"{r['model']} {r['canon']} docs/plain {r['backend']} {mode}")
+                add(
+                    "doc_mask_overhead",
+                    r,
+                    den,
+                    per_token(r) / per_token(den),
+                    None,
+                    "<=",
+                    s,
+                    f"{r['model']} {r['canon']} docs/plain {r['backend']} {mode}",
+                )
         elif r["model"] == "llama" and r["canon"] == "ABCD":
             den = ok.get(f"{s}/llama/none/-/{mode}")
             if den:
-                add("canon_overhead", r, den, per_token(r) / per_token(den), CANON_TARGET.get(s), "<=", s,
-                    f"llama ABCD/none {r['backend']} {mode}")
+                add(
+                    "canon_overhead",
+                    r,
+                    den,
+                    per_token(r) / per_token(den),
+                    CANON_TARGET.get(s),
+                    "<=",
+                    s,
+                    f"llama ABCD/none {r['backend']} {mode}",
+                )
         elif r["model"] == "hf":
             den = ok.get(f"{s}/llama/none/-/{mode}")
             if den:
-                add("vs_transformers", r, den, per_token(r) / per_token(den), HF_TARGET.get(s), ">=", s,
-                    f"transformers/canonlm llama none {mode}")
+                add(
+                    "vs_transformers",
+                    r,
+                    den,
+                    per_token(r) / per_token(den),
+                    HF_TARGET.get(s),
+                    ">=",
+                    s,
+                    f"transformers/canonlm llama none {mode}",
+                )
         elif r["model"] not in ("llama", "hf") and r["canon"] == full_linear_set(r["model"]):
             den = ok.get(f"{s}/{r['model']}/b/{r['backend']}/{mode}")
             if den:
-                add("linear_overhead", r, den, per_token(r) / per_token(den), LINEAR_TARGET.get(s), "<=", s,
-                    f"{r['model']} {r['canon']}/b {r['backend']} {mode}")
+                add(
+                    "linear_overhead",
+                    r,
+                    den,
+                    per_token(r) / per_token(den),
+                    LINEAR_TARGET.get(s),
+                    "<=",
+                    s,
+                    f"{r['model']} {r['canon']}/b {r['backend']} {mode}",
+                )
     return out
 
 
@@ -709,8 +820,10 @@ def _fmt(x, spec: str, none: str = "n/a") -> str:
 
 def table(results: list[dict]) -> list[str]:
     """The results as a Markdown table."""
-    rows = ["| variant | status | batch | step ms | tokens/s | MFU | peak GiB | first step s | backends | note |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| variant | status | batch | step ms | tokens/s | MFU | peak GiB | first step s | backends | note |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         be = ", ".join(f"{k}={v}" for k, v in (r.get("backends") or {}).items())
         note = r.get("reason") or r.get("truncated") or ""
@@ -719,9 +832,18 @@ def table(results: list[dict]) -> list[str]:
         if r.get("dynamo"):
             note = (note + "; " if note else "") + "graphs {unique_graphs}, breaks {graph_breaks}".format(**r["dynamo"])
         mfu = "" if r.get("step_s") is None else "n/a" if r.get("mfu") is None else f"{100 * r['mfu']:.1f} %"
-        cells = [r["name"], r["status"], _fmt(r.get("batch"), "d", ""), _fmt(r.get("step_ms"), ".1f", ""),
-                 _fmt(r.get("tokens_per_s"), ",.0f", ""), mfu, _fmt(r.get("peak_gib"), ".2f", "n/a" if r.get("step_s") else ""),
-                 _fmt(r.get("first_step_s"), ".2f", ""), be, note.replace("|", "/")]
+        cells = [
+            r["name"],
+            r["status"],
+            _fmt(r.get("batch"), "d", ""),
+            _fmt(r.get("step_ms"), ".1f", ""),
+            _fmt(r.get("tokens_per_s"), ",.0f", ""),
+            mfu,
+            _fmt(r.get("peak_gib"), ".2f", "n/a" if r.get("step_s") else ""),
+            _fmt(r.get("first_step_s"), ".2f", ""),
+            be,
+            note.replace("|", "/"),
+        ]
         rows.append("| " + " | ".join(cells) + " |")
     return rows
 
@@ -749,15 +871,24 @@ def header(args, device, argv: list[str]) -> dict:
             versions[p] = importlib.metadata.version(p)
         except importlib.metadata.PackageNotFoundError:
             versions[p] = None
-    h = {"record": "header", "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-         "command": " ".join(["python", "bench/gpu_step.py", *argv]), "device": str(device),
-         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-         "peak_flops": args.peak_flops, "python": platform.python_version(), "cuda": torch.version.cuda,
-         "threads": torch.get_num_threads(), "versions": versions, "canonlm_git": _git_commit(),
-         "presets_from": "hydra" if all(importlib.util.find_spec(m) for m in ("hydra", "omegaconf")) else "yaml",
-         "options": {k: str(v) if isinstance(v, torch.device) else v for k, v in vars(args).items()
-                     if k != "peak_flops"},
-         "shapes": {s: dataclasses.asdict(SHAPES[s]) for s in args.shapes}}
+    h = {
+        "record": "header",
+        "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["python", "bench/gpu_step.py", *argv]),
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "peak_flops": args.peak_flops,
+        "python": platform.python_version(),
+        "cuda": torch.version.cuda,
+        "threads": torch.get_num_threads(),
+        "versions": versions,
+        "canonlm_git": _git_commit(),
+        "presets_from": "hydra" if all(importlib.util.find_spec(m) for m in ("hydra", "omegaconf")) else "yaml",
+        "options": {
+            k: str(v) if isinstance(v, torch.device) else v for k, v in vars(args).items() if k != "peak_flops"
+        },
+        "shapes": {s: dataclasses.asdict(SHAPES[s]) for s in args.shapes},
+    }
     return h
 
 
@@ -766,12 +897,20 @@ def write_md(path: Path, head: dict, results: list[dict], qs: list[dict]) -> Non
     killed from outside still leaves the table of what it measured)."""
     g = head["canonlm_git"]
     v = head["versions"]
-    lines = [f"# GPU step benchmark ({head['time']})", "",
-             f"- device: {head['device_name']} ({head['device']}); peak {_fmt(head['peak_flops'], '.3g')} FLOP/s",
-             "- versions: " + ", ".join(f"{k} {v[k]}" for k in v if v[k]) + f"; Python {head['python']}, "
-             f"CUDA {head['cuda']}",
-             f"- canonlm commit {g['commit']}{' (dirty)' if g['dirty'] else ''}",
-             f"- command: `{head['command']}`", "", *table(results), "", "## Ratios", ""]
+    lines = [
+        f"# GPU step benchmark ({head['time']})",
+        "",
+        f"- device: {head['device_name']} ({head['device']}); peak {_fmt(head['peak_flops'], '.3g')} FLOP/s",
+        "- versions: " + ", ".join(f"{k} {v[k]}" for k in v if v[k]) + f"; Python {head['python']}, "
+        f"CUDA {head['cuda']}",
+        f"- canonlm commit {g['commit']}{' (dirty)' if g['dirty'] else ''}",
+        f"- command: `{head['command']}`",
+        "",
+        *table(results),
+        "",
+        "## Ratios",
+        "",
+    ]
     lines += [f"- {ratio_line(q)}" for q in qs] or ["- (none: no complete pair measured)"]
     path.write_text("\n".join(lines) + "\n")
 
@@ -780,6 +919,7 @@ def write_md(path: Path, head: dict, results: list[dict], qs: list[dict]) -> Non
 # command line
 # ------------------------------------------------------------------------------------------------------------------
 
+
 def _csv(s: str) -> list[str]:
     return [x.strip() for x in s.split(",") if x.strip()]
 
@@ -787,60 +927,123 @@ def _csv(s: str) -> list[str]:
 def parse_args(argv: list[str] | None = None):
     """The options, with the preset's defaults (``--tiny``, ``--quick`` or the full run) filled in where not given."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", help="folder for gpu_step.jsonl and gpu_step.md (created; must not hold a previous "
-                                  "run's files); required unless --list")
+    ap.add_argument(
+        "--out",
+        help="folder for gpu_step.jsonl and gpu_step.md (created; must not hold a previous "
+        "run's files); required unless --list",
+    )
     ap.add_argument("--tiny", action="store_true", help="CPU, the tiny shape, every variant a CPU can run, a few steps")
-    ap.add_argument("--quick", action="store_true", help="12L768D, Canon auto backend, 5 steps after 2: a short "
-                                                         "GPU allocation")
+    ap.add_argument(
+        "--quick", action="store_true", help="12L768D, Canon auto backend, 5 steps after 2: a short GPU allocation"
+    )
     ap.add_argument("--shapes", help=f"comma list of {', '.join(SHAPES)} (default 12L768D,1.3B; --tiny: tiny)")
     ap.add_argument("--models", help="comma list: llama, hf and conf/arch presets (default llama,hf,gla,gdn,mamba2)")
-    ap.add_argument("--backends", help="kernels.canon of the Canon-ABCD Llama: comma list of names and/or "
-                                       "'available' (every backend that can run on the device, and auto; default)")
+    ap.add_argument(
+        "--backends",
+        help="kernels.canon of the Canon-ABCD Llama: comma list of names and/or "
+        "'available' (every backend that can run on the device, and auto; default)",
+    )
     ap.add_argument("--linear-backends", help="kernels.canon of the linear models (same names; default auto)")
     ap.add_argument("--compile", dest="modes", help="comma list of eager, compiled (default both)")
     ap.add_argument("--compile-models", help="models that also get compiled variants (default: every model)")
     ap.add_argument("--compile-backends", help="Canon backends that also get compiled variants (default: every one)")
-    ap.add_argument("--compile-backend",
-                    help="torch.compile backend of the compiled variants (default inductor, as training; --tiny: "
-                         "aot_eager, dynamo and AOTAutograd without inductor's C++ code generation, which takes "
-                         "17-48 s a variant was measured on a cold, shared 2-core CPU)")
-    ap.add_argument("--peak-flops", type=float,
-                    help="dense bf16 peak FLOP/s for MFU (default: canonlm.train.module.peak_flops of the CUDA "
-                         "device's name; none on CPU or for a device not in that table: MFU n/a)")
+    ap.add_argument(
+        "--compile-backend",
+        help="torch.compile backend of the compiled variants (default inductor, as training; --tiny: "
+        "aot_eager, dynamo and AOTAutograd without inductor's C++ code generation, which takes "
+        "17-48 s a variant was measured on a cold, shared 2-core CPU)",
+    )
+    ap.add_argument(
+        "--peak-flops",
+        type=float,
+        help="dense bf16 peak FLOP/s for MFU (default: canonlm.train.module.peak_flops of the CUDA "
+        "device's name; none on CPU or for a device not in that table: MFU n/a)",
+    )
     ap.add_argument("--steps", type=int, help="measured steps (median reported; default 10, --quick 5, --tiny 3)")
-    ap.add_argument("--warmup", type=int, help="steps before, the first one timed as first_step_s (default 3, "
-                                               "--quick 2, --tiny 1)")
-    ap.add_argument("--batch", help="comma list of batch sizes tried in order, for every shape (default: the "
-                                    "shape's: 8 at 12L768D, 8,4,2,1 at 1.3B, 2 tiny)")
+    ap.add_argument(
+        "--warmup", type=int, help="steps before, the first one timed as first_step_s (default 3, --quick 2, --tiny 1)"
+    )
+    ap.add_argument(
+        "--batch",
+        help="comma list of batch sizes tried in order, for every shape (default: the "
+        "shape's: 8 at 12L768D, 8,4,2,1 at 1.3B, 2 tiny)",
+    )
     ap.add_argument("--budget-s", type=float, help="seconds per variant (default 90, --quick 45, --tiny 60)")
-    ap.add_argument("--max-minutes", type=float, help="the whole run (default 3.5; --tiny 5); variants left when it is "
-                                                      "spent are recorded as skipped")
+    ap.add_argument(
+        "--max-minutes",
+        type=float,
+        help="the whole run (default 3.5; --tiny 5); variants left when it is spent are recorded as skipped",
+    )
     ap.add_argument("--device", help="cuda (default when available) or cpu (default with --tiny)")
-    ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's; --tiny: 1, steadier on a "
-                                                "shared CPU)")
-    ap.add_argument("--doc-models", help="models that also get a document-masked variant (doc_ids packed in every "
-                                         "window): comma list of canonlm models of --models, or 'none' (default: "
-                                         "every canonlm model of --models)")
-    ap.add_argument("--doc-len", type=int, help="mean document length in tokens of the document-masked variants "
-                                                "(default: a quarter of the window, 512 at 12L768D)")
-    ap.add_argument("--list", action="store_true", help="print the variants in the order they would run, then exit "
-                                                        "(--out is not needed)")
+    ap.add_argument(
+        "--threads", type=int, help="torch CPU threads (default: torch's; --tiny: 1, steadier on a shared CPU)"
+    )
+    ap.add_argument(
+        "--doc-models",
+        help="models that also get a document-masked variant (doc_ids packed in every "
+        "window): comma list of canonlm models of --models, or 'none' (default: "
+        "every canonlm model of --models)",
+    )
+    ap.add_argument(
+        "--doc-len",
+        type=int,
+        help="mean document length in tokens of the document-masked variants "
+        "(default: a quarter of the window, 512 at 12L768D)",
+    )
+    ap.add_argument(
+        "--list",
+        action="store_true",
+        help="print the variants in the order they would run, then exit (--out is not needed)",
+    )
     args = ap.parse_args(argv)
     if args.out is None and not args.list:
         ap.error("--out is required (unless --list)")
     preset = "tiny" if args.tiny else "quick" if args.quick else "full"
     if args.tiny and args.quick:
         ap.error("--tiny and --quick: choose one")
-    d = {"full": dict(shapes="12L768D,1.3B", models="llama,hf,gla,gdn,mamba2", backends="available",
-                      linear_backends="auto", modes="eager,compiled", steps=10, warmup=3, budget_s=90.0,
-                      max_minutes=3.5, compile_backend="inductor"),
-         "quick": dict(shapes="12L768D", models="llama,hf,gla,gdn,mamba2", backends="auto", linear_backends="auto",
-                       modes="eager,compiled", compile_models="llama", steps=5, warmup=2, budget_s=45.0,
-                       max_minutes=3.5, compile_backend="inductor"),
-         "tiny": dict(shapes="tiny", models="llama,hf,gla,gdn,mamba2", backends="available",
-                      linear_backends="auto", modes="eager,compiled", compile_models="llama", compile_backends="torch",
-                      steps=3, warmup=1, budget_s=60.0, max_minutes=5.0, device="cpu", threads=1,
-                      compile_backend="aot_eager")}[preset]
+    d = {
+        "full": dict(
+            shapes="12L768D,1.3B",
+            models="llama,hf,gla,gdn,mamba2",
+            backends="available",
+            linear_backends="auto",
+            modes="eager,compiled",
+            steps=10,
+            warmup=3,
+            budget_s=90.0,
+            max_minutes=3.5,
+            compile_backend="inductor",
+        ),
+        "quick": dict(
+            shapes="12L768D",
+            models="llama,hf,gla,gdn,mamba2",
+            backends="auto",
+            linear_backends="auto",
+            modes="eager,compiled",
+            compile_models="llama",
+            steps=5,
+            warmup=2,
+            budget_s=45.0,
+            max_minutes=3.5,
+            compile_backend="inductor",
+        ),
+        "tiny": dict(
+            shapes="tiny",
+            models="llama,hf,gla,gdn,mamba2",
+            backends="available",
+            linear_backends="auto",
+            modes="eager,compiled",
+            compile_models="llama",
+            compile_backends="torch",
+            steps=3,
+            warmup=1,
+            budget_s=60.0,
+            max_minutes=5.0,
+            device="cpu",
+            threads=1,
+            compile_backend="aot_eager",
+        ),
+    }[preset]
     for k, val in d.items():
         if getattr(args, k, None) is None:
             setattr(args, k, val)
@@ -920,8 +1123,11 @@ def check_args(args, ap) -> None:
     import torch._dynamo
 
     if args.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
-        bad("--compile-backend", args.compile_backend,
-            "one of " + ", ".join(torch._dynamo.list_backends(exclude_tags=())))
+        bad(
+            "--compile-backend",
+            args.compile_backend,
+            "one of " + ", ".join(torch._dynamo.list_backends(exclude_tags=())),
+        )
     for opt, val, lo in (("--steps", args.steps, 1), ("--warmup", args.warmup, 1)):
         if val < lo:
             bad(opt, val, f"an integer >= {lo}")
@@ -962,8 +1168,11 @@ def main(argv: list[str] | None = None) -> int:
         variants = plan(args)
         for v in variants:
             print(v.name + (f"  [documents of mean length {doc_len(args, SHAPES[v.shape])} tokens]" if v.docs else ""))
-        print(f"gpu_step: {len(variants)} variants on {args.device}, --max-minutes {args.max_minutes:g}, --budget-s "
-              f"{args.budget_s:g}", file=sys.stderr)
+        print(
+            f"gpu_step: {len(variants)} variants on {args.device}, --max-minutes {args.max_minutes:g}, --budget-s "
+            f"{args.budget_s:g}",
+            file=sys.stderr,
+        )
         return 0
 
     from canonlm.utils.kernel_cache import configure
@@ -987,26 +1196,42 @@ def main(argv: list[str] | None = None) -> int:
             f.write(json.dumps(rec) + "\n")
 
     append(head)
-    print(f"# {head['device_name']}; torch {head['versions']['torch']}; canonlm {head['canonlm_git']['commit']}; "
-          f"{len(variants)} variants; --max-minutes {args.max_minutes:g}, --budget-s {args.budget_s:g}", flush=True)
+    print(
+        f"# {head['device_name']}; torch {head['versions']['torch']}; canonlm {head['canonlm_git']['commit']}; "
+        f"{len(variants)} variants; --max-minutes {args.max_minutes:g}, --budget-s {args.budget_s:g}",
+        flush=True,
+    )
     end = time.monotonic() + 60 * args.max_minutes
     results: list[dict] = []
     batch_start: dict = {}
     for i, v in enumerate(variants, 1):
         left = end - time.monotonic()
         if left <= 0 or left < min(5.0, args.budget_s):
-            rec = {"record": "variant", "name": v.name, "shape": v.shape, "model": v.model, "canon": v.canon,
-                   "backend": v.backend, "mode": v.mode, "compiled": v.compiled, "doc_mask": v.docs,
-                   "seq_len": SHAPES[v.shape].seq_len, "status": "skipped",
-                   "reason": f"--max-minutes {args.max_minutes:g} spent"}
+            rec = {
+                "record": "variant",
+                "name": v.name,
+                "shape": v.shape,
+                "model": v.model,
+                "canon": v.canon,
+                "backend": v.backend,
+                "mode": v.mode,
+                "compiled": v.compiled,
+                "doc_mask": v.docs,
+                "seq_len": SHAPES[v.shape].seq_len,
+                "status": "skipped",
+                "reason": f"--max-minutes {args.max_minutes:g} spent",
+            }
         else:
             rec = run_variant(v, SHAPES[v.shape], device, args, min(args.budget_s, left), batch_start)
         results.append(rec)
         append(rec)
         write_md(out / MD, head, results, ratios(results))
-        msg = (f"batch {rec['batch']}, {rec['step_ms']:.2f} ms/step, {rec['tokens_per_s']:,.0f} tok/s, "
-               f"first step {rec['first_step_s']:.2f} s"
-               if rec.get("step_ms") is not None else rec.get("reason"))
+        msg = (
+            f"batch {rec['batch']}, {rec['step_ms']:.2f} ms/step, {rec['tokens_per_s']:,.0f} tok/s, "
+            f"first step {rec['first_step_s']:.2f} s"
+            if rec.get("step_ms") is not None
+            else rec.get("reason")
+        )
         print(f"[{i}/{len(variants)}] {v.name}: {rec['status']}: {msg}", flush=True)
     qs = ratios(results)
     append({"record": "ratios", "ratios": qs})

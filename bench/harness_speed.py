@@ -109,12 +109,20 @@ def build(arch: str, size: str, n_docs: int, max_gen_toks: int, out: Path) -> Pa
     (d / "docs.jsonl").write_text("".join(json.dumps(x) + "\n" for x in docs))
     t = d / "tasks"
     t.mkdir()
-    (t / "ll.yaml").write_text(TASK_YAML.format(name="cl_ll", docs=d / "docs.jsonl", kind="loglikelihood",
-                                                extra="metric_list:\n  - metric: acc\n"))
-    (t / "gen.yaml").write_text(TASK_YAML.format(
-        name="cl_gen", docs=d / "docs.jsonl", kind="generate_until",
-        extra=f"generation_kwargs:\n  until: [\"<ans>\"]\n  max_gen_toks: {max_gen_toks}\n  do_sample: false\n"
-              "metric_list:\n  - metric: exact_match\n"))
+    (t / "ll.yaml").write_text(
+        TASK_YAML.format(
+            name="cl_ll", docs=d / "docs.jsonl", kind="loglikelihood", extra="metric_list:\n  - metric: acc\n"
+        )
+    )
+    (t / "gen.yaml").write_text(
+        TASK_YAML.format(
+            name="cl_gen",
+            docs=d / "docs.jsonl",
+            kind="generate_until",
+            extra=f'generation_kwargs:\n  until: ["<ans>"]\n  max_gen_toks: {max_gen_toks}\n  do_sample: false\n'
+            "metric_list:\n  - metric: exact_match\n",
+        )
+    )
     return d
 
 
@@ -129,25 +137,52 @@ def child(side: str, d: Path, batch_size: int, device: str, threads: int | None,
 
     t0 = time.perf_counter()
     if side == "lm_eval":
-        res = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={d / 'export'},trust_remote_code=True",
-                                      tasks=list(TASKS), task_manager=TaskManager(include_path=str(d / "tasks")),
-                                      batch_size=batch_size, device=device, log_samples=True)
+        res = lm_eval.simple_evaluate(
+            model="hf",
+            model_args=f"pretrained={d / 'export'},trust_remote_code=True",
+            tasks=list(TASKS),
+            task_manager=TaskManager(include_path=str(d / "tasks")),
+            batch_size=batch_size,
+            device=device,
+            log_samples=True,
+        )
     else:
         from canonlm.eval.harness import evaluate
 
-        res = evaluate(d / "run", list(TASKS), include_path=str(d / "tasks"), batch_size=batch_size, device=device,
-                       log_samples=True)
+        res = evaluate(
+            d / "run",
+            list(TASKS),
+            include_path=str(d / "tasks"),
+            batch_size=batch_size,
+            device=device,
+            log_samples=True,
+        )
     eval_s = time.perf_counter() - t0
-    responses = {f"{task}\t{s['doc']['context']}": s["filtered_resps"][0]
-                 for task, samples in res["samples"].items() for s in samples}
+    responses = {
+        f"{task}\t{s['doc']['context']}": s["filtered_resps"][0]
+        for task, samples in res["samples"].items()
+        for s in samples
+    }
     dump.write_text(json.dumps({"eval_s": eval_s, "responses": responses}, default=str))
 
 
 def run_side(side: str, d: Path, args: argparse.Namespace, dump: Path) -> tuple[float, float, dict]:
     """(wall seconds of the child process, its CPU seconds, its dump)."""
     bs = args.lm_eval_batch_size if side == "lm_eval" and args.lm_eval_batch_size else args.batch_size
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", side, "--dir", str(d), "--batch-size",
-           str(bs), "--device", args.device, "--dump", str(dump)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--child",
+        side,
+        "--dir",
+        str(d),
+        "--batch-size",
+        str(bs),
+        "--device",
+        args.device,
+        "--dump",
+        str(dump),
+    ]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
@@ -178,16 +213,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     archs = [x for x in a.archs.split(",") if x]
     bad = [x for x in archs if x not in ARCHS]
-    for key, val, ok in (("--archs", a.archs, archs and not bad), ("--docs", a.docs, a.docs >= 1),
-                         ("--max-gen-toks", a.max_gen_toks, a.max_gen_toks >= 1),
-                         ("--batch-size", a.batch_size, a.batch_size >= 1), ("--reps", a.reps, a.reps >= 1),
-                         ("--lm-eval-batch-size", a.lm_eval_batch_size,
-                          a.lm_eval_batch_size is None or a.lm_eval_batch_size >= 1),
-                         ("--threads", a.threads, a.threads is None or a.threads >= 1),
-                         ("--keep", a.keep, a.keep is None or not Path(a.keep).exists())):
+    for key, val, ok in (
+        ("--archs", a.archs, archs and not bad),
+        ("--docs", a.docs, a.docs >= 1),
+        ("--max-gen-toks", a.max_gen_toks, a.max_gen_toks >= 1),
+        ("--batch-size", a.batch_size, a.batch_size >= 1),
+        ("--reps", a.reps, a.reps >= 1),
+        ("--lm-eval-batch-size", a.lm_eval_batch_size, a.lm_eval_batch_size is None or a.lm_eval_batch_size >= 1),
+        ("--threads", a.threads, a.threads is None or a.threads >= 1),
+        ("--keep", a.keep, a.keep is None or not Path(a.keep).exists()),
+    ):
         if not ok:
-            allowed = {"--archs": f"a comma-separated subset of {', '.join(ARCHS)}",
-                       "--keep": "a path that does not exist yet"}.get(key, "an integer >= 1")
+            allowed = {
+                "--archs": f"a comma-separated subset of {', '.join(ARCHS)}",
+                "--keep": "a path that does not exist yet",
+            }.get(key, "an integer >= 1")
             ap.exit(2, f"harness_speed.py: error: {key}={val!r}; allowed: {allowed}\n")
     a.arch_list = archs
     return a
@@ -202,9 +242,12 @@ def main(argv: list[str] | None = None) -> int:
     base = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="harness_speed_"))
     base.mkdir(parents=True, exist_ok=True)
     lm_bs = args.lm_eval_batch_size or args.batch_size
-    print(f"# {len(args.arch_list)} architectures, {args.size}, task depo1_cpu, {args.docs} docs x (cl_ll, cl_gen "
-          f"max_gen_toks {args.max_gen_toks}), batch size {args.batch_size} (lm_eval {lm_bs}), device {args.device}, "
-          f"threads {args.threads or 'default'}, {args.reps} rounds; runs in {base}", flush=True)
+    print(
+        f"# {len(args.arch_list)} architectures, {args.size}, task depo1_cpu, {args.docs} docs x (cl_ll, cl_gen "
+        f"max_gen_toks {args.max_gen_toks}), batch size {args.batch_size} (lm_eval {lm_bs}), device {args.device}, "
+        f"threads {args.threads or 'default'}, {args.reps} rounds; runs in {base}",
+        flush=True,
+    )
     rows = []
     try:
         for arch in args.arch_list:
@@ -222,17 +265,23 @@ def main(argv: list[str] | None = None) -> int:
             lm, hr = ([min(x[i] for x in times[s]) for i in range(3)] for s in ("lm_eval", "harness"))
             ratio = (hr[0] / lm[0], hr[1] / lm[1])
             rows.append((arch, ratio, identical))
-            print(f"{arch:7s} lm_eval wall {lm[0]:6.1f} s cpu {lm[1]:6.1f} s (eval {lm[2]:5.1f})  harness wall "
-                  f"{hr[0]:6.1f} s cpu {hr[1]:6.1f} s (eval {hr[2]:5.1f})  harness/lm_eval wall {ratio[0]:.2f} cpu "
-                  f"{ratio[1]:.2f} (target <= {TARGET})  identical responses: {identical}", flush=True)
+            print(
+                f"{arch:7s} lm_eval wall {lm[0]:6.1f} s cpu {lm[1]:6.1f} s (eval {lm[2]:5.1f})  harness wall "
+                f"{hr[0]:6.1f} s cpu {hr[1]:6.1f} s (eval {hr[2]:5.1f})  harness/lm_eval wall {ratio[0]:.2f} cpu "
+                f"{ratio[1]:.2f} (target <= {TARGET})  identical responses: {identical}",
+                flush=True,
+            )
     finally:
         if not args.keep:
             import shutil
 
             shutil.rmtree(base, ignore_errors=True)
-    print("ratios (wall, cpu): " + ", ".join(f"{a} {r[0]:.2f} {r[1]:.2f}" for a, r, _ in rows)
-          + f"; all <= {TARGET}: {all(max(r) <= TARGET for _, r, _ in rows)}; all identical: "
-          f"{all(i for *_, i in rows)}")
+    print(
+        "ratios (wall, cpu): "
+        + ", ".join(f"{a} {r[0]:.2f} {r[1]:.2f}" for a, r, _ in rows)
+        + f"; all <= {TARGET}: {all(max(r) <= TARGET for _, r, _ in rows)}; all identical: "
+        f"{all(i for *_, i in rows)}"
+    )
     return 0
 
 

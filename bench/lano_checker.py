@@ -113,8 +113,10 @@ def main() -> None:
     cpu = a.cpu if a.cpu is not None else min(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {cpu})
     gdir = Path(a.grammar_dir) if a.grammar_dir else (DEFAULT_DIR if DEFAULT_DIR.exists() else None)
-    print(f"pinned to core {cpu}; NUMBA_NUM_THREADS={os.environ['NUMBA_NUM_THREADS']}; CPU time; "
-          f"official anchors measured on one core (validity: range midpoints; flipped / KL: stated single values)")
+    print(
+        f"pinned to core {cpu}; NUMBA_NUM_THREADS={os.environ['NUMBA_NUM_THREADS']}; CPU time; "
+        f"official anchors measured on one core (validity: range midpoints; flipped / KL: stated single values)"
+    )
     from canonlm.data.tasks import build_task
 
     for name in ("cfg3f", "cfg3j", "cfg3k"):
@@ -125,9 +127,10 @@ def main() -> None:
             g, src = preset_grammar(name, 0), "generated family grammar (grammar_seed 0; not the official file)"
         print(f"\n== {name}: {src}; {g!r}")
         n = a.sentences
-        tok, off, _ = sample_sentences(g, instance_keys(1, np.arange(n), np.zeros(n, np.int64)),
-                                       max_len=CONTEXT[name] - 1)
-        sents = [tok[off[r]:off[r + 1]] for r in range(n)]
+        tok, off, _ = sample_sentences(
+            g, instance_keys(1, np.arange(n), np.zeros(n, np.int64)), max_len=CONTEXT[name] - 1
+        )
+        sents = [tok[off[r] : off[r + 1]] for r in range(n)]
         lens = np.diff(off)
         flips = []
         for r, s in enumerate(sents):
@@ -138,29 +141,40 @@ def main() -> None:
         check(g, sents[:1])
         next_symbol_probs(g, sents[0])  # compile / load the kernels outside the measurements
         (t_ok, acc), mem = isolated(time_check, g, sents)
-        print(f"recogniser, valid   : {t_ok * 1e3:8.3f} ms/sentence (len mean {lens.mean():.0f}, max {lens.max()}; "
-              f"accepted {acc:.0%}); peak +{mem:.1f} MB; official {OFF_VALID[name]} s "
-              f"-> x{OFF_VALID[name] / t_ok:,.0f}")
+        print(
+            f"recogniser, valid   : {t_ok * 1e3:8.3f} ms/sentence (len mean {lens.mean():.0f}, max {lens.max()}; "
+            f"accepted {acc:.0%}); peak +{mem:.1f} MB; official {OFF_VALID[name]} s "
+            f"-> x{OFF_VALID[name] / t_ok:,.0f}"
+        )
         (t_fl, acc), mem = isolated(time_check, g, flips)
-        print(f"recogniser, flipped : {t_fl * 1e3:8.3f} ms/sentence (accepted {acc:.0%}); peak +{mem:.1f} MB; "
-              f"official {OFF_FLIP[name]} s -> x{OFF_FLIP[name] / t_fl:,.0f}")
+        print(
+            f"recogniser, flipped : {t_fl * 1e3:8.3f} ms/sentence (accepted {acc:.0%}); peak +{mem:.1f} MB; "
+            f"official {OFF_FLIP[name]} s -> x{OFF_FLIP[name] / t_fl:,.0f}"
+        )
         m = max(5, n // 4)
         (t_dp, worst), mem = isolated(time_dp, g, sents[:m])
-        print(f"next-symbol DP      : {t_dp * 1e3:8.3f} ms/sentence over {m} (len mean {lens[:m].mean():.0f}); "
-              f"peak +{mem:.1f} MB; max |row sum - 1| = {worst:.1e}")
+        print(
+            f"next-symbol DP      : {t_dp * 1e3:8.3f} ms/sentence over {m} (len mean {lens[:m].mean():.0f}); "
+            f"peak +{mem:.1f} MB; max |row sum - 1| = {worst:.1e}"
+        )
         if name in OFF_KL:
             secs, L = OFF_KL[name]
-            big, bo, _ = sample_sentences(g, instance_keys(2, np.arange(400), np.zeros(400, np.int64)),
-                                          max_len=CONTEXT[name] - 1)
+            big, bo, _ = sample_sentences(
+                g, instance_keys(2, np.arange(400), np.zeros(400, np.int64)), max_len=CONTEXT[name] - 1
+            )
             r = int(np.argmin(np.abs(np.diff(bo) - L)))
-            s = big[bo[r]:bo[r + 1]]
+            s = big[bo[r] : bo[r + 1]]
             (t1, _), mem = isolated(time_dp, g, [s] * 5)
-            print(f"next-symbol DP @{len(s)} tok: {t1 * 1e3:8.3f} ms; peak +{mem:.1f} MB; official {secs} s at {L} "
-                  f"tokens -> x{secs / t1:,.0f}")
+            print(
+                f"next-symbol DP @{len(s)} tok: {t1 * 1e3:8.3f} ms; peak +{mem:.1f} MB; official {secs} s at {L} "
+                f"tokens -> x{secs / t1:,.0f}"
+            )
         keys = instance_keys(3, np.arange(1024), np.zeros(1024, np.int64))
         r_raw = rate(lambda: sample_sentences(g, keys, prefix_bos=True)[0].shape[0], a.seconds)
-        task = build_task("lano", dict(grammar=name, grammar_file=str(f) if f is not None and f.exists() else None,
-                                       context=CONTEXT[name]))
+        task = build_task(
+            "lano",
+            dict(grammar=name, grammar_file=str(f) if f is not None and f.exists() else None, context=CONTEXT[name]),
+        )
         ctr = [0]
 
         def gen():
@@ -169,10 +183,14 @@ def main() -> None:
             return task.generate("train", w, np.zeros(256, np.int64)).tokens.shape[0]
 
         r_task = rate(gen, a.seconds)
-        print(f"sampler (kernel)    : {r_raw / 1e6:8.2f} M tokens/s; official {OFF_GEN[name] / 1e6:.3f} M -> "
-              f"x{r_raw / OFF_GEN[name]:.1f}")
-        print(f"LanoTask.generate   : {r_task / 1e6:8.2f} M tokens/s (cap {task.max_len}); -> "
-              f"x{r_task / OFF_GEN[name]:.1f}")
+        print(
+            f"sampler (kernel)    : {r_raw / 1e6:8.2f} M tokens/s; official {OFF_GEN[name] / 1e6:.3f} M -> "
+            f"x{r_raw / OFF_GEN[name]:.1f}"
+        )
+        print(
+            f"LanoTask.generate   : {r_task / 1e6:8.2f} M tokens/s (cap {task.max_len}); -> "
+            f"x{r_task / OFF_GEN[name]:.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -51,8 +51,14 @@ def arch_preset(name: str) -> dict:
 def build(preset: str, canon: str, dtype: torch.dtype) -> CanonLM:
     """A 2L64D model of ``preset`` with Canon set ``canon`` on the references (``ops=reference``, chunk 16), vocab 32,
     seeded, in ``dtype``, in eval mode."""
-    cfg = build_model_config(dict(arch_preset(preset), size="2L64D", chunk_size=16), canon={"set": canon},
-                             pos={"type": "rope"}, vocab_size=32, max_seq_len=256, ops="reference")
+    cfg = build_model_config(
+        dict(arch_preset(preset), size="2L64D", chunk_size=16),
+        canon={"set": canon},
+        pos={"type": "rope"},
+        vocab_size=32,
+        max_seq_len=256,
+        ops="reference",
+    )
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -67,7 +73,7 @@ def decode_in_pieces(model: CanonLM, ids: torch.Tensor) -> tuple[torch.Tensor, t
         cache = model.new_cache()
         parts, t = [model(ids[:, :7], cache)], 7
         for n in (1, 1, 1, 5) + (1,) * 8:
-            parts.append(model(ids[:, t:t + n], cache))
+            parts.append(model(ids[:, t : t + n], cache))
             t += n
     return full, torch.cat(parts, 1)
 
@@ -99,7 +105,10 @@ def main() -> None:
     # GLA
     K, V = 16, 24
     q, k = torch.randn(B, T, H, K, generator=g, dtype=d), torch.randn(B, T, H, K, generator=g, dtype=d)
-    v, gk = torch.randn(B, T, H, V, generator=g, dtype=d), F.logsigmoid(torch.randn(B, T, H, K, generator=g, dtype=d)) / 4
+    v, gk = (
+        torch.randn(B, T, H, V, generator=g, dtype=d),
+        F.logsigmoid(torch.randn(B, T, H, K, generator=g, dtype=d)) / 4,
+    )
     h0 = torch.randn(B, H, K, V, generator=g, dtype=d)
     labels = ["o", "S", "dq", "dk", "dv", "dg", "dh0"]
     want = _grads(lambda *a: gla_loop(*a[:4], initial_state=a[4]), [q, k, v, gk, h0])
@@ -111,7 +120,9 @@ def main() -> None:
     naive = load_fla_naive("gla")
     if naive is not None:  # fla's naive uses the scale K^-1/2 as canonlm's default
         fn = lambda *a: naive.naive_recurrent_gla(*a[:4], initial_state=a[4], output_final_state=True)  # noqa: E731
-        _report("fla naive_recurrent_gla fp32 vs ref", _grads(fn, [t.float() for t in (q, k, v, gk, h0)]), got32, labels)
+        _report(
+            "fla naive_recurrent_gla fp32 vs ref", _grads(fn, [t.float() for t in (q, k, v, gk, h0)]), got32, labels
+        )
 
     # GDN
     K, V = 16, 24
@@ -122,8 +133,12 @@ def main() -> None:
     h0 = torch.randn(B, H, K, V, generator=g, dtype=d) * 0.1
     labels = ["o", "S", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
     want = _grads(lambda *a: gdn_loop(*a[:5], initial_state=a[5]), [q, k, v, gg, beta, h0])
-    ref = lambda *a: chunk_gated_delta_rule_reference(*a[:5], initial_state=a[5], output_final_state=True,  # noqa: E731
-                                                      chunk_size=CHUNK)
+    ref = lambda *a: chunk_gated_delta_rule_reference(
+        *a[:5],
+        initial_state=a[5],
+        output_final_state=True,  # noqa: E731
+        chunk_size=CHUNK,
+    )
     print("GDN (chunk_gated_delta_rule_reference, q/k L2-normalised)")
     _report("fp64 vs loop oracle", _grads(ref, [q, k, v, gg, beta, h0]), want, labels)
     got32 = _grads(ref, [t.float() for t in (q, k, v, gg, beta, h0)])
@@ -133,10 +148,22 @@ def main() -> None:
         qn = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
         kn = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
         ins = [t.float() for t in (qn, kn, v, gg, beta, h0)]
-        ref_nol2 = lambda *a: chunk_gated_delta_rule_reference(*a[:5], initial_state=a[5], output_final_state=True,  # noqa: E731
-                                                               chunk_size=CHUNK, use_qk_l2norm=False)
-        fn = lambda *a: naive.naive_recurrent_gated_delta_rule(a[0], a[1], a[2], a[4], a[3], initial_state=a[5],  # noqa: E731
-                                                               output_final_state=True)
+        ref_nol2 = lambda *a: chunk_gated_delta_rule_reference(
+            *a[:5],
+            initial_state=a[5],
+            output_final_state=True,  # noqa: E731
+            chunk_size=CHUNK,
+            use_qk_l2norm=False,
+        )
+        fn = lambda *a: naive.naive_recurrent_gated_delta_rule(
+            a[0],
+            a[1],
+            a[2],
+            a[4],
+            a[3],
+            initial_state=a[5],  # noqa: E731
+            output_final_state=True,
+        )
         _report("fla naive_recurrent fp32 vs ref", _grads(fn, ins), _grads(ref_nol2, ins), labels)
 
     # SSD
@@ -149,8 +176,14 @@ def main() -> None:
     h0 = torch.randn(B, H, P, N, generator=g, dtype=d)
     labels = ["y", "S", "dx", "ddt", "dA", "dB", "dC", "dD", "ddt_bias", "dh0"]
     want = _grads(lambda *a: ssd_loop(*a[:7], initial_state=a[7]), [x, dt, A, Bm, Cm, Dv, db, h0])
-    ref = lambda *a: ssd_scan_reference(*a[:5], D=a[5], dt_bias=a[6], initial_state=a[7],  # noqa: E731
-                                        output_final_state=True, chunk_size=CHUNK)
+    ref = lambda *a: ssd_scan_reference(
+        *a[:5],
+        D=a[5],
+        dt_bias=a[6],
+        initial_state=a[7],  # noqa: E731
+        output_final_state=True,
+        chunk_size=CHUNK,
+    )
     print("SSD (ssd_scan_reference)")
     _report("fp64 vs loop oracle", _grads(ref, [x, dt, A, Bm, Cm, Dv, db, h0]), want, labels)
     _report("fp32 vs fp64 loop oracle", _grads(ref, [t.float() for t in (x, dt, A, Bm, Cm, Dv, db, h0)]), want, labels)

@@ -51,9 +51,13 @@ def main() -> None:
     ap.add_argument("--K", type=int, default=64)
     ap.add_argument("--V", type=int, default=64)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--naive-reps", type=int, default=3,
-                    help="timed calls of fla's naive_recurrent (no separate warm-up: a pure Python token loop; ~10-30 s "
-                         "per call at T=2048 on 2 cores)")
+    ap.add_argument(
+        "--naive-reps",
+        type=int,
+        default=3,
+        help="timed calls of fla's naive_recurrent (no separate warm-up: a pure Python token loop; ~10-30 s "
+        "per call at T=2048 on 2 cores)",
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--chunk-size", type=int, default=64)
     ap.add_argument("--no-naive-chunk", action="store_true", help="skip fla's naive_chunk_gated_delta_rule")
@@ -79,26 +83,36 @@ def main() -> None:
             o, S = call(*leaves)
             torch.autograd.backward([o, S], [do, dS])
             return [o.detach(), S.detach()] + [t.grad.clone() for t in leaves]
+
         return f
 
-    impls = {"canonlm chunk (reference)": runner(
-        lambda q, k, v, g, b, h: chunk_gated_delta_rule_reference(
-            q, k, v, g, b, initial_state=h, output_final_state=True, use_qk_l2norm=False, chunk_size=a.chunk_size))}
+    impls = {
+        "canonlm chunk (reference)": runner(
+            lambda q, k, v, g, b, h: chunk_gated_delta_rule_reference(
+                q, k, v, g, b, initial_state=h, output_final_state=True, use_qk_l2norm=False, chunk_size=a.chunk_size
+            )
+        )
+    }
     m = load_fla_naive("gated_delta_rule")
     if m is not None:
         impls["fla naive_recurrent"] = runner(
-            lambda q, k, v, g, b, h: m.naive_recurrent_gated_delta_rule(q, k, v, b, g, initial_state=h * 1.0,
-                                                                        output_final_state=True))
+            lambda q, k, v, g, b, h: m.naive_recurrent_gated_delta_rule(
+                q, k, v, b, g, initial_state=h * 1.0, output_final_state=True
+            )
+        )
         if not a.no_naive_chunk:
             impls["fla naive_chunk"] = runner(
-                lambda q, k, v, g, b, h: m.naive_chunk_gated_delta_rule(q, k, v, g, b, chunk_size=64,
-                                                                        initial_state=h * 1.0,
-                                                                        output_final_state=True))
+                lambda q, k, v, g, b, h: m.naive_chunk_gated_delta_rule(
+                    q, k, v, g, b, chunk_size=64, initial_state=h * 1.0, output_final_state=True
+                )
+            )
     else:
         print("fla-core gated_delta_rule/naive.py not available: timing canonlm only")
 
-    print(f"GDN fwd+bwd, fp32 CPU, B={B} T={T} H={H} K={K} V={V}, threads={a.threads}, median (min) ms, "
-          f"chunk={a.chunk_size}, fla-core {fla_version()}, torch {torch.__version__}")
+    print(
+        f"GDN fwd+bwd, fp32 CPU, B={B} T={T} H={H} K={K} V={V}, threads={a.threads}, median (min) ms, "
+        f"chunk={a.chunk_size}, fla-core {fla_version()}, torch {torch.__version__}"
+    )
     print(f"load average before: {os.getloadavg()[0]:.2f}")
     times, mins, results = {}, {}, {}
     for name, fn in impls.items():
@@ -111,16 +125,17 @@ def main() -> None:
     base = "canonlm chunk (reference)"
     for name in times:
         if name != base:
-            print(f"  speed-up of canonlm chunk vs {name}: {times[name] / times[base]:.1f}x by median, "
-                  f"{mins[name] / mins[base]:.1f}x by min (min is robust to other processes on a shared box)")
+            print(
+                f"  speed-up of canonlm chunk vs {name}: {times[name] / times[base]:.1f}x by median, "
+                f"{mins[name] / mins[base]:.1f}x by min (min is robust to other processes on a shared box)"
+            )
     if "fla naive_recurrent" in results:
         labels = ("o", "S", "dq", "dk", "dv", "dg", "dbeta", "dh0")
         for name in results:
             if name == "fla naive_recurrent":
                 continue
             diffs = [(x - y).abs().max().item() for x, y in zip(results[name], results["fla naive_recurrent"])]
-            print(f"  max |{name} - naive_recurrent|: "
-                  + ", ".join(f"{lbl} {d:.1e}" for lbl, d in zip(labels, diffs)))
+            print(f"  max |{name} - naive_recurrent|: " + ", ".join(f"{lbl} {d:.1e}" for lbl, d in zip(labels, diffs)))
 
 
 if __name__ == "__main__":

@@ -75,8 +75,10 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     naive = load_fla_naive("gla")
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, fla-core {fla_version()}, fp32 CPU, "
-          f"B={args.B} H={args.H} K={args.K} V={args.V}, chunk {args.chunk}, median of {args.reps} fwd+bwd")
+    print(
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}, fla-core {fla_version()}, fp32 CPU, "
+        f"B={args.B} H={args.H} K={args.K} V={args.V}, chunk {args.chunk}, median of {args.reps} fwd+bwd"
+    )
 
     def ours(q, k, v, g, h0):
         return chunk_gla_reference(q, k, v, g, initial_state=h0, output_final_state=True, chunk_size=args.chunk)
@@ -85,8 +87,10 @@ def main() -> None:
         return naive.naive_recurrent_gla(q, k, v, g, initial_state=h0, output_final_state=True)
 
     print(f"load average {os.getloadavg()[0]:.2f}")
-    print(f"{'T':>6} {'chunk_gla_reference ms':>23} {'naive_recurrent_gla ms':>23} {'ratio':>7}  max|diff| o, state, "
-          f"dq, dk, dv, dg, dh0   [min ms: reference, naive]")
+    print(
+        f"{'T':>6} {'chunk_gla_reference ms':>23} {'naive_recurrent_gla ms':>23} {'ratio':>7}  max|diff| o, state, "
+        f"dq, dk, dv, dg, dh0   [min ms: reference, naive]"
+    )
     for T in args.T:
         leaves, do, dh = _inputs(args.B, T, args.H, args.K, args.V)
         t_ours, m_ours, r_ours = _time(ours, leaves, do, dh, args.reps, warmup=True)
@@ -94,10 +98,16 @@ def main() -> None:
             print(f"{T:>6} {t_ours:>23.1f} {'(fla-core missing)':>23}")
             continue
         t_naive, m_naive, r_naive = _time(theirs, leaves, do, dh, args.reps, warmup=False)
-        diffs = [(a - b).abs().max().item() for a, b in zip([r_ours[0], r_ours[1], *r_ours[2]],
-                                                            [r_naive[0], r_naive[1], *r_naive[2]])]
-        print(f"{T:>6} {t_ours:>23.1f} {t_naive:>23.1f} {t_naive / t_ours:>6.1f}x  "
-              + ", ".join(f"{d:.1e}" for d in diffs) + f"   [{m_ours:.1f}, {m_naive:.1f}]", flush=True)
+        diffs = [
+            (a - b).abs().max().item()
+            for a, b in zip([r_ours[0], r_ours[1], *r_ours[2]], [r_naive[0], r_naive[1], *r_naive[2]])
+        ]
+        print(
+            f"{T:>6} {t_ours:>23.1f} {t_naive:>23.1f} {t_naive / t_ours:>6.1f}x  "
+            + ", ".join(f"{d:.1e}" for d in diffs)
+            + f"   [{m_ours:.1f}, {m_naive:.1f}]",
+            flush=True,
+        )
     print(f"load average {os.getloadavg()[0]:.2f}")
 
 

@@ -80,26 +80,34 @@ def main() -> None:
             y, _ = ssd_scan_reference(x, dt, A, B, C, chunk_size=Q, D=D, dt_bias=dt_bias)
             (y * gy).sum().backward()
             return y.detach(), x.grad.clone()
+
         return f
 
     mod = load_fla_naive("simple_gla")
 
     def naive():
         zero()
-        delta = F.softplus(dt + dt_bias)                     # dt_limit (0, inf) is a no-op after softplus
-        o, _ = mod.naive_recurrent_simple_gla(C.repeat_interleave(R, 2), B.repeat_interleave(R, 2),
-                                              x * delta[..., None], delta * A, scale=1.0, output_final_state=False)
+        delta = F.softplus(dt + dt_bias)  # dt_limit (0, inf) is a no-op after softplus
+        o, _ = mod.naive_recurrent_simple_gla(
+            C.repeat_interleave(R, 2),
+            B.repeat_interleave(R, 2),
+            x * delta[..., None],
+            delta * A,
+            scale=1.0,
+            output_final_state=False,
+        )
         y = o + D[:, None] * x
         (y * gy).sum().backward()
         return y.detach(), x.grad.clone()
 
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, fp32 CPU; B={Bsz} T={T} H={H} P={P} N={N} "
-          f"G={G}; fwd+bwd wall ms (median); load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+    print(
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}, fp32 CPU; B={Bsz} T={T} H={H} P={P} N={N} "
+        f"G={G}; fwd+bwd wall ms (median); load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs"
+    )
     res, outs = {}, {}
     for Q in args.chunk:
         res[Q], outs[Q] = _median_ms(ours(Q), args.reps, warmup=1)
-        print(f"  ssd_scan_reference (chunked SSD, chunk {Q:4d}, median of {args.reps}): {res[Q]:10.1f} ms",
-              flush=True)
+        print(f"  ssd_scan_reference (chunked SSD, chunk {Q:4d}, median of {args.reps}): {res[Q]:10.1f} ms", flush=True)
     if args.naive_reps <= 0:
         print("  naive baseline skipped (--naive-reps 0)")
         return
@@ -107,16 +115,21 @@ def main() -> None:
         print("  naive baseline skipped: fla-core (fla/ops/simple_gla/naive.py) is not installed")
         return
     t_naive, (y_n, dx_n) = _median_ms(naive, args.naive_reps, warmup=0)
-    print(f"  fla {fla_version()} naive_recurrent_simple_gla = the same op (q=C, k=B, v=softplus(dt+dt_bias)*x, "
-          f"g=Δ·A, scale=1, + D·x), one step per token, median of {args.naive_reps}: {t_naive:10.1f} ms", flush=True)
+    print(
+        f"  fla {fla_version()} naive_recurrent_simple_gla = the same op (q=C, k=B, v=softplus(dt+dt_bias)*x, "
+        f"g=Δ·A, scale=1, + D·x), one step per token, median of {args.naive_reps}: {t_naive:10.1f} ms",
+        flush=True,
+    )
     for Q, t in res.items():
         print(f"  speed-up chunk {Q:4d}: {t_naive / t:6.1f}x  (naive / chunked)")
     # sanity: same outputs and input gradients (from the timed calls)
     Q = args.chunk[0]
     y_c, dx_c = outs[Q]
-    print(f"  sanity (chunk {Q}): max|y_chunked - y_naive| = {(y_c - y_n).abs().max().item():.2e} "
-          f"(max|y| {y_n.abs().max().item():.1f}), max|dx_chunked - dx_naive| = "
-          f"{(dx_c - dx_n).abs().max().item():.2e} (max|dx| {dx_n.abs().max().item():.1f})")
+    print(
+        f"  sanity (chunk {Q}): max|y_chunked - y_naive| = {(y_c - y_n).abs().max().item():.2e} "
+        f"(max|y| {y_n.abs().max().item():.1f}), max|dx_chunked - dx_naive| = "
+        f"{(dx_c - dx_n).abs().max().item():.2e} (max|dx| {dx_n.abs().max().item():.1f})"
+    )
 
 
 if __name__ == "__main__":

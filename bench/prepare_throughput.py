@@ -82,8 +82,12 @@ def train_tokenizer(files: list[Path], path: Path, vocab: int, sample_mb: float 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tr = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<pad>", "</s>"],
-                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tr = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=["<pad>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, tr)
     tok.save(str(path))
     return time.perf_counter() - t0
@@ -103,8 +107,16 @@ def build(files: list[Path], tok: Path, out: Path, workers: int, fmt: str = "tex
     if out.exists():
         shutil.rmtree(out)
     c0, t0 = _cpu(), time.perf_counter()
-    meta = prepare([str(f) for f in files], tok, out, fmt=fmt, text_unit="paragraph", append_eos=True,
-                   progress=False, workers=workers)
+    meta = prepare(
+        [str(f) for f in files],
+        tok,
+        out,
+        fmt=fmt,
+        text_unit="paragraph",
+        append_eos=True,
+        progress=False,
+        workers=workers,
+    )
     return meta, time.perf_counter() - t0, _cpu() - c0
 
 
@@ -126,8 +138,10 @@ def main() -> None:
     try:
         tok = tmp / "tokenizer.json"
         secs = train_tokenizer(files, tok, a.vocab)
-        print(f"corpus: {len(files)} files, {nbytes / 1e6:.1f} MB of text ({a.input or DOC}); tokenizer: byte-level "
-              f"BPE, vocab {a.vocab}, trained in {secs:.1f} s; cpus: {os.cpu_count()}")
+        print(
+            f"corpus: {len(files)} files, {nbytes / 1e6:.1f} MB of text ({a.input or DOC}); tokenizer: byte-level "
+            f"BPE, vocab {a.vocab}, trained in {secs:.1f} s; cpus: {os.cpu_count()}"
+        )
         print("workers | documents | tokens | wall s | tokens/s | MB/s | CPU s | tokens per CPU-second | load avg")
         for w in [int(x) for x in a.workers.split(",")]:
             best = None
@@ -136,9 +150,12 @@ def main() -> None:
                 if best is None or dt < best[0]:
                     best = (dt, cpu)
             dt, cpu = best
-            print(f"{w} | {meta['documents']:,} | {meta['tokens']:,} | {dt:.2f} | {meta['tokens'] / dt:,.0f} | "
-                  f"{nbytes / 1e6 / dt:.2f} | {cpu:.1f} | {meta['tokens'] / cpu:,.0f} | "
-                  f"{os.getloadavg()[0]:.2f}", flush=True)
+            print(
+                f"{w} | {meta['documents']:,} | {meta['tokens']:,} | {dt:.2f} | {meta['tokens'] / dt:,.0f} | "
+                f"{nbytes / 1e6 / dt:.2f} | {cpu:.1f} | {meta['tokens'] / cpu:,.0f} | "
+                f"{os.getloadavg()[0]:.2f}",
+                flush=True,
+            )
     finally:
         if not a.keep:
             shutil.rmtree(tmp, ignore_errors=True)

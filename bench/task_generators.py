@@ -144,15 +144,20 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3, help="runs per case; the median is printed (official: 3)")
     ap.add_argument("--workers", default="1,2")
     ap.add_argument("--no-pipeline", action="store_true")
-    ap.add_argument("--grammar-dir", default=SHARED_LANO if os.path.isdir(SHARED_LANO) else None,
-                    help="folder with the official cfg3*.json (default: the shared compatibility folder if present; "
-                         "otherwise canonlm's generated grammar of the same family)")
+    ap.add_argument(
+        "--grammar-dir",
+        default=SHARED_LANO if os.path.isdir(SHARED_LANO) else None,
+        help="folder with the official cfg3*.json (default: the shared compatibility folder if present; "
+        "otherwise canonlm's generated grammar of the same family)",
+    )
     a = ap.parse_args()
     keep = set(filter(None, a.tasks.split(",")))
     cases = [c for c in CASES if not keep or c[1] in keep]
     pin_one_core()
-    print(f"# generator throughput, 1 core (affinity {sorted(os.sched_getaffinity(0))}), median of {a.repeats} x "
-          f"{a.seconds:g} s per case; Lano grammars: {a.grammar_dir or 'generated (same family)'}")
+    print(
+        f"# generator throughput, 1 core (affinity {sorted(os.sched_getaffinity(0))}), median of {a.repeats} x "
+        f"{a.seconds:g} s per case; Lano grammars: {a.grammar_dir or 'generated (same family)'}"
+    )
     print(f"{'case':<34} {'tokens/s':>12} {'inst/s':>10} {'official':>11} {'ratio':>7}")
     tasks = {}
     for label, name, over, official in cases:
@@ -173,14 +178,15 @@ def main() -> int:
     except (AttributeError, OSError):
         pass
     ws = [int(x) for x in a.workers.split(",")]
-    print(f"\n# data pipeline: packed training windows through DataLoader ({os.cpu_count()} cores); "
-          f"target {PIPELINE_TARGET:,} tokens/s with <= 4 workers")
+    print(
+        f"\n# data pipeline: packed training windows through DataLoader ({os.cpu_count()} cores); "
+        f"target {PIPELINE_TARGET:,} tokens/s with <= 4 workers"
+    )
     print(f"{'task':<12} {'context':>8} " + " ".join(f"{f'w={w} tok/s':>14}" for w in ws) + "  target met")
     for name, task in tasks.items():
         rates = [pipeline_rate(task, w, a.seconds) for w in ws]
         met = "yes" if max(rates) >= PIPELINE_TARGET else "NO"
-        print(f"{name:<12} {int(task.context):>8} " + " ".join(f"{r:>14,.0f}" for r in rates) + f"  {met}",
-              flush=True)
+        print(f"{name:<12} {int(task.context):>8} " + " ".join(f"{r:>14,.0f}" for r in rates) + f"  {met}", flush=True)
     return 0
 
 

@@ -73,8 +73,10 @@ def main() -> None:
         data = tmp / "prepared"
         print(f"prepared {len(files)} files ({nbytes / 1e6:.1f} MB, {meta['tokens']:,} tokens) in {dt:.1f} s")
     try:
-        print(f"stream: T={a.context}, batch {a.batch} ({a.context * a.batch:,} tokens per batch), {a.steps} batches "
-              f"after {a.warmup}; reference: {GPU_TOKENS_PER_S:,} tokens/s (12L768D on one GPU)")
+        print(
+            f"stream: T={a.context}, batch {a.batch} ({a.context * a.batch:,} tokens per batch), {a.steps} batches "
+            f"after {a.warmup}; reference: {GPU_TOKENS_PER_S:,} tokens/s (12L768D on one GPU)"
+        )
         print("num_workers | tokens/s | stream / GPU | load avg")
         for w in [int(x) for x in a.workers.split(",")]:
             r = measure(data, a.context, a.batch, w, a.steps, a.warmup)

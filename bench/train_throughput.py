@@ -36,9 +36,14 @@ V, L, D, H, FF, T, B = 2000, 4, 256, 4, 704, 512, 8
 
 
 def canonlm_model(canon: str, backend: str) -> torch.nn.Module:
-    cfg = build_model_config({"n_layers": L, "d_model": D, "n_heads": H, "d_ff": FF},
-                             {"set": canon}, {"type": "rope"}, vocab_size=V, max_seq_len=T,
-                             kernels={"canon": backend} if backend != "auto" else {})
+    cfg = build_model_config(
+        {"n_layers": L, "d_model": D, "n_heads": H, "d_ff": FF},
+        {"set": canon},
+        {"type": "rope"},
+        vocab_size=V,
+        max_seq_len=T,
+        kernels={"canon": backend} if backend != "auto" else {},
+    )
     return LlamaCanon(cfg)
 
 
@@ -59,8 +64,14 @@ def linear_model(arch: str, canon: str, backend: str) -> torch.nn.Module:
         cfg = compose(config_name="train", overrides=[f"arch={arch}", f"canon={canon or 'none'}", "model.size=4L256D"])
     GlobalHydra.instance().clear()
     model = OmegaConf.to_container(cfg.model, resolve=True)
-    mcfg = build_model_config(model, {"set": canon}, {"type": "nope"}, vocab_size=V, max_seq_len=T,
-                              kernels={"canon": backend} if backend != "auto" else {})
+    mcfg = build_model_config(
+        model,
+        {"set": canon},
+        {"type": "nope"},
+        vocab_size=V,
+        max_seq_len=T,
+        kernels={"canon": backend} if backend != "auto" else {},
+    )
     return LlamaCanon(mcfg)
 
 
@@ -69,9 +80,19 @@ def hf_model() -> torch.nn.Module | None:
         from transformers import LlamaConfig, LlamaForCausalLM
     except ImportError:
         return None
-    cfg = LlamaConfig(vocab_size=V, hidden_size=D, intermediate_size=FF, num_hidden_layers=L,
-                      num_attention_heads=H, num_key_value_heads=H, max_position_embeddings=T, rms_norm_eps=1e-6,
-                      tie_word_embeddings=False, attention_bias=False, mlp_bias=False)
+    cfg = LlamaConfig(
+        vocab_size=V,
+        hidden_size=D,
+        intermediate_size=FF,
+        num_hidden_layers=L,
+        num_attention_heads=H,
+        num_key_value_heads=H,
+        max_position_embeddings=T,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+    )
     cfg._attn_implementation = "sdpa"
     return LlamaForCausalLM(cfg)
 
@@ -103,13 +124,22 @@ def main() -> None:
     ap.add_argument("--canon-backend", default="auto", help="kernels.canon for the Canon model")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' LlamaForCausalLM")
     ap.add_argument("--dtypes", default="fp32,bf16", help="comma list of fp32, bf16")
-    ap.add_argument("--no-canon-arm", action="store_true",
-                    help="measure only canonlm without Canon (and HF): the two-model comparison")
+    ap.add_argument(
+        "--no-canon-arm",
+        action="store_true",
+        help="measure only canonlm without Canon (and HF): the two-model comparison",
+    )
     ap.add_argument("--compile", action="store_true", help="also compile each model (module.compile())")
-    ap.add_argument("--archs", default="llama",
-                    help="comma list: llama and/or conf/arch presets (gla, gla5, gdn, gdn2, mamba2, mamba2_nomlp)")
-    ap.add_argument("--default-malloc", action="store_true",
-                    help="keep glibc's allocator defaults (train.py tunes them; see canonlm.utils.allocator)")
+    ap.add_argument(
+        "--archs",
+        default="llama",
+        help="comma list: llama and/or conf/arch presets (gla, gla5, gdn, gdn2, mamba2, mamba2_nomlp)",
+    )
+    ap.add_argument(
+        "--default-malloc",
+        action="store_true",
+        help="keep glibc's allocator defaults (train.py tunes them; see canonlm.utils.allocator)",
+    )
     args = ap.parse_args()
     if not args.default_malloc:
         tune_malloc()  # process-wide: applies to every model measured here alike
@@ -132,8 +162,11 @@ def main() -> None:
         for arch in linear:
             full = "Ab" if arch == "mamba2_nomlp" else "AbCD"
             for canon in ("", "b", full):
-                runners.append(Runner(f"{arch} {canon or 'none'} {tag}", linear_model(arch, canon, args.canon_backend),
-                                      False, bf16))
+                runners.append(
+                    Runner(
+                        f"{arch} {canon or 'none'} {tag}", linear_model(arch, canon, args.canon_backend), False, bf16
+                    )
+                )
     if args.compile:
         for r in runners:
             r.model.compile()
@@ -141,13 +174,15 @@ def main() -> None:
         for _ in range(args.warmup):
             r.step()
     for i in range(args.steps):  # rotate the order every round so no configuration always follows the same one
-        for r in runners[i % len(runners):] + runners[:i % len(runners)]:
+        for r in runners[i % len(runners) :] + runners[: i % len(runners)]:
             r.times.append(r.step())
 
     med = {r.name: statistics.median(r.times) for r in runners}
-    print(f"# {L}L/{D}D, T={T}, B={B} ({B * T} tokens/step), threads={torch.get_num_threads()}, "
-          f"torch {torch.__version__}, canon backend={args.canon_backend}, compile={args.compile}, "
-          f"malloc={'default' if args.default_malloc else 'tuned'}")
+    print(
+        f"# {L}L/{D}D, T={T}, B={B} ({B * T} tokens/step), threads={torch.get_num_threads()}, "
+        f"torch {torch.__version__}, canon backend={args.canon_backend}, compile={args.compile}, "
+        f"malloc={'default' if args.default_malloc else 'tuned'}"
+    )
     print(f"{'config':<26} {'step s':>8} {'tok/s':>9} {'params':>9}")
     for r in runners:
         n = sum(p.numel() for p in r.model.parameters())
@@ -163,8 +198,10 @@ def main() -> None:
             full = "Ab" if arch == "mamba2_nomlp" else "AbCD"
             over = med[f"{arch} {full} {tag}"] / med[f"{arch} b {tag}"]
             bare = med[f"{arch} {full} {tag}"] / med[f"{arch} none {tag}"]
-            print(f"canon_overhead {arch} {tag}: {over:.3f}x  ({full} vs b, the original model); "
-                  f"{bare:.3f}x vs no conv at all")
+            print(
+                f"canon_overhead {arch} {tag}: {over:.3f}x  ({full} vs b, the original model); "
+                f"{bare:.3f}x vs no conv at all"
+            )
 
 
 if __name__ == "__main__":

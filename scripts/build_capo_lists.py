@@ -31,48 +31,163 @@ from pathlib import Path
 
 SEED = 20251224
 OUT = Path(__file__).resolve().parents[1] / "src" / "canonlm" / "data" / "tasks" / "capo_assets"
-SIZES = dict(first_names=400, middle_names=400, last_names=1000, birth_cities=200, universities=300, majors=100,
-             employers=263)
+SIZES = dict(
+    first_names=400, middle_names=400, last_names=1000, birth_cities=200, universities=300, majors=100, employers=263
+)
 VALUE_RE = re.compile(r"^[A-Za-z]+(?:(?: |-| & |, )[A-Za-z]+)*$")
 NAME_RE = re.compile(r"^[A-Z][a-z]{2,11}$")
 
 # Hand-written fields of study (our own wording).
 MAJORS = [
-    "Aerospace Propulsion", "Agricultural Economics", "Animal Behavior", "Applied Acoustics", "Applied Geophysics",
-    "Aquatic Ecology", "Archaeological Science", "Architectural Lighting", "Art Conservation", "Astrobiology",
-    "Atmospheric Chemistry", "Audio Engineering", "Behavioral Genetics", "Bioacoustics", "Biomedical Optics",
-    "Cartography and Mapping", "Cellular Neuroscience", "Ceramic Engineering", "Choral Conducting",
-    "Classical Archaeology", "Climate Modeling", "Coastal Engineering", "Cognitive Linguistics",
-    "Comparative Mythology", "Computational Biology", "Construction Management", "Costume Design",
-    "Criminal Psychology", "Cryptography", "Dairy Science", "Data Visualization", "Dental Hygiene",
-    "Developmental Psychology", "Digital Forensics", "Documentary Filmmaking", "Early Childhood Education",
-    "Ecological Restoration", "Econometrics", "Educational Technology", "Electrical Power Systems",
-    "Environmental Law", "Epidemiology", "Evolutionary Biology", "Fashion Merchandising", "Fiber Arts",
-    "Film Scoring", "Fire Protection Engineering", "Fisheries Management", "Food Microbiology",
-    "Forest Hydrology", "Game Design", "Genetic Counseling", "Geospatial Analysis", "Glaciology",
-    "Graphic Communication", "Health Informatics", "Historic Preservation", "Horticultural Science",
-    "Human Factors Engineering", "Immunology", "Industrial Design", "Information Security", "Interior Architecture",
-    "International Trade", "Jazz Performance", "Labor Relations", "Landscape Architecture", "Logic and Computation",
-    "Machine Perception", "Marine Biology", "Materials Chemistry", "Medical Illustration", "Medieval Studies",
-    "Metallurgy", "Mining Engineering", "Molecular Genetics", "Museum Studies", "Musical Theater",
-    "Naval Architecture", "Nuclear Engineering", "Nutrition Science", "Ocean Engineering", "Optical Engineering",
-    "Paleontology", "Petroleum Geology", "Plant Pathology", "Planetary Science", "Political Economy",
-    "Public Health Policy", "Quantum Information", "Radiologic Technology", "Renewable Energy Systems",
-    "Robotics", "Rural Sociology", "Seismology", "Soil Science", "Sports Medicine", "Textile Engineering",
-    "Urban Planning", "Viticulture and Enology", "Volcanology", "Wildlife Conservation",
+    "Aerospace Propulsion",
+    "Agricultural Economics",
+    "Animal Behavior",
+    "Applied Acoustics",
+    "Applied Geophysics",
+    "Aquatic Ecology",
+    "Archaeological Science",
+    "Architectural Lighting",
+    "Art Conservation",
+    "Astrobiology",
+    "Atmospheric Chemistry",
+    "Audio Engineering",
+    "Behavioral Genetics",
+    "Bioacoustics",
+    "Biomedical Optics",
+    "Cartography and Mapping",
+    "Cellular Neuroscience",
+    "Ceramic Engineering",
+    "Choral Conducting",
+    "Classical Archaeology",
+    "Climate Modeling",
+    "Coastal Engineering",
+    "Cognitive Linguistics",
+    "Comparative Mythology",
+    "Computational Biology",
+    "Construction Management",
+    "Costume Design",
+    "Criminal Psychology",
+    "Cryptography",
+    "Dairy Science",
+    "Data Visualization",
+    "Dental Hygiene",
+    "Developmental Psychology",
+    "Digital Forensics",
+    "Documentary Filmmaking",
+    "Early Childhood Education",
+    "Ecological Restoration",
+    "Econometrics",
+    "Educational Technology",
+    "Electrical Power Systems",
+    "Environmental Law",
+    "Epidemiology",
+    "Evolutionary Biology",
+    "Fashion Merchandising",
+    "Fiber Arts",
+    "Film Scoring",
+    "Fire Protection Engineering",
+    "Fisheries Management",
+    "Food Microbiology",
+    "Forest Hydrology",
+    "Game Design",
+    "Genetic Counseling",
+    "Geospatial Analysis",
+    "Glaciology",
+    "Graphic Communication",
+    "Health Informatics",
+    "Historic Preservation",
+    "Horticultural Science",
+    "Human Factors Engineering",
+    "Immunology",
+    "Industrial Design",
+    "Information Security",
+    "Interior Architecture",
+    "International Trade",
+    "Jazz Performance",
+    "Labor Relations",
+    "Landscape Architecture",
+    "Logic and Computation",
+    "Machine Perception",
+    "Marine Biology",
+    "Materials Chemistry",
+    "Medical Illustration",
+    "Medieval Studies",
+    "Metallurgy",
+    "Mining Engineering",
+    "Molecular Genetics",
+    "Museum Studies",
+    "Musical Theater",
+    "Naval Architecture",
+    "Nuclear Engineering",
+    "Nutrition Science",
+    "Ocean Engineering",
+    "Optical Engineering",
+    "Paleontology",
+    "Petroleum Geology",
+    "Plant Pathology",
+    "Planetary Science",
+    "Political Economy",
+    "Public Health Policy",
+    "Quantum Information",
+    "Radiologic Technology",
+    "Renewable Energy Systems",
+    "Robotics",
+    "Rural Sociology",
+    "Seismology",
+    "Soil Science",
+    "Sports Medicine",
+    "Textile Engineering",
+    "Urban Planning",
+    "Viticulture and Enology",
+    "Volcanology",
+    "Wildlife Conservation",
 ]
 
 # Patterns for composed university names: {L} a surname, {P} a place name (a Faker city without its state).
 UNIV_PATTERNS = [
-    "University of {P}", "{L} Memorial College", "{P} State University", "{L} and {L2} University",
+    "University of {P}",
+    "{L} Memorial College",
+    "{P} State University",
+    "{L} and {L2} University",
     "{P} Institute of Technology",
-    "{L} Institute", "{P} Polytechnic University", "{L} and {L2} College", "{P} College of Arts and Sciences",
-    "{L} School of Engineering", "{P} Technical University", "{L} Memorial University",
+    "{L} Institute",
+    "{P} Polytechnic University",
+    "{L} and {L2} College",
+    "{P} College of Arts and Sciences",
+    "{L} School of Engineering",
+    "{P} Technical University",
+    "{L} Memorial University",
 ]
-EMPLOYER_SUFFIXES = ["Holdings", "Partners", "Labs", "Systems", "Technologies", "Industries", "Foods", "Logistics",
-                     "Media", "Analytics", "Robotics", "Energy", "Pharmaceuticals", "Motors", "Consulting",
-                     "Networks", "Aerospace", "Biotech", "Capital", "Studios", "Group", "and Sons", "Works",
-                     "Outfitters", "Instruments", "Materials", "Software", "Dynamics"]
+EMPLOYER_SUFFIXES = [
+    "Holdings",
+    "Partners",
+    "Labs",
+    "Systems",
+    "Technologies",
+    "Industries",
+    "Foods",
+    "Logistics",
+    "Media",
+    "Analytics",
+    "Robotics",
+    "Energy",
+    "Pharmaceuticals",
+    "Motors",
+    "Consulting",
+    "Networks",
+    "Aerospace",
+    "Biotech",
+    "Capital",
+    "Studios",
+    "Group",
+    "and Sons",
+    "Works",
+    "Outfitters",
+    "Instruments",
+    "Materials",
+    "Software",
+    "Dynamics",
+]
 
 
 def _all_faker_names() -> set[str]:
@@ -88,8 +203,15 @@ def _all_faker_names() -> set[str]:
             P = importlib.import_module(f"faker.providers.person.{m.name}").Provider
         except Exception:  # pragma: no cover - a locale that fails to import
             continue
-        for attr in ("first_names", "first_names_male", "first_names_female", "first_names_nonbinary",
-                     "last_names", "last_names_male", "last_names_female"):
+        for attr in (
+            "first_names",
+            "first_names_male",
+            "first_names_female",
+            "first_names_nonbinary",
+            "last_names",
+            "last_names_male",
+            "last_names_female",
+        ):
             v = P.__dict__.get(attr)
             if isinstance(v, (list, tuple, dict, set)):
                 names |= set(v)
@@ -104,7 +226,7 @@ def _markov_names(train: list[str], rng: random.Random, exclude: set[str], order
     for name in train:
         s = "^" * order + name.lower() + "$"
         for i in range(len(s) - order):
-            table.setdefault(s[i:i + order], []).append(s[i + order])
+            table.setdefault(s[i : i + order], []).append(s[i + order])
     seen: set[str] = set()
     while True:
         ctx, out = "^" * order, []
@@ -139,8 +261,10 @@ def build() -> dict[str, list[str]]:
     from faker import Faker
 
     rng = random.Random(SEED)
-    prov = {loc: importlib.import_module(f"faker.providers.person.{loc}").Provider
-            for loc in ("en_US", "en_GB", "en_IE", "en_NZ")}
+    prov = {
+        loc: importlib.import_module(f"faker.providers.person.{loc}").Provider
+        for loc in ("en_US", "en_GB", "en_IE", "en_NZ")
+    }
     real = _all_faker_names()  # every name of every Faker locale: generated names avoid all of them
     train_first = sorted(x for x in set().union(*(set(p.first_names) for p in prov.values())) if NAME_RE.match(x))
     train_last = sorted(x for x in set().union(*(set(p.last_names) for p in prov.values())) if NAME_RE.match(x))
@@ -157,6 +281,7 @@ def build() -> dict[str, list[str]]:
     states = list(fk.states_abbr) if hasattr(fk, "states_abbr") else None
     if states is None:
         from faker.providers.address.en_US import Provider as A
+
         states = list(A.states_abbr)
     cities = _unique((f"{p}, {rng.choice(states)}" for p in places[:600]), SIZES["birth_cities"], "birth cities")
 
@@ -183,8 +308,15 @@ def build() -> dict[str, list[str]]:
     hq_pool = places[1400:2000]
     hq = [f"{rng.choice(hq_pool)}, {rng.choice(states)}" for _ in employers]
     majors = _unique(MAJORS, SIZES["majors"], "majors")
-    return dict(first_names=first, middle_names=middle, last_names=last, birth_cities=cities,
-                universities=universities, majors=majors, employers=[f"{e}\t{h}" for e, h in zip(employers, hq)])
+    return dict(
+        first_names=first,
+        middle_names=middle,
+        last_names=last,
+        birth_cities=cities,
+        universities=universities,
+        majors=majors,
+        employers=[f"{e}\t{h}" for e, h in zip(employers, hq)],
+    )
 
 
 def _files(lists: dict[str, list[str]]) -> dict[str, str]:
@@ -206,8 +338,12 @@ def main(argv=None) -> int:
     for name, n in SIZES.items():
         assert len(lists[name]) == n, (name, len(lists[name]))
     files = _files(lists)
-    manifest = dict(seed=SEED, faker_version=faker.VERSION, sizes={k: len(v) for k, v in lists.items()},
-                    sha256={f: hashlib.sha256(t.encode()).hexdigest() for f, t in sorted(files.items())})
+    manifest = dict(
+        seed=SEED,
+        faker_version=faker.VERSION,
+        sizes={k: len(v) for k, v in lists.items()},
+        sha256={f: hashlib.sha256(t.encode()).hexdigest() for f, t in sorted(files.items())},
+    )
     if args.check:
         bad = [f for f, t in files.items() if not (OUT / f).exists() or (OUT / f).read_text() != t]
         print("OK" if not bad else f"differs: {bad}")
@@ -216,9 +352,11 @@ def main(argv=None) -> int:
     if old_manifest.exists() and not args.force:
         recorded = json.loads(old_manifest.read_text()).get("faker_version")
         if recorded != faker.VERSION:
-            print(f"refusing to rewrite the lists: they were built with Faker {recorded}, this is Faker "
-                  f"{faker.VERSION} (every population and the BPE cache would change); pass --force to do it anyway",
-                  file=sys.stderr)
+            print(
+                f"refusing to rewrite the lists: they were built with Faker {recorded}, this is Faker "
+                f"{faker.VERSION} (every population and the BPE cache would change); pass --force to do it anyway",
+                file=sys.stderr,
+            )
             return 2
     OUT.mkdir(parents=True, exist_ok=True)
     files = {**files, "lists_manifest.json": json.dumps(manifest, indent=1, sort_keys=True) + "\n"}

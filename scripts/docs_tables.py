@@ -139,8 +139,13 @@ def _runs_block(folder: Path, keys: list[str], ks: list[int]) -> str:
         else:  # the run's own headline: generation accuracy (Brevo, Lano), else the answer accuracy
             accs = [_pct((split.get("generate") or split.get("overall") or {}).get("acc"))]
         t = r.get("train_time_s")
-        cells = [Path(r["dir"]).name, *(label(k, value(r, k)) for k in keys), str(r.get("steps", "n/a")),
-                 f"{t:.0f}" if isinstance(t, (int, float)) else "n/a", *accs]
+        cells = [
+            Path(r["dir"]).name,
+            *(label(k, value(r, k)) for k in keys),
+            str(r.get("steps", "n/a")),
+            f"{t:.0f}" if isinstance(t, (int, float)) else "n/a",
+            *accs,
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -151,8 +156,10 @@ def render(spec: str, root: Path | None = None) -> str:
     root = ROOT if root is None else root
     words = shlex.split(spec)
     if not words or words[0] not in ("report", "runs", "atlas") or len(words) < 2:
-        raise Usage(f"block spec {spec!r}: allowed: 'report <folder> [report options]', 'runs <folder> --keys ...' "
-                    "or 'atlas <png> <skill>=<folder>[:K1,K2] ...'")
+        raise Usage(
+            f"block spec {spec!r}: allowed: 'report <folder> [report options]', 'runs <folder> --keys ...' "
+            "or 'atlas <png> <skill>=<folder>[:K1,K2] ...'"
+        )
     if words[0] == "atlas":
         from canonlm.train.atlas import build
 
@@ -195,8 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="change nothing; exit 1 when a block is stale")
     ap.add_argument("--collect", nargs="+", type=Path, metavar="DIR", help="sweep or run folders to copy runs from")
     ap.add_argument("--into", type=Path, help="with --collect: docs/results/<name>")
-    ap.add_argument("--files", nargs="+", default=list(FILES),
-                    help="markdown files to regenerate (default: %(default)s)")
+    ap.add_argument(
+        "--files", nargs="+", default=list(FILES), help="markdown files to regenerate (default: %(default)s)"
+    )
     args = ap.parse_args(argv)
     FIGURES.clear()
     try:
@@ -216,8 +224,11 @@ def main(argv: list[str] | None = None) -> int:
                 stale.append(path)
                 new_texts[path] = new
                 if args.check:
-                    sys.stdout.writelines(difflib.unified_diff(old.splitlines(True), new.splitlines(True),
-                                                               str(path), f"{path} (regenerated)"))
+                    sys.stdout.writelines(
+                        difflib.unified_diff(
+                            old.splitlines(True), new.splitlines(True), str(path), f"{path} (regenerated)"
+                        )
+                    )
     except Usage as e:
         print(f"docs_tables: error: {e}", file=sys.stderr)
         return 2
@@ -225,8 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         stale += figures
         if stale:
-            print(f"docs_tables: stale: {', '.join(map(str, stale))} (run python scripts/docs_tables.py)",
-                  file=sys.stderr)
+            print(
+                f"docs_tables: stale: {', '.join(map(str, stale))} (run python scripts/docs_tables.py)", file=sys.stderr
+            )
         return 1 if stale else 0
     from canonlm.utils.io import atomic_write_bytes
 

@@ -123,9 +123,11 @@ def _user(uid: int) -> str:
         return f"uid {uid}"
 
 
-ALLOWED_DIR = ("a folder this script creates, or one owned by you with mode 0700, reached through no "
-               "symbolic link and no folder that users other than root and you can write to (unless it is sticky, "
-               "like /tmp), with no symbolic link inside")
+ALLOWED_DIR = (
+    "a folder this script creates, or one owned by you with mode 0700, reached through no "
+    "symbolic link and no folder that users other than root and you can write to (unless it is sticky, "
+    "like /tmp), with no symbolic link inside"
+)
 
 
 def private_dir(path: Path, create: bool, folder: Path | None = None) -> bool:
@@ -167,11 +169,12 @@ def private_dir(path: Path, create: bool, folder: Path | None = None) -> bool:
             if mode & (0o022 if folder else 0o077):
                 refuse(f"{p} has mode {mode:04o}, open to other users (chmod 700 {p} if it is yours)")
         elif st.st_uid not in (0, uid):
-            refuse(f"{p} (on the way to the folder) is owned by {_user(st.st_uid)}, who could replace "
-                   f"what it holds")
+            refuse(f"{p} (on the way to the folder) is owned by {_user(st.st_uid)}, who could replace what it holds")
         elif mode & 0o022 and not mode & stat.S_ISVTX:
-            refuse(f"{p} (on the way to the folder) has mode {mode:04o}: other users can write to it and "
-                   f"replace what it holds")
+            refuse(
+                f"{p} (on the way to the folder) has mode {mode:04o}: other users can write to it and "
+                f"replace what it holds"
+            )
     for top, dirs, files in os.walk(path):  # os.walk lists links to folders in `dirs` and never enters them
         for name in dirs + files:
             if os.path.islink(os.path.join(top, name)):
@@ -206,8 +209,9 @@ def _read(path: Path) -> str:
 class Cluster:
     """Paths and commands of the cluster kept in ``root`` (see the module docstring)."""
 
-    def __init__(self, root: Path, ctld_port: int = 26817, slurmd_port: int = 26818, cred_expire: int = 10,
-                 min_cpus: int = 4):
+    def __init__(
+        self, root: Path, ctld_port: int = 26817, slurmd_port: int = 26818, cred_expire: int = 10, min_cpus: int = 4
+    ):
         self.root = Path(os.path.abspath(root))  # not resolved: private_dir refuses a link on the way
         self.conf = self.root / "etc" / "slurm.conf"
         self.state = self.root / "state"
@@ -239,8 +243,9 @@ class Cluster:
     def run(self, *cmd: str, timeout: float = 15) -> subprocess.CompletedProcess:
         """Run a Slurm client command against this cluster; never raises for a non-zero exit or a timeout."""
         try:
-            return subprocess.run(list(cmd), env=self.env(), capture_output=True, text=True, timeout=timeout,
-                                  stdin=subprocess.DEVNULL)
+            return subprocess.run(
+                list(cmd), env=self.env(), capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+            )
         except subprocess.TimeoutExpired:
             return subprocess.CompletedProcess(list(cmd), 124, "", f"timed out after {timeout} s")
         except FileNotFoundError as e:
@@ -287,28 +292,33 @@ class Cluster:
         if not missing:
             return
         if os.geteuid() != 0:
-            raise Unavailable(f"SLURM is not installed (missing: {', '.join(missing)}) and installing it needs "
-                              f"root: run `apt-get install -y slurm-wlm munge` as root, or this script as root")
+            raise Unavailable(
+                f"SLURM is not installed (missing: {', '.join(missing)}) and installing it needs "
+                f"root: run `apt-get install -y slurm-wlm munge` as root, or this script as root"
+            )
         if not shutil.which("apt-get"):
-            raise Unavailable(f"SLURM is not installed (missing: {', '.join(missing)}) and there is no apt-get "
-                              f"to install it; install Slurm and munge with this system's package manager")
+            raise Unavailable(
+                f"SLURM is not installed (missing: {', '.join(missing)}) and there is no apt-get "
+                f"to install it; install Slurm and munge with this system's package manager"
+            )
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
         for cmd in (["apt-get", "update"], ["apt-get", "install", "-y", "slurm-wlm", "munge"]):
             say("running " + " ".join(cmd))
             r = subprocess.run(cmd, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL)
             if r.returncode != 0:
-                raise Unavailable(f"`{' '.join(cmd)}` failed (exit {r.returncode}):\n"
-                                  f"{(r.stdout + r.stderr)[-3000:]}")
+                raise Unavailable(f"`{' '.join(cmd)}` failed (exit {r.returncode}):\n{(r.stdout + r.stderr)[-3000:]}")
         still = [c for c in missing if not which(c)]
         if still:
-            raise Unavailable(f"apt-get installed slurm-wlm and munge but these commands are still missing: "
-                              f"{', '.join(still)}")
+            raise Unavailable(
+                f"apt-get installed slurm-wlm and munge but these commands are still missing: {', '.join(still)}"
+            )
 
     # ---- munge -----------------------------------------------------------------------------------------------
     def munge_works(self) -> bool:
         try:
-            cred = subprocess.run([which("munge") or "munge", "-n"], capture_output=True, timeout=10,
-                                  stdin=subprocess.DEVNULL)
+            cred = subprocess.run(
+                [which("munge") or "munge", "-n"], capture_output=True, timeout=10, stdin=subprocess.DEVNULL
+            )
             if cred.returncode != 0:
                 return False
             r = subprocess.run([which("unmunge") or "unmunge"], input=cred.stdout, capture_output=True, timeout=10)
@@ -330,8 +340,11 @@ class Cluster:
         if not MUNGE_KEY.exists():
             say(f"creating {MUNGE_KEY}")
             tool = which("mungekey")
-            cmd = [tool, "--create", "--keyfile", str(MUNGE_KEY)] if tool else [which("create-munge-key") or
-                                                                                   "create-munge-key"]
+            cmd = (
+                [tool, "--create", "--keyfile", str(MUNGE_KEY)]
+                if tool
+                else [which("create-munge-key") or "create-munge-key"]
+            )
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
                 raise StartFailed(f"could not create {MUNGE_KEY}: {r.stderr.strip()}")
@@ -344,15 +357,15 @@ class Cluster:
         stale = Path("/run/munge/munged.pid")
         if stale.exists() and not self._alive(stale, "munged"):
             stale.unlink()
-        proc = self._spawn([which("munged"), "--foreground"], self.munged_pid, user=pw.pw_uid, group=pw.pw_gid,
-                           extra_groups=[])
+        proc = self._spawn(
+            [which("munged"), "--foreground"], self.munged_pid, user=pw.pw_uid, group=pw.pw_gid, extra_groups=[]
+        )
         for _ in range(50):
             if self.munge_works():
                 say(f"munged started (pid {proc.pid})")
                 return
             if proc.poll() is not None:
-                raise StartFailed(f"munged exited with {proc.returncode}\n"
-                                  + _tail(Path("/var/log/munge/munged.log")))
+                raise StartFailed(f"munged exited with {proc.returncode}\n" + _tail(Path("/var/log/munge/munged.log")))
             time.sleep(0.1)
         raise StartFailed("munged started but `munge -n | unmunge` fails\n" + _tail(Path("/var/log/munge/munged.log")))
 
@@ -361,8 +374,13 @@ class Cluster:
         """``slurmd -C``'s node line with the memory less headroom and the loopback address; a machine with fewer
         than ``min_cpus`` CPUs is declared with ``min_cpus`` (one socket of that many cores; :meth:`render` then adds
         ``SlurmdParameters=config_overrides`` so slurmd takes the declared count)."""
-        r = subprocess.run([which("slurmd") or "slurmd", "-C"], capture_output=True, text=True, timeout=30,
-                           env={**os.environ, "SLURM_CONF": "/dev/null"})
+        r = subprocess.run(
+            [which("slurmd") or "slurmd", "-C"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={**os.environ, "SLURM_CONF": "/dev/null"},
+        )
         first = next((ln for ln in r.stdout.splitlines() if ln.startswith("NodeName=")), None)
         if r.returncode != 0 or first is None:
             raise StartFailed(f"`slurmd -C` did not print a node line (exit {r.returncode}): {r.stdout}{r.stderr}")
@@ -371,15 +389,26 @@ class Cluster:
         fields["RealMemory"] = str(max(mem - max(1024, mem // 10), 512))
         self.cpus_raised = int(fields.get("CPUs", "1")) < self.min_cpus
         if self.cpus_raised:
-            fields.update(CPUs=str(self.min_cpus), Boards="1", SocketsPerBoard="1", CoresPerSocket=str(self.min_cpus),
-                          ThreadsPerCore="1")
+            fields.update(
+                CPUs=str(self.min_cpus),
+                Boards="1",
+                SocketsPerBoard="1",
+                CoresPerSocket=str(self.min_cpus),
+                ThreadsPerCore="1",
+            )
         keep = ("NodeName", "CPUs", "Boards", "SocketsPerBoard", "CoresPerSocket", "ThreadsPerCore", "RealMemory")
         return " ".join(f"{k}={fields[k]}" for k in keep if k in fields) + " NodeAddr=127.0.0.1 State=UNKNOWN"
 
     def render(self, node_line: str) -> str:
         node = node_line.split()[0].split("=", 1)[1]
-        overrides = ("# more CPUs declared than this machine has (--cpus): slurmd takes the declared count\n"
-                     "SlurmdParameters=config_overrides\n") if self.cpus_raised else ""
+        overrides = (
+            (
+                "# more CPUs declared than this machine has (--cpus): slurmd takes the declared count\n"
+                "SlurmdParameters=config_overrides\n"
+            )
+            if self.cpus_raised
+            else ""
+        )
         return f"""{self.header}
 # (`python3 scripts/local_slurm.py stop` removes this copy; a file without the first line is never overwritten)
 ClusterName=canonlm
@@ -437,8 +466,7 @@ PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
             return True
         if header is None:
             return False
-        port = next((ln.split("=", 1)[1] for ln in _read(ETC_CONF).splitlines() if ln.startswith("SlurmctldPort=")),
-                    "")
+        port = next((ln.split("=", 1)[1] for ln in _read(ETC_CONF).splitlines() if ln.startswith("SlurmctldPort=")), "")
         return port.isdigit() and not port_in_use(int(port))
 
     def write_config(self) -> str:
@@ -454,8 +482,7 @@ PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
             except OSError as e:
                 say(f"could not write {ETC_CONF} ({e}); clients need SLURM_CONF={self.conf}")
         else:
-            say(f"{ETC_CONF} was not written by this script, or is the copy of another running cluster: "
-                f"left as it is")
+            say(f"{ETC_CONF} was not written by this script, or is the copy of another running cluster: left as it is")
         return line.split()[0].split("=", 1)[1]
 
     # ---- start / stop ----------------------------------------------------------------------------------------
@@ -469,15 +496,20 @@ PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
             return
         if os.geteuid() != 0:
             self.ensure_installed()  # names what is missing, if anything
-            raise Unavailable("starting slurmd/slurmctld needs root (SlurmUser=root; slurmd runs jobs as their "
-                              "users): run `python3 scripts/local_slurm.py start` as root")
+            raise Unavailable(
+                "starting slurmd/slurmctld needs root (SlurmUser=root; slurmd runs jobs as their "
+                "users): run `python3 scripts/local_slurm.py start` as root"
+            )
         if exists:
             self.stop(quiet=True)  # leftovers of a half-started cluster in this folder
         busy = [p for p in (self.ctld_port, self.slurmd_port) if port_in_use(p)]
         if busy:
-            raise Refused("--ports", f"{self.ctld_port},{self.slurmd_port}", f"port {busy[0]} is in use (another "
-                          f"cluster, e.g. one kept in another folder, or another service)",
-                          "two free ports; stop the other cluster or choose --ports")
+            raise Refused(
+                "--ports",
+                f"{self.ctld_port},{self.slurmd_port}",
+                f"port {busy[0]} is in use (another cluster, e.g. one kept in another folder, or another service)",
+                "two free ports; stop the other cluster or choose --ports",
+            )
         self.ensure_installed()
         private_dir(self.root, create=True)
         for d in (self.conf.parent, self.state, self.spool, self.logs, self.daemon_run):
@@ -493,11 +525,19 @@ PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
         ``log/<name>.out``, no pipe to this script), and record its pid in ``pid_file`` at once, before anything
         can fail: a daemon that forks itself would write its pid file only later, leaving a gap in which a
         failed start could not find it."""
-        out = os.open(self.logs / f"{Path(cmd[0]).name}.out", os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW,
-                      0o600)
+        out = os.open(
+            self.logs / f"{Path(cmd[0]).name}.out", os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600
+        )
         try:
-            proc = subprocess.Popen(cmd, env=self.env(), stdin=subprocess.DEVNULL, stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True, **kw)
+            proc = subprocess.Popen(
+                cmd,
+                env=self.env(),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                **kw,
+            )
         finally:
             os.close(out)
         _write(pid_file, f"{proc.pid}\n")
@@ -507,19 +547,24 @@ PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
         self.start_munge()
         node = self.write_config()
         t0 = time.monotonic()
-        procs = {"slurmctld": self._spawn([which("slurmctld"), "-D", "-c"], self.ctld_pid),
-                 "slurmd": self._spawn([which("slurmd"), "-D", "-N", node], self.slurmd_pid)}
+        procs = {
+            "slurmctld": self._spawn([which("slurmctld"), "-D", "-c"], self.ctld_pid),
+            "slurmd": self._spawn([which("slurmd"), "-D", "-N", node], self.slurmd_pid),
+        }
         deadline = time.monotonic() + timeout
         st = None
         while time.monotonic() < deadline:
             if self.is_up():
-                say(f"up in {time.monotonic() - t0:.1f} s: node {node} {self.node_state()} "
-                    f"({self.root}); {self.client_hint()}")
+                say(
+                    f"up in {time.monotonic() - t0:.1f} s: node {node} {self.node_state()} "
+                    f"({self.root}); {self.client_hint()}"
+                )
                 return
             for comm, proc in procs.items():
                 if proc.poll() is not None:
-                    raise StartFailed(f"{comm} exited during start (exit {proc.returncode}):\n"
-                                      + _tail(self.logs / f"{comm}.out"))
+                    raise StartFailed(
+                        f"{comm} exited during start (exit {proc.returncode}):\n" + _tail(self.logs / f"{comm}.out")
+                    )
             st = self.node_state()
             time.sleep(0.2)
         raise StartFailed(f"the node did not become idle within {timeout:.0f} s (sinfo state: {st})")
@@ -543,8 +588,14 @@ PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
         if self._alive(self.ctld_pid, "slurmctld") and self._alive(self.slurmd_pid, "slurmd"):
             self._cancel_jobs()
         stopped, stuck = [], []
-        procs = [(self._alive(pid_file, comm), comm, pid_file) for pid_file, comm in
-                 ((self.slurmd_pid, "slurmd"), (self.ctld_pid, "slurmctld"), (self.munged_pid, "munged"))]
+        procs = [
+            (self._alive(pid_file, comm), comm, pid_file)
+            for pid_file, comm in (
+                (self.slurmd_pid, "slurmd"),
+                (self.ctld_pid, "slurmctld"),
+                (self.munged_pid, "munged"),
+            )
+        ]
         for pid, comm, pid_file in procs:
             try:
                 if _terminate(pid):
@@ -578,8 +629,11 @@ PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
                 continue
             try:
                 comm = (d / "comm").read_text().strip()
-                if comm in ("slurmctld", "slurmd", "slurmscriptd", "slurmstepd") and \
-                        want in (d / "environ").read_bytes().split(b"\0") and _running(int(d.name)):
+                if (
+                    comm in ("slurmctld", "slurmd", "slurmscriptd", "slurmstepd")
+                    and want in (d / "environ").read_bytes().split(b"\0")
+                    and _running(int(d.name))
+                ):
                     out.append((int(d.name), comm))
             except OSError:
                 continue
@@ -630,29 +684,48 @@ def _terminate(pid: int | None, wait: float = 10.0) -> bool:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("action", choices=("start", "stop", "status"))
-    ap.add_argument("--dir", default=os.environ.get("CANONLM_SLURM_DIR", DEFAULT_DIR),
-                    help=f"the cluster's folder (default: $CANONLM_SLURM_DIR or {DEFAULT_DIR})")
+    ap.add_argument(
+        "--dir",
+        default=os.environ.get("CANONLM_SLURM_DIR", DEFAULT_DIR),
+        help=f"the cluster's folder (default: $CANONLM_SLURM_DIR or {DEFAULT_DIR})",
+    )
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the node to become idle")
-    ap.add_argument("--ports", default=os.environ.get("CANONLM_SLURM_PORTS", "26817,26818"),
-                    help="slurmctld,slurmd ports (default: $CANONLM_SLURM_PORTS or 26817,26818)")
-    ap.add_argument("--cpus", type=int, default=4,
-                    help="CPUs the node declares at least (default 4): a machine with fewer is declared with this "
-                         "many (SlurmdParameters=config_overrides; TaskPlugin=task/none binds nothing), so jobs of "
-                         "up to that many 1-CPU ranks run on a 2-core machine")
-    ap.add_argument("--cred-expire", type=int, default=10,
-                    help="AuthInfo=cred_expire (seconds, >= 5); a requeued job waits this + 1 s (default 10)")
+    ap.add_argument(
+        "--ports",
+        default=os.environ.get("CANONLM_SLURM_PORTS", "26817,26818"),
+        help="slurmctld,slurmd ports (default: $CANONLM_SLURM_PORTS or 26817,26818)",
+    )
+    ap.add_argument(
+        "--cpus",
+        type=int,
+        default=4,
+        help="CPUs the node declares at least (default 4): a machine with fewer is declared with this "
+        "many (SlurmdParameters=config_overrides; TaskPlugin=task/none binds nothing), so jobs of "
+        "up to that many 1-CPU ranks run on a 2-core machine",
+    )
+    ap.add_argument(
+        "--cred-expire",
+        type=int,
+        default=10,
+        help="AuthInfo=cred_expire (seconds, >= 5); a requeued job waits this + 1 s (default 10)",
+    )
     args = ap.parse_args(argv)
     try:
         ctld_port, slurmd_port = (int(p) for p in args.ports.split(","))
         if not (1 <= ctld_port <= 65535 and 1 <= slurmd_port <= 65535 and ctld_port != slurmd_port):
             raise ValueError
     except ValueError:
-        print(f"local_slurm: error: --ports={args.ports!r}; allowed: two different port numbers, e.g. 26817,26818",
-              file=sys.stderr)
+        print(
+            f"local_slurm: error: --ports={args.ports!r}; allowed: two different port numbers, e.g. 26817,26818",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     if args.cred_expire < 5:
-        print(f"local_slurm: error: --cred-expire={args.cred_expire}; allowed: an integer >= 5 (seconds; Slurm "
-              f"ignores smaller values)", file=sys.stderr)
+        print(
+            f"local_slurm: error: --cred-expire={args.cred_expire}; allowed: an integer >= 5 (seconds; Slurm "
+            f"ignores smaller values)",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     if not 1 <= args.cpus <= 4096:
         print(f"local_slurm: error: --cpus={args.cpus}; allowed: an integer from 1 to 4096", file=sys.stderr)
@@ -665,8 +738,10 @@ def main(argv: list[str] | None = None) -> int:
                 return EXIT_OK
             ctld, slurmd = cl._alive(cl.ctld_pid, "slurmctld"), cl._alive(cl.slurmd_pid, "slurmd")
             state = f", sinfo node state {cl.node_state()}" if ctld else ""  # sinfo retries for seconds without one
-            say(f"down ({cl.root}: slurmctld {'runs' if ctld else 'not running'}, "
-                f"slurmd {'runs' if slurmd else 'not running'}{state})")
+            say(
+                f"down ({cl.root}: slurmctld {'runs' if ctld else 'not running'}, "
+                f"slurmd {'runs' if slurmd else 'not running'}{state})"
+            )
             return EXIT_DOWN
         if args.action == "stop":
             if cl.exists():

@@ -74,8 +74,10 @@ TIME_RE = re.compile(r"\d+-\d{1,2}(:\d{1,2}(:\d{1,2})?)?|\d+(:\d{1,2}(:\d{1,2})?
 NAME_RE = re.compile(r"[A-Za-z0-9_.-]+")
 PATH_RE = re.compile(r"[A-Za-z0-9/_.+@:-]([A-Za-z0-9 /_.+@:-]*[A-Za-z0-9/_.+@:-])?")
 NAME_ALLOWED = "a SLURM name: letters, digits and _ - ."
-PATH_ALLOWED = ("a path of letters, digits, spaces and / _ . - + @ : (no space at either end; it is written into "
-                "#SBATCH --output and the paths.log_dir override)")
+PATH_ALLOWED = (
+    "a path of letters, digits, spaces and / _ . - + @ : (no space at either end; it is written into "
+    "#SBATCH --output and the paths.log_dir override)"
+)
 
 
 class UsageError(Exception):
@@ -124,17 +126,27 @@ def check(args: argparse.Namespace) -> None:
     if args.tasks_per_node < 1:
         raise UsageError("--tasks-per-node", args.tasks_per_node, "an integer >= 1")
     if args.gpus_per_node and args.tasks_per_node != args.gpus_per_node:
-        raise UsageError("--tasks-per-node", args.tasks_per_node,
-                         f"{args.gpus_per_node} (= --gpus-per-node: one task per GPU, as Lightning requires), or "
-                         f"--gpus-per-node 0 for a CPU job")
+        raise UsageError(
+            "--tasks-per-node",
+            args.tasks_per_node,
+            f"{args.gpus_per_node} (= --gpus-per-node: one task per GPU, as Lightning requires), or "
+            f"--gpus-per-node 0 for a CPU job",
+        )
     if args.cpus_per_task is not None and args.cpus_per_task < 1:
         raise UsageError("--cpus-per-task", args.cpus_per_task, "an integer >= 1 (or leave it out: SLURM's default)")
     if args.mem is not None and not MEM_RE.fullmatch(args.mem):
-        raise UsageError("--mem", args.mem, "memory per node as sbatch takes it: a positive integer with an "
-                                            "optional unit K, M, G or T (megabytes without one), e.g. 4G")
+        raise UsageError(
+            "--mem",
+            args.mem,
+            "memory per node as sbatch takes it: a positive integer with an "
+            "optional unit K, M, G or T (megabytes without one), e.g. 4G",
+        )
     if not TIME_RE.fullmatch(args.time):
-        raise UsageError("--time", args.time, "a SLURM time limit: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or "
-                                              "D-HH:MM:SS, e.g. 1-00:00:00")
+        raise UsageError(
+            "--time",
+            args.time,
+            "a SLURM time limit: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS, e.g. 1-00:00:00",
+        )
     args.signal_name, args.signal_s = parse_signal(args.signal)
     for flag in ("partition", "account", "qos"):
         value = getattr(args, flag)
@@ -150,8 +162,8 @@ def check(args: argparse.Namespace) -> None:
 SET_BY_LAUNCHER = {
     "run_name": "--name",
     "ckpt_path": "auto: the job resumes its own run; to continue a run at another size resubmit its --name with "
-                 "--resume and new --tasks-per-node / --gpus-per-node; to start from another run's weights pass "
-                 "init_from=<checkpoint>",
+    "--resume and new --tasks-per-node / --gpus-per-node; to start from another run's weights pass "
+    "init_from=<checkpoint>",
     "paths.log_dir": "--log-dir",
     "trainer.num_nodes": "--nodes",
     "trainer.accelerator": "--gpus-per-node (0: cpu)",
@@ -173,16 +185,27 @@ def check_overrides(overrides: list[str]) -> None:
         if key in SET_BY_LAUNCHER:
             raise UsageError("override", o, f"no {key}: the launcher sets it ({SET_BY_LAUNCHER[key]})")
         if key in ("callbacks", "callbacks.preemption") and (o.startswith("~") or val in ("none", "null", "~")):
-            raise UsageError("override", o, "the preemption callback kept: the job saves and requeues itself through "
-                                            "it (callbacks.preemption.signal_name is set by --signal)")
+            raise UsageError(
+                "override",
+                o,
+                "the preemption callback kept: the job saves and requeues itself through "
+                "it (callbacks.preemption.signal_name is set by --signal)",
+            )
 
 
 def run_overrides(args: argparse.Namespace, overrides: list[str]) -> list[str]:
     """The command-line overrides of ``train.py`` in the job: the user's, then the launcher's (later ones win)."""
     accel, devices = ("gpu", args.gpus_per_node) if args.gpus_per_node else ("cpu", args.tasks_per_node)
-    return [*overrides, f"run_name={args.name}", "ckpt_path=auto", f"trainer.num_nodes={args.nodes}",
-            f"trainer.accelerator={accel}", f"trainer.devices={devices}",
-            f"callbacks.preemption.signal_name=SIG{args.signal_name}", f"paths.log_dir={args.log_dir}"]
+    return [
+        *overrides,
+        f"run_name={args.name}",
+        "ckpt_path=auto",
+        f"trainer.num_nodes={args.nodes}",
+        f"trainer.accelerator={accel}",
+        f"trainer.devices={devices}",
+        f"callbacks.preemption.signal_name=SIG{args.signal_name}",
+        f"paths.log_dir={args.log_dir}",
+    ]
 
 
 def render(args: argparse.Namespace, overrides: list[str]) -> str:
@@ -195,24 +218,41 @@ def render(args: argparse.Namespace, overrides: list[str]) -> str:
     check(args)
     check_overrides(overrides)
     out = Path(args.log_dir) / "slurm" / args.name
-    lines = ["#!/bin/bash", f"#SBATCH --job-name={args.name}", f"#SBATCH --nodes={args.nodes}",
-             f"#SBATCH --ntasks-per-node={args.tasks_per_node}"]
+    lines = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name={args.name}",
+        f"#SBATCH --nodes={args.nodes}",
+        f"#SBATCH --ntasks-per-node={args.tasks_per_node}",
+    ]
     if args.gpus_per_node:
         lines.append(f"#SBATCH --gpus-per-node={args.gpus_per_node}")
     if args.cpus_per_task is not None:
         lines.append(f"#SBATCH --cpus-per-task={args.cpus_per_task}")
     if args.mem is not None:
         lines.append(f"#SBATCH --mem={args.mem}")
-    lines += [f"#SBATCH --time={args.time}", f"#SBATCH --signal={args.signal_name}@{args.signal_s}",
-              "#SBATCH --requeue", "#SBATCH --open-mode=append",
-              f'#SBATCH --output="{out}/slurm-%j.out"', f'#SBATCH --error="{out}/slurm-%j.err"']
-    lines += [f"#SBATCH --{k}={v}" for k, v in
-              (("partition", args.partition), ("account", args.account), ("qos", args.qos)) if v]
+    lines += [
+        f"#SBATCH --time={args.time}",
+        f"#SBATCH --signal={args.signal_name}@{args.signal_s}",
+        "#SBATCH --requeue",
+        "#SBATCH --open-mode=append",
+        f'#SBATCH --output="{out}/slurm-%j.out"',
+        f'#SBATCH --error="{out}/slurm-%j.err"',
+    ]
+    lines += [
+        f"#SBATCH --{k}={v}"
+        for k, v in (("partition", args.partition), ("account", args.account), ("qos", args.qos))
+        if v
+    ]
     srun = ["srun"] + ([f"--cpus-per-task={args.cpus_per_task}"] if args.cpus_per_task is not None else [])
     cmd = [*srun, args.python, "train.py", *run_overrides(args, overrides)]
-    lines += ["", 'echo "[launch] job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST '
-              '$(date -Is)"', "export WANDB_MODE=${WANDB_MODE:-offline}", f"cd {shlex.quote(str(ROOT))}",
-              " ".join(shlex.quote(c) for c in cmd), ""]
+    lines += [
+        "",
+        'echo "[launch] job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST $(date -Is)"',
+        "export WANDB_MODE=${WANDB_MODE:-offline}",
+        f"cd {shlex.quote(str(ROOT))}",
+        " ".join(shlex.quote(c) for c in cmd),
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -220,26 +260,36 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """Split ``argv`` at ``--`` into launcher flags and training overrides; parse the flags (not checked yet)."""
     if "--" in argv:
         i = argv.index("--")
-        argv, overrides = argv[:i], argv[i + 1:]
+        argv, overrides = argv[:i], argv[i + 1 :]
     else:
         overrides = []
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--name", required=True, help="run name = job name = run dir name (stable across requeues)")
     ap.add_argument("--nodes", type=int, default=1)
     ap.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node, one task each; 0: a CPU job")
-    ap.add_argument("--tasks-per-node", type=int, default=None,
-                    help="ranks per node (default: --gpus-per-node, or 1 for a CPU job; CPU jobs only may differ)")
+    ap.add_argument(
+        "--tasks-per-node",
+        type=int,
+        default=None,
+        help="ranks per node (default: --gpus-per-node, or 1 for a CPU job; CPU jobs only may differ)",
+    )
     ap.add_argument("--cpus-per-task", type=int, default=None, help="CPUs per rank (default: left to SLURM)")
     ap.add_argument("--mem", default=None, help="memory per node, e.g. 64G (default: left to SLURM)")
     ap.add_argument("--time", default="1-00:00:00", help="time limit of each run of the job (default 1 day)")
-    ap.add_argument("--signal", default="USR2@120",
-                    help="warning signal and seconds before the time limit: save, requeue (default USR2@120)")
+    ap.add_argument(
+        "--signal",
+        default="USR2@120",
+        help="warning signal and seconds before the time limit: save, requeue (default USR2@120)",
+    )
     ap.add_argument("--partition")
     ap.add_argument("--account")
     ap.add_argument("--qos")
     ap.add_argument("--log-dir", default=str(ROOT / "logs"), help="paths.log_dir of the run (default <repo>/logs)")
-    ap.add_argument("--python", default=None,
-                    help="interpreter of the job (default: this one if it has canonlm, else <repo>/.venv/bin/python)")
+    ap.add_argument(
+        "--python",
+        default=None,
+        help="interpreter of the job (default: this one if it has canonlm, else <repo>/.venv/bin/python)",
+    )
     ap.add_argument("--resume", action="store_true", help="allow an existing name (the job resumes its run)")
     ap.add_argument("--dry-run", action="store_true", help="print the sbatch script, submit nothing")
     args = ap.parse_args(argv)
@@ -270,8 +320,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     out = Path(args.log_dir) / "slurm" / args.name
     if out.exists() and not args.resume:
-        print(f"launch: error: --name={args.name!r}: {out} exists; pass --resume to continue that run or choose "
-              f"another --name", file=sys.stderr)
+        print(
+            f"launch: error: --name={args.name!r}: {out} exists; pass --resume to continue that run or choose "
+            f"another --name",
+            file=sys.stderr,
+        )
         return 2
     if shutil.which("sbatch") is None:
         print("launch: error: sbatch not found on PATH (is this a SLURM login node?)", file=sys.stderr)
@@ -286,8 +339,11 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(created, ignore_errors=True)
         else:
             path.unlink(missing_ok=True)
-        print(f"launch: error: sbatch failed (exit {r.returncode}); nothing is left behind:\n"
-              f"{(r.stderr or r.stdout).strip()}", file=sys.stderr)
+        print(
+            f"launch: error: sbatch failed (exit {r.returncode}); nothing is left behind:\n"
+            f"{(r.stderr or r.stdout).strip()}",
+            file=sys.stderr,
+        )
         return r.returncode
     job = r.stdout.strip().split(";")[0]
     print(job)

@@ -19,8 +19,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "local_slurm.py"
 EXIT_UNAVAILABLE = 3  # local_slurm.py: SLURM cannot be installed or started here
-FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
-                "DEADLINE", "PREEMPTED", "SPECIAL_EXIT"}
+FINAL_STATES = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "PREEMPTED",
+    "SPECIAL_EXIT",
+}
 
 
 @dataclass
@@ -45,12 +55,18 @@ def cluster_dir() -> Path:
     return Path(os.environ.get("CANONLM_SLURM_DIR", script_module().DEFAULT_DIR))
 
 
-def local_slurm(action: str, *args: str, timeout: float = 900,
-                folder: Path | None = None) -> subprocess.CompletedProcess:
+def local_slurm(
+    action: str, *args: str, timeout: float = 900, folder: Path | None = None
+) -> subprocess.CompletedProcess:
     """``python scripts/local_slurm.py <action> --dir <folder or cluster_dir()> <args>`` (stdlib only; any
     interpreter runs it)."""
-    return subprocess.run([sys.executable, str(SCRIPT), action, "--dir", str(folder or cluster_dir()), *args],
-                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), action, "--dir", str(folder or cluster_dir()), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def scontrol_show(job: str) -> str:
@@ -71,7 +87,7 @@ def job_report(job: str | None, *files: Path) -> str:
     """``scontrol show job`` and the last 80 lines of each file (job output, train.log ...), for failure messages."""
     parts = [f"--- scontrol show job {job} ---\n{scontrol_show(job)}"] if job else []
     for f in files:
-        for p in (sorted(f.parent.glob(f.name)) if any(c in f.name for c in "*?[") else [f]):
+        for p in sorted(f.parent.glob(f.name)) if any(c in f.name for c in "*?[") else [f]:
             try:
                 text = "\n".join(p.read_text(errors="replace").splitlines()[-80:])
             except OSError as e:
@@ -80,8 +96,9 @@ def job_report(job: str | None, *files: Path) -> str:
     return "\n".join(parts)
 
 
-def wait_until(pred, timeout: float, what: str, job: str | None = None, files: tuple[Path, ...] = (),
-               interval: float = 0.2):
+def wait_until(
+    pred, timeout: float, what: str, job: str | None = None, files: tuple[Path, ...] = (), interval: float = 0.2
+):
     """Poll ``pred()`` every ``interval`` seconds until it returns a truthy value (returned) or ``timeout`` seconds
     pass (AssertionError naming ``what``, with :func:`job_report`)."""
     deadline = time.monotonic() + timeout
@@ -97,7 +114,9 @@ def wait_until(pred, timeout: float, what: str, job: str | None = None, files: t
 def wait_job_end(job: str, timeout: float, files: tuple[Path, ...] = ()) -> dict[str, str]:
     """Wait until ``job`` is in a final state (a requeued job passes through PENDING again: not final); return its
     ``scontrol`` fields. The job record stays for ``MinJobAge`` (600 s on the test cluster) after it ends."""
+
     def done():
         info = job_info(job)
         return info if info.get("JobState") in FINAL_STATES else None
+
     return wait_until(done, timeout, f"job {job} to end", job, files, interval=0.5)

@@ -76,8 +76,9 @@ def enable(stub_selective_scan: bool = True) -> collections.Counter:
     from triton.runtime import autotuner, interpreter
 
     if triton.__version__ != TRITON_VERSION:
-        raise RuntimeError(f"the interpreter patches are written for triton=={TRITON_VERSION}, found "
-                           f"{triton.__version__}")
+        raise RuntimeError(
+            f"the interpreter patches are written for triton=={TRITON_VERSION}, found {triton.__version__}"
+        )
 
     # 1. autotune: first config, no benchmarking (needs a GPU driver)
     prune = autotuner.Autotuner.prune_configs
@@ -101,12 +102,18 @@ def enable(stub_selective_scan: bool = True) -> collections.Counter:
         name = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", None)
         if name == "range" and isinstance(node.target, ast.Name):
             var = node.target.id
-            to_tensor = ast.Attribute(value=ast.Name(id="interpreter_semantic", ctx=ast.Load()), attr="to_tensor",
-                                      ctx=ast.Load())
-            node.body.insert(0, ast.Assign(targets=[ast.Name(id=var, ctx=ast.Store())],
-                                           value=ast.Call(func=to_tensor, args=[ast.Name(id=var, ctx=ast.Load()),
-                                                                                ast.Constant(value=False)],
-                                                          keywords=[])))
+            to_tensor = ast.Attribute(
+                value=ast.Name(id="interpreter_semantic", ctx=ast.Load()), attr="to_tensor", ctx=ast.Load()
+            )
+            node.body.insert(
+                0,
+                ast.Assign(
+                    targets=[ast.Name(id=var, ctx=ast.Store())],
+                    value=ast.Call(
+                        func=to_tensor, args=[ast.Name(id=var, ctx=ast.Load()), ast.Constant(value=False)], keywords=[]
+                    ),
+                ),
+            )
         return node
 
     interpreter.ASTTransformer.visit_For = visit_For
@@ -143,8 +150,16 @@ def enable(stub_selective_scan: bool = True) -> collections.Counter:
         return wrapped
 
     B = interpreter.InterpreterBuilder
-    for name, result_like in (("binary_op", 0), ("ternary_op", 2), ("unary_op", 0), ("create_fma", 2),
-                              ("create_dot", 2), ("create_erf", 0), ("create_rsqrt", 0), ("create_clampf", 0)):
+    for name, result_like in (
+        ("binary_op", 0),
+        ("ternary_op", 2),
+        ("unary_op", 0),
+        ("create_fma", 2),
+        ("create_dot", 2),
+        ("create_erf", 0),
+        ("create_rsqrt", 0),
+        ("create_clampf", 0),
+    ):
         setattr(B, name, bf16_op(getattr(B, name), result_like))
 
     def bf16_tensor_op(method):
@@ -155,14 +170,20 @@ def enable(stub_selective_scan: bool = True) -> collections.Counter:
             items = (input,) if single else tuple(input)
             if not any(t.dtype.scalar == bf16 for t in items if isinstance(t, tl.core.tensor)):
                 return method(self, input, *args, **kwargs)
-            conv = tuple(tl.core.tensor(to_f32(t.handle), t.type.with_element_ty(f32) if t.type.is_block() else f32)
-                         if isinstance(t, tl.core.tensor) and t.dtype.scalar == bf16 else t for t in items)
+            conv = tuple(
+                tl.core.tensor(to_f32(t.handle), t.type.with_element_ty(f32) if t.type.is_block() else f32)
+                if isinstance(t, tl.core.tensor) and t.dtype.scalar == bf16
+                else t
+                for t in items
+            )
             out = method(self, conv[0] if single else conv, *args, **kwargs)
 
             def back(t):
                 if isinstance(t, tl.core.tensor) and t.dtype.scalar == f32:
-                    return tl.core.tensor(TH(to_bf16_bits(t.handle.data), bf16),
-                                          t.type.with_element_ty(bf16) if t.type.is_block() else bf16)
+                    return tl.core.tensor(
+                        TH(to_bf16_bits(t.handle.data), bf16),
+                        t.type.with_element_ty(bf16) if t.type.is_block() else bf16,
+                    )
                 return t
 
             return back(out) if isinstance(out, tl.core.tensor) else type(out)(back(t) for t in out)
@@ -233,13 +254,23 @@ def run_in_subprocess(module: str, func: str, timeout: int = 900) -> dict:
     from pathlib import Path
 
     here = Path(__file__).resolve().parent
-    code = (f"import sys, json; sys.path[:0] = [{str(here)!r}]; import {module} as t; "
-            f"print('RESULT ' + json.dumps(t.{func}()))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, TRITON_INTERPRET="1"), cwd=here.parent)
+    code = (
+        f"import sys, json; sys.path[:0] = [{str(here)!r}]; import {module} as t; "
+        f"print('RESULT ' + json.dumps(t.{func}()))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, TRITON_INTERPRET="1"),
+        cwd=here.parent,
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"interpreter subprocess failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+    assert proc.returncode == 0 and lines, (
+        f"interpreter subprocess failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    )
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 class _Unavailable(types.ModuleType):
@@ -271,12 +302,12 @@ def _causal_conv1d_cuda_standin() -> types.ModuleType:
 
     mod = types.ModuleType("causal_conv1d_cuda")
 
-    def same_doc(seq_idx, W):                   # (B, T, W) bool: tap w of output t reads a token of t's document
+    def same_doc(seq_idx, W):  # (B, T, W) bool: tap w of output t reads a token of t's document
         if seq_idx is None:
             return None
         if seq_idx.dtype != torch.int32 or not seq_idx.is_contiguous():
             raise RuntimeError("causal_conv1d_cuda stand-in: seq_idx must be contiguous int32 (TORCH_CHECK)")
-        taps = F.pad(seq_idx.long(), (W - 1, 0), value=-1).unfold(-1, W, 1)       # (B, T, W): seq_idx[t-W+1+w]
+        taps = F.pad(seq_idx.long(), (W - 1, 0), value=-1).unfold(-1, W, 1)  # (B, T, W): seq_idx[t-W+1+w]
         cur = seq_idx.long().unsqueeze(-1)
         return (taps == cur) & (cur >= 0)
 
@@ -286,16 +317,22 @@ def _causal_conv1d_cuda_standin() -> types.ModuleType:
         if x.stride(1) != 1:
             raise RuntimeError("causal_conv1d_cuda stand-in: seq_idx is only supported for channel last layout")
         if tuple(seq_idx.shape) != (x.shape[0], x.shape[2]):
-            raise RuntimeError(f"causal_conv1d_cuda stand-in: seq_idx shape {tuple(seq_idx.shape)}, expected "
-                               f"(batch, seqlen) = {(x.shape[0], x.shape[2])}")
+            raise RuntimeError(
+                f"causal_conv1d_cuda stand-in: seq_idx shape {tuple(seq_idx.shape)}, expected "
+                f"(batch, seqlen) = {(x.shape[0], x.shape[2])}"
+            )
 
-    def pre_activation(x, weight, bias, seq_idx=None):   # (B, C, T) float32: bias + causal depthwise convolution
+    def pre_activation(x, weight, bias, seq_idx=None):  # (B, C, T) float32: bias + causal depthwise convolution
         W = weight.shape[-1]
         if seq_idx is None:
-            return F.conv1d(F.pad(x.float(), (W - 1, 0)), weight.float().unsqueeze(1),
-                            None if bias is None else bias.float(), groups=x.shape[1])
+            return F.conv1d(
+                F.pad(x.float(), (W - 1, 0)),
+                weight.float().unsqueeze(1),
+                None if bias is None else bias.float(),
+                groups=x.shape[1],
+            )
         same = same_doc(seq_idx, W)
-        windows = F.pad(x.float(), (W - 1, 0)).unfold(-1, W, 1)                    # (B, C, T, W)
+        windows = F.pad(x.float(), (W - 1, 0)).unfold(-1, W, 1)  # (B, C, T, W)
         y = torch.einsum("bctw,cw,btw->bct", windows, weight.float(), same.float())
         if bias is not None:
             y = y + bias.float()[:, None]
@@ -312,8 +349,20 @@ def _causal_conv1d_cuda_standin() -> types.ModuleType:
         y = pre_activation(x, weight, bias, seq_idx)
         out.copy_(F.silu(y) if silu_activation else y)
 
-    def causal_conv1d_bwd(x, weight, bias, dout, seq_idx, initial_states, dfinal_states, dx, dweight, dbias,
-                          dinitial_states, silu_activation):
+    def causal_conv1d_bwd(
+        x,
+        weight,
+        bias,
+        dout,
+        seq_idx,
+        initial_states,
+        dfinal_states,
+        dx,
+        dweight,
+        dbias,
+        dinitial_states,
+        silu_activation,
+    ):
         unsupported(initial_states=initial_states, dfinal_states=dfinal_states, dinitial_states=dinitial_states)
         check_seq_idx(x, seq_idx)
         # explicit gradients (a custom op runs below the autograd dispatch key: no autograd in here)
@@ -323,7 +372,7 @@ def _causal_conv1d_cuda_standin() -> types.ModuleType:
             pre = pre_activation(x, weight, bias, seq_idx)
             s = torch.sigmoid(pre)
             g = g * s * (1 + pre * (1 - s))
-        windows = F.pad(x.float(), (W - 1, 0)).unfold(-1, W, 1)                    # (B, C, T, W)
+        windows = F.pad(x.float(), (W - 1, 0)).unfold(-1, W, 1)  # (B, C, T, W)
         if seq_idx is None:
             # dx[s] = sum_i w[i] g[s + W - 1 - i]: correlation of the right-padded gradient with the flipped kernel
             dx.copy_(F.conv1d(F.pad(g, (0, W - 1)), weight.float().flip(-1).unsqueeze(1), groups=x.shape[1]))
@@ -331,13 +380,13 @@ def _causal_conv1d_cuda_standin() -> types.ModuleType:
             dweight.add_(torch.einsum("bct,bctw->cw", g, windows).to(dweight.dtype))
         else:
             g = g * (seq_idx >= 0).unsqueeze(1).float()
-            same = same_doc(seq_idx, W).float()                                      # (B, T, W)
+            same = same_doc(seq_idx, W).float()  # (B, T, W)
             dweight.add_(torch.einsum("bct,bctw,btw->cw", g, windows, same).to(dweight.dtype))
-            G = torch.einsum("bct,cw,btw->bctw", g, weight.float(), same)            # d out_t / d x_{t-W+1+w}
+            G = torch.einsum("bct,cw,btw->bctw", g, weight.float(), same)  # d out_t / d x_{t-W+1+w}
             dxp = torch.zeros(*g.shape[:2], T + W - 1, dtype=torch.float32, device=g.device)
-            for w in range(W):                                                       # x index t-W+1+w = (t+w)-(W-1)
-                dxp[..., w:w + T] += G[..., w]
-            dx.copy_(dxp[..., W - 1:])
+            for w in range(W):  # x index t-W+1+w = (t+w)-(W-1)
+                dxp[..., w : w + T] += G[..., w]
+            dx.copy_(dxp[..., W - 1 :])
         if dbias is not None:
             dbias.add_(g.sum((0, 2)).to(dbias.dtype))
 
@@ -345,5 +394,8 @@ def _causal_conv1d_cuda_standin() -> types.ModuleType:
         raise NotImplementedError("causal_conv1d_cuda stand-in: causal_conv1d_update is not needed here")
 
     mod.causal_conv1d_fwd, mod.causal_conv1d_bwd, mod.causal_conv1d_update = (
-        causal_conv1d_fwd, causal_conv1d_bwd, causal_conv1d_update)
+        causal_conv1d_fwd,
+        causal_conv1d_bwd,
+        causal_conv1d_update,
+    )
     return mod

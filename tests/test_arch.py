@@ -20,8 +20,9 @@ V = 40
 
 def tiny(canon="ABCD", pos="rope", qk_norm="none", **model):
     pos_cfg = {"type": pos, "fraction": 0.25} if pos == "partial_rope" else {"type": pos}
-    return build_model_config({"size": "2L64D", "qk_norm": qk_norm, **model}, canon={"set": canon}, pos=pos_cfg,
-                              vocab_size=V, max_seq_len=32)
+    return build_model_config(
+        {"size": "2L64D", "qk_norm": qk_norm, **model}, canon={"set": canon}, pos=pos_cfg, vocab_size=V, max_seq_len=32
+    )
 
 
 # ------------------------------------------------------------------------------------------ architecture matrix
@@ -30,8 +31,9 @@ CANON_SETS = ["".join(c) for r in range(5) for c in itertools.combinations("ABCD
 
 
 # every pos x QK-norm x Canon subset (3 x 3 x 16 tiny models)
-MATRIX = [(p, q, c) for p in ("rope", "partial_rope", "nope") for q in ("none", "whole", "per_head")
-          for c in CANON_SETS]
+MATRIX = [
+    (p, q, c) for p in ("rope", "partial_rope", "nope") for q in ("none", "whole", "per_head") for c in CANON_SETS
+]
 
 
 @pytest.mark.parametrize("pos,qk_norm,canon", MATRIX)
@@ -52,9 +54,17 @@ def test_forward_backward_matrix(pos, qk_norm, canon):
     assert n_canon == 2 * len(canon)
 
 
-@pytest.mark.parametrize("kw", [dict(n_kv_heads=1), dict(mlp="standard", mlp_act="relu2"),
-                                dict(mlp="standard", mlp_act="gelu"), dict(mlp_act="relu2"),
-                                dict(tie_embeddings=True), dict(init="lingua")])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(n_kv_heads=1),
+        dict(mlp="standard", mlp_act="relu2"),
+        dict(mlp="standard", mlp_act="gelu"),
+        dict(mlp_act="relu2"),
+        dict(tie_embeddings=True),
+        dict(init="lingua"),
+    ],
+)
 def test_variants_forward_backward(kw):
     torch.manual_seed(0)
     model = LlamaCanon(tiny("ABCD", "partial_rope", "whole", **kw))
@@ -187,14 +197,25 @@ def test_param_count_12L768D_canon_abcd():
 
 
 # d_ff for the gated MLP: 8d/3 rounded up to a multiple of 256 (lingua): 512 -> 1536, 256 -> 768.
-@pytest.mark.parametrize("size,kw,canon,exp", [
-    ("8L512D", {}, "AC", dict(L=8, d=512, H=8, Hkv=8, d_ff=1536)),
-    ("12L512D", {"n_kv_heads": 2, "qk_norm": "whole"}, "ABCD", dict(L=12, d=512, H=8, Hkv=2, d_ff=1536,
-                                                                     qk_norm="whole")),
-    ("8L768D", {"mlp": "standard"}, "BD", dict(L=8, d=768, H=12, Hkv=12, d_ff=3072, mlp="standard")),
-    ("4L256D", {"qk_norm": "per_head", "tie_embeddings": True}, "ABD",
-     dict(L=4, d=256, H=4, Hkv=4, d_ff=768, qk_norm="per_head", tied=True)),
-])
+@pytest.mark.parametrize(
+    "size,kw,canon,exp",
+    [
+        ("8L512D", {}, "AC", dict(L=8, d=512, H=8, Hkv=8, d_ff=1536)),
+        (
+            "12L512D",
+            {"n_kv_heads": 2, "qk_norm": "whole"},
+            "ABCD",
+            dict(L=12, d=512, H=8, Hkv=2, d_ff=1536, qk_norm="whole"),
+        ),
+        ("8L768D", {"mlp": "standard"}, "BD", dict(L=8, d=768, H=12, Hkv=12, d_ff=3072, mlp="standard")),
+        (
+            "4L256D",
+            {"qk_norm": "per_head", "tie_embeddings": True},
+            "ABD",
+            dict(L=4, d=256, H=4, Hkv=4, d_ff=768, qk_norm="per_head", tied=True),
+        ),
+    ],
+)
 def test_param_counts_match_formula(size, kw, canon, exp):
     model = meta_model(size, canon, **kw)
     assert model.num_params() == expected_params(Vocab=32000, canon=canon, **exp)
@@ -224,8 +245,9 @@ def test_flops_per_token():
 
 def test_hf_normal_and_norm_init():
     torch.manual_seed(0)
-    model = LlamaCanon(build_model_config({"size": "2L128D", "qk_norm": "whole", "init_std": 0.05},
-                                          canon={"set": "B"}, vocab_size=512))
+    model = LlamaCanon(
+        build_model_config({"size": "2L128D", "qk_norm": "whole", "init_std": 0.05}, canon={"set": "B"}, vocab_size=512)
+    )
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             assert torch.equal(p, torch.ones_like(p)), name
@@ -241,7 +263,7 @@ def test_lingua_init():
     for name, p in model.named_parameters():
         if name.endswith("norm.weight") or "canon" in name:
             continue
-        sigma = d_ff ** -0.5 if name.endswith("mlp.w2.weight") else d ** -0.5
+        sigma = d_ff**-0.5 if name.endswith("mlp.w2.weight") else d**-0.5
         assert p.abs().max() <= 3 * sigma + 1e-7, name
         # std of N(0, σ²) truncated at ±3σ: σ·sqrt(1 - 6φ(3)/(Φ(3)-Φ(-3)))
         phi3 = math.exp(-4.5) / math.sqrt(2 * math.pi)
@@ -305,8 +327,11 @@ def test_lm_loss_bf16_logits_in_fp32_and_grad():
     loss, _ = loss_oracle(logits.detach().float(), t, torch.ones(1, 5, dtype=torch.bool), "palm", 1e-4)
     assert out["loss_sum"].dtype == torch.float32 and abs(out["loss_sum"].item() - loss) < 1e-4
     out["loss_sum"].backward()
-    ref = torch.autograd.grad(F.cross_entropy(logits.float().view(-1, 7), t.view(-1), reduction="sum")
-                              + 1e-4 * torch.logsumexp(logits.float(), -1).square().sum(), logits)[0]
+    ref = torch.autograd.grad(
+        F.cross_entropy(logits.float().view(-1, 7), t.view(-1), reduction="sum")
+        + 1e-4 * torch.logsumexp(logits.float(), -1).square().sum(),
+        logits,
+    )[0]
     torch.testing.assert_close(logits.grad.float(), ref.float(), rtol=1e-2, atol=1e-3)
 
 

@@ -7,8 +7,14 @@ import math
 import pytest
 import torch
 
-from canonlm.arch import (ConfigError, LlamaCanon, apply_rope, build_model_config, interleaved_to_half_permutation,
-                          rope_angles)
+from canonlm.arch import (
+    ConfigError,
+    LlamaCanon,
+    apply_rope,
+    build_model_config,
+    interleaved_to_half_permutation,
+    rope_angles,
+)
 from canonlm.ops.attention import attention, flash_available, resolve_backend
 from canonlm.ops.attention.naive import attention_loop
 
@@ -29,7 +35,7 @@ def test_attention_matches_loop(backend, H, Hkv, causal):
 def test_attention_custom_scale_and_strided_views(backend):
     torch.manual_seed(1)
     B, T, H, Hkv, D = 2, 6, 4, 2, 8
-    qkv = torch.randn(B, T, H + 2 * Hkv, D)          # views of one fused projection, as the model passes them
+    qkv = torch.randn(B, T, H + 2 * Hkv, D)  # views of one fused projection, as the model passes them
     q, k, v = qkv.split([H, Hkv, Hkv], dim=2)
     out = attention(q, k, v, scale=0.3, backend=backend)
     torch.testing.assert_close(out.double(), attention_loop(q, k, v, True, 0.3), rtol=1e-5, atol=1e-5)
@@ -109,8 +115,12 @@ def test_rope_preserves_relative_scores():
     torch.manual_seed(0)
     q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)
     cos, sin = rope_angles(16, 20, 10000.0)
+
     def score(pq, pk):
-        return (apply_rope(q, cos[pq:pq + 1], sin[pq:pq + 1]) * apply_rope(k, cos[pk:pk + 1], sin[pk:pk + 1])).sum()
+        return (
+            apply_rope(q, cos[pq : pq + 1], sin[pq : pq + 1]) * apply_rope(k, cos[pk : pk + 1], sin[pk : pk + 1])
+        ).sum()
+
     torch.testing.assert_close(score(7, 3), score(15, 11), rtol=1e-5, atol=1e-5)
 
 
@@ -134,8 +144,9 @@ def test_pairing_conversion_preserves_scores(rope_dim):
     def permute(w):
         return w.view(H, Dh, d)[:, perm].reshape(H * Dh, d)
 
-    torch.testing.assert_close(scores(wq, wk, "interleaved"), scores(permute(wq), permute(wk), "half"),
-                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        scores(wq, wk, "interleaved"), scores(permute(wq), permute(wk), "half"), rtol=1e-4, atol=1e-4
+    )
     assert not torch.allclose(scores(wq, wk, "interleaved"), scores(wq, wk, "half"), atol=1e-2)
 
 
@@ -144,10 +155,16 @@ def test_pairing_conversion_whole_model(qk_norm):
     torch.manual_seed(0)
     kw = dict(vocab_size=32, max_seq_len=16)
     model = {"size": "2L64D", "qk_norm": qk_norm, "n_kv_heads": 1}
-    a = LlamaCanon(build_model_config(model, canon={"set": "AB"}, pos={"type": "partial_rope", "fraction": 0.5,
-                                                                        "pairing": "interleaved"}, **kw))
-    b = LlamaCanon(build_model_config(model, canon={"set": "AB"}, pos={"type": "partial_rope", "fraction": 0.5,
-                                                                        "pairing": "half"}, **kw))
+    a = LlamaCanon(
+        build_model_config(
+            model, canon={"set": "AB"}, pos={"type": "partial_rope", "fraction": 0.5, "pairing": "interleaved"}, **kw
+        )
+    )
+    b = LlamaCanon(
+        build_model_config(
+            model, canon={"set": "AB"}, pos={"type": "partial_rope", "fraction": 0.5, "pairing": "half"}, **kw
+        )
+    )
     H, Hkv, Dh = 2, 1, 32
     perm = interleaved_to_half_permutation(Dh, 16)
     # row permutation of the fused [q ; k ; v] output: within every q and k head; v untouched
@@ -216,7 +233,7 @@ def test_flash_fwd_bwd_decode_vs_reference(monkeypatch, dt, D):
     grads_ref = torch.autograd.grad(ref, leaves, g)
     for a, b in zip(grads, grads_ref):
         torch.testing.assert_close(a.float(), b, rtol=5e-2, atol=5e-2)
-    with torch.no_grad():                                   # decode: the last 3 queries against the full KV cache
+    with torch.no_grad():  # decode: the last 3 queries against the full KV cache
         step = attention(q[:, -3:], k, v, backend="flash")
         assert len(calls) == 2
         torch.testing.assert_close(step.float(), ref[:, -3:].detach(), rtol=2e-2, atol=2e-2)

@@ -49,8 +49,10 @@ def ids(device="cpu"):
 
 # ------------------------------------------------------------------------------------------------ construction
 def test_unknown_names_still_fail_at_construction():
-    for kw, key in (({"kernels": {"attention": "xformers"}}, "model.kernels.attention"),
-                    ({"kernels": {"canon": "nope"}}, "model.kernels.canon")):
+    for kw, key in (
+        ({"kernels": {"attention": "xformers"}}, "model.kernels.attention"),
+        ({"kernels": {"canon": "nope"}}, "model.kernels.canon"),
+    ):
         with pytest.raises(ConfigError) as e:
             CanonLM(llama(**kw))
         assert e.value.key == key and "allowed" in str(e.value)
@@ -148,10 +150,17 @@ class _Trainer:  # what LMModule.place_model reads from a Lightning Trainer
         self.strategy = type("S", (), {"root_device": torch.device(device)})()
 
 
-@pytest.mark.parametrize("precision, fsdp, dtype", [
-    ("bf16-mixed", None, torch.bfloat16), ("bf16-true", None, torch.bfloat16), ("32-true", None, torch.float32),
-    ("16-mixed", None, torch.float16), ("32-true", {"param_dtype": "bf16"}, torch.bfloat16),
-    ("32-true", {"param_dtype": "fp32"}, torch.float32)])
+@pytest.mark.parametrize(
+    "precision, fsdp, dtype",
+    [
+        ("bf16-mixed", None, torch.bfloat16),
+        ("bf16-true", None, torch.bfloat16),
+        ("32-true", None, torch.float32),
+        ("16-mixed", None, torch.float16),
+        ("32-true", {"param_dtype": "bf16"}, torch.bfloat16),
+        ("32-true", {"param_dtype": "fp32"}, torch.float32),
+    ],
+)
 def test_lmmodule_places_for_precision_and_fsdp_param_dtype(fake_cuda, precision, fsdp, dtype):
     """LMModule.configure_model places the model on the strategy's root device with the compute dtype; the pinned
     flash kernel (fp16/bf16 only) shows which dtype reached the resolver."""
@@ -191,12 +200,15 @@ def test_prepare_run_refuses_flash_on_cpu(tmp_path):
     assert e.value.key == "model.kernels.attention"
 
 
-@pytest.mark.parametrize("overrides, ok", [
-    (["trainer.precision=bf16-mixed"], True),
-    (["trainer.precision=32-true"], False),
-    (["trainer.precision=32-true", "strategy=fsdp2"], True),                          # FSDP2 param_dtype bf16
-    (["trainer.precision=32-true", "strategy=fsdp2", "strategy.param_dtype=fp32"], False),
-])
+@pytest.mark.parametrize(
+    "overrides, ok",
+    [
+        (["trainer.precision=bf16-mixed"], True),
+        (["trainer.precision=32-true"], False),
+        (["trainer.precision=32-true", "strategy=fsdp2"], True),  # FSDP2 param_dtype bf16
+        (["trainer.precision=32-true", "strategy=fsdp2", "strategy.param_dtype=fp32"], False),
+    ],
+)
 def test_prepare_run_uses_the_training_compute_dtype(fake_cuda, tmp_path, overrides, ok):
     args = ["trainer.accelerator=gpu", "kernels.attention=flash", *overrides]
     if ok:
@@ -223,8 +235,9 @@ def test_load_model_places_after_the_move(tmp_path, monkeypatch):
     (run / ".hydra").mkdir(parents=True)
     OmegaConf.save(cfg, run / ".hydra" / "config.yaml")
     (run / "checkpoints").mkdir()
-    torch.save({"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}},
-               run / "checkpoints" / "last.ckpt")
+    torch.save(
+        {"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}}, run / "checkpoints" / "last.ckpt"
+    )
     calls = []
     orig = CanonLM.place
 
@@ -248,6 +261,7 @@ def test_load_model_places_after_the_move(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------------------------------------ what ran
 
+
 def test_every_entry_point_exists():
     """Every canonlm function of ``canonlm.ops.calls.ENTRY_POINTS`` exists: a renamed wrapper fails here, not only
     when the self-check first runs on a GPU."""
@@ -256,8 +270,11 @@ def test_every_entry_point_exists():
     from canonlm.ops.calls import ENTRY_POINTS, INLINE_PATHS, OPS
 
     points = [(m, a) for pts in ENTRY_POINTS.values() for m, a in pts] + [(m, a) for _, _, m, a in INLINE_PATHS]
-    missing = [f"{m}.{a}" for m, a in points
-               if m.startswith("canonlm.") and not callable(getattr(importlib.import_module(m), a, None))]
+    missing = [
+        f"{m}.{a}"
+        for m, a in points
+        if m.startswith("canonlm.") and not callable(getattr(importlib.import_module(m), a, None))
+    ]
     assert not missing, missing
     assert {op for op, _ in ENTRY_POINTS} == set(OPS)
     for op in OPS:  # every backend an op can resolve to (auto aside) has an entry point
@@ -286,8 +303,13 @@ def test_backend_calls_counts_the_backend_each_dispatch_ran():
         gla.chunk_gla(q, k, v, gk, backend="reference")
         gdn.chunk_gated_delta_rule(q, k, v, gk[..., 0], beta, backend="reference")
         ssd.ssd_scan(sx, dt, A, sB, sB, chunk_size=4, backend="reference")
-    assert ran == {"canon": {"torch": 2, "reference": 1}, "attention": {"sdpa": 1, "reference": 1},
-                   "gla": {"reference": 1}, "gdn": {"reference": 1}, "ssd": {"reference": 1}}
+    assert ran == {
+        "canon": {"torch": 2, "reference": 1},
+        "attention": {"sdpa": 1, "reference": 1},
+        "gla": {"reference": 1},
+        "gdn": {"reference": 1},
+        "ssd": {"reference": 1},
+    }
     assert (canon_ops.causal_conv1d_torch, canon_ops.causal_conv1d_step, gla.chunk_gla_reference) == originals
     with pytest.raises(ValueError, match="ops=\\['mlp'\\]; allowed: canon, attention, gla, gdn, ssd"):
         with backend_calls(["canon", "mlp"]):

@@ -24,8 +24,9 @@ from test_train import TINY
 
 
 def _build(arch: str, canon: str) -> CanonLM:
-    cfg = build_model_config(dict(ARCH_PRESETS[arch], size="2L64D"), canon={"set": canon}, vocab_size=32,
-                             max_seq_len=64)
+    cfg = build_model_config(
+        dict(ARCH_PRESETS[arch], size="2L64D"), canon={"set": canon}, vocab_size=32, max_seq_len=64
+    )
     return CanonLM(cfg)
 
 
@@ -57,12 +58,14 @@ def test_a_fallback_on_cuda_is_said_once_with_its_reason(gpu_without, caplog):
     model = _build("mamba2", "AbCD")
     with caplog.at_level(logging.WARNING, logger="canonlm"):
         backends = model.place("cuda", torch.bfloat16)
-        model.place("cuda", torch.bfloat16)                      # placed again (configure_model): said once
+        model.place("cuda", torch.bfloat16)  # placed again (configure_model): said once
     assert backends["ssd"] == "reference" and backends["canon"] == "torch"
     rep = model.backend_report()
     assert rep["device"] == "cuda" and rep["compute_dtype"] == "bfloat16"
-    assert "mamba_ssm.ops.triton.ssd_combined is not importable (ModuleNotFoundError: No module named 'mamba_ssm')" \
+    assert (
+        "mamba_ssm.ops.triton.ssd_combined is not importable (ModuleNotFoundError: No module named 'mamba_ssm')"
         in rep["fallbacks"]["ssd"]
+    )
     assert "No module named 'causal_conv1d'" in rep["fallbacks"]["canon"] and "fla" in rep["fallbacks"]["canon"]
     lines = [r.getMessage() for r in caplog.records if "auto fell back" in r.getMessage()]
     assert len(lines) == 2 and all("\n" not in ln for ln in lines), lines
@@ -72,11 +75,16 @@ def test_a_fallback_on_cuda_is_said_once_with_its_reason(gpu_without, caplog):
 
 def test_no_fallback_is_reported_for_a_pinned_reference_or_on_the_cpu(gpu_without):
     gpu_without("gla.fla", "ImportError: no fla")
-    cfg = build_model_config(dict(ARCH_PRESETS["gla"], size="2L64D"), canon={"set": "AbCD"}, vocab_size=32,
-                             max_seq_len=64, kernels={"gla": "reference"})
+    cfg = build_model_config(
+        dict(ARCH_PRESETS["gla"], size="2L64D"),
+        canon={"set": "AbCD"},
+        vocab_size=32,
+        max_seq_len=64,
+        kernels={"gla": "reference"},
+    )
     model = CanonLM(cfg)
     model.place("cuda", torch.bfloat16)
-    assert model.backends["gla"] == "reference" and "gla" not in model.fallbacks     # asked for: no fallback
+    assert model.backends["gla"] == "reference" and "gla" not in model.fallbacks  # asked for: no fallback
     cpu = _build("gla", "AbCD")
     cpu.place("cpu", torch.float32)
     assert cpu.fallbacks == {} and cpu.backend_report()["fallbacks"] == {}
@@ -88,8 +96,18 @@ def test_a_run_prints_and_records_its_backends(tmp_path, caplog):
     from canonlm.train.run import run
 
     out = tmp_path / "run"
-    cfg = compose([*TINY, "arch=gla", "canon=AbCD", "trainer.max_steps=2", "logger=none", "callbacks=default",
-                   "callbacks.progress.force=lines"], output_dir=out)
+    cfg = compose(
+        [
+            *TINY,
+            "arch=gla",
+            "canon=AbCD",
+            "trainer.max_steps=2",
+            "logger=none",
+            "callbacks=default",
+            "callbacks.progress.force=lines",
+        ],
+        output_dir=out,
+    )
     with caplog.at_level(logging.INFO, logger="canonlm"):
         res = run(cfg)
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("backends on "))

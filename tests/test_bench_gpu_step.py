@@ -45,8 +45,24 @@ def tiny(tmp_path_factory):
     """One ``--tiny`` run with a forced failure (``dao`` cannot run on a CPU): (records, stdout, out dir)."""
     out = tmp_path_factory.mktemp("gpu_step") / "tmp"
     env = dict(os.environ, CANONLM_KERNEL_CACHE=str(out.parent / "kernels"))  # the bench's kernel cache, apart
-    p = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--out", str(out), "--backends", "available,dao",
-                        "--peak-flops", str(PEAK)], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    p = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--tiny",
+            "--out",
+            str(out),
+            "--backends",
+            "available,dao",
+            "--peak-flops",
+            str(PEAK),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     lines = (out / "gpu_step.jsonl").read_text().splitlines()
     return [json.loads(x) for x in lines], p.stdout, out
@@ -57,8 +73,13 @@ def _expected_names() -> set[str]:
 
     here = [n for n, why in available_backends("cpu", torch.bfloat16).items() if why is None]
     assert {"reference", "torch"} <= set(here)
-    names = {"tiny/llama/none/-/eager", "tiny/llama/ABCD/auto/eager", "tiny/llama/ABCD/dao/eager",
-             "tiny/llama/none/-/compiled", "tiny/llama/ABCD/torch/compiled"}
+    names = {
+        "tiny/llama/none/-/eager",
+        "tiny/llama/ABCD/auto/eager",
+        "tiny/llama/ABCD/dao/eager",
+        "tiny/llama/none/-/compiled",
+        "tiny/llama/ABCD/torch/compiled",
+    }
     names |= {f"tiny/llama/ABCD/{b}/eager" for b in here}
     if importlib.util.find_spec("transformers") is not None:
         names.add("tiny/hf/none/-/eager")
@@ -156,8 +177,9 @@ def test_ratios_are_printed_last_and_recomputed_from_the_medians(tiny):
         none = ok.get(f"tiny/llama/none/-/{r['mode']}")
         if r["name"].endswith("/docs"):
             twin = ok[r["name"][: -len("/docs")]]
-            want[("doc_mask_overhead", f"{r['model']} {r['canon']} docs/plain {r['backend']} {r['mode']}")] = \
+            want[("doc_mask_overhead", f"{r['model']} {r['canon']} docs/plain {r['backend']} {r['mode']}")] = (
                 _per_token(r) / _per_token(twin)
+            )
         elif r["model"] == "llama" and r["canon"] == "ABCD":
             want[("canon_overhead", f"llama ABCD/none {r['backend']} {r['mode']}")] = _per_token(r) / _per_token(none)
         elif r["model"] == "hf":
@@ -166,7 +188,7 @@ def test_ratios_are_printed_last_and_recomputed_from_the_medians(tiny):
             b = ok[f"tiny/{r['model']}/b/{r['backend']}/{r['mode']}"]
             want[("linear_overhead", f"{r['model']} AbCD/b {r['backend']} {r['mode']}")] = _per_token(r) / _per_token(b)
     lines = stdout.rstrip().splitlines()
-    printed = lines[-len(want):]
+    printed = lines[-len(want) :]
     got = {}
     for line in printed:
         m = RATIO.match(line)
@@ -241,27 +263,49 @@ def test_out_of_memory_tries_the_next_batch(bench, monkeypatch):
 def test_variants_left_when_the_run_is_out_of_time_are_skipped(bench, tmp_path, capsys):
     mod, _ = bench
     out = tmp_path / "skip"
-    assert mod.main(["--tiny", "--out", str(out), "--models", "llama", "--backends", "torch", "--compile", "eager",
-                     "--max-minutes", "1e-9"]) == 0
+    assert (
+        mod.main(
+            [
+                "--tiny",
+                "--out",
+                str(out),
+                "--models",
+                "llama",
+                "--backends",
+                "torch",
+                "--compile",
+                "eager",
+                "--max-minutes",
+                "1e-9",
+            ]
+        )
+        == 0
+    )
     recs = [json.loads(x) for x in (out / "gpu_step.jsonl").read_text().splitlines()]
     variants = [r for r in recs if r["record"] == "variant"]
-    assert [r["name"] for r in variants] == ["tiny/llama/none/-/eager", "tiny/llama/ABCD/torch/eager",
-                                             "tiny/llama/ABCD/torch/eager/docs"]
+    assert [r["name"] for r in variants] == [
+        "tiny/llama/none/-/eager",
+        "tiny/llama/ABCD/torch/eager",
+        "tiny/llama/ABCD/torch/eager/docs",
+    ]
     assert all(r["status"] == "skipped" and "--max-minutes" in r["reason"] for r in variants)
     assert recs[-1] == {"record": "ratios", "ratios": []}
     assert capsys.readouterr().out.rstrip().endswith("ratio: none (no complete pair measured)")
 
 
-@pytest.mark.parametrize("argv, option", [
-    (["--backends", "torch,nope"], "--backends"),
-    (["--models", "llama,glaa"], "--models"),
-    (["--shapes", "12L768D"], "--shapes"),  # a GPU shape on a CPU
-    (["--compile", "eager,jit"], "--compile"),
-    (["--batch", "4,0"], "--batch"),
-    (["--steps", "0"], "--steps"),
-    (["--doc-models", "hf"], "--doc-models"),  # transformers' model takes no doc_ids
-    (["--doc-len", "0"], "--doc-len"),
-])
+@pytest.mark.parametrize(
+    "argv, option",
+    [
+        (["--backends", "torch,nope"], "--backends"),
+        (["--models", "llama,glaa"], "--models"),
+        (["--shapes", "12L768D"], "--shapes"),  # a GPU shape on a CPU
+        (["--compile", "eager,jit"], "--compile"),
+        (["--batch", "4,0"], "--batch"),
+        (["--steps", "0"], "--steps"),
+        (["--doc-models", "hf"], "--doc-models"),  # transformers' model takes no doc_ids
+        (["--doc-len", "0"], "--doc-len"),
+    ],
+)
 def test_bad_options_are_refused_before_anything_is_written(tmp_path, capsys, argv, option):
     mod = _load()
     out = tmp_path / "o"
@@ -295,11 +339,18 @@ def test_list_prints_the_plan_with_the_document_masked_variants(capsys, tmp_path
     assert mod.main(["--quick", "--list"]) == 0
     names = capsys.readouterr().out.split("\n")
     names = [n.split("  [", 1)[0] for n in names if n]
-    assert names == ["12L768D/llama/none/-/eager", "12L768D/llama/ABCD/auto/eager",
-                     "12L768D/llama/ABCD/auto/eager/docs", "12L768D/hf/none/-/eager", "12L768D/llama/none/-/compiled",
-                     "12L768D/llama/ABCD/auto/compiled"] + [
-        f"12L768D/{a}/{c}" for a in ("gla", "gdn", "mamba2") for c in ("b/auto/eager", "AbCD/auto/eager",
-                                                                       "AbCD/auto/eager/docs")]
+    assert names == [
+        "12L768D/llama/none/-/eager",
+        "12L768D/llama/ABCD/auto/eager",
+        "12L768D/llama/ABCD/auto/eager/docs",
+        "12L768D/hf/none/-/eager",
+        "12L768D/llama/none/-/compiled",
+        "12L768D/llama/ABCD/auto/compiled",
+    ] + [
+        f"12L768D/{a}/{c}"
+        for a in ("gla", "gdn", "mamba2")
+        for c in ("b/auto/eager", "AbCD/auto/eager", "AbCD/auto/eager/docs")
+    ]
     assert mod.main(["--quick", "--list", "--doc-models", "none", "--models", "llama,gla"]) == 0
     assert "/docs" not in capsys.readouterr().out
 

@@ -42,7 +42,7 @@ def read_name(toks, p, task):
         p += 1
     assert V < toks[p] <= 2 * V, f"name at {s} not closed by a final token"
     assert task.min_len <= p + 1 - s <= task.max_len
-    return tuple(toks[s:p + 1]), p + 1
+    return tuple(toks[s : p + 1]), p + 1
 
 
 def ancestors(parents, q):
@@ -198,8 +198,12 @@ def test_compact_and_official_vocab_ids():
     t2 = build_task("brevo2", dict(N=8))
     assert (t2.vocab_size, t2.bos_id, t2.query_id, t2.ans_id, t2.eos_id) == (13, 9, 10, 11, 12)
     names = t2.token_names()
-    assert len(names) == 13 and names[0] == "<pad>" and names[5] == "e1" and names[9:] == [
-        "<bos>", "<query>", "<ans>", "<eos>"]
+    assert (
+        len(names) == 13
+        and names[0] == "<pad>"
+        and names[5] == "e1"
+        and names[9:] == ["<bos>", "<query>", "<ans>", "<eos>"]
+    )
     for name, cfg, k in (("brevo1", dict(N=12), 12), ("brevo2", dict(N=8), 8)):
         a = build_task(name, cfg)
         b = build_task(name, dict(cfg, vocab="official"))
@@ -213,10 +217,13 @@ def test_compact_and_official_vocab_ids():
 
 def test_decode():
     t = build_task("brevo2", dict(N=8))
-    assert t.decode([9, 3, 5, 1, 2, 8, 10, 1, 2, 8, 11, 3, 5, 12, 0]) == \
-        "<bos> p3.e1 p1.p2.e4 <query> p1.p2.e4 <ans> p3.e1 <eos> <pad>"
-    assert build_task("brevo1", dict(N=12)).decode([13, 4, 7, 14, 7, 15, 4, 16]) == \
-        "<bos> v4 v7 <query> v7 <ans> v4 <eos>"
+    assert (
+        t.decode([9, 3, 5, 1, 2, 8, 10, 1, 2, 8, 11, 3, 5, 12, 0])
+        == "<bos> p3.e1 p1.p2.e4 <query> p1.p2.e4 <ans> p3.e1 <eos> <pad>"
+    )
+    assert (
+        build_task("brevo1", dict(N=12)).decode([13, 4, 7, 14, 7, 15, 4, 16]) == "<bos> v4 v7 <query> v7 <ans> v4 <eos>"
+    )
 
 
 # ---------------------------------------------------------------------------------------------- distributions
@@ -259,8 +266,10 @@ def test_query_pool():
     pool = np.arange(15, 20)
     assert set(np.unique(b.meta["query"])) == set(pool)
     assert chi2(np.bincount(b.meta["query"] - 15, minlength=5), np.full(5, 0.2)) < 25
-    has_child = [bool(parse(t, t.instance("val", w).tokens)["children"].get(
-        parse(t, t.instance("val", w).tokens)["q"])) for w in range(200)]
+    has_child = [
+        bool(parse(t, t.instance("val", w).tokens)["children"].get(parse(t, t.instance("val", w).tokens)["q"]))
+        for w in range(200)
+    ]
     assert 0 < sum(has_child) < 200
     last = build_task("brevo1", dict(N=n, query_pool="last"))
     b = last.generate("train", np.arange(2000), np.zeros(2000, dtype=np.int64))
@@ -314,8 +323,9 @@ def stats(edges, parents, q, order):
     )
 
 
-@pytest.mark.parametrize("name,cfg", [("brevo1", dict(N=20)),
-                                      ("brevo2", dict(N=14, leaf_rounding="floor", query_pool="last"))])
+@pytest.mark.parametrize(
+    "name,cfg", [("brevo1", dict(N=20)), ("brevo2", dict(N=14, leaf_rounding="floor", query_pool="last"))]
+)
 def test_process_matches_a_naive_simulator(name, cfg):
     """Means of token-visible statistics (edges, answer size, depth, whether q has children, parent->child pairs
     adjacent in the answer (Kahn tie-breaking), adjacent edges sharing a child (edge shuffle), out-degree of the
@@ -323,12 +333,11 @@ def test_process_matches_a_naive_simulator(name, cfg):
     task = build_task(name, cfg)
     rng = random.Random(1234)
     n = task.N
-    sim = [simulate(rng, n, ceil=task.leaf_rounding == "ceil", q_last=task.query_pool == "last")
-           for _ in range(3000)]
+    sim = [simulate(rng, n, ceil=task.leaf_rounding == "ceil", q_last=task.query_pool == "last") for _ in range(3000)]
     gen = []
     b = task.generate("val", np.arange(3000), np.zeros(3000, dtype=np.int64))
     for r in range(3000):
-        p = parse(task, b.tokens[b.offsets[r]:b.offsets[r + 1]])
+        p = parse(task, b.tokens[b.offsets[r] : b.offsets[r + 1]])
         gen.append(stats(p["edges"], p["parents"], p["q"], p["answer"]))
     for key in sim[0]:
         x = np.array([s[key] for s in sim], float)
@@ -381,8 +390,11 @@ def test_release_settings_reproduce_measured_statistics():
 def test_max_instance_len_exact_and_attained():
     assert build_task("brevo1", dict(N=110)).max_instance_len("train") == 2 * (4 * 110 - 10) + 110 + 4 == 974
     assert build_task("brevo1", dict(N=110, answer_includes_query=True)).max_instance_len("test") == 975
-    assert build_task("brevo2", dict(N=50, max_instance_tokens=None)).max_instance_len("val") == 4 + 4 * (
-        2 * 190 + 50) == 1724
+    assert (
+        build_task("brevo2", dict(N=50, max_instance_tokens=None)).max_instance_len("val")
+        == 4 + 4 * (2 * 190 + 50)
+        == 1724
+    )
     # default cap = context: the paper's 1536 window is accepted; longer draws are redrawn with the same n
     assert build_task("brevo2", dict(N=50)).max_instance_len("val") == 1536
     assert build_task("brevo1", dict(N=12)).max_instance_len("val") <= 256
@@ -429,11 +441,21 @@ def test_splits_seeds_and_switches():
 
 
 def test_same_instance_in_a_fresh_process_with_another_hash_seed():
-    code = ("from canonlm.data.tasks import build_task;"
-            "t=build_task('brevo2', dict(N=8));"
-            "print(t.instance('train', (123, 4)).tokens.tolist())")
-    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                           env={"PYTHONHASHSEED": s, "PATH": ""}).stdout for s in ("1", "2")}
+    code = (
+        "from canonlm.data.tasks import build_task;"
+        "t=build_task('brevo2', dict(N=8));"
+        "print(t.instance('train', (123, 4)).tokens.tolist())"
+    )
+    outs = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"PYTHONHASHSEED": s, "PATH": ""},
+        ).stdout
+        for s in ("1", "2")
+    }
     here = str(build_task("brevo2", dict(N=8)).instance("train", (123, 4)).tokens.tolist())
     assert outs == {here + "\n"}
 
@@ -454,9 +476,15 @@ def flat(names):
     return [t for nm in names for t in nm]
 
 
-@pytest.mark.parametrize("name,cfg", [("brevo1", dict(N=14)), ("brevo2", dict(N=10)),
-                                      ("brevo1", dict(N=14, answer_includes_query=True, vocab="official")),
-                                      ("brevo2", dict(N=10, answer_includes_query=True, vocab="official"))])
+@pytest.mark.parametrize(
+    "name,cfg",
+    [
+        ("brevo1", dict(N=14)),
+        ("brevo2", dict(N=10)),
+        ("brevo1", dict(N=14, answer_includes_query=True, vocab="official")),
+        ("brevo2", dict(N=10, answer_includes_query=True, vocab="official")),
+    ],
+)
 def test_validator_accepts_all_topological_orders_and_rejects_corruptions(name, cfg):
     task = build_task(name, cfg)
     ids = ids_of(task)
@@ -467,10 +495,10 @@ def test_validator_accepts_all_topological_orders_and_rejects_corruptions(name, 
     for w in range(30):
         inst = task.instance("test", w)
         p = parse(task, inst.tokens)
-        prompt = inst.tokens[:p["ans_pos"] + 1]
+        prompt = inst.tokens[: p["ans_pos"] + 1]
         par, q, ans = p["parents"], p["q"], p["answer"]
-        assert task.check_answer(prompt, inst.tokens[p["ans_pos"] + 1:])
-        assert task.check_answer(inst, inst.tokens[p["ans_pos"] + 1:])  # a whole instance works as the prompt
+        assert task.check_answer(prompt, inst.tokens[p["ans_pos"] + 1 :])
+        assert task.check_answer(inst, inst.tokens[p["ans_pos"] + 1 :])  # a whole instance works as the prompt
         anc = ancestors(par, q)
         for _ in range(3):
             alt = random_topo(par, anc, rng) + ([q] if incl else [])
@@ -494,8 +522,11 @@ def test_validator_accepts_all_topological_orders_and_rejects_corruptions(name, 
         if outside:
             assert verdict(ans + [outside[0]]) == (False, "extra")
         # a well-formed name that is not a vertex of the graph (brevo1 at n = N: only invisible isolated leaves)
-        names = [(t,) for t in range(1, task.N + 1)] if name == "brevo1" else [
-            (a, b) for a in range(1, 5) for b in range(5, 9)]
+        names = (
+            [(t,) for t in range(1, task.N + 1)]
+            if name == "brevo1"
+            else [(a, b) for a in range(1, 5) for b in range(5, 9)]
+        )
         unused = next((nm for nm in names if nm not in par), None)
         if unused is not None:
             assert verdict(ans[:1] + [unused] + ans[1:]) == (False, "extra")
@@ -534,8 +565,8 @@ def oracle_forward(task, fulls, answer_fn=None):
     for f in fulls:
         f = [int(x) for x in f]
         p = f.index(ans)
-        cont = answer_fn(f, p) if answer_fn else f[p + 1:]
-        table[tuple(f[:p + 1])] = f[:p + 1] + cont
+        cont = answer_fn(f, p) if answer_fn else f[p + 1 :]
+        table[tuple(f[: p + 1])] = f[: p + 1] + cont
 
     def forward(x):
         B, T = x.shape
@@ -543,17 +574,23 @@ def oracle_forward(task, fulls, answer_fn=None):
         for b in range(B):
             row = x[b].tolist()
             p = row.index(ans)
-            seq = table[tuple(row[:p + 1])]
+            seq = table[tuple(row[: p + 1])]
             for t in range(T):
                 if t + 1 < len(seq):
                     out[b, t, seq[t + 1]] = 10.0
         return out
+
     return forward
 
 
-@pytest.mark.parametrize("name,cfg,count", [("brevo1", dict(N=12, eval_num_samples=64), 40),
-                                            ("brevo2", dict(N=8, vocab="official", answer_includes_query=True), 12),
-                                            ("brevo2", dict(N=8, answer_includes_query=True), 24)])
+@pytest.mark.parametrize(
+    "name,cfg,count",
+    [
+        ("brevo1", dict(N=12, eval_num_samples=64), 40),
+        ("brevo2", dict(N=8, vocab="official", answer_includes_query=True), 12),
+        ("brevo2", dict(N=8, answer_includes_query=True), 24),
+    ],
+)
 def test_evaluate_oracle_uniform_and_garbage(name, cfg, count):
     """(official vocabulary: 10000 logits per position, so fewer prompts keep the fake models cheap)"""
     task = build_task(name, cfg)
@@ -563,7 +600,7 @@ def test_evaluate_oracle_uniform_and_garbage(name, cfg, count):
     assert P.temperature == 0.0 and len(P.prompts) == count
     fulls = [task.instance("test", int(w)).tokens for w in idx]
     for r, f in enumerate(fulls):  # prompt = the instance up to and including <ans>
-        np.testing.assert_array_equal(P.prompts[r], f[:len(P.prompts[r])])
+        np.testing.assert_array_equal(P.prompts[r], f[: len(P.prompts[r])])
         assert P.prompts[r][-1] == ids_of(task)["ans"]
     # rows of one batch stop at different steps: batch 16 must give exactly what one prompt at a time gives
     lm = LanguageModel(oracle_forward(task, fulls), task.vocab_size, batch_size=16)
@@ -582,8 +619,7 @@ def test_evaluate_oracle_uniform_and_garbage(name, cfg, count):
     if task.vocab == "official":
         return  # (each generation step costs ~10 ms at 10000 ids; the rest is vocabulary-independent)
     g = torch.Generator().manual_seed(0)
-    garbage = LanguageModel(lambda x: torch.randn(x.shape[0], 1, V, generator=g).expand(*x.shape, V), V,
-                            batch_size=1)
+    garbage = LanguageModel(lambda x: torch.randn(x.shape[0], 1, V, generator=g).expand(*x.shape, V), V, batch_size=1)
     assert task.evaluate(garbage, "test", idx)["correct"].mean() < 0.05
 
     # right set, reversed order (still ending with <eos>): wrong, but the set diagnostic is 1
@@ -592,10 +628,11 @@ def test_evaluate_oracle_uniform_and_garbage(name, cfg, count):
     def reverse(f, p):
         names = parse(task, f)["answer"]
         return flat(names[::-1]) + [eos]
-    rev = task.evaluate(LanguageModel(oracle_forward(task, fulls, reverse), task.vocab_size, batch_size=1), "test",
-                        idx)
-    chained = np.array([any(a in r["parents"][b] for a in r["answer"] for b in r["answer"])
-                        for r in (parse(task, f) for f in fulls)])  # reversal breaks the order iff a pair is chained
+
+    rev = task.evaluate(LanguageModel(oracle_forward(task, fulls, reverse), task.vocab_size, batch_size=1), "test", idx)
+    chained = np.array(
+        [any(a in r["parents"][b] for a in r["answer"] for b in r["answer"]) for r in (parse(task, f) for f in fulls)]
+    )  # reversal breaks the order iff a pair is chained
     assert chained.sum() > count // 4
     np.testing.assert_array_equal(rev["correct"], ~chained)
     assert rev["set_correct"].mean() == 1.0
@@ -607,8 +644,7 @@ def test_yaml_presets_compose(tmp_path):
 
     from canonlm.data.tasks.brevo import KEYS
 
-    for preset, N, ctx in (("brevo1", 70, 1024), ("brevo2", 30, 1536), ("brevo1_cpu", 12, 256),
-                           ("brevo2_cpu", 8, 256)):
+    for preset, N, ctx in (("brevo1", 70, 1024), ("brevo2", 30, 1536), ("brevo1_cpu", 12, 256), ("brevo2_cpu", 8, 256)):
         cfg = compose([f"task={preset}"], output_dir=tmp_path)
         node = dict(cfg.task)
         assert set(node) == set(KEYS)
@@ -618,7 +654,13 @@ def test_yaml_presets_compose(tmp_path):
         if preset.endswith("_cpu"):
             assert t.eval_num_samples == 64
     assert (t.V, t.min_len, t.max_len, t.leaf_rounding, t.query_pool, t.answer_includes_query) == (
-        4, 2, 4, "ceil", "last_quarter", False)
+        4,
+        2,
+        4,
+        "ceil",
+        "last_quarter",
+        False,
+    )
 
 
 BAD = [
@@ -677,7 +719,7 @@ def test_length_cap_redraws_only_overlong_instances():
     assert (b.meta["n"] == 50).all()
     for r in np.nonzero(~keep)[0][:20]:  # redrawn instances are valid Brevo instances of the same n
         inst = capped.instance("test", (int(r), 0))
-        assert capped.check_answer(inst.tokens, inst.tokens[inst.meta["prompt_len"]:])
+        assert capped.check_answer(inst.tokens, inst.tokens[inst.meta["prompt_len"] :])
     with pytest.raises(ConfigError, match="max_instance_tokens"):
         build_task("brevo1", dict(max_instance_tokens=0))
 

@@ -79,11 +79,18 @@ def test_fast_path_matches_oracle(backend, dtype, K):
         b = torch.randn(C, generator=g).to(dtype) if bias else None
         h = torch.randn(B, C, K - 1, generator=g).to(dtype) if init else None
         dy = torch.randn(B, T, C, generator=g).to(dtype)
-        ref_y, ref_g = _grads(lambda xx, ww, bb, hh: loop_oracle(xx, ww, bb, residual, activation, hh),
-                              [t.double() if t is not None else None for t in (x, w, b, h)], dy.double())
-        y, gr = _grads(lambda xx, ww, bb, hh: causal_conv1d(xx, ww, bb, residual=residual, activation=activation,
-                                                            backend=backend, initial_state=hh),
-                       [t.cuda() if t is not None else None for t in (x, w, b, h)], dy.cuda())
+        ref_y, ref_g = _grads(
+            lambda xx, ww, bb, hh: loop_oracle(xx, ww, bb, residual, activation, hh),
+            [t.double() if t is not None else None for t in (x, w, b, h)],
+            dy.double(),
+        )
+        y, gr = _grads(
+            lambda xx, ww, bb, hh: causal_conv1d(
+                xx, ww, bb, residual=residual, activation=activation, backend=backend, initial_state=hh
+            ),
+            [t.cuda() if t is not None else None for t in (x, w, b, h)],
+            dy.cuda(),
+        )
         assert y.dtype == dtype and y.device.type == "cuda"
         msg = f"{backend} {dtype} K={K} res={residual} act={activation} bias={bias} init={init}"
         torch.testing.assert_close(y.double().cpu(), ref_y, **TOL[dtype], msg=lambda m: f"{msg} y: {m}")
@@ -91,8 +98,9 @@ def test_fast_path_matches_oracle(backend, dtype, K):
             if r is None:
                 continue
             scale = max(1.0, r.abs().max().item())  # dw/db are sums over B*T terms
-            torch.testing.assert_close(a.double().cpu() / scale, r / scale, **TOL[dtype],
-                                       msg=lambda m, n=name: f"{msg} {n}: {m}")
+            torch.testing.assert_close(
+                a.double().cpu() / scale, r / scale, **TOL[dtype], msg=lambda m, n=name: f"{msg} {n}: {m}"
+            )
 
 
 @pytest.mark.parametrize("backend", ["dao", "fla"])
@@ -139,8 +147,9 @@ def test_auto_on_cuda_picks_a_fast_path_or_torch_and_handles_odd_shapes():
         x = torch.randn(2, 17, C, device="cuda")
         w = torch.rand(C, K, device="cuda") - 0.5
         y = causal_conv1d(x, w, backend="auto")
-        torch.testing.assert_close(y.double().cpu(), loop_oracle(x.double().cpu(), w.double().cpu()),
-                                   rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            y.double().cpu(), loop_oracle(x.double().cpu(), w.double().cpu()), rtol=1e-4, atol=1e-4
+        )
 
 
 def test_dao_rejects_unsupported_shapes_explicitly():
@@ -272,7 +281,7 @@ def test_flash_model_matches_reference_with_grads_and_cache(canon):
         full = fast(ids)
         cache = fast.new_cache()
         parts = [fast(ids[:, :23], cache), fast(ids[:, 23:30], cache)]  # prefill, then a 7-token chunk
-        parts += [fast(ids[:, t:t + 1], cache) for t in range(30, 60)]
+        parts += [fast(ids[:, t : t + 1], cache) for t in range(30, 60)]
     step = torch.cat(parts, 1)
     assert step.dtype == full.dtype == torch.bfloat16
     assert _rel(step, full) < 2e-2
@@ -320,15 +329,34 @@ def test_fsdp2_bf16_training_smoke_with_flash(tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs >= 2 GPUs")
     n = 2
-    args = ["task=depo1_cpu",
-            "model.size=2L128D", "canon=ABCD", "task.N=8", "task.K=4", "task.vocab_V=6", "task.context=128",
-            f"data.batch_size={4 * n}", "data.val_windows=8", "data.test_windows=8", "trainer.max_steps=4",
-            "trainer.val_check_interval=4", "trainer.log_every_n_steps=1", "strategy=fsdp2",
-            "strategy.param_dtype=bf16", "trainer=gpu", f"trainer.devices={n}", "trainer.precision=32-true",
-            "kernels.attention=flash", f"kernels.canon={_fast_canon(torch.bfloat16)}", "logger=none",
-            "run_name=fsdp", f"paths.log_dir={tmp_path}/logs"]
-    p = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True,
-                       timeout=900, cwd=tmp_path)
+    args = [
+        "task=depo1_cpu",
+        "model.size=2L128D",
+        "canon=ABCD",
+        "task.N=8",
+        "task.K=4",
+        "task.vocab_V=6",
+        "task.context=128",
+        f"data.batch_size={4 * n}",
+        "data.val_windows=8",
+        "data.test_windows=8",
+        "trainer.max_steps=4",
+        "trainer.val_check_interval=4",
+        "trainer.log_every_n_steps=1",
+        "strategy=fsdp2",
+        "strategy.param_dtype=bf16",
+        "trainer=gpu",
+        f"trainer.devices={n}",
+        "trainer.precision=32-true",
+        "kernels.attention=flash",
+        f"kernels.canon={_fast_canon(torch.bfloat16)}",
+        "logger=none",
+        "run_name=fsdp",
+        f"paths.log_dir={tmp_path}/logs",
+    ]
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True, timeout=900, cwd=tmp_path
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     run = tmp_path / "logs" / "train" / "runs" / "fsdp"
     assert json.loads((run / "results.json").read_text())["steps"] == 4

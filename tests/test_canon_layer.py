@@ -17,8 +17,9 @@ def loop_oracle(x, w, b=None, residual=True, activation=False):
 
 
 @pytest.mark.parametrize("K", [1, 2, 3, 4, 5])
-@pytest.mark.parametrize("residual,activation,bias", [(True, False, False), (False, False, False),
-                                                      (True, True, True), (False, True, False)])
+@pytest.mark.parametrize(
+    "residual,activation,bias", [(True, False, False), (False, False, False), (True, True, True), (False, True, False)]
+)
 def test_canon_matches_loop_over_taps(K, residual, activation, bias):
     torch.manual_seed(K)
     cfg = CanonConfig(set="A", kernel=K, residual=residual, activation=activation, bias=bias)
@@ -29,8 +30,12 @@ def test_canon_matches_loop_over_taps(K, residual, activation, bias):
     x = torch.randn(3, 11, 24)
     y = m(x)
     assert y.shape == x.shape and y.dtype == x.dtype
-    torch.testing.assert_close(y.double(), loop_oracle(x, m.weight.detach(), m.bias.detach() if bias else None,
-                                                       residual, activation), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        y.double(),
+        loop_oracle(x, m.weight.detach(), m.bias.detach() if bias else None, residual, activation),
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 @pytest.mark.parametrize("backend", ["auto", "reference"])
@@ -44,15 +49,14 @@ def test_canon_causality(backend):
     y, y2 = m(x), m(x2)
     torch.testing.assert_close(y[:, :t], y2[:, :t], rtol=0, atol=0)
     # the perturbation reaches exactly t .. t+K-1 (depthwise, kernel 4) and nothing later
-    assert (y[:, t:t + 4] - y2[:, t:t + 4]).abs().amax(dim=(0, 2)).min() > 0
-    torch.testing.assert_close(y[:, t + 4:], y2[:, t + 4:], rtol=0, atol=0)
+    assert (y[:, t : t + 4] - y2[:, t : t + 4]).abs().amax(dim=(0, 2)).min() > 0
+    torch.testing.assert_close(y[:, t + 4 :], y2[:, t + 4 :], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("pos", ["rope", "nope"])
 def test_model_causality(pos):
     torch.manual_seed(0)
-    cfg = build_model_config({"size": "2L64D"}, canon={"set": "ABCD"}, pos={"type": pos}, vocab_size=32,
-                             max_seq_len=32)
+    cfg = build_model_config({"size": "2L64D"}, canon={"set": "ABCD"}, pos={"type": pos}, vocab_size=32, max_seq_len=32)
     model = LlamaCanon(cfg).eval()
     ids = torch.randint(0, 32, (2, 20))
     t = 9
@@ -111,8 +115,7 @@ def test_meta_build_then_init_weights_gives_default_canon_init():
 
 
 def test_cst_canon_is_frozen():
-    cfg = build_model_config({"size": "2L64D"}, canon={"set": "ABCD", "trainable": False, "bias": True},
-                             vocab_size=32)
+    cfg = build_model_config({"size": "2L64D"}, canon={"set": "ABCD", "trainable": False, "bias": True}, vocab_size=32)
     model = LlamaCanon(cfg)
     canons = _canon_modules(model)
     assert len(canons) == 8

@@ -15,8 +15,15 @@ import torch
 
 from canonlm.arch.config import ConfigError
 from canonlm.ops import canon as C
-from canonlm.ops.canon import (BACKENDS, available_backends, causal_conv1d, causal_conv1d_reference,
-                               causal_conv1d_state, causal_conv1d_step, resolve_backend)
+from canonlm.ops.canon import (
+    BACKENDS,
+    available_backends,
+    causal_conv1d,
+    causal_conv1d_reference,
+    causal_conv1d_state,
+    causal_conv1d_step,
+    resolve_backend,
+)
 from canonlm.ops.canon import _native
 from canonlm.ops.canon.naive import canon_loop as loop_oracle
 
@@ -66,11 +73,18 @@ def _check(backend, dtype, x, w, b, h, dy, residual, activation, tol, wdtype=Non
     cast = [t.to(d) if t is not None else None for t, d in zip((x, w, b, h), dts)]
     dy = dy.to(dtype).double()  # the backend sees dy rounded to x's dtype
     ref_y, ref_g = _oracle(*(t.double() if t is not None else None for t in cast), dy, residual, activation)
-    y, g = _run(lambda xx, ww, bb, hh: causal_conv1d(xx, ww, bb, residual=residual, activation=activation,
-                                                     backend=backend, initial_state=hh), dy, cast)
+    y, g = _run(
+        lambda xx, ww, bb, hh: causal_conv1d(
+            xx, ww, bb, residual=residual, activation=activation, backend=backend, initial_state=hh
+        ),
+        dy,
+        cast,
+    )
     assert y.dtype == dtype and y.shape == x.shape
-    ctx = f"{backend} {dtype} K={w.shape[1]} T={x.shape[1]} res={residual} act={activation} bias={b is not None} " \
-          f"init={h is not None}"
+    ctx = (
+        f"{backend} {dtype} K={w.shape[1]} T={x.shape[1]} res={residual} act={activation} bias={b is not None} "
+        f"init={h is not None}"
+    )
     torch.testing.assert_close(y.double(), ref_y, **tol["y"], msg=lambda m: f"{ctx} y: {m}")
     for name, a, r in zip(("dx", "dw", "db", "dinit"), g, ref_g):
         if r is None:
@@ -86,8 +100,7 @@ TOL32["dw"] = TOL32["db"] = dict(rtol=1e-5, atol=1e-4)  # sums over B*T terms
 # bf16 x: outputs / dx are rounded to bf16 (rel. 2^-8). With fp32 weights (autocast style) dw, db, dinit
 # accumulate in fp32 from exact bf16 inputs and stay fp32 (TOLBF_W32); with bf16 weights they are rounded too.
 TOLBF = {k: dict(rtol=1e-2, atol=2e-2) for k in ("y", "dx", "dw", "db", "dinit")}
-TOLBF_W32 = dict(TOLBF, dw=dict(rtol=1e-4, atol=1e-3), db=dict(rtol=1e-4, atol=1e-3),
-                 dinit=dict(rtol=1e-4, atol=1e-4))
+TOLBF_W32 = dict(TOLBF, dw=dict(rtol=1e-4, atol=1e-3), db=dict(rtol=1e-4, atol=1e-3), dinit=dict(rtol=1e-4, atol=1e-4))
 
 FLAGS = list(itertools.product([True, False], repeat=4))  # residual, activation, bias, init
 
@@ -154,8 +167,8 @@ def test_causality(backend):
     y = causal_conv1d(x, w, b, backend=backend)
     y2 = causal_conv1d(x2, w, b, backend=backend)
     assert torch.equal(y[:, :t], y2[:, :t])
-    assert (y[:, t:t + 4] - y2[:, t:t + 4]).abs().amax(dim=(0, 2)).min() > 0
-    torch.testing.assert_close(y[:, t + 4:], y2[:, t + 4:], rtol=1e-6, atol=1e-6)
+    assert (y[:, t : t + 4] - y2[:, t : t + 4]).abs().amax(dim=(0, 2)).min() > 0
+    torch.testing.assert_close(y[:, t + 4 :], y2[:, t + 4 :], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -236,8 +249,11 @@ def test_gradcheck_float64(backend):
     args = tuple(t.requires_grad_() for t in (x, w, b, h))
     for residual, activation in itertools.product([True, False], repeat=2):
         assert torch.autograd.gradcheck(
-            lambda xx, ww, bb, hh: causal_conv1d(xx, ww, bb, residual=residual, activation=activation,
-                                                 backend=backend, initial_state=hh), args)
+            lambda xx, ww, bb, hh: causal_conv1d(
+                xx, ww, bb, residual=residual, activation=activation, backend=backend, initial_state=hh
+            ),
+            args,
+        )
 
 
 @needs_native
@@ -245,8 +261,14 @@ def test_native_custom_op_opcheck():
     """Schema, fake tensor, autograd registration and AOT dispatch of canonlm::canon_conv_fwd."""
     x, w, b, h, _ = _inputs(2, 7, 8, 4, seed=4)
     for res, act in itertools.product([True, False], repeat=2):
-        args = (x.float().requires_grad_(), w.float().requires_grad_(), b.float().requires_grad_(),
-                h.float().requires_grad_(), res, act)
+        args = (
+            x.float().requires_grad_(),
+            w.float().requires_grad_(),
+            b.float().requires_grad_(),
+            h.float().requires_grad_(),
+            res,
+            act,
+        )
         torch.library.opcheck(torch.ops.canonlm.canon_conv_fwd.default, args)
         torch.library.opcheck(torch.ops.canonlm.canon_conv_fwd.default, (args[0], args[1], None, None, res, act))
 
@@ -254,6 +276,7 @@ def test_native_custom_op_opcheck():
 @needs_native
 def test_native_torch_compile_fullgraph():
     """torch.compile(fullgraph=True) traces through the backend choice and the custom op (no graph break)."""
+
     def f(x, w):
         return (causal_conv1d(x, w, backend="auto") * 2).sum()
 
@@ -270,6 +293,7 @@ def test_native_torch_compile_fullgraph():
 @needs_native
 def test_native_torch_compile_inductor():
     """Inductor compiles the surrounding graph and calls the custom op (~6 s on 2 cores)."""
+
     def f(x, w):
         return torch.nn.functional.gelu(causal_conv1d(x, w, backend="cpu")).sum()
 
@@ -287,8 +311,9 @@ def test_non_contiguous_input_and_mixed_dtypes(backend):
     big = torch.randn(2, 11, 40)
     x = big[:, :, 8:32]  # non-contiguous (B, T, 24)
     w = torch.rand(24, 4) - 0.5
-    torch.testing.assert_close(causal_conv1d(x, w, backend=backend).double(), loop_oracle(x.double(), w.double()),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        causal_conv1d(x, w, backend=backend).double(), loop_oracle(x.double(), w.double()), rtol=1e-5, atol=1e-5
+    )
     xb = x.to(torch.bfloat16)
     y = causal_conv1d(xb, w, backend=backend)
     assert y.dtype == torch.bfloat16
@@ -366,8 +391,9 @@ def test_native_build_cache(tmp_path, monkeypatch):
 def test_reference_is_the_documented_conv1d_formula():
     """causal_conv1d_reference == F.conv1d(F.pad(x, (K-1, 0)), w.unsqueeze(1), b, groups=C)."""
     x, w, b, _, _ = _inputs(2, 9, 6, 4, seed=9)
-    direct = torch.nn.functional.conv1d(torch.nn.functional.pad(x.transpose(1, 2), (3, 0)), w.unsqueeze(1), b,
-                                        groups=6).transpose(1, 2)
+    direct = torch.nn.functional.conv1d(
+        torch.nn.functional.pad(x.transpose(1, 2), (3, 0)), w.unsqueeze(1), b, groups=6
+    ).transpose(1, 2)
     assert torch.equal(causal_conv1d_reference(x, w, b, residual=False), direct)
 
 
@@ -377,8 +403,17 @@ def test_reference_is_the_documented_conv1d_formula():
 # tested here; the real kernels are tested in test_canon_gpu.py.
 # ---------------------------------------------------------------------------------------------------------------
 
-def _fake_dao_fn(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,
-                 final_states_out=None, activation=None):
+
+def _fake_dao_fn(
+    x,
+    weight,
+    bias=None,
+    seq_idx=None,
+    initial_states=None,
+    return_final_states=False,
+    final_states_out=None,
+    activation=None,
+):
     assert x.dim() == 3 and x.stride(1) == 1, "dao: channel-last (B, C, T) view expected"
     assert bias is None or bias.dtype == weight.dtype
     if initial_states is not None:
@@ -394,8 +429,9 @@ def _fake_dao_update(x, conv_state, weight, bias=None, activation=None):
     return z * torch.sigmoid(z) if activation == "silu" else z
 
 
-def _fake_fla_fn(x, weight=None, bias=None, residual=None, initial_state=None, output_final_state=False,
-                 activation=None, **kw):
+def _fake_fla_fn(
+    x, weight=None, bias=None, residual=None, initial_state=None, output_final_state=False, activation=None, **kw
+):
     hist = None
     if initial_state is not None:
         assert initial_state.shape == (x.shape[0], x.shape[2], weight.shape[1]), "fla: state is (N, D, W)"
@@ -413,13 +449,15 @@ def _fake_fla_update(x, cache, residual=None, weight=None, bias=None, activation
 def test_cuda_adapters_against_documented_contracts(monkeypatch, backend):
     from canonlm.ops import _dispatch
     from canonlm.ops.canon import _cuda
+
     monkeypatch.setitem(_dispatch._probes, "canon.dao", ((_fake_dao_fn, _fake_dao_update), None))
     monkeypatch.setitem(_dispatch._probes, "canon.fla", ((_fake_fla_fn, _fake_fla_update), None))
     fwd = _cuda.dao_forward if backend == "dao" else _cuda.fla_forward
     step = _cuda.dao_step if backend == "dao" else _cuda.fla_step
     for residual, activation, bias, init in FLAGS:
-        x, w, b, h, dy = (t.float() if t is not None else None
-                          for t in _inputs(2, 9, 16, 4, seed=21, bias=bias, init=init))
+        x, w, b, h, dy = (
+            t.float() if t is not None else None for t in _inputs(2, 9, 16, 4, seed=21, bias=bias, init=init)
+        )
         ref_y, ref_g = _oracle(x, w, b, h, dy, residual, activation)
         y, g = _run(lambda xx, ww, bb, hh: fwd(xx, ww, bb, residual, activation, hh), dy, (x, w, b, h))
         torch.testing.assert_close(y, ref_y)
@@ -429,8 +467,7 @@ def test_cuda_adapters_against_documented_contracts(monkeypatch, backend):
         state = torch.randn(2, 16, 4)
         keep = state.clone()
         y1, s1 = step(x[:, 0], state, w, b, residual, activation)
-        y2, s2 = causal_conv1d_step(x[:, 0], state, w, b, residual=residual, activation=activation,
-                                    backend="torch")
+        y2, s2 = causal_conv1d_step(x[:, 0], state, w, b, residual=residual, activation=activation, backend="torch")
         assert torch.equal(state, keep)
         torch.testing.assert_close(s1, s2)
         torch.testing.assert_close(y1, y2)
@@ -446,6 +483,7 @@ def test_gpu_dao_on_strided_views_vs_reference(monkeypatch, dtype, layout):
     from _kernel_calls import count_calls
 
     from canonlm.ops.canon import _cuda
+
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     if _cuda.dao_functions()[0] is None:
@@ -456,15 +494,14 @@ def test_gpu_dao_on_strided_views_vs_reference(monkeypatch, dtype, layout):
     g = torch.Generator().manual_seed(3)
     wide = torch.randn(B, T, 3 * Ch, generator=g)
     start = {"contiguous": None, "slice_of_wider": Ch, "misaligned_slice": Ch + 2}[layout]
-    x = (torch.randn(B, T, Ch, generator=g) if start is None else wide[..., start:start + Ch]).to(dtype)
+    x = (torch.randn(B, T, Ch, generator=g) if start is None else wide[..., start : start + Ch]).to(dtype)
     w, b = torch.randn(Ch, K, generator=g) * 0.3, torch.randn(Ch, generator=g) * 0.1
     h = torch.randn(B, Ch, K - 1, generator=g).to(dtype)
     dy = torch.randn(B, T, Ch, generator=g).to(dtype)
 
     def fwd_bwd(backend, dev):
-        xx = x.to(dev).requires_grad_(True) if start is None else \
-            wide.to(dtype).to(dev).requires_grad_(True)
-        xin = xx if start is None else xx[..., start:start + Ch]
+        xx = x.to(dev).requires_grad_(True) if start is None else wide.to(dtype).to(dev).requires_grad_(True)
+        xin = xx if start is None else xx[..., start : start + Ch]
         ww, bb, hh = (t.to(dev).requires_grad_(True) for t in (w, b, h))
         y = causal_conv1d(xin, ww, bb, residual=True, activation=True, backend=backend, initial_state=hh)
         grads = torch.autograd.grad(y, (xx, ww, bb, hh), dy.to(dev))
@@ -479,7 +516,8 @@ def test_gpu_dao_on_strided_views_vs_reference(monkeypatch, dtype, layout):
         torch.testing.assert_close(a.float().cpu(), r.float(), **tol)
     state = causal_conv1d_state(x.cuda(), K, h.cuda())
     with torch.no_grad():
-        y1, _ = causal_conv1d_step(x[:, 0].cuda(), state, w.cuda(), b.cuda(), residual=True, activation=True,
-                                   backend="dao")
+        y1, _ = causal_conv1d_step(
+            x[:, 0].cuda(), state, w.cuda(), b.cuda(), residual=True, activation=True, backend="dao"
+        )
         y2, _ = causal_conv1d_step(x[:, 0], state.cpu(), w, b, residual=True, activation=True, backend="torch")
     torch.testing.assert_close(y1.float().cpu(), y2.float(), **tol)

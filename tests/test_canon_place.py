@@ -56,8 +56,16 @@ def expected_fused(C: int, K: int) -> str:
 calls: list[tuple[str, int]] = []  # (kernel, C) of every stand-in call
 
 
-def fake_dao_fn(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,
-                final_states_out=None, activation=None):
+def fake_dao_fn(
+    x,
+    weight,
+    bias=None,
+    seq_idx=None,
+    initial_states=None,
+    return_final_states=False,
+    final_states_out=None,
+    activation=None,
+):
     """``causal_conv1d_fn`` (x (B, C, T)) with the C++ op's shape checks; computed by the plain loop."""
     B, C, T = x.shape
     if x.stride(1) == 1 and x.stride(2) > 1:
@@ -68,8 +76,9 @@ def fake_dao_fn(x, weight, bias=None, seq_idx=None, initial_states=None, return_
     if not 2 <= weight.shape[-1] <= 4:
         raise RuntimeError("causal_conv1d only supports width between 2 and 4")
     calls.append(("dao", C))
-    y = canon_loop(x.transpose(1, 2), weight, bias, residual=False, activation=activation == "silu",
-                   init=initial_states)
+    y = canon_loop(
+        x.transpose(1, 2), weight, bias, residual=False, activation=activation == "silu", init=initial_states
+    )
     return y.transpose(1, 2)
 
 
@@ -87,8 +96,9 @@ def fake_dao_update(x, conv_state, weight, bias=None, activation=None):
     return _roll_in(x, conv_state, weight, bias, activation)
 
 
-def fake_fla_fn(x, weight=None, bias=None, residual=None, initial_state=None, output_final_state=False,
-                activation=None, **kw):
+def fake_fla_fn(
+    x, weight=None, bias=None, residual=None, initial_state=None, output_final_state=False, activation=None, **kw
+):
     """fla's ``causal_conv1d`` (x (B, T, D), state (N, D, W) with column 0 unused): no shape limit."""
     calls.append(("fla", x.shape[-1]))
     hist = None if initial_state is None else initial_state[:, :, 1:]
@@ -134,8 +144,13 @@ def model_cfg(arch: str, shape: str, request: str, d_model: int | None = None):
         req = {"ops": request}
     else:
         req = {"ops": "auto" if arch == "llama" else "reference", "kernels": {"canon": request}}
-    return build_model_config({"arch": arch, "n_layers": 1, "d_model": d_model or d, **kw},
-                              canon={"set": sites, "kernel": K}, vocab_size=16, max_seq_len=32, **req)
+    return build_model_config(
+        {"arch": arch, "n_layers": 1, "d_model": d_model or d, **kw},
+        canon={"set": sites, "kernel": K},
+        vocab_size=16,
+        max_seq_len=32,
+        **req,
+    )
 
 
 def canon_layers(model) -> dict[str, Canon]:
@@ -203,7 +218,7 @@ def test_fused_forward_and_decode_run_what_place_resolved(fake_cuda, monkeypatch
             calls.clear()
             torch.testing.assert_close(m(x), want)
             cache: dict = {}
-            parts = [m(x[:, :5], cache)] + [m(x[:, t:t + 1], cache) for t in (5, 6)]
+            parts = [m(x[:, :5], cache)] + [m(x[:, t : t + 1], cache) for t in (5, 6)]
             torch.testing.assert_close(torch.cat(parts, 1), want)
             assert calls == [(be, m.channels)] * 2 + [(be + "_update", m.channels)] * 2, name
 
@@ -257,8 +272,10 @@ def test_decode_step_refuses_a_pinned_dao_shape_like_the_forward(fake_cuda, monk
     monkeypatch.setattr(canon_ops, "cuda_reason", lambda device: None)
     for C, K in ((60, 4), (64, 5)):
         x, w, state = torch.randn(2, 3, C), torch.randn(C, K), torch.randn(2, C, K)
-        for call in (lambda: canon_ops.causal_conv1d(x, w, backend="dao"),
-                     lambda: canon_ops.causal_conv1d_step(x[:, 0], state, w, backend="dao")):
+        for call in (
+            lambda: canon_ops.causal_conv1d(x, w, backend="dao"),
+            lambda: canon_ops.causal_conv1d_step(x[:, 0], state, w, backend="dao"),
+        ):
             with pytest.raises(ConfigError) as e:
                 call()
             assert (e.value.key, e.value.value) == ("model.kernels.canon", "dao") and f"C={C}, K={K}" in str(e.value)
@@ -273,9 +290,14 @@ def test_cpu_kernel_limit_is_checked_at_place_too():
     """The same per-layer rule on the real CPU kernel (K <= 64, ``CANON_KMAX`` in csrc/canon_cpu.c): a pinned ``cpu``
     or ``fused`` with Canon kernel 65 is refused at construction / place(), not at the first forward; ``auto`` runs
     the 65-tap layers with the torch path and the 4-tap short convs with the native kernel."""
-    cfg = lambda req: build_model_config({"arch": "gla", "n_layers": 1, "d_model": 32, "n_heads": 2},
-                                         canon={"set": "AbCD", "kernel": _native.KMAX + 1}, vocab_size=16,
-                                         max_seq_len=32, ops="reference", kernels={"canon": req})
+    cfg = lambda req: build_model_config(
+        {"arch": "gla", "n_layers": 1, "d_model": 32, "n_heads": 2},
+        canon={"set": "AbCD", "kernel": _native.KMAX + 1},
+        vocab_size=16,
+        max_seq_len=32,
+        ops="reference",
+        kernels={"canon": req},
+    )
     for req in ("cpu", "fused"):
         model = CanonLM(cfg(req))
         assert set(model.pending) == {"canon"}
@@ -285,7 +307,13 @@ def test_cpu_kernel_limit_is_checked_at_place_too():
     model = CanonLM(cfg("auto"))
     assert model.place("cpu", torch.float32)["canon"] == "cpu+torch"
     assert {n.rsplit(".", 1)[-1]: b for n, b in model.canon_backends.items()} == {
-        "canon_a": "torch", "conv_q": "cpu", "conv_k": "cpu", "conv_v": "cpu", "canon_c": "torch", "canon_d": "torch"}
+        "canon_a": "torch",
+        "conv_q": "cpu",
+        "conv_k": "cpu",
+        "conv_v": "cpu",
+        "canon_c": "torch",
+        "canon_d": "torch",
+    }
     model(torch.zeros(1, 4, dtype=torch.long))
 
 

@@ -70,8 +70,9 @@ def test_folded_weight_computes_the_residual_canon(K, with_state):
 seen: list[dict] = []
 
 
-def _fla_stand_in(x, weight=None, bias=None, residual=None, initial_state=None, output_final_state=False,
-                  activation=None, **kw):
+def _fla_stand_in(
+    x, weight=None, bias=None, residual=None, initial_state=None, output_final_state=False, activation=None, **kw
+):
     """fla-core 0.6.0 ``causal_conv1d(x (B, T, D), weight (D, W), bias, residual, initial_state (N, D, W) with column 0
     unused, output_final_state, activation) -> (y, final_state)``: y = act(conv) + residual, computed by the loop."""
     seen.append(dict(lib="fla", weight=weight.detach().clone(), residual=residual))
@@ -80,13 +81,22 @@ def _fla_stand_in(x, weight=None, bias=None, residual=None, initial_state=None, 
     return (y + residual if residual is not None else y), None
 
 
-def _dao_stand_in(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,
-                  final_states_out=None, activation=None):
+def _dao_stand_in(
+    x,
+    weight,
+    bias=None,
+    seq_idx=None,
+    initial_states=None,
+    return_final_states=False,
+    final_states_out=None,
+    activation=None,
+):
     """causal-conv1d ``causal_conv1d_fn(x (B, C, T), weight (C, W), bias, seq_idx, initial_states (B, C, W-1),
     return_final_states, final_states_out, activation)``: act(conv), no residual argument."""
     seen.append(dict(lib="dao", weight=weight.detach().clone(), residual=None))
-    y = canon_loop(x.transpose(1, 2), weight, bias, residual=False, activation=activation == "silu",
-                   init=initial_states)
+    y = canon_loop(
+        x.transpose(1, 2), weight, bias, residual=False, activation=activation == "silu", init=initial_states
+    )
     return y.transpose(1, 2)
 
 
@@ -121,15 +131,17 @@ def test_cuda_wrappers_pass_the_folded_weight_and_no_residual(stand_ins, lib, re
         assert (call["residual"] is None) == (folded or not residual)
     # causal-conv1d takes the bias in the weight's dtype: unfolded, a bf16 weight rounds the bias too
     b_used = b.to(wdtype) if lib == "dao" and not folded else b
-    expect = canon_loop(x.double(), w.double(), b_used.double(), residual=residual, activation=activation,
-                        init=h0.double())
+    expect = canon_loop(
+        x.double(), w.double(), b_used.double(), residual=residual, activation=activation, init=h0.double()
+    )
     torch.testing.assert_close(y.double(), expect, rtol=1e-5, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------- compute dtype
 def _llama(canon: str = "ABCD", **kw):
-    cfg = build_model_config({"n_layers": 2, "d_model": 64, "n_heads": 2}, canon={"set": canon},
-                             vocab_size=32, max_seq_len=32, **kw)
+    cfg = build_model_config(
+        {"n_layers": 2, "d_model": 64, "n_heads": 2}, canon={"set": canon}, vocab_size=32, max_seq_len=32, **kw
+    )
     torch.manual_seed(0)
     return CanonLM(cfg)
 
@@ -145,6 +157,7 @@ def test_every_canon_layer_runs_in_the_compute_dtype(autocast):
     def record(name):
         def hook(mod, args, out):
             got[name] = (args[0].dtype, out.dtype)
+
         return hook
 
     for name, m in model.named_modules():

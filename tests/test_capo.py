@@ -69,7 +69,7 @@ def parse_bio(text, pools):
                 j = s.find(body)
                 if j <= 0 or not s.endswith(suf) or len(s) - len(suf) <= j + len(body):
                     continue
-                subj, val = s[:j], s[j + len(body):len(s) - len(suf)]
+                subj, val = s[:j], s[j + len(body) : len(s) - len(suf)]
                 hits.append((a, ti, val, subj))
         # the template whose fixed text is longest is the one used (shorter ones may match as substrings)
         assert hits, s
@@ -116,26 +116,36 @@ def test_template_prefixes_are_prefix_free(cache):
     attributes: after the prefix the next token is certainly that attribute's value (clean value losses)."""
     import re
 
-    pre = [(t, re.findall(r"\w+|[^\w\s]+", t[3:t.index(" {V}")])) for a in ATTRS for t in TEMPLATES[a]]
+    pre = [(t, re.findall(r"\w+|[^\w\s]+", t[3 : t.index(" {V}")])) for a in ATTRS for t in TEMPLATES[a]]
     # stronger than word prefixes: the last word may not even be the start of the other's word ("in" / "into"),
     # so that no subword tokenizer can make one prefix's tokens a prefix of another's
-    bad = [(t, u) for t, p in pre for u, q in pre
-           if t != u and len(q) >= len(p) and q[:len(p) - 1] == p[:-1] and q[len(p) - 1].startswith(p[-1])]
+    bad = [
+        (t, u)
+        for t, p in pre
+        for u, q in pre
+        if t != u and len(q) >= len(p) and q[: len(p) - 1] == p[:-1] and q[len(p) - 1].startswith(p[-1])
+    ]
     assert not bad
     # the same at the token level, for the test tokenizer and the default-size one
     for vocab, bios in ((512, 2000), (4096, 20000)):
         t = build_task("capo", dict(N=50, context=256, bpe_vocab_size=vocab, bpe_train_bios=bios, cache_dir=cache))
         assert t.template_prefix_conflicts() == []
-        seqs = [tuple(t.tokenizer.encode(p[3:p.index(" {V}")]).ids) for a in ATTRS for p in TEMPLATES[a]]
-        assert not [(x, y) for x in seqs for y in seqs if x is not y and y[:len(x)] == x]
+        seqs = [tuple(t.tokenizer.encode(p[3 : p.index(" {V}")]).ids) for a in ATTRS for p in TEMPLATES[a]]
+        assert not [(x, y) for x in seqs for y in seqs if x is not y and y[: len(x)] == x]
 
 
 def test_sizes_match_official_lists_and_nothing_is_copied():
     if not OFFICIAL.is_dir():
         pytest.skip("official Capo lists not available")
     off = {p.name: [ln.strip() for ln in p.read_text().splitlines() if ln.strip()] for p in OFFICIAL.glob("*.txt")}
-    pairs = dict(first_name="first_names", middle_name="middle_names", last_name="last_names", city="birth_cities",
-                 university="universities", field="majors")
+    pairs = dict(
+        first_name="first_names",
+        middle_name="middle_names",
+        last_name="last_names",
+        city="birth_cities",
+        university="universities",
+        field="majors",
+    )
     for o, mine in pairs.items():
         assert len(lines(f"{mine}.txt")) == len(off[f"{o}.txt"]), o
     assert len(lines("employers.tsv")) == len(off["company.txt"])
@@ -222,8 +232,9 @@ def test_renderings_parse_to_the_facts_and_change_across_passes(task):
     used = collections.defaultdict(set)
     for person in range(0, 200, 7):
         for p in range(4):
-            o, tm = check_bio_text(fixed.biography_text("train", p, person), fixed.person_record(person),
-                                   TEMPLATES, n_templates=7)
+            o, tm = check_bio_text(
+                fixed.biography_text("train", p, person), fixed.person_record(person), TEMPLATES, n_templates=7
+            )
             assert o == list(ATTRS)
             for a, t in zip(o, tm):
                 used[a].add(t)
@@ -237,7 +248,7 @@ def test_fragment_ids_equal_whole_text_encoding(task):
     tok = task.tokenizer
     c2o = task.compact_to_orig
     for r in range(n):
-        ids = b["tokens"][b["offsets"][r]:b["offsets"][r + 1]]
+        ids = b["tokens"][b["offsets"][r] : b["offsets"][r + 1]]
         assert ids[-1] == task.eos_id and (ids[:-1] != task.eos_id).all()
         text = task.biography_text("train", int(k[r] // 200), int(k[r] % 200))
         assert c2o[ids[:-1]].tolist() == tok.encode(text, add_special_tokens=False).ids
@@ -290,8 +301,8 @@ def test_spans_decode_to_the_facts(task):
 
 def name_at(task, flat, s):
     """The full name (first three words) of the biography starting at stream position s."""
-    piece = flat[s:s + 48]
-    piece = piece[:np.flatnonzero(piece == task.eos_id)[0]] if (piece == task.eos_id).any() else piece
+    piece = flat[s : s + 48]
+    piece = piece[: np.flatnonzero(piece == task.eos_id)[0]] if (piece == task.eos_id).any() else piece
     return " ".join(task.tokenizer.decode(task.compact_to_orig[piece].tolist()).split(" ")[:3])
 
 
@@ -343,8 +354,8 @@ def count_names(task, flat):
     cnt = collections.Counter()
     order = []
     for s in starts:
-        piece = flat[s:s + 48]
-        piece = piece[:np.flatnonzero(piece == task.eos_id)[0]] if (piece == task.eos_id).any() else piece
+        piece = flat[s : s + 48]
+        piece = piece[: np.flatnonzero(piece == task.eos_id)[0]] if (piece == task.eos_id).any() else piece
         text = tok.decode(c2o[piece].tolist())
         name = " ".join(text.split(" ")[:3])
         if name in names:
@@ -382,7 +393,7 @@ def test_random_offset_windows(small):
     out = t.train_windows(np.arange(5), T)
     seg = t.stream_segment(0, 6 * T)
     for w in range(5):
-        assert out["tokens"][w].tolist() == seg["tokens"][starts[w]:starts[w] + T].tolist()
+        assert out["tokens"][w].tolist() == seg["tokens"][starts[w] : starts[w] + T].tolist()
 
 
 def batches(ds, n, workers=0):
@@ -397,8 +408,9 @@ def test_stream_determinism_workers_world_size_and_resume(task):
     for a, b in zip(one, two):
         for k in ("tokens", "loss_mask", "answer_id", "group"):
             assert torch.equal(a[k], b[k]), k
-    ranks = [batches(task.make_stream("train", window=T, batch_size=2, seed=0, rank=r, world_size=2), 6)
-             for r in range(2)]
+    ranks = [
+        batches(task.make_stream("train", window=T, batch_size=2, seed=0, rank=r, world_size=2), 6) for r in range(2)
+    ]
     for s in range(6):
         assert torch.equal(torch.cat([ranks[0][s]["tokens"], ranks[1][s]["tokens"]]), one[s]["tokens"])
     ds = task.make_stream("train", window=T, batch_size=4, seed=0)
@@ -506,8 +518,9 @@ def test_bits_formula_by_hand(task):
     counted = {"by_group": {g: dict(row, tokens=tok[g] * N) for g, row in table(10.0, [1.0] * 6)["by_group"].items()}}
     m = task.finalize_metrics("test", counted, dict(info, vocab_size=V))
     p1u, p2u = 3 * math.log(V), sum(tok[g] for g in range(2, 8)) * math.log(V)
-    assert m["bits_uniform"] == pytest.approx(N * (math.log2(N0) - p1u / math.log(2))
-                                              + N * (math.log2(S0) - p2u / math.log(2)), rel=1e-12)
+    assert m["bits_uniform"] == pytest.approx(
+        N * (math.log2(N0) - p1u / math.log(2)) + N * (math.log2(S0) - p2u / math.log(2)), rel=1e-12
+    )
     assert m["bits_uniform"] < 0 and "bits_uniform" not in big  # no token counts, no scale
     lines = task.explain_metrics(m)
     assert "Part 3.3 Def. 4.3" in lines[0] and "0 = a uniform guess among the valid answers" in lines[0]
@@ -535,8 +548,11 @@ def test_test_split_table_from_score_answers_feeds_the_bits(task):
     out = score_answers(b["tokens"], b, task.num_groups, nll=nll)
     assert out["answers_total"].tolist() == [0] + [task.N] * 7
     assert out["answers_correct"].tolist() == [0] + [task.N] * 7
-    table = {"by_group": {g: {"answers": int(out["answers_total"][g]), "nll_sum": float(out["nll_sum"][g])}
-                          for g in range(1, 8)}}
+    table = {
+        "by_group": {
+            g: {"answers": int(out["answers_total"][g]), "nll_sum": float(out["nll_sum"][g])} for g in range(1, 8)
+        }
+    }
     m = task.finalize_metrics("test", table, dict(num_params=10**6, d_model=64, tie_embeddings=True))
     assert m["p1_name_nats"] == pytest.approx(math.log(task.N)) and m["p2_value_nats"] == pytest.approx(math.log(2))
     want = task.N * math.log2(task.N0 / task.N) + task.N * (math.log2(task.S0) - 1)
@@ -544,14 +560,36 @@ def test_test_split_table_from_score_answers_feeds_the_bits(task):
 
 
 # ---------------------------------------------------------------------------------------------- config / tokenizer
-@pytest.mark.parametrize("key,value", [
-    ("N", 0), ("N", 1.5), ("N", 10**9), ("exposures", 0), ("templates_per_attribute", 0),
-    ("templates_per_attribute", 51), ("birth_years", [2000, 1999]), ("birth_years", [1900]),
-    ("birth_years", "1900-2099"), ("gender", "other"), ("permute_sentences", "yes"), ("window", "random"),
-    ("context", 0), ("context", 64), ("tail", "keep"), ("seed", -1), ("bpe_vocab_size", 100),
-    ("bpe_train_bios", 0), ("val_people", 0), ("val_people", 201), ("eval_renderings_per_person", 0),
-    ("tokenizer", "/nonexistent/tokenizer.json"), ("tokenizer", 5), ("cache_dir", 3), ("bogus", 1),
-])
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("N", 0),
+        ("N", 1.5),
+        ("N", 10**9),
+        ("exposures", 0),
+        ("templates_per_attribute", 0),
+        ("templates_per_attribute", 51),
+        ("birth_years", [2000, 1999]),
+        ("birth_years", [1900]),
+        ("birth_years", "1900-2099"),
+        ("gender", "other"),
+        ("permute_sentences", "yes"),
+        ("window", "random"),
+        ("context", 0),
+        ("context", 64),
+        ("tail", "keep"),
+        ("seed", -1),
+        ("bpe_vocab_size", 100),
+        ("bpe_train_bios", 0),
+        ("val_people", 0),
+        ("val_people", 201),
+        ("eval_renderings_per_person", 0),
+        ("tokenizer", "/nonexistent/tokenizer.json"),
+        ("tokenizer", 5),
+        ("cache_dir", 3),
+        ("bogus", 1),
+    ],
+)
 def test_config_errors_name_the_key(small, key, value):
     with pytest.raises(ConfigError) as e:
         build_task("capo", {**small, key: value})
@@ -588,7 +626,9 @@ def test_tokenizer_cache_and_local_paths(task, small, tmp_path):
     for p in (str(f), str(d), str(g)):
         t = build_task("capo", {**small, "tokenizer": p})
         assert t.vocab_size == task.vocab_size
-        assert np.array_equal(t.render("train", 0, np.arange(20))["tokens"], task.render("train", 0, np.arange(20))["tokens"])
+        assert np.array_equal(
+            t.render("train", 0, np.arange(20))["tokens"], task.render("train", 0, np.arange(20))["tokens"]
+        )
     # a tokenizer whose pre-tokenization differs (whitespace words) breaks the fragment rule -> ConfigError
     import tokenizers
 
@@ -609,7 +649,7 @@ def test_protocol_generate_instance_and_lengths(task):
     assert np.array_equal(task.estimate_lengths("train", w, i), b.lengths.astype(float))
     for r in range(4):
         inst = task.instance("train", (int(w[r]), int(i[r])))
-        assert np.array_equal(inst.tokens, b.tokens[b.offsets[r]:b.offsets[r + 1]])
+        assert np.array_equal(inst.tokens, b.tokens[b.offsets[r] : b.offsets[r + 1]])
         assert task.decode(inst.tokens) == inst.meta["text"] + "<|endoftext|>"
         assert len(inst) <= task.max_instance_len("train") and len(inst) >= task.min_instance_len("train")
     # instance k of the split sequence = (pass k // N, position k % N); stream order of pass 1

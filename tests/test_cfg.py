@@ -12,8 +12,19 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from canonlm.data.cfg import (PRESETS, Grammar, check, check_ragged, lano_kl, load_grammar, next_symbol_probs,
-                              preset_grammar, random_grammar, sample_sentences, save_grammar)
+from canonlm.data.cfg import (
+    PRESETS,
+    Grammar,
+    check,
+    check_ragged,
+    lano_kl,
+    load_grammar,
+    next_symbol_probs,
+    preset_grammar,
+    random_grammar,
+    sample_sentences,
+    save_grammar,
+)
 from canonlm.data.seeding import instance_keys
 from canonlm.errors import ConfigError
 from conftest import SHARED
@@ -52,10 +63,11 @@ def keys_of(n, ns=11):
 
 def small_grammars():
     """Small random grammars (len-1 rules included) whose languages can be enumerated."""
-    out = [random_grammar(s, depth=3, num_sym=2, num_terminals=2, deg_min=1, deg_max=2, len_min=1, len_max=3)
-           for s in range(3)]
-    out.append(random_grammar(7, depth=3, num_sym=[2, 2], num_terminals=3, deg_min=2, deg_max=2, len_min=1,
-                              len_max=2))
+    out = [
+        random_grammar(s, depth=3, num_sym=2, num_terminals=2, deg_min=1, deg_max=2, len_min=1, len_max=3)
+        for s in range(3)
+    ]
+    out.append(random_grammar(7, depth=3, num_sym=[2, 2], num_terminals=3, deg_min=2, deg_max=2, len_min=1, len_max=2))
     out.append(random_grammar(5, depth=2, num_sym=3, num_terminals=2, deg_min=2, deg_max=3, len_min=2, len_max=3))
     return out
 
@@ -188,17 +200,17 @@ def test_sampler_matches_exact_law_and_is_counter_based():
     assert att.sum() == 0
     emp = defaultdict(float)
     for r in range(N):
-        emp[tuple(tok[off[r]:off[r + 1]].tolist())] += 1 / N
+        emp[tuple(tok[off[r] : off[r + 1]].tolist())] += 1 / N
     assert set(emp) <= set(law)
     tv = 0.5 * sum(abs(emp.get(s, 0.0) - p) for s, p in law.items())
     assert tv < 0.03 + 0.5 * math.sqrt(len(law) / N), tv
     # instance r depends only on its key
     t2, o2, _ = sample_sentences(g, keys_of(N)[[5, 17]])
-    assert np.array_equal(t2[o2[1]:o2[2]], tok[off[17]:off[18]])
+    assert np.array_equal(t2[o2[1] : o2[2]], tok[off[17] : off[18]])
     # <bos> prefix layout
     t3, o3, _ = sample_sentences(g, keys_of(3), prefix_bos=True)
     for r in range(3):
-        assert t3[o3[r]] == g.bos_id and np.array_equal(t3[o3[r] + 1:o3[r + 1]], tok[off[r]:off[r + 1]])
+        assert t3[o3[r]] == g.bos_id and np.array_equal(t3[o3[r] + 1 : o3[r + 1]], tok[off[r] : off[r + 1]])
 
 
 def test_sampler_cap_rejects_only_long_sentences():
@@ -213,7 +225,7 @@ def test_sampler_cap_rejects_only_long_sentences():
     short = L <= cap
     assert (ac[short] == 0).all() and (ac[~short] >= 1).all()
     for r in np.nonzero(short)[0][:200]:
-        assert np.array_equal(tok[off[r]:off[r + 1]], tc[oc[r]:oc[r + 1]])
+        assert np.array_equal(tok[off[r] : off[r + 1]], tc[oc[r] : oc[r + 1]])
     with pytest.raises(ValueError):
         sample_sentences(g, keys, max_len=g.sentence_min_len - 1)
 
@@ -239,20 +251,20 @@ def test_recogniser_mutations_small_grammars_follow_membership():
         rng_words = instance_keys(99, np.arange(60), np.ones(60, dtype=np.int64))
         muts = []
         for r in range(60):
-            s = tok[off[r]:off[r + 1]].tolist()
+            s = tok[off[r] : off[r + 1]].tolist()
             w = int(rng_words[r])
             p = w % len(s)
             a = 1 + (w >> 20) % g.num_terminals
-            muts += [s[:p] + [1 + s[p] % g.num_terminals] + s[p + 1:], s[:p] + [a] + s[p:], s[:p] + s[p + 1:]]
+            muts += [s[:p] + [1 + s[p] % g.num_terminals] + s[p + 1 :], s[:p] + [a] + s[p:], s[:p] + s[p + 1 :]]
         got = check(g, muts)
         want = np.array([tuple(m) in lang for m in muts])
         assert np.array_equal(got, want)
-        assert check(g, [tok[off[r]:off[r + 1]] for r in range(60)]).all()
+        assert check(g, [tok[off[r] : off[r + 1]] for r in range(60)]).all()
 
 
 def _mutation_acceptance(g, n=100):
     tok, off, _ = sample_sentences(g, keys_of(n, ns=5), max_len=511)
-    sents = [tok[off[r]:off[r + 1]] for r in range(n)]
+    sents = [tok[off[r] : off[r + 1]] for r in range(n)]
     assert check(g, sents).all()
     assert check_ragged(g, tok, off).all()  # ragged form
     flipped, inserted, deleted = [], [], []
@@ -323,7 +335,7 @@ def test_next_symbol_law_big_grammars_consistent():
     g = preset_grammar("cfg3k", seed=0)
     tok, off, _ = sample_sentences(g, keys_of(3, ns=8), max_len=1535)
     for r in range(3):
-        s = tok[off[r]:off[r + 1]]
+        s = tok[off[r] : off[r + 1]]
         P = next_symbol_probs(g, s)
         np.testing.assert_allclose(P.sum(1), 1.0, atol=1e-12)
         assert (P[np.arange(len(s)), s] > 0).all() and P[-1, 0] > 0 and (P[:-1, 0] >= 0).all()
@@ -353,11 +365,13 @@ def test_lano_kl_formulas():
     lp = np.log(np.array([[0.1, 0.3, 0.6]]))  # ids 0 (other), 1, 2
     ids = [2, 1]
     ren = lano_kl(p, lp, ids, "renormalize")
-    assert ren == pytest.approx(math.log((1 + eps) / (1 + 2 * eps)) - math.log((2 / 3 + eps) / (1 + 2 * eps)),
-                                rel=1e-12)
+    assert ren == pytest.approx(
+        math.log((1 + eps) / (1 + 2 * eps)) - math.log((2 / 3 + eps) / (1 + 2 * eps)), rel=1e-12
+    )
     raw = lano_kl(p, lp, ids, "raw")
-    assert raw == pytest.approx(math.log((1 + eps) / (1 + 2 * eps)) - math.log((0.6 + eps) / (0.9 + 2 * eps)),
-                                rel=1e-12)
+    assert raw == pytest.approx(
+        math.log((1 + eps) / (1 + 2 * eps)) - math.log((0.6 + eps) / (0.9 + 2 * eps)), rel=1e-12
+    )
     ps = np.array([1 + eps, eps]) / (1 + 2 * eps)
     qs = np.array([2 / 3 + eps, 1 / 3 + eps]) / (1 + 2 * eps)
     assert lano_kl(p, lp, ids, weight="smoothed") == pytest.approx(float((ps * np.log(ps / qs)).sum()), rel=1e-12)

@@ -53,11 +53,22 @@ def _citations(path: str) -> list[str]:
 
 
 def test_the_pattern_tells_citations_from_the_projects_own_pages():
-    for cited in ("(spec models.md §4.3)", "(models.md §1.2)", "tasks.md §5", "engineering.md P20",
-                  "../shared/spec/tasks.md", "(spec §1.6)"):
+    for cited in (
+        "(spec models.md §4.3)",
+        "(models.md §1.2)",
+        "tasks.md §5",
+        "engineering.md P20",
+        "../shared/spec/tasks.md",
+        "(spec §1.6)",
+    ):
         assert CITATION.search(cited), cited
-    for fine in ("see docs/models.md", "[docs/tasks.md](tasks.md)", "../shared/data/physicslm4/lano",
-                 "the paper's App. A.2", "a spec-compliant file"):
+    for fine in (
+        "see docs/models.md",
+        "[docs/tasks.md](tasks.md)",
+        "../shared/data/physicslm4/lano",
+        "the paper's App. A.2",
+        "a spec-compliant file",
+    ):
         assert not CITATION.search(fine), fine
 
 

@@ -37,8 +37,14 @@ BREAKS = {"llama": (0, 0), "gla": (0, 1), "gdn": (0, 1), "mamba2": (0, 1)}
 
 def _model(arch: str, layers: int = 1) -> CanonLM:
     canon = "ABCD" if arch == "llama" else "AbCD"
-    cfg = build_model_config(dict(ARCH_PRESETS[arch], size=f"{layers}L64D"), canon={"set": canon},
-                             pos={"type": "rope"}, vocab_size=32, max_seq_len=64, chunk_size=8)
+    cfg = build_model_config(
+        dict(ARCH_PRESETS[arch], size=f"{layers}L64D"),
+        canon={"set": canon},
+        pos={"type": "rope"},
+        vocab_size=32,
+        max_seq_len=64,
+        chunk_size=8,
+    )
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

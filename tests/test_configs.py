@@ -120,8 +120,10 @@ def test_issue_command_composes(tmp_path):
     assert cfg.task.N == 225 and cfg.task.K == 8 and cfg.task.context == 2048
 
 
-@pytest.mark.parametrize("size,expect", [("8L512D", (8, 512, 8)), ("12L512D", (12, 512, 8)),
-                                         ("8L768D", (8, 768, 12)), ("12L768D", (12, 768, 12))])
+@pytest.mark.parametrize(
+    "size,expect",
+    [("8L512D", (8, 512, 8)), ("12L512D", (12, 512, 8)), ("8L768D", (8, 768, 12)), ("12L768D", (12, 768, 12))],
+)
 def test_paper_sizes(size, expect, tmp_path):
     from canonlm.config.build import build_configs
 

@@ -31,8 +31,8 @@ def read_name(toks, p, task):
     start = p
     while 1 <= toks[p] <= V:
         p += 1
-    assert V + 1 <= toks[p] <= 2 * V, f"name at {start} not closed by a final token: {toks[start:p + 1]}"
-    name = tuple(toks[start:p + 1])
+    assert V + 1 <= toks[p] <= 2 * V, f"name at {start} not closed by a final token: {toks[start : p + 1]}"
+    name = tuple(toks[start : p + 1])
     assert task.min_len <= len(name) <= task.max_len, name
     return name, p + 1
 
@@ -258,21 +258,33 @@ def test_splits_seeds_and_params_give_different_data_and_eval_params_leave_train
 
 
 def test_same_instance_in_a_fresh_process_with_another_hash_seed():
-    code = ("from canonlm.data.tasks import build_task;"
-            "t=build_task('depo1', dict(N=16, K=4, vocab_V=8, context=256));"
-            "print(t.instance('train', (123, 4)).tokens.tolist())")
-    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                           env={"PYTHONHASHSEED": s, "PATH": ""}).stdout for s in ("1", "2")}
+    code = (
+        "from canonlm.data.tasks import build_task;"
+        "t=build_task('depo1', dict(N=16, K=4, vocab_V=8, context=256));"
+        "print(t.instance('train', (123, 4)).tokens.tolist())"
+    )
+    outs = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"PYTHONHASHSEED": s, "PATH": ""},
+        ).stdout
+        for s in ("1", "2")
+    }
     here = str(build_task("depo1", TINY).instance("train", (123, 4)).tokens.tolist())
     assert outs == {here + "\n"}
 
 
 def test_data_package_imports_no_arch_train_or_lightning():
-    code = ("import sys, canonlm.data, canonlm.data.tasks, canonlm.data.packing, canonlm.data.stream, "
-            "canonlm.data.metrics, canonlm.data.tasks.depo;"
-            "bad=[m for m in sys.modules if m.startswith(('canonlm.arch', 'canonlm.train', 'lightning', "
-            "'pytorch_lightning'))];"
-            "print(bad)")
+    code = (
+        "import sys, canonlm.data, canonlm.data.tasks, canonlm.data.packing, canonlm.data.stream, "
+        "canonlm.data.metrics, canonlm.data.tasks.depo;"
+        "bad=[m for m in sys.modules if m.startswith(('canonlm.arch', 'canonlm.train', 'lightning', "
+        "'pytorch_lightning'))];"
+        "print(bad)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

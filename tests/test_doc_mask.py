@@ -57,8 +57,15 @@ def spans(lengths=LENGTHS):
 
 
 def build(arch: str, canon: str, ops: str = "auto", **canon_kw) -> CanonLM:
-    cfg = build_model_config(dict(ARCH_PRESETS[arch], size="2L64D"), canon={"set": canon, **canon_kw},
-                             pos={"type": "rope"}, vocab_size=32, max_seq_len=64, ops=ops, chunk_size=8)
+    cfg = build_model_config(
+        dict(ARCH_PRESETS[arch], size="2L64D"),
+        canon={"set": canon, **canon_kw},
+        pos={"type": "rope"},
+        vocab_size=32,
+        max_seq_len=64,
+        ops=ops,
+        chunk_size=8,
+    )
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -76,11 +83,20 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 # runs agree to ~1e-7 relative, not to float64 precision; the linear mixers (no RoPE) agree to ~1e-12.
 TOL = {"llama": 1e-5, "gla": 1e-9, "gdn": 1e-9, "mamba2": 1e-9}
 
-CASES = [("llama", "", {}), ("llama", "ABCD", {}), ("llama", "ABCD", {"kernel": 3, "residual": False}),
-         ("llama", "AC", {"kernel": 6, "activation": True}),
-         ("gla", "", {}), ("gla", "AbCD", {}), ("gla", "ABCD", {}),
-         ("gdn", "", {}), ("gdn", "AbCD", {}),
-         ("mamba2", "", {}), ("mamba2", "AbCD", {}), ("mamba2", "ABCD", {})]
+CASES = [
+    ("llama", "", {}),
+    ("llama", "ABCD", {}),
+    ("llama", "ABCD", {"kernel": 3, "residual": False}),
+    ("llama", "AC", {"kernel": 6, "activation": True}),
+    ("gla", "", {}),
+    ("gla", "AbCD", {}),
+    ("gla", "ABCD", {}),
+    ("gdn", "", {}),
+    ("gdn", "AbCD", {}),
+    ("mamba2", "", {}),
+    ("mamba2", "AbCD", {}),
+    ("mamba2", "ABCD", {}),
+]
 
 
 @pytest.mark.parametrize("arch,canon,kw", CASES, ids=[f"{a}-{c or 'none'}-{k}" for a, c, k in CASES])
@@ -90,7 +106,7 @@ def test_packed_row_equals_each_document_alone(arch, canon, kw):
     model = build(arch, canon, **kw)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 32, (2, T), generator=g)
-    cot = torch.randn(2, T, 32, generator=g, dtype=torch.float64)   # one random cotangent for the logits
+    cot = torch.randn(2, T, 32, generator=g, dtype=torch.float64)  # one random cotangent for the logits
 
     packed = model(ids, doc_ids=doc_ids_of())
     (packed * cot).sum().backward()
@@ -99,8 +115,8 @@ def test_packed_row_equals_each_document_alone(arch, canon, kw):
 
     alone = torch.zeros_like(packed)
     for b, a, e in spans():
-        out = model(ids[b:b + 1, a:e])
-        (out * cot[b:b + 1, a:e]).sum().backward()
+        out = model(ids[b : b + 1, a:e])
+        (out * cot[b : b + 1, a:e]).sum().backward()
         alone[b, a:e] = out[0].detach()
     assert rel(packed.detach(), alone) < TOL[arch]
     ref = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
@@ -163,6 +179,7 @@ def test_refusals(monkeypatch):
 
 # ------------------------------------------------------------------------------------------------ ops vs plain loops
 
+
 def test_varlen_indices():
     """Document starts, positions, block mask and cu_seqlens against a plain loop over the ids."""
     ids = torch.tensor([[3, 3, 5, 5, 5, 0], [1, 1, 1, 1, 2, 2]])
@@ -186,8 +203,9 @@ def test_varlen_indices():
     assert varlen.cu_seqlens_from_pos(d.pos)[1].tolist() == cu_cpu.tolist()
 
 
-@pytest.mark.parametrize("K,residual,act", [(1, True, False), (2, True, False), (4, True, False), (4, False, True),
-                                            (5, True, True)])
+@pytest.mark.parametrize(
+    "K,residual,act", [(1, True, False), (2, True, False), (4, True, False), (4, False, True), (5, True, True)]
+)
 @pytest.mark.parametrize("backend", ["torch", "reference", "cpu"])
 def test_canon_docs_equal_loop_per_document(K, residual, act, backend):
     """Every CPU backend with ``docs`` (each runs the shift-and-add path with per-tap masks) against the float64 loop
@@ -200,12 +218,13 @@ def test_canon_docs_equal_loop_per_document(K, residual, act, backend):
     b = torch.randn(6, generator=g, dtype=torch.float64)
     ids = doc_ids_of()
     xa, wa = x.to(dtype).requires_grad_(True), w.to(dtype).requires_grad_(True)
-    y = canon_ops.causal_conv1d(xa, wa, b.to(dtype), residual=residual, activation=act, backend=backend,
-                                docs=varlen.documents(ids))
+    y = canon_ops.causal_conv1d(
+        xa, wa, b.to(dtype), residual=residual, activation=act, backend=backend, docs=varlen.documents(ids)
+    )
     xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
     ref = torch.zeros_like(x)
     for r, a, e in spans():
-        ref[r, a:e] = canon_loop(xr[r:r + 1, a:e], wr, b, residual=residual, activation=act)[0]
+        ref[r, a:e] = canon_loop(xr[r : r + 1, a:e], wr, b, residual=residual, activation=act)[0]
     assert torch.allclose(y.double(), ref, rtol=0, atol=tol * 10)
     cot = torch.randn(y.shape, generator=g, dtype=torch.float64)
     gy = torch.autograd.grad((y * cot.to(dtype)).sum(), (xa, wa))
@@ -219,17 +238,25 @@ def test_attention_doc_mask_equals_loop_per_document(backend):
     g = torch.Generator().manual_seed(4)
     q = torch.randn(2, T, 4, 8, generator=g, dtype=torch.float64)
     k, v = (torch.randn(2, T, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
-    o = attention_ops.attention(q, k, v, backend=backend,
-                                doc_mask=varlen.block_causal_bias(doc_ids_of(), torch.float64))
+    o = attention_ops.attention(
+        q, k, v, backend=backend, doc_mask=varlen.block_causal_bias(doc_ids_of(), torch.float64)
+    )
     for r, a, e in spans():
-        ref = attention_loop(q[r:r + 1, a:e], k[r:r + 1, a:e], v[r:r + 1, a:e])
-        assert torch.allclose(o[r:r + 1, a:e], ref, rtol=0, atol=1e-12)
+        ref = attention_loop(q[r : r + 1, a:e], k[r : r + 1, a:e], v[r : r + 1, a:e])
+        assert torch.allclose(o[r : r + 1, a:e], ref, rtol=0, atol=1e-12)
     with pytest.raises(ValueError, match="cu_seqlens"):
-        attention_ops.attention(q.float(), k.float(), v.float(), backend="flash",
-                                doc_mask=varlen.block_causal_bias(doc_ids_of(), torch.float32))
+        attention_ops.attention(
+            q.float(),
+            k.float(),
+            v.float(),
+            backend="flash",
+            doc_mask=varlen.block_causal_bias(doc_ids_of(), torch.float32),
+        )
     # a boolean mask (converted into a new float tensor by SDPA at every call) or another dtype is refused
-    for bad in (varlen.block_causal_mask(doc_ids_of()).unsqueeze(1), varlen.block_causal_bias(doc_ids_of(),
-                                                                                                torch.float32)):
+    for bad in (
+        varlen.block_causal_mask(doc_ids_of()).unsqueeze(1),
+        varlen.block_causal_bias(doc_ids_of(), torch.float32),
+    ):
         with pytest.raises(ValueError, match=r"additive mask \(B, 1, T, T\)"):
             attention_ops.attention(q, k, v, backend=backend, doc_mask=bad)
 
@@ -248,17 +275,21 @@ def test_gla_and_gdn_cu_seqlens_equal_loops_per_document():
     for t in (q, k, v, gk, gh, beta):
         t.requires_grad_(True)
     cu, cu_cpu = varlen.cu_seqlens_of(doc_ids_of())
-    o1, none1 = gla_ops.chunk_gla(*map(_flat, (q, k, v, gk)), chunk_size=4, backend="reference", cu_seqlens=cu,
-                                  cu_seqlens_cpu=cu_cpu)
-    o2, none2 = gdn_ops.chunk_gated_delta_rule(*map(_flat, (q, k, v, gh, beta)), chunk_size=4, backend="reference",
-                                               cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
+    o1, none1 = gla_ops.chunk_gla(
+        *map(_flat, (q, k, v, gk)), chunk_size=4, backend="reference", cu_seqlens=cu, cu_seqlens_cpu=cu_cpu
+    )
+    o2, none2 = gdn_ops.chunk_gated_delta_rule(
+        *map(_flat, (q, k, v, gh, beta)), chunk_size=4, backend="reference", cu_seqlens=cu, cu_seqlens_cpu=cu_cpu
+    )
     assert none1 is None and none2 is None
     o1, o2 = o1.view(2, T, 2, 6), o2.view(2, T, 2, 6)
     ref1, ref2 = torch.zeros_like(o1), torch.zeros_like(o2)
     for b, a, e in spans():
         s = slice(a, e)
-        ref1[b, s] = gla_loop(q[b:b + 1, s], k[b:b + 1, s], v[b:b + 1, s], gk[b:b + 1, s])[0][0]
-        ref2[b, s] = gdn_loop(q[b:b + 1, s], k[b:b + 1, s], v[b:b + 1, s], gh[b:b + 1, s], beta[b:b + 1, s])[0][0]
+        ref1[b, s] = gla_loop(q[b : b + 1, s], k[b : b + 1, s], v[b : b + 1, s], gk[b : b + 1, s])[0][0]
+        ref2[b, s] = gdn_loop(q[b : b + 1, s], k[b : b + 1, s], v[b : b + 1, s], gh[b : b + 1, s], beta[b : b + 1, s])[
+            0
+        ][0]
     for o, ref, inputs in ((o1, ref1, (q, k, v, gk)), (o2, ref2, (q, k, v, gh, beta))):
         assert torch.allclose(o, ref, rtol=0, atol=1e-10)
         cot = r(*o.shape)
@@ -272,15 +303,23 @@ def test_gla_and_gdn_cu_seqlens_equal_loops_per_document():
 def test_ssd_seq_idx_equals_loop_per_document():
     g = torch.Generator().manual_seed(6)
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
-    x, dt, A, Bm, Cm, D, dtb = r(2, T, 4, 3), r(2, T, 4), -torch.rand(4, generator=g).double() - 0.5, \
-        r(2, T, 2, 5), r(2, T, 2, 5), r(4), r(4) / 2
-    y, none = ssd_ops.ssd_scan(x, dt, A, Bm, Cm, chunk_size=4, D=D, dt_bias=dtb, backend="reference",
-                               seq_idx=varlen.segment_ids(doc_ids_of()))
+    x, dt, A, Bm, Cm, D, dtb = (
+        r(2, T, 4, 3),
+        r(2, T, 4),
+        -torch.rand(4, generator=g).double() - 0.5,
+        r(2, T, 2, 5),
+        r(2, T, 2, 5),
+        r(4),
+        r(4) / 2,
+    )
+    y, none = ssd_ops.ssd_scan(
+        x, dt, A, Bm, Cm, chunk_size=4, D=D, dt_bias=dtb, backend="reference", seq_idx=varlen.segment_ids(doc_ids_of())
+    )
     assert none is None
     for b, a, e in spans():
         s = slice(a, e)
-        ref = ssd_loop(x[b:b + 1, s], dt[b:b + 1, s], A, Bm[b:b + 1, s], Cm[b:b + 1, s], D=D, dt_bias=dtb)[0]
-        assert torch.allclose(y[b:b + 1, s], ref, rtol=0, atol=1e-10)
+        ref = ssd_loop(x[b : b + 1, s], dt[b : b + 1, s], A, Bm[b : b + 1, s], Cm[b : b + 1, s], D=D, dt_bias=dtb)[0]
+        assert torch.allclose(y[b : b + 1, s], ref, rtol=0, atol=1e-10)
 
 
 # ------------------------------------------------------------------------------------- Triton interpreter (fla, ssm)
@@ -293,11 +332,12 @@ def _interp_cases() -> dict:
     mamba-ssm's ``mamba_chunk_scan_combined`` with ``seq_idx`` through canonlm's ops, pinned to the fast backend, vs
     the references on the same float32 inputs (forward and input gradients); max relative errors and launches."""
     import _triton_interp
+
     launches = _triton_interp.enable()
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(7)
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
-    lengths = ([30, 7, 3], [1, 39])   # 2 rows of 40: a document over a 64-chunk boundary when flattened, 1-token docs
+    lengths = ([30, 7, 3], [1, 39])  # 2 rows of 40: a document over a 64-chunk boundary when flattened, 1-token docs
     ids = doc_ids_of(lengths)
     cu, cu_cpu = varlen.cu_seqlens_of(ids)
     out = {}
@@ -317,19 +357,41 @@ def _interp_cases() -> dict:
     q, k, v = r(1, 80, 1, 16), r(1, 80, 1, 16), r(1, 80, 1, 16)
     gk = F.logsigmoid(r(1, 80, 1, 16)) / 8
     kw = dict(cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
-    compare("gla", lambda *t: gla_ops.chunk_gla(*t, backend="fla", **kw)[0],
-            lambda *t: gla_ops.chunk_gla(*t, backend="reference", **kw)[0], (q, k, v, gk))
+    compare(
+        "gla",
+        lambda *t: gla_ops.chunk_gla(*t, backend="fla", **kw)[0],
+        lambda *t: gla_ops.chunk_gla(*t, backend="reference", **kw)[0],
+        (q, k, v, gk),
+    )
     gh, beta = F.logsigmoid(r(1, 80, 1)) / 4, torch.sigmoid(r(1, 80, 1))
-    compare("gdn", lambda *t: gdn_ops.chunk_gated_delta_rule(*t, backend="fla", **kw)[0],
-            lambda *t: gdn_ops.chunk_gated_delta_rule(*t, backend="reference", **kw)[0], (q, k, v, gh, beta))
+    compare(
+        "gdn",
+        lambda *t: gdn_ops.chunk_gated_delta_rule(*t, backend="fla", **kw)[0],
+        lambda *t: gdn_ops.chunk_gated_delta_rule(*t, backend="reference", **kw)[0],
+        (q, k, v, gh, beta),
+    )
     seq = varlen.segment_ids(ids)
     x, dt, Bm, Cm = r(2, 40, 2, 16), r(2, 40, 2) - 1, r(2, 40, 1, 16), r(2, 40, 1, 16)
     A, D, dtb = -torch.rand(2, generator=g) - 0.5, r(2), r(2) / 2
-    compare("ssd", lambda x_, dt_, B_, C_: ssd_ops.ssd_scan(x_, dt_, A, B_, C_, chunk_size=16, D=D, dt_bias=dtb,
-                                                            backend="mamba_ssm", seq_idx=seq)[0],
-            lambda x_, dt_, B_, C_: ssd_ops.ssd_scan(x_, dt_, A.double(), B_, C_, chunk_size=16, D=D.double(),
-                                                     dt_bias=dtb.double(), backend="reference", seq_idx=seq)[0],
-            (x, dt, Bm, Cm))
+    compare(
+        "ssd",
+        lambda x_, dt_, B_, C_: ssd_ops.ssd_scan(
+            x_, dt_, A, B_, C_, chunk_size=16, D=D, dt_bias=dtb, backend="mamba_ssm", seq_idx=seq
+        )[0],
+        lambda x_, dt_, B_, C_: ssd_ops.ssd_scan(
+            x_,
+            dt_,
+            A.double(),
+            B_,
+            C_,
+            chunk_size=16,
+            D=D.double(),
+            dt_bias=dtb.double(),
+            backend="reference",
+            seq_idx=seq,
+        )[0],
+        (x, dt, Bm, Cm),
+    )
 
     # Canon under document masking: fla's causal_conv1d with cu_seqlens (real Triton source) and Dao's
     # causal_conv1d_fn with seq_idx (its Python autograd wrapper over the C++-op stand-in of _triton_interp.py),
@@ -338,7 +400,7 @@ def _interp_cases() -> dict:
     seq_calls = []
     fwd0, bwd0 = ext.causal_conv1d_fwd, ext.causal_conv1d_bwd
 
-    def fwd(*a):                                  # count the C++-op calls that carry seq_idx (argument 4)
+    def fwd(*a):  # count the C++-op calls that carry seq_idx (argument 4)
         seq_calls.append(("fwd", a[3] is not None))
         return fwd0(*a)
 
@@ -351,28 +413,37 @@ def _interp_cases() -> dict:
     def per_document(xx, w, b, residual, act):
         y = torch.zeros_like(xx)
         for row, a_, e_ in spans(lengths):
-            y[row, a_:e_] = canon_loop(xx[row:row + 1, a_:e_], w, b, residual=residual, activation=act)[0]
+            y[row, a_:e_] = canon_loop(xx[row : row + 1, a_:e_], w, b, residual=residual, activation=act)[0]
         return y
 
     C = 24
     for backend in ("fla", "dao"):
         for residual, act, layout, with_cu in ((True, False, "contiguous", True), (False, True, "strided", False)):
             # strided: a channel slice of a wider activation (as Canon-B's q|k|v), sliced inside so it stays a view
-            cut = (lambda t: t[:, :, C:2 * C]) if layout == "strided" else (lambda t: t)
+            cut = (lambda t: t[:, :, C : 2 * C]) if layout == "strided" else (lambda t: t)
             xx = r(2, 40, 3 * C) if layout == "strided" else r(2, 40, C)
             docs = varlen.documents(ids, cu_seqlens=with_cu)
             seq_calls.clear()
-            compare(f"canon_{backend}_res{int(residual)}_silu{int(act)}_{layout}_cu{int(with_cu)}",
-                    lambda x_, w_, b_: canon_ops.causal_conv1d(cut(x_), w_, b_, residual=residual, activation=act,
-                                                               backend=backend, docs=docs),
-                    lambda x_, w_, b_: per_document(cut(x_), w_, b_, residual, act),
-                    (xx, torch.rand(C, 4, generator=g) - 0.5, r(C)))
+            compare(
+                f"canon_{backend}_res{int(residual)}_silu{int(act)}_{layout}_cu{int(with_cu)}",
+                lambda x_, w_, b_: canon_ops.causal_conv1d(
+                    cut(x_), w_, b_, residual=residual, activation=act, backend=backend, docs=docs
+                ),
+                lambda x_, w_, b_: per_document(cut(x_), w_, b_, residual, act),
+                (xx, torch.rand(C, 4, generator=g) - 0.5, r(C)),
+            )
             out[list(out)[-1]]["seq_idx_calls"] = sorted({k for k, has in seq_calls if has})
 
     # the model: Llama Canon-ABCD with every Canon layer pinned to fla (cu_seqlens built once per forward by
     # build_doc_mask) against each document run alone, logits and parameter gradients
-    cfg = build_model_config(dict(ARCH_PRESETS["llama"], size="1L64D"), canon={"set": "ABCD"}, pos={"type": "rope"},
-                             vocab_size=32, max_seq_len=64, kernels={"canon": "fla"})
+    cfg = build_model_config(
+        dict(ARCH_PRESETS["llama"], size="1L64D"),
+        canon={"set": "ABCD"},
+        pos={"type": "rope"},
+        vocab_size=32,
+        max_seq_len=64,
+        kernels={"canon": "fla"},
+    )
     torch.manual_seed(0)
     model = CanonLM(cfg)
     model.place(torch.device("cpu"), torch.float32)
@@ -387,11 +458,13 @@ def _interp_cases() -> dict:
     model.zero_grad(set_to_none=True)
     alone = torch.zeros_like(packed)
     for row, a_, e_ in spans(lengths):
-        o = model(tok[row:row + 1, a_:e_])
-        (o * cot[row:row + 1, a_:e_]).sum().backward()
+        o = model(tok[row : row + 1, a_:e_])
+        (o * cot[row : row + 1, a_:e_]).sum().backward()
         alone[row, a_:e_] = o[0].detach()
-    gerr = max(((grads[n] - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-30)).item()
-               for n, p in model.named_parameters())
+    gerr = max(
+        ((grads[n] - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-30)).item()
+        for n, p in model.named_parameters()
+    )
     out["model_llama_canon_fla"] = {"err": max(rel(packed.detach(), alone), gerr), "launches": fla_launches}
     return out
 
@@ -403,8 +476,10 @@ def interp_results():
     return run_in_subprocess("test_doc_mask", "_interp_cases")
 
 
-_needs_interp = pytest.mark.skipif(bool(_INTERP_MISSING) and not os.environ.get("CI"),
-                                   reason=f"needs {', '.join(_INTERP_MISSING)} (bash scripts/setup.sh dev,interp)")
+_needs_interp = pytest.mark.skipif(
+    bool(_INTERP_MISSING) and not os.environ.get("CI"),
+    reason=f"needs {', '.join(_INTERP_MISSING)} (bash scripts/setup.sh dev,interp)",
+)
 
 
 @_needs_interp
@@ -417,8 +492,9 @@ def test_triton_varlen_kernels_equal_reference(interp_results, op):
     assert res["err"] <= 1e-5, res
 
 
-_CANON_CASES = [f"canon_{be}_{flags}" for be in ("fla", "dao") for flags in
-                ("res1_silu0_contiguous_cu1", "res0_silu1_strided_cu0")]
+_CANON_CASES = [
+    f"canon_{be}_{flags}" for be in ("fla", "dao") for flags in ("res1_silu0_contiguous_cu1", "res0_silu1_strided_cu0")
+]
 
 
 @_needs_interp
@@ -432,7 +508,7 @@ def test_canon_kernels_with_documents_equal_the_loop_per_document(interp_results
     float64 loop on each document alone: output and the gradients of x, weight and bias."""
     res = interp_results[case]
     if "fla" in case:
-        assert res["launches"] >= 2, res               # causal_conv1d_fwd_kernel and causal_conv1d_bwd_kernel
+        assert res["launches"] >= 2, res  # causal_conv1d_fwd_kernel and causal_conv1d_bwd_kernel
     else:
         assert res["seq_idx_calls"] == ["bwd", "fwd"], res
     assert res["err"] <= 1e-5, res
@@ -443,5 +519,5 @@ def test_model_with_canon_on_fla_keeps_documents_apart(interp_results):
     """A Llama Canon-ABCD with every Canon layer pinned to fla: ``doc_ids`` gives each document's logits and the
     parameter gradients of running it alone (cu_seqlens built once per forward because a layer runs fla)."""
     res = interp_results["model_llama_canon_fla"]
-    assert res["launches"] >= 4, res                   # 4 Canon sites, forward
+    assert res["launches"] >= 4, res  # 4 Canon sites, forward
     assert res["err"] <= 1e-5, res

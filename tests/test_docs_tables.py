@@ -26,14 +26,32 @@ def test_the_committed_docs_tables_are_up_to_date(capsys):
 def _fake_run(folder, name, N, canon, lr, accs, steps=3000, t=142.4):
     d = folder / name
     d.mkdir(parents=True)
-    (d / "results.json").write_text(json.dumps({
-        "task": "depo1", "steps": steps, "tokens_seen": steps * 1024, "train_time_s": t,
-        "test": {"by_group": {str(k): {"answers": 10, "acc": a} for k, a in accs.items()}}}))
-    (d / "hparams.json").write_text(json.dumps({
-        "task": {"name": "depo1", "N": N, "K": 2}, "canon": {"set": canon}, "optim": {"lr": lr}, "seed": 1,
-        "model": {"size": "2L64D", "arch": "llama"}, "trainer": {"max_steps": steps, "default_root_dir": "/x"},
-        "paths": {"output_dir": f"/machine/runs/{name}"}, "logger": {"csv": {"save_dir": "/machine"}},
-        "callbacks": {"checkpoint": {"dirpath": "/machine/ck", "every_n_train_steps": 500}}}))
+    (d / "results.json").write_text(
+        json.dumps(
+            {
+                "task": "depo1",
+                "steps": steps,
+                "tokens_seen": steps * 1024,
+                "train_time_s": t,
+                "test": {"by_group": {str(k): {"answers": 10, "acc": a} for k, a in accs.items()}},
+            }
+        )
+    )
+    (d / "hparams.json").write_text(
+        json.dumps(
+            {
+                "task": {"name": "depo1", "N": N, "K": 2},
+                "canon": {"set": canon},
+                "optim": {"lr": lr},
+                "seed": 1,
+                "model": {"size": "2L64D", "arch": "llama"},
+                "trainer": {"max_steps": steps, "default_root_dir": "/x"},
+                "paths": {"output_dir": f"/machine/runs/{name}"},
+                "logger": {"csv": {"save_dir": "/machine"}},
+                "callbacks": {"checkpoint": {"dirpath": "/machine/ck", "every_n_train_steps": 500}},
+            }
+        )
+    )
     return d
 
 
@@ -42,31 +60,39 @@ def test_runs_and_report_blocks_are_generated_and_a_stale_one_is_caught(tmp_path
     _fake_run(res, "r1", 5, "", 1e-3, {1: 0.529, 2: 0.344})
     _fake_run(res, "r2", 5, "ABCD", 1e-3, {1: 1.0, 2: 1.0}, t=153.9)
     md = tmp_path / "doc.md"
-    md.write_text("# Results\n\n<!-- table: runs docs/results/s --keys task.N,canon.set,optim.lr --k 1,2 -->\nold\n"
-                  "<!-- /table -->\n\n<!-- table: report docs/results/s --rows canon.set --cols task.N --k 1,2 -->\n"
-                  "<!-- /table -->\ntail\n")
+    md.write_text(
+        "# Results\n\n<!-- table: runs docs/results/s --keys task.N,canon.set,optim.lr --k 1,2 -->\nold\n"
+        "<!-- /table -->\n\n<!-- table: report docs/results/s --rows canon.set --cols task.N --k 1,2 -->\n"
+        "<!-- /table -->\ntail\n"
+    )
     monkeypatch.setattr(docs_tables, "ROOT", tmp_path)
     assert docs_tables.main(["--check", "--files", str(md)]) == 1
     assert "stale" in capsys.readouterr().err
     assert docs_tables.main(["--files", str(md)]) == 0
     text = md.read_text()
-    want_runs = ("| run | task.N | canon.set | optim.lr | steps | train s | acc@1 % | acc@2 % |\n"
-                 "|---|---|---|---|---|---|---|---|\n"
-                 "| r1 | 5 | none | 0.001 | 3000 | 142 | 52.9 | 34.4 |\n"
-                 "| r2 | 5 | ABCD | 0.001 | 3000 | 154 | 100.0 | 100.0 |\n")
+    want_runs = (
+        "| run | task.N | canon.set | optim.lr | steps | train s | acc@1 % | acc@2 % |\n"
+        "|---|---|---|---|---|---|---|---|\n"
+        "| r1 | 5 | none | 0.001 | 3000 | 142 | 52.9 | 34.4 |\n"
+        "| r2 | 5 | ABCD | 0.001 | 3000 | 154 | 100.0 | 100.0 |\n"
+    )
     assert want_runs in text, text
-    want_report = ("```\ncanon.set \\ task.N |            5\n"
-                   "              none |   52.9/ 34.4\n"
-                   "              ABCD |  100.0/100.0\n"
-                   "3000 steps (3.07M tokens) per run; one setting per cell (1 run per cell); optim.lr=0.001, seed=1\n")
+    want_report = (
+        "```\ncanon.set \\ task.N |            5\n"
+        "              none |   52.9/ 34.4\n"
+        "              ABCD |  100.0/100.0\n"
+        "3000 steps (3.07M tokens) per run; one setting per cell (1 run per cell); optim.lr=0.001, seed=1\n"
+    )
     assert want_report in text, text
     assert text.endswith("<!-- /table -->\ntail\n") and "old" not in text
     assert docs_tables.main(["--check", "--files", str(md)]) == 0
-    md.write_text(text.replace("| 52.9 |", "| 53.1 |"))               # a hand edit
+    md.write_text(text.replace("| 52.9 |", "| 53.1 |"))  # a hand edit
     assert docs_tables.main(["--check", "--files", str(md)]) == 1
     diff = capsys.readouterr().out
-    assert "-| r1 | 5 | none | 0.001 | 3000 | 142 | 53.1 | 34.4 |" in diff and "+| r1 | 5 | none | 0.001 | 3000 | 142 | 52.9" \
-        in diff, diff
+    assert (
+        "-| r1 | 5 | none | 0.001 | 3000 | 142 | 53.1 | 34.4 |" in diff
+        and "+| r1 | 5 | none | 0.001 | 3000 | 142 | 52.9" in diff
+    ), diff
 
 
 def test_collect_copies_results_without_machine_paths_and_never_overwrites(tmp_path, capsys):
@@ -120,8 +146,12 @@ def test_the_atlas_is_drawn_from_the_runs_and_a_changed_run_or_picture_is_caught
     from canonlm.train.figures import cell_color
 
     res = tmp_path / "docs" / "results" / "depth"
-    accs = {("", "nope"): (0.30, 0.25), ("", "rope"): (0.20, 0.35), ("ABCD", "nope"): (0.90, 1.0),
-            ("ABCD", "rope"): (0.80, 0.95)}
+    accs = {
+        ("", "nope"): (0.30, 0.25),
+        ("", "rope"): (0.20, 0.35),
+        ("ABCD", "nope"): (0.90, 1.0),
+        ("ABCD", "rope"): (0.80, 0.95),
+    }
     for i, ((canon, pos), (a, b)) in enumerate(accs.items()):
         _pos_run(res, f"r{2 * i}", canon, pos, 1e-3, a)
         _pos_run(res, f"r{2 * i + 1}", canon, pos, 2e-3, b)

@@ -34,13 +34,22 @@ VOCAB = 32000
 def _prepared(d: Path, vocab: int) -> Path:
     """A prepared ``text`` directory (format canonlm-text-v1) in ``d`` with vocabulary ``vocab`` and 8,192 tokens per
     split."""
-    meta = {"format": "canonlm-text-v1", "dtype": "uint16", "vocab_size": vocab, "eos_id": 2, "tokenizer": {},
-            "splits": {}}
+    meta = {
+        "format": "canonlm-text-v1",
+        "dtype": "uint16",
+        "vocab_size": vocab,
+        "eos_id": 2,
+        "tokenizer": {},
+        "splits": {},
+    }
     for split in ("train", "val", "test"):
         np.zeros(8192, dtype=np.uint16).tofile(d / f"{split}_00000.bin")
         np.save(d / f"{split}_00000.idx.npy", np.zeros((1, 2), dtype=np.int64))
-        meta["splits"][split] = {"tokens": 8192, "documents": 1,
-                                 "shards": [{"file": f"{split}_00000.bin", "tokens": 8192, "documents": 1}]}
+        meta["splits"][split] = {
+            "tokens": 8192,
+            "documents": 1,
+            "shards": [{"file": f"{split}_00000.bin", "tokens": 8192, "documents": 1}],
+        }
     (d / "meta.json").write_text(json.dumps(meta))
     return d
 
@@ -60,9 +69,20 @@ def bpe4096(tmp_path_factory) -> Path:
 def paper(corpus: Path, tmp_path: Path, *extra: str) -> list[str]:
     """The paper's Result-12 Llama (24L2048D, 32 heads, context 4096, global batch 48, 510,000 steps) under FSDP2;
     run logs (none are written) pointed into ``tmp_path``."""
-    return ["arch=llama", "canon=none", "model.size=24L2048D", "model.n_heads=32", "task=text",
-            f"task.data_dir={corpus}", "task.context=4096", "data.batch_size=48", "trainer.max_steps=510000",
-            "strategy=fsdp2", f"paths.log_dir={tmp_path / 'logs'}", *extra]
+    return [
+        "arch=llama",
+        "canon=none",
+        "model.size=24L2048D",
+        "model.n_heads=32",
+        "task=text",
+        f"task.data_dir={corpus}",
+        "task.context=4096",
+        "data.batch_size=48",
+        "trainer.max_steps=510000",
+        "strategy=fsdp2",
+        f"paths.log_dir={tmp_path / 'logs'}",
+        *extra,
+    ]
 
 
 def files_under(*dirs: Path) -> set[str]:
@@ -73,8 +93,14 @@ def files_under(*dirs: Path) -> set[str]:
 
 
 def _tiny(preset: str, canon: str, T: int, **kw):
-    cfg = build_model_config(dict(ARCH_PRESETS[preset], **{"size": "2L64D", **kw}), canon={"set": canon},
-                             pos={"type": "rope"}, vocab_size=32, max_seq_len=T, ops="reference")
+    cfg = build_model_config(
+        dict(ARCH_PRESETS[preset], **{"size": "2L64D", **kw}),
+        canon={"set": canon},
+        pos={"type": "rope"},
+        vocab_size=32,
+        max_seq_len=T,
+        ops="reference",
+    )
     torch.manual_seed(0)
     return cfg, CanonLM(cfg)
 
@@ -88,8 +114,11 @@ def _counted(model, T: int, backward: bool, B: int = 2) -> tuple[int, int]:
         else:
             with torch.no_grad():
                 model(ids)
-    mm = sum(n for op, n in fc.get_flop_counts()["Global"].items()
-             if op.__name__.split(".")[0] in ("mm", "addmm", "bmm", "baddbmm"))
+    mm = sum(
+        n
+        for op, n in fc.get_flop_counts()["Global"].items()
+        if op.__name__.split(".")[0] in ("mm", "addmm", "bmm", "baddbmm")
+    )
     return fc.get_total_flops(), mm
 
 
@@ -143,12 +172,27 @@ DOC_GQA = {"doc": True, "kernels": {"attention": "sdpa"}, "n_kv_heads": 1}
 BF16_MIXED = {"precision": "bf16-mixed", "kernels": {"canon": "torch"}}
 
 
-@pytest.mark.parametrize("preset,canon,B,T,extra", [
-    ("llama", "ABCD", 4, 64, {}), ("llama", "", 1, 4, {}), ("gla", "AbCD", 4, 64, {}), ("mamba2", "AbCD", 1, 4, {}),
-    ("llama", "ABCD", 2, 256, DOC_GQA), ("llama", "ABCD", 4, 64, BF16_MIXED),
-    ("llama", "ABCD", 2, 256, {**DOC_GQA, "precision": "bf16-mixed"})],
-    ids=["llama-ABCD-activations", "llama-state", "gla-AbCD-activations", "mamba2-AbCD-state",
-         "llama-ABCD-doc-mask-gqa", "llama-ABCD-bf16-mixed", "llama-ABCD-doc-mask-gqa-bf16-mixed"])
+@pytest.mark.parametrize(
+    "preset,canon,B,T,extra",
+    [
+        ("llama", "ABCD", 4, 64, {}),
+        ("llama", "", 1, 4, {}),
+        ("gla", "AbCD", 4, 64, {}),
+        ("mamba2", "AbCD", 1, 4, {}),
+        ("llama", "ABCD", 2, 256, DOC_GQA),
+        ("llama", "ABCD", 4, 64, BF16_MIXED),
+        ("llama", "ABCD", 2, 256, {**DOC_GQA, "precision": "bf16-mixed"}),
+    ],
+    ids=[
+        "llama-ABCD-activations",
+        "llama-state",
+        "gla-AbCD-activations",
+        "mamba2-AbCD-state",
+        "llama-ABCD-doc-mask-gqa",
+        "llama-ABCD-bf16-mixed",
+        "llama-ABCD-doc-mask-gqa-bf16-mixed",
+    ],
+)
 def test_memory_is_a_lower_bound_of_the_measured_cpu_peak(preset, canon, B, T, extra):
     """``training_memory(...).total`` (what the estimate prints and train.py refuses with) is at most the peak that
     torch's ``MemTracker`` measures over a second real training step (forward, loss, backward, AdamW, zero_grad;
@@ -185,10 +229,13 @@ def test_memory_is_a_lower_bound_of_the_measured_cpu_peak(preset, canon, B, T, e
         step()
     measured = mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
     est = training_memory(cfg, B, T, precision=precision, doc_mask=doc)
-    assert (est.doc_masking is not None) == doc and (not doc or est.doc_masking.mask == B * T * T * (
-        2 if precision == "bf16-mixed" else 4))
-    print(f"{preset}-{canon or 'none'} B={B} T={T} {extra}: estimate {est.total} B <= measured {measured} B "
-          f"({measured / est.total:.2f}x); gradients {est.gradients}, activations {est.activations}")
+    assert (est.doc_masking is not None) == doc and (
+        not doc or est.doc_masking.mask == B * T * T * (2 if precision == "bf16-mixed" else 4)
+    )
+    print(
+        f"{preset}-{canon or 'none'} B={B} T={T} {extra}: estimate {est.total} B <= measured {measured} B "
+        f"({measured / est.total:.2f}x); gradients {est.gradients}, activations {est.activations}"
+    )
     assert est.total <= measured <= 4 * est.total
 
 
@@ -224,8 +271,10 @@ def test_memory_is_a_lower_bound_of_cuda_max_memory_allocated(preset, canon):
     measured = torch.cuda.max_memory_allocated(dev)
     assert next(model.parameters()).is_cuda and measured > 0
     est = training_memory(cfg, B, T)
-    print(f"{preset}-{canon or 'none'} B={B} T={T} on {torch.cuda.get_device_name(dev)}: estimate {est.total} B <= "
-          f"max_memory_allocated {measured} B ({measured / est.total:.2f}x)")
+    print(
+        f"{preset}-{canon or 'none'} B={B} T={T} on {torch.cuda.get_device_name(dev)}: estimate {est.total} B <= "
+        f"max_memory_allocated {measured} B ({measured / est.total:.2f}x)"
+    )
     assert est.total <= measured <= 4 * est.total + (64 << 20)
 
 
@@ -300,8 +349,13 @@ def test_the_1_3b_llama_estimate_by_hand(corpus, tmp_path):
 
 def _llama(canon: str = "ABCD", V: int = 32, **kw):
     """A tiny Llama config (2 layers, d 64, 2 heads of 32, SwiGLU d_ff 256) with Canon ``canon``, vocabulary V."""
-    return build_model_config({"arch": "llama", "size": "2L64D", **kw}, canon={"set": canon}, pos={"type": "rope"},
-                              vocab_size=V, max_seq_len=256)
+    return build_model_config(
+        {"arch": "llama", "size": "2L64D", **kw},
+        canon={"set": canon},
+        pos={"type": "rope"},
+        vocab_size=V,
+        max_seq_len=256,
+    )
 
 
 def test_the_activation_terms_by_hand():
@@ -330,8 +384,12 @@ def test_the_activation_terms_by_hand():
     for prec, c in (("32-true", 4), ("bf16-mixed", 2)):
         without = training_memory(_llama("BD"), B, T, precision=prec).activations
         assert training_memory(cfg, B, T, precision=prec).activations - without == tok * L * 2 * d * c
-    gla = [build_model_config(dict(ARCH_PRESETS["gla"], size="2L64D"), canon={"set": s}, pos={"type": "rope"},
-                              vocab_size=V, max_seq_len=T) for s in ("AbCD", "bD")]
+    gla = [
+        build_model_config(
+            dict(ARCH_PRESETS["gla"], size="2L64D"), canon={"set": s}, pos={"type": "rope"}, vocab_size=V, max_seq_len=T
+        )
+        for s in ("AbCD", "bD")
+    ]
     assert training_memory(gla[0], B, T).activations - training_memory(gla[1], B, T).activations == tok * L * 2 * d * 4
 
 
@@ -345,21 +403,34 @@ def test_the_document_masking_terms_by_hand(kind):
     from canonlm.arch.memory import training_memory
 
     B, T, L, d = 3, 256, 2, 64
-    cfg = {"sdpa": lambda: _llama(),
-           "flash": lambda: _llama(kernels={"attention": "flash"}),
-           "gqa": lambda: _llama(n_heads=4, n_kv_heads=1),
-           "gla": lambda: build_model_config(dict(ARCH_PRESETS["gla"], size="2L64D"), canon={"set": "AbCD"},
-                                             pos={"type": "rope"}, vocab_size=32, max_seq_len=T),
-           "mamba2": lambda: build_model_config(dict(ARCH_PRESETS["mamba2"], size="2L64D"), canon={"set": "AbCD"},
-                                                pos={"type": "rope"}, vocab_size=32, max_seq_len=T)}[kind]()
+    cfg = {
+        "sdpa": lambda: _llama(),
+        "flash": lambda: _llama(kernels={"attention": "flash"}),
+        "gqa": lambda: _llama(n_heads=4, n_kv_heads=1),
+        "gla": lambda: build_model_config(
+            dict(ARCH_PRESETS["gla"], size="2L64D"),
+            canon={"set": "AbCD"},
+            pos={"type": "rope"},
+            vocab_size=32,
+            max_seq_len=T,
+        ),
+        "mamba2": lambda: build_model_config(
+            dict(ARCH_PRESETS["mamba2"], size="2L64D"),
+            canon={"set": "AbCD"},
+            pos={"type": "rope"},
+            vocab_size=32,
+            max_seq_len=T,
+        ),
+    }[kind]()
     mask = B * T * T * 2 if kind in ("sdpa", "gqa") else 0
     per_layer_kv = B * T * 2 * (4 - 1) * (d // 4) * 2 if kind == "gqa" else 0
     cu = (B + 1) * 8 if kind in ("flash", "gla") else 0
     index = B * T * (8 + 4) + cu
     for ckpt, layers in ((False, L), (True, 1)):
         off = training_memory(cfg, B, T, precision="bf16-mixed", n_params=0, activation_checkpointing=ckpt)
-        on = training_memory(cfg, B, T, precision="bf16-mixed", n_params=0, activation_checkpointing=ckpt,
-                             doc_mask=True)
+        on = training_memory(
+            cfg, B, T, precision="bf16-mixed", n_params=0, activation_checkpointing=ckpt, doc_mask=True
+        )
         assert on.activations - off.activations == mask + layers * per_layer_kv + index
         assert on.batch - off.batch == B * T * 4
         assert off.doc_masking is None and on.doc_masking.mask == mask
@@ -371,8 +442,7 @@ def _preset_estimate(name: str, tmp_path: Path, *extra: str, world: int = 8):
     from canonlm.config.strict import compose_jobs
     from canonlm.estimate import CONF, estimate_job, gpu_spec
 
-    (job,) = compose_jobs([f"experiment=reallife/{name}", f"paths.log_dir={tmp_path / 'logs'}", *extra], CONF,
-                          "train")
+    (job,) = compose_jobs([f"experiment=reallife/{name}", f"paths.log_dir={tmp_path / 'logs'}", *extra], CONF, "train")
     with job.active() as cfg:
         return estimate_job(cfg, world, gpu_spec("h100"), None, [])
 
@@ -388,8 +458,10 @@ def test_document_masking_changes_the_llama_canon_1b_estimate_by_the_hand_formul
     ``doc_ids`` (4 bytes a token); the unmasked activations equal the hand count (bf16 stream and compute, Canon-ABCD,
     fp32 log-softmax); the two printouts show different activation rows and say which masking cost was counted."""
     B, T, L, d, ff, V = 6, 4096, 24, 2048, 5632, VOCAB
-    off, on = _preset_estimate("llama_canon_1b", tmp_path), _preset_estimate("llama_canon_1b", tmp_path,
-                                                                            "task.doc_mask=true")
+    off, on = (
+        _preset_estimate("llama_canon_1b", tmp_path),
+        _preset_estimate("llama_canon_1b", tmp_path, "task.doc_mask=true"),
+    )
     assert (off.micro_batch, off.context, off.doc_mask, on.doc_mask) == (B, T, False, True)
     # block input, Canon-A input, q k v before and after Canon-B, attention output, Canon-C input, MLP input, w13
     # output before and after Canon-D
@@ -406,9 +478,11 @@ def test_document_masking_changes_the_llama_canon_1b_estimate_by_the_hand_formul
     assert _row(out_off, "activations").split() == ["activations", "52.5", "GiB", "7.2", "GiB"]
     assert _row(out_on, "activations").split() == ["activations", "52.7", "GiB", "7.4", "GiB"]
     assert "document masking off (task.doc_mask=false)" in out_off
-    assert ("document masking (task.doc_mask=true), in the rows above: attention sdpa (requested: auto): one (6, 1, "
-            "4096, 4096) mask of 2-byte elements shared by the 24 layers 192.0 MiB, index tensors 288.0 KiB; batch "
-            "doc_ids 96.0 KiB") in out_on
+    assert (
+        "document masking (task.doc_mask=true), in the rows above: attention sdpa (requested: auto): one (6, 1, "
+        "4096, 4096) mask of 2-byte elements shared by the 24 layers 192.0 MiB, index tensors 288.0 KiB; batch "
+        "doc_ids 96.0 KiB"
+    ) in out_on
 
 
 # --------------------------------------------------------------- the vocabulary, before and with the corpus
@@ -420,17 +494,22 @@ def _llama_params(L: int, d: int, heads: int, kv: int, ff: int, V: int) -> int:
     return L * (4 * d * d - 2 * d * d * (heads - kv) // heads + 3 * d * ff + 2 * d) + 2 * V * d + d
 
 
-@pytest.mark.parametrize("name,world,vocab,tokenizer,unset", [
-    ("llama_1b", 8, 32_000, "Llama-2", "paths.corpora.slimpajama, paths.corpora.fineweb_edu are unset"),
-    ("p42_llama_8b", 512, 128_256, "Llama-3", "paths.corpora.nemotron_cc_llama3 is unset")])
+@pytest.mark.parametrize(
+    "name,world,vocab,tokenizer,unset",
+    [
+        ("llama_1b", 8, 32_000, "Llama-2", "paths.corpora.slimpajama, paths.corpora.fineweb_edu are unset"),
+        ("p42_llama_8b", 512, 128_256, "Llama-3", "paths.corpora.nemotron_cc_llama3 is unset"),
+    ],
+)
 def test_a_preset_is_estimated_before_its_corpora_exist(name, world, vocab, tokenizer, unset, tmp_path, capsys):
     """No corpus named (``paths.corpora.*`` unset, as a fresh checkout has them): the estimate runs (exit 0) with
     the vocabulary of the tokenizer the preset names (Result 12: Llama-2's 32,000; the 8B Part 4.2 Llama: Llama-3's
     128,256), says so, and counts the parameters of that model (the hand formula)."""
     assert main([f"experiment=reallife/{name}", "--world-size", str(world), f"paths.log_dir={tmp_path / 'l'}"]) == 0
     out = capsys.readouterr().out
-    assert _row(out, "vocabulary") == (f"vocabulary       {vocab:,} (the {tokenizer} tokenizer, task.vocab_size; "
-                                       f"corpus not prepared yet: {unset})")
+    assert _row(out, "vocabulary") == (
+        f"vocabulary       {vocab:,} (the {tokenizer} tokenizer, task.vocab_size; corpus not prepared yet: {unset})"
+    )
     shape = {"llama_1b": (24, 2048, 32, 32, 5632), "p42_llama_8b": (32, 4096, 32, 8, 14336)}[name]
     assert int(_row(out, "parameters").split()[1].replace(",", "")) == _llama_params(*shape, vocab)
     assert f"vocabulary {vocab} (nothing is trained or written)" in out
@@ -440,8 +519,13 @@ def test_a_corpus_of_another_vocabulary_is_named_in_the_estimate(corpus, bpe4096
     """``reallife/llama_1b`` pointed at a corpus of a 4,096-token BPE: the estimate is of the corpus' model (1.250B
     parameters by the hand formula, 695 GPU-h) and a line says that its vocabulary differs from the preset's,
     naming both; with the preset's own vocabulary (32,000) the line says they agree instead."""
-    args = ["experiment=reallife/llama_1b", "experiment/reallife/data=slimpajama", "--world-size", "8",
-            f"paths.log_dir={tmp_path / 'logs'}"]
+    args = [
+        "experiment=reallife/llama_1b",
+        "experiment/reallife/data=slimpajama",
+        "--world-size",
+        "8",
+        f"paths.log_dir={tmp_path / 'logs'}",
+    ]
     assert main([*args, f"paths.corpora.slimpajama={bpe4096}"]) == 0
     out = capsys.readouterr().out
     n = _llama_params(24, 2048, 32, 32, 5632, 4096)
@@ -450,26 +534,44 @@ def test_a_corpus_of_another_vocabulary_is_named_in_the_estimate(corpus, bpe4096
     assert _row(out, "VOCABULARY DIFFERS") == (
         f"VOCABULARY DIFFERS from the preset's: the corpus {bpe4096} has a vocabulary of 4,096 (its meta.json); "
         "task.vocab_size declares 32,000 (the Llama-2 tokenizer). The parameters, FLOPs, memory and GPU-hours below "
-        "are for the corpus' 4,096; train.py refuses this run until task.vocab_size=4096 (or null) is given")
+        "are for the corpus' 4,096; train.py refuses this run until task.vocab_size=4096 (or null) is given"
+    )
     assert main([*args, f"paths.corpora.slimpajama={corpus}"]) == 0
     out = capsys.readouterr().out
     assert "DIFFERS" not in out and _row(out, "vocabulary") == (
         f"vocabulary       32,000 (the corpus' meta.json, {corpus / 'meta.json'}; the Llama-2 tokenizer's, as "
-        "task.vocab_size declares)")
+        "task.vocab_size declares)"
+    )
 
 
 def test_no_corpus_and_no_declared_vocabulary_is_refused(tmp_path, capsys):
     """``task=text`` with neither ``task.data_dir`` nor ``task.vocab_size``: nothing gives the vocabulary; one line
     names the unset key and both ways out. A misspelt ``task.vocab_size`` is refused as any unknown key."""
-    base = ["arch=llama", "canon=none", "model.size=2L64D", "task=text", "data.batch_size=8", "trainer.max_steps=10",
-            f"paths.log_dir={tmp_path / 'logs'}", "--world-size", "1"]
+    base = [
+        "arch=llama",
+        "canon=none",
+        "model.size=2L64D",
+        "task=text",
+        "data.batch_size=8",
+        "trainer.max_steps=10",
+        f"paths.log_dir={tmp_path / 'logs'}",
+        "--world-size",
+        "1",
+    ]
     assert main(base) == 2
     err = capsys.readouterr().err
-    assert err.startswith("canonlm: error: invalid config: task.data_dir='???'; allowed: a directory written by "
-                          "`python -m canonlm.data.prepare`") and "task.vocab_size" in err and err.count("\n") == 1
+    assert (
+        err.startswith(
+            "canonlm: error: invalid config: task.data_dir='???'; allowed: a directory written by "
+            "`python -m canonlm.data.prepare`"
+        )
+        and "task.vocab_size" in err
+        and err.count("\n") == 1
+    )
     assert main([*base, "task.vocab_size=32000"]) == 0
     assert _row(capsys.readouterr().out, "vocabulary") == (
-        "vocabulary       32,000 (task.vocab_size; corpus not prepared yet: task.data_dir is unset)")
+        "vocabulary       32,000 (task.vocab_size; corpus not prepared yet: task.data_dir is unset)"
+    )
     assert main([*base, "task.vocab_sise=32000"]) == 2
     assert "did you mean task.vocab_size?" in capsys.readouterr().err
 
@@ -485,9 +587,22 @@ def test_train_py_refusal_counts_document_masking(corpus, tmp_path):
     from canonlm.estimate import CONF
     from canonlm.train.run import check_job
 
-    (job,) = compose_jobs(["arch=llama", "canon=none", "model.size=2L64D", "task=text", f"task.data_dir={corpus}",
-                           "task.context=128", "task.doc_mask=true", "data.batch_size=100000000",
-                           "trainer.max_steps=10", f"paths.log_dir={tmp_path / 'logs'}"], CONF, "train")
+    (job,) = compose_jobs(
+        [
+            "arch=llama",
+            "canon=none",
+            "model.size=2L64D",
+            "task=text",
+            f"task.data_dir={corpus}",
+            "task.context=128",
+            "task.doc_mask=true",
+            "data.batch_size=100000000",
+            "trainer.max_steps=10",
+            f"paths.log_dir={tmp_path / 'logs'}",
+        ],
+        CONF,
+        "train",
+    )
     with job.active() as cfg, pytest.raises(ConfigError) as e:
         check_job(cfg)
     B, T = 100_000_000, 128
@@ -507,12 +622,35 @@ def test_max_tokens_sets_the_steps_as_training_does(corpus, tmp_path, capsys):
 def test_a_measured_mfu_is_used_and_named(corpus, tmp_path, capsys):
     """A ``bench/gpu_step.py`` result of the same shape on the same GPU replaces the assumed MFU."""
     bench = tmp_path / "gpu_step.jsonl"
-    bench.write_text("\n".join(json.dumps(r) for r in (
-        {"record": "header", "device_name": "NVIDIA H100 80GB HBM3"},
-        {"record": "variant", "name": "llama-none-eager", "shape": "1.3B", "model": "llama", "canon": "none",
-         "seq_len": 4096, "status": "ok", "mfu": 0.31},
-        {"record": "variant", "name": "llama-none-other-shape", "shape": "12L768D", "model": "llama",
-         "canon": "none", "seq_len": 2048, "status": "ok", "mfu": 0.6})) + "\n")
+    bench.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in (
+                {"record": "header", "device_name": "NVIDIA H100 80GB HBM3"},
+                {
+                    "record": "variant",
+                    "name": "llama-none-eager",
+                    "shape": "1.3B",
+                    "model": "llama",
+                    "canon": "none",
+                    "seq_len": 4096,
+                    "status": "ok",
+                    "mfu": 0.31,
+                },
+                {
+                    "record": "variant",
+                    "name": "llama-none-other-shape",
+                    "shape": "12L768D",
+                    "model": "llama",
+                    "canon": "none",
+                    "seq_len": 2048,
+                    "status": "ok",
+                    "mfu": 0.6,
+                },
+            )
+        )
+        + "\n"
+    )
     assert main([*paper(corpus, tmp_path), "--world-size", "8", "--bench", str(bench)]) == 0
     out = capsys.readouterr().out
     assert "MFU 0.31 (measured: " in out and "llama-none-eager" in out
@@ -541,8 +679,10 @@ def test_an_estimate_over_the_gpus_memory_is_refused_in_one_line(corpus, tmp_pat
     assert main([*paper(corpus, tmp_path), "--world-size", "1", "--gpu", "h100"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1
-    assert err.startswith("canonlm: error: invalid config: data.batch_size=48; allowed: a run that fits in memory: "
-                          "training needs at least ")
+    assert err.startswith(
+        "canonlm: error: invalid config: data.batch_size=48; allowed: a run that fits in memory: "
+        "training needs at least "
+    )
     assert "fsdp2 over 1 GPU) and one NVIDIA H100 80GB HBM3 (81559 MiB) has 79.6 GiB" in err
     assert err.rstrip().endswith("with activation_checkpointing=true it needs 65.7 GiB, which fits")
     assert files_under(tmp_path, corpus) == before
@@ -551,8 +691,10 @@ def test_an_estimate_over_the_gpus_memory_is_refused_in_one_line(corpus, tmp_pat
 def test_a_batch_that_does_not_split_over_the_gpus_is_refused(corpus, tmp_path, capsys):
     """The paper's 48 windows per step cannot be split over 32 GPUs (``canonlm.config.rules.micro_batch``)."""
     assert main([*paper(corpus, tmp_path), "--world-size", "32"]) == 2
-    assert capsys.readouterr().err == ("canonlm: error: invalid config: data.batch_size=48; allowed: a positive "
-                                       "multiple of world_size x accumulate_grad_batches = 32 x 1\n")
+    assert capsys.readouterr().err == (
+        "canonlm: error: invalid config: data.batch_size=48; allowed: a positive "
+        "multiple of world_size x accumulate_grad_batches = 32 x 1\n"
+    )
 
 
 def test_a_misspelt_key_is_refused_as_train_py_refuses_it(corpus, tmp_path, capsys):
@@ -567,14 +709,20 @@ def test_a_misspelt_key_is_refused_as_train_py_refuses_it(corpus, tmp_path, caps
     assert capsys.readouterr().err == f"canonlm: error: {e.value}\n"
 
 
-@pytest.mark.parametrize("opt,value,allowed", [("--gpu", "h1000", "h100 | h200 | a100 or a memory size in GiB"),
-                                                ("--mfu", "1.5", "a number in (0, 1]"),
-                                                ("--world-size", "0", "a positive integer")])
+@pytest.mark.parametrize(
+    "opt,value,allowed",
+    [
+        ("--gpu", "h1000", "h100 | h200 | a100 or a memory size in GiB"),
+        ("--mfu", "1.5", "a number in (0, 1]"),
+        ("--world-size", "0", "a positive integer"),
+    ],
+)
 def test_bad_options_are_refused(opt, value, allowed, corpus, tmp_path, capsys):
     assert main([*paper(corpus, tmp_path), opt, value]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"canonlm: error: invalid config: {opt}={value!r}; allowed: {allowed}") and \
-        err.count("\n") == 1
+    assert (
+        err.startswith(f"canonlm: error: invalid config: {opt}={value!r}; allowed: {allowed}") and err.count("\n") == 1
+    )
 
 
 def test_the_command_runs_as_a_module(corpus, tmp_path):
@@ -582,17 +730,28 @@ def test_the_command_runs_as_a_module(corpus, tmp_path):
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "canonlm.estimate", *paper(corpus, tmp_path), "--world-size", "1"],
-                       capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "PYTHONWARNINGS": "ignore"},
-                       timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "canonlm.estimate", *paper(corpus, tmp_path), "--world-size", "1"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        timeout=120,
+    )
     assert (r.returncode, r.stdout, r.stderr.count("\n")) == (2, "", 1), r.stderr
     # the same through train.py --estimate, on the 8 GPUs it fits: the estimate printed, nothing run or written
     before = sorted(p.name for p in tmp_path.iterdir())
-    r = subprocess.run([sys.executable, str(ROOT / "train.py"), *paper(corpus, tmp_path), "--estimate",
-                        "--world-size", "8"], capture_output=True, text=True, cwd=tmp_path,
-                       env={**os.environ, "PYTHONWARNINGS": "ignore"}, timeout=120)
-    assert r.returncode == 0 and r.stdout.startswith("estimate: llama 24L2048D") and "1,364,297,728" in r.stdout, \
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *paper(corpus, tmp_path), "--estimate", "--world-size", "8"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        timeout=120,
+    )
+    assert r.returncode == 0 and r.stdout.startswith("estimate: llama 24L2048D") and "1,364,297,728" in r.stdout, (
         r.stderr
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
@@ -608,11 +767,22 @@ def test_the_reallife_task_preset_names_lm_evals_own_tasks():
     names = expand_tasks("reallife")
     assert names == list(TASK_PRESETS["reallife"])
     root = Path(lm_eval_tasks.__file__).parent  # index only the benchmarks' folders (the whole index takes ~15 s)
-    folders = [str(root / f) for f in ("piqa", "hellaswag", "winogrande", "arc", "siqa", "super_glue/boolq",
-                                       "wikitext", "lambada")]
+    folders = [
+        str(root / f)
+        for f in ("piqa", "hellaswag", "winogrande", "arc", "siqa", "super_glue/boolq", "wikitext", "lambada")
+    ]
     assert set(names) <= set(lm_eval_tasks.TaskManager(include_path=folders, include_defaults=False).all_tasks)
-    assert names == ["piqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "social_iqa", "boolq",
-                     "wikitext", "lambada_openai"]  # PIQA, HellaSwag, WinoGrande, ARC-e/c, SIQA, BoolQ, WikiText,
+    assert names == [
+        "piqa",
+        "hellaswag",
+        "winogrande",
+        "arc_easy",
+        "arc_challenge",
+        "social_iqa",
+        "boolq",
+        "wikitext",
+        "lambada_openai",
+    ]  # PIQA, HellaSwag, WinoGrande, ARC-e/c, SIQA, BoolQ, WikiText,
     # LAMBADA: the paper's list, in its order
     assert expand_tasks("boolq,reallife,,mmlu") == ["boolq", *[n for n in names if n != "boolq"], "mmlu"]
 

@@ -35,8 +35,11 @@ NAMES = (["Ada", "Bram", "Cleo", "Dov"], ["Kai", "Lux"], ["Moss", "Nye", "Orr"])
 def imported(tmp_path_factory):
     """(original CanonLM, its training-layout .ckpt, the Hugging Face dir exported from it, the .ckpt imported back)."""
     d = tmp_path_factory.mktemp("imp")
-    cfg = build_model_config(dict(arch="llama", vocab_size=V, n_layers=2, d_model=64, n_heads=4, d_ff=96,
-                                  max_seq_len=64), dict(set="ABCD", kernel=4), dict(type="rope"))
+    cfg = build_model_config(
+        dict(arch="llama", vocab_size=V, n_layers=2, d_model=64, n_heads=4, d_ff=96, max_seq_len=64),
+        dict(set="ABCD", kernel=4),
+        dict(type="rope"),
+    )
     torch.manual_seed(0)
     m = CanonLM(cfg).eval()
     perturb_(m)  # non-trivial norm gains and Canon taps
@@ -118,8 +121,25 @@ def test_reallife_cli_on_imported_model(imported, tmp_path, capsys):
     for part, lst in zip(("first", "middle", "last"), NAMES):
         (names / f"{part}_names.txt").write_text("\n".join(lst))
     out = tmp_path / "mh.json"
-    args = ["--run", str(ck), "--task", "multihop", "--background", str(DATA / "corpus.txt"), "--lengths", "0,40",
-            "--num-prompts", "2", "--names-dir", str(names), "--out", str(out), "--device", "cpu", "--quiet"]
+    args = [
+        "--run",
+        str(ck),
+        "--task",
+        "multihop",
+        "--background",
+        str(DATA / "corpus.txt"),
+        "--lengths",
+        "0,40",
+        "--num-prompts",
+        "2",
+        "--names-dir",
+        str(names),
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        "--quiet",
+    ]
     assert main(args) == 2
     err = capsys.readouterr().err
     assert "--tokenizer is required" in err and "imported from Hugging Face" in err and not out.exists()

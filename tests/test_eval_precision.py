@@ -54,19 +54,33 @@ def make_run(run: Path, overrides: list[str], seed: int = 0) -> CanonLM:
     (run / ".hydra").mkdir(parents=True)
     OmegaConf.save(cfg, run / ".hydra" / "config.yaml")
     (run / "checkpoints").mkdir()
-    torch.save({"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}, "global_step": 1},
-               run / "checkpoints" / "last.ckpt")
+    torch.save(
+        {"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}, "global_step": 1},
+        run / "checkpoints" / "last.ckpt",
+    )
     return model
 
 
 # ------------------------------------------------------------------------------------------------ the oracle run
 def _train(tmp_path: Path, precision: str) -> Path:
     """A 5-step train.py run on the CPU in ``precision``, with its final test; returns the run directory."""
-    cmd = [sys.executable, str(ROOT / "train.py"), *TINY, "data.batch_size=8", "data.val_windows=8",
-           "data.test_windows=16", "trainer.max_steps=5", "trainer.val_check_interval=5",
-           f"trainer.precision={precision}", "logger=none", "run_name=p", f"paths.log_dir={tmp_path}/logs"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path,
-                       env={**os.environ, "WANDB_MODE": "disabled"})
+    cmd = [
+        sys.executable,
+        str(ROOT / "train.py"),
+        *TINY,
+        "data.batch_size=8",
+        "data.val_windows=8",
+        "data.test_windows=16",
+        "trainer.max_steps=5",
+        "trainer.val_check_interval=5",
+        f"trainer.precision={precision}",
+        "logger=none",
+        "run_name=p",
+        f"paths.log_dir={tmp_path}/logs",
+    ]
+    p = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env={**os.environ, "WANDB_MODE": "disabled"}
+    )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     return tmp_path / "logs" / "train" / "runs" / "p"
 
@@ -81,8 +95,13 @@ def _test_metrics(loaded) -> tuple[float, float, float]:
 
     cfg = loaded.cfg
     task = build_task(cfg.task.name, loaded.task_cfg)
-    dm = SyntheticDataModule(task, loaded.task_cfg, batch_size=cfg.data.batch_size, val_windows=cfg.data.val_windows,
-                             test_windows=cfg.data.test_windows)
+    dm = SyntheticDataModule(
+        task,
+        loaded.task_cfg,
+        batch_size=cfg.data.batch_size,
+        val_windows=cfg.data.val_windows,
+        test_windows=cfg.data.test_windows,
+    )
     nll = torch.zeros(2, dtype=torch.float64)
     right = total = right_tok = total_tok = 0
     with torch.inference_mode():
@@ -101,16 +120,21 @@ def _test_metrics(loaded) -> tuple[float, float, float]:
     return float(nll[0] / nll[1]), right / total, right_tok / total_tok
 
 
-@pytest.mark.parametrize("precision, param_dtype, autocast", [("bf16-mixed", torch.float32, torch.bfloat16),
-                                                              ("bf16-true", torch.bfloat16, None)])
+@pytest.mark.parametrize(
+    "precision, param_dtype, autocast",
+    [("bf16-mixed", torch.float32, torch.bfloat16), ("bf16-true", torch.bfloat16, None)],
+)
 def test_default_precision_reproduces_the_runs_test_metrics(tmp_path, precision, param_dtype, autocast):
     """A run trained on the CPU in bf16, loaded with the defaults, gives the test loss and accuracy the run itself
     reported in results.json; the fp32 override does not (so the comparison can fail)."""
     rd = _train(tmp_path, precision)
     reported = json.loads((rd / "results.json").read_text())["test"]
     loaded = load_model(rd, device="cpu")
-    assert (loaded.precision.name, loaded.precision.param_dtype, loaded.precision.autocast) == \
-           (precision, param_dtype, autocast)
+    assert (loaded.precision.name, loaded.precision.param_dtype, loaded.precision.autocast) == (
+        precision,
+        param_dtype,
+        autocast,
+    )
     assert {p.dtype for p in loaded.model.parameters()} == {param_dtype}
     assert loaded.model.placement == (torch.device("cpu"), torch.bfloat16)
     assert loaded.describe()["precision"]["name"] == precision
@@ -130,8 +154,15 @@ def test_cpu_precision_is_what_lightning_runs(precision):
     import lightning.pytorch as L
     from lightning.pytorch.plugins.precision import MixedPrecision
 
-    trainer = L.Trainer(accelerator="cpu", devices=1, precision=precision, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        precision=precision,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     plugin = trainer.precision_plugin
     want_autocast = plugin.autocast_context_manager().fast_dtype if isinstance(plugin, MixedPrecision) else None
     want_param = plugin.convert_module(torch.nn.Linear(2, 2)).weight.dtype
@@ -167,14 +198,19 @@ def test_flash_pinned_bf16_run_is_placed_in_bf16_on_cuda(tmp_path, fake_cuda):
     and the model is placed with flash; fp32, the earlier default, is refused by flash-attn's dtype rule. The same
     for 32-true + FSDP2's bf16 param_dtype (bf16 parameters, no autocast)."""
     for name, overrides, param, autocast in (
-            ("bf16-mixed", ["trainer.precision=bf16-mixed"], torch.float32, torch.bfloat16),
-            ("32-true", ["trainer.precision=32-true", "strategy=fsdp2"], torch.bfloat16, None)):
+        ("bf16-mixed", ["trainer.precision=bf16-mixed"], torch.float32, torch.bfloat16),
+        ("32-true", ["trainer.precision=32-true", "strategy=fsdp2"], torch.bfloat16, None),
+    ):
         run = tmp_path / name
         make_run(run, ["trainer=gpu", "kernels.attention=flash", *overrides])
         cfg = load_run_config(run)
         prec = eval_precision("auto", "cuda", cfg)
-        assert (prec.name, prec.param_dtype, prec.autocast, prec.compute_dtype) == \
-               (name, param, autocast, torch.bfloat16)
+        assert (prec.name, prec.param_dtype, prec.autocast, prec.compute_dtype) == (
+            name,
+            param,
+            autocast,
+            torch.bfloat16,
+        )
         _, mcfg = build_configs(cfg)
         model = CanonLM(mcfg)
         assert "attention" in model.pending  # built on the CPU: flash waits for place()
@@ -194,8 +230,13 @@ def test_without_a_run_config_the_saved_dtype_decides(tmp_path):
     torch.manual_seed(0)
     ref = CanonLM(mcfg).eval().to(torch.bfloat16)
     ck = tmp_path / "bf16.ckpt"
-    torch.save({"state_dict": {f"model.{k}": v for k, v in ref.state_dict().items()},
-                "canonlm": {"model": dataclasses.asdict(mcfg), "task": {"name": "hf_import", "context": 128}}}, ck)
+    torch.save(
+        {
+            "state_dict": {f"model.{k}": v for k, v in ref.state_dict().items()},
+            "canonlm": {"model": dataclasses.asdict(mcfg), "task": {"name": "hf_import", "context": 128}},
+        },
+        ck,
+    )
     lm = load_model(ck, device="cpu")
     assert (lm.precision.name, lm.precision.param_dtype, lm.precision.autocast) == ("bf16-true", torch.bfloat16, None)
     assert "bfloat16 weights" in lm.precision.source
@@ -204,10 +245,18 @@ def test_without_a_run_config_the_saved_dtype_decides(tmp_path):
         got, want = lm.lm.forward(x), ref(x)
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
     over = load_model(ck, device="cpu", precision="bf16")
-    assert (over.precision.name, over.precision.param_dtype, over.precision.autocast) == \
-           ("bf16-mixed", torch.float32, torch.bfloat16)
-    torch.save({"state_dict": {f"model.{k}": v.float() for k, v in ref.state_dict().items()},
-                "canonlm": {"model": dataclasses.asdict(mcfg), "task": {}}}, tmp_path / "fp32.ckpt")
+    assert (over.precision.name, over.precision.param_dtype, over.precision.autocast) == (
+        "bf16-mixed",
+        torch.float32,
+        torch.bfloat16,
+    )
+    torch.save(
+        {
+            "state_dict": {f"model.{k}": v.float() for k, v in ref.state_dict().items()},
+            "canonlm": {"model": dataclasses.asdict(mcfg), "task": {}},
+        },
+        tmp_path / "fp32.ckpt",
+    )
     assert load_model(tmp_path / "fp32.ckpt", device="cpu").precision.name == "32-true"
 
 
@@ -225,7 +274,7 @@ def test_generate_defaults_to_the_runs_precision(tmp_path):
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             for _ in range(n):
                 seq.append(int(model(torch.tensor([seq]))[0, -1].float().argmax()))
-        return seq[len(ids):]
+        return seq[len(ids) :]
 
     g = load_generator(tmp_path / "run", device="cpu")
     assert g.precision.name == "bf16-mixed" and g.info["precision"]["autocast"] == "bfloat16"
@@ -247,11 +296,11 @@ def test_bad_precision_is_one_error_before_any_work(tmp_path, capsys):
     make_run(tmp_path / "run", [])
     assert generate_main([str(tmp_path / "run"), "--prompt", "<bos>", "--precision", "bf17"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("canonlm.generate: error: --precision='bf17' is not allowed; "
-                                               "allowed: auto | 32-true")
+    assert len(err) == 1 and err[0].startswith(
+        "canonlm.generate: error: --precision='bf17' is not allowed; allowed: auto | 32-true"
+    )
     out = tmp_path / "r.json"
-    assert reallife_main(["--run", str(missing), "--task", "multihop", "--precision", "bf17",
-                          "--out", str(out)]) == 2
+    assert reallife_main(["--run", str(missing), "--task", "multihop", "--precision", "bf17", "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--precision='bf17'" in err[0] and "allowed: auto | 32-true" in err[0]
     assert not out.exists()

@@ -28,8 +28,11 @@ pytestmark = pytest.mark.interop
 
 
 def _ckpt(tmp_path, task: dict, vocab: int, canon: str = "AC", name: str = "m.ckpt"):
-    cfg = build_model_config(dict(arch="llama", vocab_size=vocab, n_layers=1, d_model=32, n_heads=2, max_seq_len=64),
-                             {"set": canon}, {"type": "rope"})
+    cfg = build_model_config(
+        dict(arch="llama", vocab_size=vocab, n_layers=1, d_model=32, n_heads=2, max_seq_len=64),
+        {"set": canon},
+        {"type": "rope"},
+    )
     torch.manual_seed(0)
     ck = checkpoint_dict(cfg, CanonLM(cfg).state_dict(), {})
     ck["canonlm"]["task"] = task
@@ -46,8 +49,9 @@ def test_synthetic_task_export_has_tokenizer_ids_config_and_card(tmp_path, capsy
     t = build_task(task["name"], task)
     names = t.token_names()
     src = _ckpt(tmp_path, task, t.vocab_size)
-    (tmp_path / "run" / "results.json").write_text(json.dumps({"steps": 7, "train_time_s": 1.5,
-                                                               "test": {"loss": 1.25, "acc": 0.5}}))
+    (tmp_path / "run" / "results.json").write_text(
+        json.dumps({"steps": 7, "train_time_s": 1.5, "test": {"loss": 1.25, "acc": 0.5}})
+    )
     out = tmp_path / "export"
     assert export_main([str(src), str(out)]) == 0
     info = json.loads(capsys.readouterr().out)
@@ -57,7 +61,7 @@ def test_synthetic_task_export_has_tokenizer_ids_config_and_card(tmp_path, capsy
     # transformers 5.x reads config.json (remote code) first and asks its question (docs/huggingface.md); 4.x never
     asked = "Do you wish to run the custom code" in capsys.readouterr().out
     assert asked == (int(transformers.__version__.split(".")[0]) >= 5)
-    assert len(tok) == t.vocab_size                       # nothing added past the embedding
+    assert len(tok) == t.vocab_size  # nothing added past the embedding
     text = "<bos> p3.e1 e2 p4.e5 <query_1> p3.e1 <ans>"
     want = [names.index(w) for w in text.replace(".", " ").split()]
     assert tok(text, add_special_tokens=False)["input_ids"] == want
@@ -71,7 +75,7 @@ def test_synthetic_task_export_has_tokenizer_ids_config_and_card(tmp_path, capsy
     card = (out / "README.md").read_text()
     assert "trust_remote_code=True" in card and "depo1" in card
     assert "pip install torch transformers" in card and "pip install canonlm" not in card  # the bundle: no canonlm
-    assert "`wqkv`, `wo`, `w13`, `w2`" in card and "no end id" in card                     # LoRA names, generation
+    assert "`wqkv`, `wo`, `w13`, `w2`" in card and "no end id" in card  # LoRA names, generation
     assert "| test/loss | 1.25 |" in card and "Steps: 7" in card
     # the card's tokenizer snippet loads the same tokenizer without the question
     snippet = card.split("## Tokenizer")[1].split("```python\n")[1].split("```")[0]
@@ -89,7 +93,7 @@ def test_synthetic_task_export_has_tokenizer_ids_config_and_card(tmp_path, capsy
 
     model, _ = load_canonlm_checkpoint(src)
     greedy = generate_ids(model, [torch.tensor([names.index(w) for w in ("<bos>", "p3", "e1", "e2")]).numpy()], 3)[0]
-    assert tok(text_out[len(prompt):], add_special_tokens=False)["input_ids"] == greedy.tolist()
+    assert tok(text_out[len(prompt) :], add_special_tokens=False)["input_ids"] == greedy.tolist()
 
 
 def _prepared(tmp_path):
@@ -100,15 +104,18 @@ def _prepared(tmp_path):
 
     tk = Tokenizer(models.BPE(unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    tk.train_from_iterator(["the cat sat on the mat", "a dog ate the bone"] * 20,
-                           trainers.BpeTrainer(vocab_size=60, special_tokens=["<unk>", "<|endoftext|>"]))
+    tk.train_from_iterator(
+        ["the cat sat on the mat", "a dog ate the bone"] * 20,
+        trainers.BpeTrainer(vocab_size=60, special_tokens=["<unk>", "<|endoftext|>"]),
+    )
     path = tmp_path / "tok" / "tokenizer.json"
     path.parent.mkdir()
     tk.save(str(path))
     data = tmp_path / "prepared"
     data.mkdir()
-    (data / "meta.json").write_text(json.dumps({"tokenizer": {"path": str(path), "sha256": tokenizer_sha256(path),
-                                                              "eos_token": "<|endoftext|>"}}))
+    (data / "meta.json").write_text(
+        json.dumps({"tokenizer": {"path": str(path), "sha256": tokenizer_sha256(path), "eos_token": "<|endoftext|>"}})
+    )
     return tk, path, data
 
 
@@ -121,7 +128,7 @@ def test_text_export_carries_the_prepared_tokenizer_and_checks_its_checksum(tmp_
     eos = tk.token_to_id("<|endoftext|>")
     assert info["eos_token_id"] == eos and info["pad_token_id"] == eos
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "e1")
-    assert len(tok) == tk.get_vocab_size() and tok.eos_token == "<|endoftext|>"   # nothing added
+    assert len(tok) == tk.get_vocab_size() and tok.eos_token == "<|endoftext|>"  # nothing added
     assert tok("the cat sat", add_special_tokens=False)["input_ids"] == tk.encode("the cat sat").ids
     assert transformers.GenerationConfig.from_pretrained(tmp_path / "e1").eos_token_id == eos
     # changed since prepare: one message, nothing written
@@ -141,11 +148,11 @@ def test_temporaries_of_a_killed_export_are_removed_at_the_next_start(tmp_path, 
 
     src = _ckpt(tmp_path, task, build_task(task["name"], task).vocab_size)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead_pid = int(dead.stdout)                            # that process has exited
+    dead_pid = int(dead.stdout)  # that process has exited
     stale = tmp_path / f".out.tmp-{dead_pid}"
     stale.mkdir()
     (stale / "model.safetensors").write_bytes(b"half written")
-    live = tmp_path / f".out.tmp-{1}"                      # pid 1 is alive: another export at work, left alone
+    live = tmp_path / f".out.tmp-{1}"  # pid 1 is alive: another export at work, left alone
     live.mkdir()
     assert export_main([str(src), str(tmp_path / "out")]) == 0
     assert not stale.exists() and live.exists() and (tmp_path / "out" / "config.json").is_file()
@@ -175,21 +182,21 @@ def test_capo_export_carries_its_bpe_renumbered_to_the_compact_ids(tmp_path, cap
         assert tok.decode(want) == t.decode(want) == text
     both = t.encode(texts[0]).tolist() + [t.eos_id] + t.encode(texts[1]).tolist()
     assert tok(texts[0] + "<|endoftext|>" + texts[1], add_special_tokens=False)["input_ids"] == both
-    assert tok(texts[2])["input_ids"] == t.encode(texts[2]).tolist()      # the default call adds nothing either
+    assert tok(texts[2])["input_ids"] == t.encode(texts[2]).tolist()  # the default call adds nothing either
     outside = tok("Zyxqwv 12345 @@", add_special_tokens=False)["input_ids"]
-    assert max(outside) >= V                                               # never in a biography: past the embedding
+    assert max(outside) >= V  # never in a biography: past the embedding
     gen = transformers.GenerationConfig.from_pretrained(out)
     assert (gen.pad_token_id, gen.eos_token_id) == (0, t.eos_id)
     assert "compact ids" in (out / "README.md").read_text()
     model = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
     prompt = tok(texts[0][:40], return_tensors="pt", add_special_tokens=False)["input_ids"]
-    hf_out = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)[0, prompt.shape[1]:]
+    hf_out = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)[0, prompt.shape[1] :]
     from canonlm.generate import generate_ids
     from canonlm.hf import load_canonlm_checkpoint
 
     ours, _ = load_canonlm_checkpoint(src)
     assert hf_out.tolist() == generate_ids(ours, [prompt[0].numpy()], 6)[0].tolist()
-    with pytest.raises(ValueError, match="never trained on"):              # one clear error, not an IndexError
+    with pytest.raises(ValueError, match="never trained on"):  # one clear error, not an IndexError
         model(torch.tensor([outside]))
 
 
@@ -199,7 +206,7 @@ def test_capo_export_stops_when_the_task_tokenizer_changed_or_is_gone(tmp_path, 
     from canonlm.data.tasks import build_task
 
     V = build_task("capo", task).vocab_size
-    src = _ckpt(tmp_path, task, V + 3, name="other_vocab.ckpt")     # trained under another tokenizer
+    src = _ckpt(tmp_path, task, V + 3, name="other_vocab.ckpt")  # trained under another tokenizer
     assert export_main([str(src), str(tmp_path / "e1")]) == 2
     err = capsys.readouterr().err
     assert "changed since training" in err and len(err.strip().splitlines()) == 1, err

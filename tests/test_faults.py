@@ -18,10 +18,19 @@ import torch
 
 from conftest import ROOT, compose
 
-TINY = ["task=depo1_cpu",
-        "model.size=2L64D", "task.N=8", "task.K=4", "task.vocab_V=6", "task.context=128", "data.batch_size=8",
-        "data.val_windows=16", "data.test_windows=32", "trainer.log_every_n_steps=5",
-        "callbacks.progress.force=lines"]
+TINY = [
+    "task=depo1_cpu",
+    "model.size=2L64D",
+    "task.N=8",
+    "task.K=4",
+    "task.vocab_V=6",
+    "task.context=128",
+    "data.batch_size=8",
+    "data.val_windows=16",
+    "data.test_windows=32",
+    "trainer.log_every_n_steps=5",
+    "callbacks.progress.force=lines",
+]
 ENV = {**os.environ, "WANDB_MODE": "disabled"}
 
 
@@ -45,12 +54,15 @@ def _run_dir(tmp: Path, name: str) -> Path:
 
 
 # ------------------------------------------------------------------------------------------------ refused configs
-@pytest.mark.parametrize("override, needle", [
-    ("optim.lr=-1", "optim.lr=-1"),                      # refused after the task and model were built
-    ("canon.set=ABE", "canon.set='ABE'"),                # refused while building the model config
-    ("max_nonfinite_steps=0", "max_nonfinite_steps=0"),
-    ("callbacks.checkpoint.keep_last=0", None),          # refused by the checkpoint callback (after the checks)
-])
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("optim.lr=-1", "optim.lr=-1"),  # refused after the task and model were built
+        ("canon.set=ABE", "canon.set='ABE'"),  # refused while building the model config
+        ("max_nonfinite_steps=0", "max_nonfinite_steps=0"),
+        ("callbacks.checkpoint.keep_last=0", None),  # refused by the checkpoint callback (after the checks)
+    ],
+)
 def test_refused_config_writes_nothing_and_answers_in_seconds(override, needle, tmp_path):
     t0 = time.perf_counter()
     p = _train(["run_name=bad", override], tmp_path, ok=False, timeout=120)
@@ -79,8 +91,16 @@ def test_refused_config_leaves_an_existing_run_untouched(tmp_path):
 def trained(tmp_path_factory):
     """A 20-step run with checkpoints at steps 10 and 20 and last.ckpt (copied by each test that damages it)."""
     tmp = tmp_path_factory.mktemp("trained")
-    _train(["run_name=base", "trainer.max_steps=20", "callbacks.checkpoint.every_n_train_steps=10", "test=false",
-            "trainer.val_check_interval=20"], tmp)
+    _train(
+        [
+            "run_name=base",
+            "trainer.max_steps=20",
+            "callbacks.checkpoint.every_n_train_steps=10",
+            "test=false",
+            "trainer.val_check_interval=20",
+        ],
+        tmp,
+    )
     return _run_dir(tmp, "base")
 
 
@@ -131,12 +151,15 @@ def test_auto_with_only_unreadable_checkpoints_is_one_clear_error(trained, tmp_p
     assert "truncated or damaged" in str(e.value) and "step0000010.ckpt" in str(e.value)
 
 
-@pytest.mark.parametrize("override, needle", [
-    ("canon=none", "model.canon.set: checkpoint 'ABCD', config ''"),
-    ("arch=gla", "model.arch: checkpoint 'llama', config 'gla'"),
-    ("model.size=2L128D", "model.d_model: checkpoint 64, config 128"),
-    ("task.N=9", "task.N: checkpoint 8, config 9"),
-])
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("canon=none", "model.canon.set: checkpoint 'ABCD', config ''"),
+        ("arch=gla", "model.arch: checkpoint 'llama', config 'gla'"),
+        ("model.size=2L128D", "model.d_model: checkpoint 64, config 128"),
+        ("task.N=9", "task.N: checkpoint 8, config 9"),
+    ],
+)
 def test_foreign_checkpoint_is_refused_naming_file_and_mismatch(trained, tmp_path, override, needle):
     from canonlm.train.checkpoint import CheckpointError
 
@@ -184,29 +207,50 @@ def test_stale_temp_files_are_removed_at_start_and_interrupted_swap_restored(tra
     run = _copy_run(trained, tmp_path)
     ck = run / "checkpoints"
     dead = 2**22 + 12345  # above the default pid_max: no such process
-    (ck / f".last.ckpt.tmp-{dead}").write_bytes(b"x" * 1000)             # killed mid-save (file)
-    (ck / f".step0000030.ckpt.tmp-{dead}").mkdir()                         # killed mid-save (FSDP2 directory)
+    (ck / f".last.ckpt.tmp-{dead}").write_bytes(b"x" * 1000)  # killed mid-save (file)
+    (ck / f".step0000030.ckpt.tmp-{dead}").mkdir()  # killed mid-save (FSDP2 directory)
     (ck / f".step0000030.ckpt.tmp-{dead}" / "__0_0.distcp").write_bytes(b"y")
-    live = ck / f".step0000040.ckpt.tmp-{os.getppid()}"                   # a save in progress: kept
+    live = ck / f".step0000040.ckpt.tmp-{os.getppid()}"  # a save in progress: kept
     live.write_bytes(b"z")
     os.replace(ck / "step0000010.ckpt", ck / f".step0000010.ckpt.old-{dead}")  # swap interrupted between renames
     done = remove_stale_temps(ck)
-    assert sorted(p.name for p in ck.iterdir()) == sorted(["last.ckpt", "step0000010.ckpt", "step0000020.ckpt",
-                                                           live.name])
+    assert sorted(p.name for p in ck.iterdir()) == sorted(
+        ["last.ckpt", "step0000010.ckpt", "step0000020.ckpt", live.name]
+    )
     assert len(done) == 3 and any("restored" in d for d in done)
     # and train.py does it by itself at start
     (ck / f".last.ckpt.tmp-{dead}").write_bytes(b"x")
     live.unlink()
-    _train(["run_name=base", "ckpt_path=auto", "trainer.max_steps=25", "test=false",
-            "callbacks.checkpoint.every_n_train_steps=10"], tmp_path)
+    _train(
+        [
+            "run_name=base",
+            "ckpt_path=auto",
+            "trainer.max_steps=25",
+            "test=false",
+            "callbacks.checkpoint.every_n_train_steps=10",
+        ],
+        tmp_path,
+    )
     assert not [p for p in ck.iterdir() if p.name.startswith(".")]
 
 
 def test_keep_last_keeps_the_newest_step_checkpoints(tmp_path):
-    _train(["run_name=k", "trainer.max_steps=20", "callbacks.checkpoint.every_n_train_steps=5",
-            "callbacks.checkpoint.keep_last=2", "test=false", "trainer.val_check_interval=20"], tmp_path)
-    assert sorted(p.name for p in (_run_dir(tmp_path, "k") / "checkpoints").iterdir()) == \
-        ["last.ckpt", "step0000015.ckpt", "step0000020.ckpt"]
+    _train(
+        [
+            "run_name=k",
+            "trainer.max_steps=20",
+            "callbacks.checkpoint.every_n_train_steps=5",
+            "callbacks.checkpoint.keep_last=2",
+            "test=false",
+            "trainer.val_check_interval=20",
+        ],
+        tmp_path,
+    )
+    assert sorted(p.name for p in (_run_dir(tmp_path, "k") / "checkpoints").iterdir()) == [
+        "last.ckpt",
+        "step0000015.ckpt",
+        "step0000020.ckpt",
+    ]
 
 
 # ------------------------------------------------------------------------------------------------ run directory
@@ -270,11 +314,18 @@ def test_sigterm_saves_at_a_step_boundary_and_resume_equals_uninterrupted(tmp_pa
     args = ["trainer.max_steps=60", "trainer.val_check_interval=30", "callbacks.checkpoint.every_n_train_steps=25"]
     log = tmp_path / "s.out"
     # the uninterrupted reference run "c" trains meanwhile, in its own process and run directory
-    ref = subprocess.Popen(_cmd([*args, "run_name=c"], tmp_path), stdout=subprocess.DEVNULL,
-                           stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=ENV)
+    ref = subprocess.Popen(
+        _cmd([*args, "run_name=c"], tmp_path),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        env=ENV,
+    )
     with open(log, "w") as out:
-        proc = subprocess.Popen(_cmd([*args, "run_name=s"], tmp_path), stdout=out, stderr=subprocess.STDOUT,
-                                cwd=tmp_path, env=ENV)
+        proc = subprocess.Popen(
+            _cmd([*args, "run_name=s"], tmp_path), stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path, env=ENV
+        )
         deadline = time.time() + 240
         while "[step 30/" not in log.read_text() and proc.poll() is None and time.time() < deadline:
             time.sleep(0.2)
@@ -308,8 +359,18 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run_with_a_checkpoint(tmp_pat
     """lr=1e25: the first update blows the weights up, every later loss is non-finite. Those steps must leave the
     parameters and AdamW's state untouched (its step counter counts real updates only), and the 4th in a row stops
     the run with exit code 3 and a finite last.ckpt."""
-    p = _train(["run_name=n", "optim.lr=1e25", "sched.warmup_steps=0", "trainer.max_steps=50",
-                "max_nonfinite_steps=4", "trainer.log_every_n_steps=1"], tmp_path, ok=False)
+    p = _train(
+        [
+            "run_name=n",
+            "optim.lr=1e25",
+            "sched.warmup_steps=0",
+            "trainer.max_steps=50",
+            "max_nonfinite_steps=4",
+            "trainer.log_every_n_steps=1",
+        ],
+        tmp_path,
+        ok=False,
+    )
     assert p.returncode == 3, p.stderr[-3000:]
     msg = [ln for ln in p.stderr.splitlines() if ln.startswith("canonlm:")]
     assert len(msg) == 1 and "4 optimizer steps in a row" in msg[0] and "max_nonfinite_steps=4" in msg[0]
@@ -324,8 +385,16 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run_with_a_checkpoint(tmp_pat
 
 # ------------------------------------------------------------------------------------------------ progress
 def test_long_evaluation_prints_progress_lines(tmp_path):
-    p = _train(["run_name=p", "trainer.max_steps=2", "trainer.val_check_interval=2", "data.test_windows=64",
-                "callbacks.progress.eval_every_s=0"], tmp_path)
+    p = _train(
+        [
+            "run_name=p",
+            "trainer.max_steps=2",
+            "trainer.val_check_interval=2",
+            "data.test_windows=64",
+            "callbacks.progress.eval_every_s=0",
+        ],
+        tmp_path,
+    )
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("[test] batch")]
     assert lines and lines[-1].startswith("[test] batch 8/8 100%"), p.stdout[-2000:]  # 64 windows / batch 8
     assert any(ln.startswith("[val] batch 2/2") for ln in p.stdout.splitlines())

@@ -33,9 +33,10 @@ def _grid(root):
     _run(root, "4", 300, "8L512D", 1e-3, 0.30, 0.60)
     _run(root, "5", 300, "12L768D", 1e-3, 0.80, 0.97)
     _run(root, "6", 375, "8L512D", 1e-3, NAN, NAN)
-    for name, N, lr, rows in (("7", 300, 2e-3, '{"step": 40, "time": 1.0, "train/loss": 2.0}\n'),
-                              ("8", 375, 1e-3, _val_rows([(100, {1: 0.2, 8: 0.0})]) +
-                               '{"step": 150, "time": 9.0, "train/loss": 1.5}\n')):
+    for name, N, lr, rows in (
+        ("7", 300, 2e-3, '{"step": 40, "time": 1.0, "train/loss": 2.0}\n'),
+        ("8", 375, 1e-3, _val_rows([(100, {1: 0.2, 8: 0.0})]) + '{"step": 150, "time": 9.0, "train/loss": 1.5}\n'),
+    ):
         d = root / name  # killed: Hydra's config and metrics.jsonl only (no hparams.json, no results.json)
         (d / ".hydra").mkdir(parents=True)
         (d / ".hydra" / "config.yaml").write_text(yaml.safe_dump(_config(N, "12L768D", lr)))
@@ -79,8 +80,13 @@ def test_out_tables_heatmap_curves(tmp_path, capsys):
     stdout = capsys.readouterr().out
     assert stdout.startswith("task.N \\ model.size |       8L512D |       8L768D |      12L768D\n")  # as without --out
     assert f"wrote 5 files to {out}" in stdout
-    assert sorted(p.name for p in out.iterdir()) == ["curves.png", "heatmap.png", "report.json", "table.csv",
-                                                     "table.md"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "curves.png",
+        "heatmap.png",
+        "report.json",
+        "table.csv",
+        "table.md",
+    ]
     assert (out / "table.csv").read_text() == CSV
     md = (out / "table.md").read_text()
     assert "## depo1: arch=llama canon=ABCD pos=rope" in md and MD in md
@@ -91,9 +97,17 @@ def test_out_tables_heatmap_curves(tmp_path, capsys):
     (t,) = doc["tables"]
     assert t["row_values"] == ["225", "300", "375"] and t["col_values"] == SIZES
     status = {(r, c): e["status"] for r, row in t["cells"].items() for c, e in row.items()}
-    assert status == {("225", "8L512D"): "ok", ("225", "8L768D"): "ok", ("225", "12L768D"): "ok",
-                      ("300", "8L512D"): "ok", ("300", "8L768D"): "missing", ("300", "12L768D"): "ok",
-                      ("375", "8L512D"): "diverged", ("375", "8L768D"): "missing", ("375", "12L768D"): "unfinished"}
+    assert status == {
+        ("225", "8L512D"): "ok",
+        ("225", "8L768D"): "ok",
+        ("225", "12L768D"): "ok",
+        ("300", "8L512D"): "ok",
+        ("300", "8L768D"): "missing",
+        ("300", "12L768D"): "ok",
+        ("375", "8L512D"): "diverged",
+        ("375", "8L768D"): "missing",
+        ("375", "12L768D"): "unfinished",
+    }
     best = t["cells"]["225"]["8L512D"]
     assert best["acc"] == pytest.approx([0.70, 0.80]) and best["dir"] == str(root / "1") and best["runs"] == 2
     assert t["cells"]["300"]["12L768D"]["unfinished"] == [str(root / "7")]
@@ -108,8 +122,14 @@ def test_out_tables_heatmap_curves(tmp_path, capsys):
     assert len(cells) == 9
     ok = {k: c for k, c in cells.items() if c["status"] == "ok"}
     assert {k: c["value"] for k, c in ok.items()} == pytest.approx(
-        {("225", "8L512D"): 70.0, ("225", "8L768D"): 40.0, ("225", "12L768D"): 95.0, ("300", "8L512D"): 30.0,
-         ("300", "12L768D"): 80.0})
+        {
+            ("225", "8L512D"): 70.0,
+            ("225", "8L768D"): 40.0,
+            ("225", "12L768D"): 95.0,
+            ("300", "8L512D"): 30.0,
+            ("300", "12L768D"): 80.0,
+        }
+    )
     assert cells["300", "12L768D"]["text"] == "80.0 / 97.0*"
     # one pixel against the colormap itself: acc@8 = 70 % on the 0-100 scale
     want = np.array(colormaps["viridis"](0.70)[:3])
@@ -124,7 +144,7 @@ def test_out_tables_heatmap_curves(tmp_path, capsys):
     for k in [("300", "8L768D"), ("375", "8L512D"), ("375", "8L768D"), ("375", "12L768D")]:
         rgb = _pixel(img, cells[k]["probe_px"])
         assert np.ptp(rgb) < 0.02 and 0.5 < rgb.mean() < 0.95, (k, rgb)  # grey (background or hatch line)
-        assert _lut_value(rgb, 0, 100)[1] > 0.1                          # not a colour of the scale
+        assert _lut_value(rgb, 0, 100)[1] > 0.1  # not a colour of the scale
     assert cells["375", "12L768D"]["text"] == "n/a (unfinished)"
 
     # learning curves: one subplot per cell, the cell's best run (or its unfinished run), one line per k
@@ -143,17 +163,18 @@ def test_canon_by_pos_panels_share_one_scale(tmp_path, capsys):
     assert main([str(s), "--out", str(out)]) == 0
     capsys.readouterr()
     doc = json.loads((out / "report.json").read_text())
-    assert [t["name"] for t in doc["tables"]] == [f"depo1: arch=llama canon={c} pos={p}"
-                                                  for c in ("none", "ABCD") for p in ("nope", "rope")]
-    assert (out / "table-canon.set-ABCD_pos.type-rope.csv").read_text() == \
-        "task.N \\ model.size,2L64D\n16,60.0/95.0\n"
+    assert [t["name"] for t in doc["tables"]] == [
+        f"depo1: arch=llama canon={c} pos={p}" for c in ("none", "ABCD") for p in ("nope", "rope")
+    ]
+    assert (out / "table-canon.set-ABCD_pos.type-rope.csv").read_text() == "task.N \\ model.size,2L64D\n16,60.0/95.0\n"
     (pan,) = [f for f in doc["figures"] if f["type"] == "panels"]
     assert pan["file"] == "heatmaps.png" and pan["tables"] == [0, 1, 2, 3] and (pan["vmin"], pan["vmax"]) == (0, 100)
     img = imread(out / pan["file"])
     assert img.shape[:2] == (pan["size_px"][1], pan["size_px"][0])
     cells = pan["cells"]
     assert [c["panel"] for c in cells] == [0, 1, 2, 3] and [c["value"] for c in cells] == pytest.approx(
-        [5.0, 12.0, 55.0, 60.0])  # none/nope, none/rope, ABCD/nope, ABCD/rope (by hand in _sweep_2x2)
+        [5.0, 12.0, 55.0, 60.0]
+    )  # none/nope, none/rope, ABCD/nope, ABCD/rope (by hand in _sweep_2x2)
     vals = [_lut_value(_pixel(img, c["probe_px"]), 0, 100)[0] for c in cells]
     assert vals == sorted(vals) and vals == pytest.approx([5.0, 12.0, 55.0, 60.0], abs=0.6)
     # 2 x 2 panels: a line per Canon set, a column per position encoding
@@ -191,10 +212,10 @@ def test_out_never_overwrites_and_errors_write_nothing(tmp_path, capsys):
 def test_several_dirs_are_one_sweep(tmp_path, capsys):
     a, b = tmp_path / "a", tmp_path / "b"
     _run(a, "0", 225, "8L512D", 1e-3, 0.50, 0.90)
-    _run(b, "0", 225, "8L512D", 2e-3, 0.70, 0.80)   # the other lr of the same cell, from another sweep
+    _run(b, "0", 225, "8L512D", 2e-3, 0.70, 0.80)  # the other lr of the same cell, from another sweep
     _run(b, "1", 225, "12L768D", 1e-3, 0.20, 0.30)
     out = tmp_path / "out"
-    assert main([str(a), str(b), str(a), "--out", str(out)]) == 0   # a dir given twice counts once
+    assert main([str(a), str(b), str(a), "--out", str(out)]) == 0  # a dir given twice counts once
     capsys.readouterr()
     assert (out / "table.csv").read_text() == "task.N \\ model.size,8L512D,12L768D\n225,70.0/80.0,20.0/30.0\n"
     doc = json.loads((out / "report.json").read_text())

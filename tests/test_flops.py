@@ -28,9 +28,11 @@ from conftest import ARCH_PRESETS
 # The Hydra arch presets as plain dicts, plus a GQA / standard-MLP / tied-head Llama.
 PRESETS = {**ARCH_PRESETS, "llama_gqa_std": dict(arch="llama", n_kv_heads=1, mlp="standard", tie_embeddings=True)}
 LINEAR_CANONS = ("", "b", "AbCD", "AbBCD")
-CASES = ([("llama", ""), ("llama", "ABCD"), ("llama_gqa_std", "ABCD")]
-         + [(p, c) for p in ("gla", "gla5", "gdn", "gdn2", "mamba2") for c in LINEAR_CANONS]
-         + [("mamba2_nomlp", c) for c in ("", "b", "Ab", "AbB")])
+CASES = (
+    [("llama", ""), ("llama", "ABCD"), ("llama_gqa_std", "ABCD")]
+    + [(p, c) for p in ("gla", "gla5", "gdn", "gdn2", "mamba2") for c in LINEAR_CANONS]
+    + [("mamba2_nomlp", c) for c in ("", "b", "Ab", "AbB")]
+)
 # (T, chunk): T a multiple of the chunk; T not a multiple and a chunk that is not a power of two (GLA pads it to 8);
 # T shorter than the chunk (one chunk of T).
 SHAPES = ((16, 8), (13, 6), (5, 8))
@@ -39,8 +41,9 @@ BATCH, VOCAB = 2, 32
 
 def _cfg(preset: str, canon: str, size: str = "2L64D", vocab: int = VOCAB, **kw):
     model = dict(PRESETS[preset], size=size, **kw)
-    return build_model_config(model, canon={"set": canon}, pos={"type": "rope"}, vocab_size=vocab, max_seq_len=64,
-                              ops="reference")
+    return build_model_config(
+        model, canon={"set": canon}, pos={"type": "rope"}, vocab_size=vocab, max_seq_len=64, ops="reference"
+    )
 
 
 def _model(cfg) -> CanonLM:
@@ -77,8 +80,10 @@ def table():
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         lines.append("| " + " | ".join(str(x) for x in r) + " |")
-    print("\n\nForward FLOPs per token: formula (convention='reference', without GDN's solve) vs FlopCounterMode "
-          f"(batch {BATCH}, size 2L64D, vocab {VOCAB}, ops=reference); dense = the MFU convention\n" + "\n".join(lines))
+    print(
+        "\n\nForward FLOPs per token: formula (convention='reference', without GDN's solve) vs FlopCounterMode "
+        f"(batch {BATCH}, size 2L64D, vocab {VOCAB}, ops=reference); dense = the MFU convention\n" + "\n".join(lines)
+    )
 
 
 @pytest.mark.parametrize("preset,canon", CASES, ids=[f"{p}-{c or 'none'}" for p, c in CASES])
@@ -95,8 +100,19 @@ def test_reference_formula_equals_flop_counter(preset, canon, table):
             # fwd + bwd over fwd, matmuls only (the "3 x forward" training convention); one Canon setting per arch
             ratio_bwd = _count(model, T, backward=True, matmuls_only=True) / _count(model, T, matmuls_only=True)
         dense = flops_per_token(cfg, T, convention="dense", training=False)["forward"]
-        table.append((preset, canon or "none", T, C, f"{formula:,.1f}", f"{counted:,.1f}", f"{formula / counted:.6f}",
-                      f"{dense:,.1f}", "" if ratio_bwd is None else f"{ratio_bwd:.3f}"))
+        table.append(
+            (
+                preset,
+                canon or "none",
+                T,
+                C,
+                f"{formula:,.1f}",
+                f"{counted:,.1f}",
+                f"{formula / counted:.6f}",
+                f"{dense:,.1f}",
+                "" if ratio_bwd is None else f"{ratio_bwd:.3f}",
+            )
+        )
 
 
 def test_counter_sees_every_matmul_of_the_llama_reference():
@@ -143,7 +159,7 @@ def test_gdn_solve_is_L_Lminus1_per_rhs(L, K, V):
     with FlopCounterMode(display=False) as fc:
         rows = [b[0:1]]
         for i in range(1, L):
-            rows.append(b[i:i + 1] - A[i:i + 1, :i] @ torch.cat(rows, 0))
+            rows.append(b[i : i + 1] - A[i : i + 1, :i] @ torch.cat(rows, 0))
         x = torch.cat(rows, 0)
     assert fc.get_total_flops() == L * (L - 1) * R
     torch.testing.assert_close(x, torch.linalg.solve_triangular(A, b, upper=False, unitriangular=True))
@@ -224,8 +240,11 @@ def test_paper_scale_table():
         with torch.device("meta"), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = CanonLM(cfg)
-        n = model.num_params() - model.tok_emb.weight.numel() + (model.lm_head.weight.numel() if cfg.tie_embeddings
-                                                                  else 0)
+        n = (
+            model.num_params()
+            - model.tok_emb.weight.numel()
+            + (model.lm_head.weight.numel() if cfg.tie_embeddings else 0)
+        )
         T = 2048
         if cfg.arch == "llama":
             old = 6 * n + 12 * cfg.n_layers * cfg.d_model * T
@@ -234,10 +253,24 @@ def test_paper_scale_table():
         f = flops_per_token(cfg, T, chunk_size=64)
         c = flops_per_token(cfg, T, chunk_size=64, convention="causal")
         seq = 3 * (f["attention"] + f["scan_intra"] + f["scan_state"] + f["scan_solve"])
-        rows.append((preset, canon, cfg.n_layers, f"{old / 1e9:.3f}", f"{f['total'] / 1e9:.3f}",
-                     f"{c['total'] / 1e9:.3f}", f"{f['total'] / old:.3f}", f"{seq / f['total']:.1%}"))
+        rows.append(
+            (
+                preset,
+                canon,
+                cfg.n_layers,
+                f"{old / 1e9:.3f}",
+                f"{f['total'] / 1e9:.3f}",
+                f"{c['total'] / 1e9:.3f}",
+                f"{f['total'] / old:.3f}",
+                f"{seq / f['total']:.1%}",
+            )
+        )
         assert f["total"] > 0
     head = ("arch", "canon", "layers", "old GFLOPs/tok", "dense", "causal", "dense/old", "sequence-mixing share")
-    print("\n\nTraining FLOPs per token, 12L768D, vocab 32000, T = 2048, chunk 64\n"
-          + "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-                      + ["| " + " | ".join(str(x) for x in r) + " |" for r in rows]))
+    print(
+        "\n\nTraining FLOPs per token, 12L768D, vocab 32000, T = 2048, chunk 64\n"
+        + "\n".join(
+            ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+            + ["| " + " | ".join(str(x) for x in r) + " |" for r in rows]
+        )
+    )

@@ -20,11 +20,11 @@ def parse_and_check(task, inst):
     toks = [int(x) for x in inst.tokens]
     assert len(toks) == 2 * n + 2
     assert toks[0] == n + 1 and toks[n + 1] == n + 2
-    first, copy = toks[1:n + 1], toks[n + 2:]
+    first, copy = toks[1 : n + 1], toks[n + 2 :]
     assert sorted(first) == list(range(1, n + 1)), "first half must be a permutation of 1..n"
     assert copy == first
     exp_loss = np.zeros(2 * n + 2, bool)
-    exp_loss[n + 2:] = True
+    exp_loss[n + 2 :] = True
     np.testing.assert_array_equal(inst.loss_mask, exp_loss)
     np.testing.assert_array_equal(inst.answer_id, np.where(exp_loss, 0, -1))
     np.testing.assert_array_equal(inst.group, exp_loss.astype(int))
@@ -68,11 +68,12 @@ def test_batched_generation_equals_single_instances_and_splits_differ():
     b = task.generate("test", w, i)
     for r in range(len(w)):
         one = task.instance("test", (int(w[r]), int(i[r])))
-        np.testing.assert_array_equal(b.tokens[b.offsets[r]:b.offsets[r + 1]], one.tokens)
+        np.testing.assert_array_equal(b.tokens[b.offsets[r] : b.offsets[r + 1]], one.tokens)
     a = {s: task.generate(s, np.arange(30), np.zeros(30, dtype=np.int64)).tokens for s in ("train", "val", "test")}
     assert not np.array_equal(a["train"], a["val"]) and not np.array_equal(a["val"], a["test"])
-    assert not np.array_equal(task.generate("train", np.arange(30), np.zeros(30, dtype=np.int64), seed=3).tokens,
-                              a["train"])
+    assert not np.array_equal(
+        task.generate("train", np.arange(30), np.zeros(30, dtype=np.int64), seed=3).tokens, a["train"]
+    )
     np.testing.assert_array_equal(task.estimate_lengths("train", w, i), np.full(5, 22.0))
 
 

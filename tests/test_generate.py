@@ -19,8 +19,12 @@ import torch
 from conftest import ROOT, compose
 
 TINY = ["task=depo1_cpu", "model.size=2L64D", "task.N=8", "task.K=4", "task.vocab_V=6", "task.context=128"]
-ARCHS = {"llama": [], "gla": ["arch=gla", "canon=AbCD"], "gdn": ["arch=gdn", "canon=AbCD"],
-         "mamba2": ["arch=mamba2", "canon=AbCD"]}
+ARCHS = {
+    "llama": [],
+    "gla": ["arch=gla", "canon=AbCD"],
+    "gdn": ["arch=gdn", "canon=AbCD"],
+    "mamba2": ["arch=mamba2", "canon=AbCD"],
+}
 PROMPTS = ["<bos> p3.e1 e2 p4.e5 <query_1> p3.e1 <ans>", "<bos> e4", "<bos> e2 e6 p1.e3 e2 <query_2>"]
 
 
@@ -37,8 +41,10 @@ def _make_run(run: Path, overrides: list[str], seed: int = 0) -> Path:
     (run / ".hydra").mkdir(parents=True)
     OmegaConf.save(cfg, run / ".hydra" / "config.yaml")
     (run / "checkpoints").mkdir()
-    torch.save({"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}, "global_step": 3},
-               run / "checkpoints" / "last.ckpt")
+    torch.save(
+        {"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}, "global_step": 3},
+        run / "checkpoints" / "last.ckpt",
+    )
     return run
 
 
@@ -54,7 +60,7 @@ def _greedy_full_forward(model, prompt: np.ndarray, n: int) -> list[int]:
     with torch.no_grad():
         for _ in range(n):
             seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
-    return seq[len(prompt):]
+    return seq[len(prompt) :]
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
@@ -84,11 +90,27 @@ def test_trained_run_from_train_py(tmp_path):
     from canonlm.eval.load import load_model
     from canonlm.generate import run
 
-    cmd = [sys.executable, str(ROOT / "train.py"), *TINY, "data.batch_size=8", "data.val_windows=8",
-           "trainer.max_steps=5", "trainer.val_check_interval=5", "test=false", "logger=none", "run_name=g",
-           f"paths.log_dir={tmp_path}/logs"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                       env={**__import__("os").environ, "WANDB_MODE": "disabled"})
+    cmd = [
+        sys.executable,
+        str(ROOT / "train.py"),
+        *TINY,
+        "data.batch_size=8",
+        "data.val_windows=8",
+        "trainer.max_steps=5",
+        "trainer.val_check_interval=5",
+        "test=false",
+        "logger=none",
+        "run_name=g",
+        f"paths.log_dir={tmp_path}/logs",
+    ]
+    p = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={**__import__("os").environ, "WANDB_MODE": "disabled"},
+    )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     rd = tmp_path / "logs" / "train" / "runs" / "g"
     recs = run([str(rd), "--prompt", PROMPTS[0], "--prompt", PROMPTS[2], "--max-new-tokens", "8"], out=io.StringIO())
@@ -116,7 +138,7 @@ def test_sampling_seed_batch_and_top_k(runs):
     with torch.no_grad():  # every sampled token is among the 3 largest logits of a full forward at its position
         for p, o in zip(ids, top3, strict=True):
             assert len(o) == 10
-            logits = g.model(torch.tensor([np.concatenate([p, o]).tolist()]))[0, len(p) - 1:-1]
+            logits = g.model(torch.tensor([np.concatenate([p, o]).tolist()]))[0, len(p) - 1 : -1]
             top = torch.topk(logits, 3, dim=-1).indices
             assert all(int(t) in top[j].tolist() for j, t in enumerate(o))
 
@@ -137,21 +159,45 @@ def test_cli_text_json_ids_and_prompt_file(runs, tmp_path):
     from canonlm.generate import run
 
     buf = io.StringIO()
-    recs = run([str(runs["llama"]), "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--max-new-tokens", "6",
-                "--device", "cpu"], out=buf)
+    recs = run(
+        [
+            str(runs["llama"]),
+            "--prompt",
+            PROMPTS[0],
+            "--prompt",
+            PROMPTS[1],
+            "--max-new-tokens",
+            "6",
+            "--device",
+            "cpu",
+        ],
+        out=buf,
+    )
     lines = buf.getvalue().splitlines()
     task = build_task("depo1", load_model(runs["llama"], device="cpu").task_cfg)
     assert len(lines) == 2 and all(len(r["continuation_ids"]) == 6 for r in recs)
     for line, p, r in zip(lines, PROMPTS, recs):
         assert line == f"{p} -> {task.decode(r['continuation_ids'])}"
-        assert r["prompt_ids"] == [int(t) for t in np.asarray(
-            [task.token_names().index(w) for w in p.replace(".", " ").split()])]
+        assert r["prompt_ids"] == [
+            int(t) for t in np.asarray([task.token_names().index(w) for w in p.replace(".", " ").split()])
+        ]
     # the checkpoint file loads the same model; --json prints one list; --prompt-file adds one prompt per line
     f = tmp_path / "prompts.txt"
     f.write_text(PROMPTS[1] + "\n\n" + PROMPTS[2] + "\n")
     buf = io.StringIO()
-    recs2 = run([str(runs["llama"] / "checkpoints" / "last.ckpt"), "--prompt", PROMPTS[0], "--prompt-file", str(f),
-                 "--max-new-tokens", "6", "--json"], out=buf)
+    recs2 = run(
+        [
+            str(runs["llama"] / "checkpoints" / "last.ckpt"),
+            "--prompt",
+            PROMPTS[0],
+            "--prompt-file",
+            str(f),
+            "--max-new-tokens",
+            "6",
+            "--json",
+        ],
+        out=buf,
+    )
     assert json.loads(buf.getvalue()) == recs2 and [r["prompt"] for r in recs2] == [PROMPTS[0], *PROMPTS[1:]]
     assert recs2[:2] == recs
     # --ids: prompts and output as token ids (same tokens)
@@ -170,20 +216,26 @@ def test_default_max_new_tokens_fits_the_context(runs):
     assert len(recs[0]["continuation_ids"]) == 17
 
 
-@pytest.mark.parametrize("args, flag, words", [
-    (["--prompt", "<bos> zz"], "--prompt='<bos> zz'", ["token 'zz' is not in the vocabulary", "<bos>", "--ids"]),
-    (["--prompt", "3 19", "--ids"], "--prompt='3 19'", ["token id 19 is outside the vocabulary", "[0, 19)"]),
-    (["--prompt", "<bos>", "--max-new-tokens", "128"], "--max-new-tokens=128", ["[1, 127]", "context 128"]),
-    (["--prompt", "<bos>", "--max-new-tokens", "0"], "--max-new-tokens=0", ["an integer >= 1"]),
-    (["--prompt", "<bos>", "--temperature", "-0.5"], "--temperature=-0.5", ["a number >= 0"]),
-    (["--prompt", "<bos>", "--top-k", "-1"], "--top-k=-1", ["an integer >= 0"]),
-    (["--prompt", "<bos> " + "e1 " * 130], "--prompt=", ["shorter than the model's context of 128"]),
-    (["--prompt", "  "], "--prompt='  '", ["a non-empty prompt"]),
-    ([], "--prompt: none given", ["at least one prompt"]),
-    (["--prompt", "<bos>", "--prompt-file", "/nonexistent/p.txt"], "--prompt-file='/nonexistent/p.txt'",
-     ["No such file"]),
-    (["--prompt", "<bos>", "--device", "tpu"], "--device='tpu'", ["auto | cpu | cuda"]),
-])
+@pytest.mark.parametrize(
+    "args, flag, words",
+    [
+        (["--prompt", "<bos> zz"], "--prompt='<bos> zz'", ["token 'zz' is not in the vocabulary", "<bos>", "--ids"]),
+        (["--prompt", "3 19", "--ids"], "--prompt='3 19'", ["token id 19 is outside the vocabulary", "[0, 19)"]),
+        (["--prompt", "<bos>", "--max-new-tokens", "128"], "--max-new-tokens=128", ["[1, 127]", "context 128"]),
+        (["--prompt", "<bos>", "--max-new-tokens", "0"], "--max-new-tokens=0", ["an integer >= 1"]),
+        (["--prompt", "<bos>", "--temperature", "-0.5"], "--temperature=-0.5", ["a number >= 0"]),
+        (["--prompt", "<bos>", "--top-k", "-1"], "--top-k=-1", ["an integer >= 0"]),
+        (["--prompt", "<bos> " + "e1 " * 130], "--prompt=", ["shorter than the model's context of 128"]),
+        (["--prompt", "  "], "--prompt='  '", ["a non-empty prompt"]),
+        ([], "--prompt: none given", ["at least one prompt"]),
+        (
+            ["--prompt", "<bos>", "--prompt-file", "/nonexistent/p.txt"],
+            "--prompt-file='/nonexistent/p.txt'",
+            ["No such file"],
+        ),
+        (["--prompt", "<bos>", "--device", "tpu"], "--device='tpu'", ["auto | cpu | cuda"]),
+    ],
+)
 def test_bad_input_is_one_message_exit_2(runs, capsys, args, flag, words):
     from canonlm.generate import main
 
@@ -268,12 +320,27 @@ def test_codecs_tokenizer_and_ids_fallback():
 
 def test_module_cli_subprocess(runs):
     """``python -m canonlm.generate`` as a user runs it: lines on stdout, exit 0; a bad flag: one line, exit 2."""
-    cmd = [sys.executable, "-m", "canonlm.generate", str(runs["gdn"]), "--prompt", PROMPTS[1], "--max-new-tokens",
-           "4", "--temperature", "0.8", "--top-k", "5", "--seed", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "canonlm.generate",
+        str(runs["gdn"]),
+        "--prompt",
+        PROMPTS[1],
+        "--max-new-tokens",
+        "4",
+        "--temperature",
+        "0.8",
+        "--top-k",
+        "5",
+        "--seed",
+        "1",
+    ]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-2000:]
     out = p.stdout.strip().splitlines()
     assert len(out) == 1 and out[0].startswith(PROMPTS[1] + " -> ") and len(out[0].split(" -> ")[1].split()) >= 1
     p2 = subprocess.run(cmd[:-6] + ["--temperature", "-1"], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert p2.returncode == 2 and p2.stderr.strip() == ("canonlm.generate: error: --temperature=-1.0 is not "
-                                                        "allowed; allowed: a number >= 0 (0 = greedy)")
+    assert p2.returncode == 2 and p2.stderr.strip() == (
+        "canonlm.generate: error: --temperature=-1.0 is not allowed; allowed: a number >= 0 (0 = greedy)"
+    )

@@ -52,27 +52,40 @@ def _run(repo: Path, *args: str, gpu: bool = False, timeout: int = 180) -> subpr
     bindir = repo.parent / "bin"
     bindir.mkdir(exist_ok=True)
     smi = bindir / "nvidia-smi"
-    smi.write_text('#!/bin/sh\necho "GPU 0: NVIDIA H200 (UUID: GPU-0)"\n' if gpu else
-                   '#!/bin/sh\necho "NVIDIA-SMI has failed" >&2\nexit 9\n')
+    smi.write_text(
+        '#!/bin/sh\necho "GPU 0: NVIDIA H200 (UUID: GPU-0)"\n'
+        if gpu
+        else '#!/bin/sh\necho "NVIDIA-SMI has failed" >&2\nexit 9\n'
+    )
     smi.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "CANONLM_KERNEL_CACHE", "SETUP_DRY_RUN")}
     env["PATH"] = f"{bindir}{os.pathsep}{env['PATH']}"
-    return subprocess.run(["bash", str(repo / "scripts" / "gpu_check.sh"), *args], cwd=repo.parent, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        ["bash", str(repo / "scripts" / "gpu_check.sh"), *args],
+        cwd=repo.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _cache_tar(tmp_path: Path, big: int = 0) -> tuple[Path, dict[str, bytes]]:
     """A kernel-cache archive as the pack phase writes it (members relative to the cache root), and its files."""
-    files = {"triton/ab12/_kernel.json": b'{"name": "k"}', "triton/ab12/_kernel.cubin": b"\x7fELF...",
-             "triton/ab12/__grp___kernel.json": b'{"child_paths": {}}', "autotune/mamba/k.json": b'{"index": 3}',
-             "inductor/fxgraph/x/y": b"graph"}
+    files = {
+        "triton/ab12/_kernel.json": b'{"name": "k"}',
+        "triton/ab12/_kernel.cubin": b"\x7fELF...",
+        "triton/ab12/__grp___kernel.json": b'{"child_paths": {}}',
+        "autotune/mamba/k.json": b'{"index": 3}',
+        "inductor/fxgraph/x/y": b"graph",
+    }
     if big:
-        files["triton/big.bin"] = os.urandom(big)                      # incompressible: forces parts
+        files["triton/big.bin"] = os.urandom(big)  # incompressible: forces parts
     path = tmp_path / "cache-in.tar.gz"
     with tarfile.open(path, "w:gz") as t:
         for name, data in files.items():
             info = tarfile.TarInfo("./" + name)
-            info.size, info.mode = len(data), 0o664                    # group-writable in the archive
+            info.size, info.mode = len(data), 0o664  # group-writable in the archive
             t.addfile(info, io.BytesIO(data))
     return path, files
 
@@ -81,7 +94,7 @@ def _table(stdout: str) -> dict[str, tuple[str, str]]:
     """phase -> (status, result) from the table printed last."""
     rows = re.findall(r"^\| (\w+) \| ([^|]+?) \| (\d+) \| ([^|]*?) \| (.*?) \|$", stdout, re.M)
     assert [r[0] for r in rows] == PHASES, stdout[-3000:]
-    assert stdout.rstrip().splitlines()[-1].startswith("| pack |")       # the table is the last thing printed
+    assert stdout.rstrip().splitlines()[-1].startswith("| pack |")  # the table is the last thing printed
     return {r[0]: (r[1], r[4]) for r in rows}
 
 
@@ -94,40 +107,70 @@ def test_dry_run_checks_inputs_prints_each_phase_and_writes_nothing(tmp_path):
     tar, _ = _cache_tar(tmp_path)
     wh = tmp_path / "wh"
     wh.mkdir()
-    shutil.copy(tar, wh / "x-1.0-py3-none-any.whl")                    # any file named like a wheel: present
+    shutil.copy(tar, wh / "x-1.0-py3-none-any.whl")  # any file named like a wheel: present
     out, cache = tmp_path / "out", tmp_path / "cache"
-    res = _run(repo, "--dry-run", "--out", "out", "--wheelhouse", "wh", "--cache-in", tar.name, "--cache-dir",
-               str(cache), "--limit", "bench=200", "--skip", "pytest", "--warmup", "arch=gla canon=AbCD trainer=gpu")
+    res = _run(
+        repo,
+        "--dry-run",
+        "--out",
+        "out",
+        "--wheelhouse",
+        "wh",
+        "--cache-in",
+        tar.name,
+        "--cache-dir",
+        str(cache),
+        "--limit",
+        "bench=200",
+        "--skip",
+        "pytest",
+        "--warmup",
+        "arch=gla canon=AbCD trainer=gpu",
+    )
     assert res.returncode == 0, res.stdout + res.stderr
-    lines = {m[1]: (int(m[2]), m[3]) for m in re.finditer(r"^\[gpu_check\] \d (\w+) +limit +(\d+) s  (.*)$",
-                                                          res.stdout, re.M)}
+    lines = {
+        m[1]: (int(m[2]), m[3])
+        for m in re.finditer(r"^\[gpu_check\] \d (\w+) +limit +(\d+) s  (.*)$", res.stdout, re.M)
+    }
     assert list(lines) == PHASES
     assert lines["bench"][0] == 200 and lines["selfcheck"][0] == 130
     assert lines["install"][1] == f"bash scripts/setup.sh --wheelhouse {wh}"
     assert lines["restore"][1].startswith(f"(umask 077; cat {tar} | tar -xz -C {cache} --no-same-owner")
-    assert lines["selfcheck"][1] == (f".venv/bin/python -m canonlm.selfcheck --quick --budget-s <limit - 25 s> "
-                                     f"--out {out}/selfcheck.md --force")
+    assert lines["selfcheck"][1] == (
+        f".venv/bin/python -m canonlm.selfcheck --quick --budget-s <limit - 25 s> --out {out}/selfcheck.md --force"
+    )
     assert lines["pytest"][1] == "skipped (--skip)"
     assert lines["warmup"][1].startswith("skipped: no CUDA GPU") and lines["bench"][1].startswith("skipped: no CUDA")
     assert "--cache-in" in res.stdout and "(5 files)" in res.stdout
-    assert "[setup] dry run: nothing was changed" in res.stdout            # setup.sh's offline plan, checked too
+    assert "[setup] dry run: nothing was changed" in res.stdout  # setup.sh's offline plan, checked too
     assert not out.exists() and not cache.exists() and not (repo / ".venv" / "lib").exists()
     # the self-check's lines (its --list), the document-masking ones among them; the bench is not in this copy
-    listed = _listed(res.stdout, "selfcheck plan: its lines, document masking (doc-mask) included (.venv/bin/python "
-                                 "-m canonlm.selfcheck --quick --list):")
+    listed = _listed(
+        res.stdout,
+        "selfcheck plan: its lines, document masking (doc-mask) included (.venv/bin/python "
+        "-m canonlm.selfcheck --quick --list):",
+    )
     archs = ("llama", "gla", "gdn", "mamba2")
-    doc = [f"kernel {o} bf16 doc-mask ({how}) fwd+bwd"
-           for o, how in (("gla/fla", "cu_seqlens"), ("gdn/fla", "cu_seqlens"), ("ssd/mamba_ssm", "seq_idx"))] + \
-        ["model llama doc-mask == documents alone (cuda, fp32)"] + \
-        [f"cpu model {a} doc-mask == documents alone (fp32)" for a in archs]
+    doc = (
+        [
+            f"kernel {o} bf16 doc-mask ({how}) fwd+bwd"
+            for o, how in (("gla/fla", "cu_seqlens"), ("gdn/fla", "cu_seqlens"), ("ssd/mamba_ssm", "seq_idx"))
+        ]
+        + ["model llama doc-mask == documents alone (cuda, fp32)"]
+        + [f"cpu model {a} doc-mask == documents alone (fp32)" for a in archs]
+    )
     assert [n for n in listed if "doc-mask" in n] == doc
     assert "kernel canon/dao bf16 fwd+bwd" in listed and "cpu train llama canon=ABCD 2L64D 5 steps" in listed
     assert "[gpu_check] bench plan: not listed (bench/gpu_step.py not found)" in res.stdout
 
     res = _run(repo, "--dry-run", "--out", "out", "--warmup", "arch=gla canon=AbCD trainer=gpu", gpu=True)
     assert res.returncode == 0, res.stderr
-    assert re.search(r"^\[gpu_check\] 4 warmup +limit +90 s  \.venv/bin/python -m canonlm\.warmup arch=gla canon=AbCD "
-                     r"trainer=gpu$", res.stdout, re.M)
+    assert re.search(
+        r"^\[gpu_check\] 4 warmup +limit +90 s  \.venv/bin/python -m canonlm\.warmup arch=gla canon=AbCD "
+        r"trainer=gpu$",
+        res.stdout,
+        re.M,
+    )
     assert re.search(r"^\[gpu_check\] 2 install .*skipped \(no --wheelhouse", res.stdout, re.M)
 
 
@@ -136,10 +179,10 @@ def _listed(stdout: str, header: str) -> list[str]:
     lines = stdout.splitlines()
     assert f"[gpu_check] {header}" in lines, stdout[-3000:]
     out = []
-    for line in lines[lines.index(f"[gpu_check] {header}") + 1:]:
+    for line in lines[lines.index(f"[gpu_check] {header}") + 1 :]:
         if not line.startswith("[gpu_check]     "):
             break
-        out.append(line[len("[gpu_check]     "):].split("  [", 1)[0])
+        out.append(line[len("[gpu_check]     ") :].split("  [", 1)[0])
     return out
 
 
@@ -149,38 +192,54 @@ def test_dry_run_lists_the_bench_variants_with_document_masking(tmp_path):
     repo = _repo(tmp_path, bench=True)
     res = _run(repo, "--dry-run", "--out", "out", "--bench-args", "--quick --models llama,gla", gpu=True)
     assert res.returncode == 0, res.stdout + res.stderr
-    listed = _listed(res.stdout, "bench plan (on a CUDA GPU): its variants, document-masked ones (/docs) included "
-                                 "(.venv/bin/python bench/gpu_step.py --quick --models llama,gla --list):")
-    assert listed == ["12L768D/llama/none/-/eager", "12L768D/llama/ABCD/auto/eager",
-                      "12L768D/llama/ABCD/auto/eager/docs", "12L768D/llama/none/-/compiled",
-                      "12L768D/llama/ABCD/auto/compiled", "12L768D/gla/b/auto/eager", "12L768D/gla/AbCD/auto/eager",
-                      "12L768D/gla/AbCD/auto/eager/docs"]
+    listed = _listed(
+        res.stdout,
+        "bench plan (on a CUDA GPU): its variants, document-masked ones (/docs) included "
+        "(.venv/bin/python bench/gpu_step.py --quick --models llama,gla --list):",
+    )
+    assert listed == [
+        "12L768D/llama/none/-/eager",
+        "12L768D/llama/ABCD/auto/eager",
+        "12L768D/llama/ABCD/auto/eager/docs",
+        "12L768D/llama/none/-/compiled",
+        "12L768D/llama/ABCD/auto/compiled",
+        "12L768D/gla/b/auto/eager",
+        "12L768D/gla/AbCD/auto/eager",
+        "12L768D/gla/AbCD/auto/eager/docs",
+    ]
     assert not (tmp_path / "out").exists()
     res = _run(repo, "--dry-run", "--out", "out", "--bench-args", "--quick --doc-models none", gpu=True)
-    listed = _listed(res.stdout, "bench plan (on a CUDA GPU): its variants, document-masked ones (/docs) included "
-                                 "(.venv/bin/python bench/gpu_step.py --quick --doc-models none --list):")
+    listed = _listed(
+        res.stdout,
+        "bench plan (on a CUDA GPU): its variants, document-masked ones (/docs) included "
+        "(.venv/bin/python bench/gpu_step.py --quick --doc-models none --list):",
+    )
     assert res.returncode == 0 and len(listed) == 11 and not [n for n in listed if "/docs" in n], listed
     res = _run(repo, "--dry-run", "--out", "out", "--bench-args", "--quick --doc-len x", gpu=True)
-    assert res.returncode == 0 and re.search(r"^\[gpu_check\] bench plan .*: not listed \(.* exits 2: .*--doc-len",
-                                             res.stdout, re.M), res.stdout[-2000:]
+    assert res.returncode == 0 and re.search(
+        r"^\[gpu_check\] bench plan .*: not listed \(.* exits 2: .*--doc-len", res.stdout, re.M
+    ), res.stdout[-2000:]
 
 
-@pytest.mark.parametrize("make, args, names", [
-    (None, ["--wheelhouse", "nowhere"], ["--wheelhouse", "nowhere': no such directory"]),
-    ("emptydir:wh", ["--wheelhouse", "wh"], ["--wheelhouse", "holds no .whl file"]),
-    ("text:c.tgz", ["--cache-in", "c.tgz"], ["--cache-in", "c.tgz': not a readable .tar.gz"]),
-    (None, ["--cache-in", "none.tgz"], ["--cache-in", "no such file (nor its parts"]),
-    ("text:afile", ["--out", "afile"], ["--out", "afile': exists and is not a directory"]),
-    ("text:afile", ["--out", "afile/sub"], ["--out", "cannot be created"]),
-    ("summary:out", ["--out", "out"], ["already holds summary.md", "--force"]),
-    ("mode777:cdir", ["--cache-dir", "ABS:cdir"], ["--cache-dir", "writable by group or others (mode 777)"]),
-    (None, ["--cache-dir", "rel/cache"], ["--cache-dir 'rel/cache': must be an absolute path"]),
-    (None, ["--skip", "facts,gpu"], ["--skip 'facts,gpu': unknown phase 'gpu'", "selfcheck"]),
-    (None, ["--limit", "bench"], ["--limit 'bench'", "PHASE=SECONDS"]),
-    (None, ["--limit", "bench=2m"], ["--limit 'bench=2m'", "whole number"]),
-    (None, ["--budget", "0"], ["--budget '0'"]),
-    (None, ["--frobnicate"], ["unknown argument '--frobnicate'", "--dry-run"]),
-])
+@pytest.mark.parametrize(
+    "make, args, names",
+    [
+        (None, ["--wheelhouse", "nowhere"], ["--wheelhouse", "nowhere': no such directory"]),
+        ("emptydir:wh", ["--wheelhouse", "wh"], ["--wheelhouse", "holds no .whl file"]),
+        ("text:c.tgz", ["--cache-in", "c.tgz"], ["--cache-in", "c.tgz': not a readable .tar.gz"]),
+        (None, ["--cache-in", "none.tgz"], ["--cache-in", "no such file (nor its parts"]),
+        ("text:afile", ["--out", "afile"], ["--out", "afile': exists and is not a directory"]),
+        ("text:afile", ["--out", "afile/sub"], ["--out", "cannot be created"]),
+        ("summary:out", ["--out", "out"], ["already holds summary.md", "--force"]),
+        ("mode777:cdir", ["--cache-dir", "ABS:cdir"], ["--cache-dir", "writable by group or others (mode 777)"]),
+        (None, ["--cache-dir", "rel/cache"], ["--cache-dir 'rel/cache': must be an absolute path"]),
+        (None, ["--skip", "facts,gpu"], ["--skip 'facts,gpu': unknown phase 'gpu'", "selfcheck"]),
+        (None, ["--limit", "bench"], ["--limit 'bench'", "PHASE=SECONDS"]),
+        (None, ["--limit", "bench=2m"], ["--limit 'bench=2m'", "whole number"]),
+        (None, ["--budget", "0"], ["--budget '0'"]),
+        (None, ["--frobnicate"], ["unknown argument '--frobnicate'", "--dry-run"]),
+    ],
+)
 @pytest.mark.parametrize("dry", [True, False])
 def test_bad_input_is_refused_before_anything_runs(tmp_path, make, args, names, dry):
     repo = _repo(tmp_path)
@@ -200,7 +259,7 @@ def test_bad_input_is_refused_before_anything_runs(tmp_path, make, args, names, 
     args = [str(tmp_path / a[4:]) if a.startswith("ABS:") else a for a in args]
     res = _run(repo, *(["--dry-run"] if dry else []), "--out", str(tmp_path / "o"), *args)
     assert res.returncode == 2, res.stdout + res.stderr
-    assert "=== " not in res.stdout and "limit" not in res.stdout        # no phase ran or was listed
+    assert "=== " not in res.stdout and "limit" not in res.stdout  # no phase ran or was listed
     for n in names:
         assert n in res.stderr, res.stderr
     assert not (tmp_path / "o").exists() or "--out" in args
@@ -214,16 +273,29 @@ def test_real_run_without_a_gpu_reports_each_phase_and_packs_the_cache(tmp_path)
     tar, files = _cache_tar(tmp_path, big=2_500_000)
     out, cache = tmp_path / "out", tmp_path / "cache"
     t0 = time.monotonic()
-    res = _run(repo, "--out", "out", "--cache-in", tar.name, "--cache-dir", str(cache), "--limit", "selfcheck=4",
-               "--max-file-mib", "1")
+    res = _run(
+        repo,
+        "--out",
+        "out",
+        "--cache-in",
+        tar.name,
+        "--cache-dir",
+        str(cache),
+        "--limit",
+        "selfcheck=4",
+        "--max-file-mib",
+        "1",
+    )
     took = time.monotonic() - t0
-    assert res.returncode == 1, res.stdout + res.stderr                   # a phase timed out
+    assert res.returncode == 1, res.stdout + res.stderr  # a phase timed out
     rows = _table(res.stdout)
     assert rows["facts"][0] == "OK" and "torch " in rows["facts"][1]
     assert rows["install"] == ("SKIP", "skipped (no --wheelhouse: the environment as it is)")
     assert rows["restore"][0] == "OK" and rows["restore"][1].startswith(f"{len(files)} files, ")
-    assert rows["warmup"] == ("SKIP", "skipped (no --warmup config: the bench and the self-check compile what they "
-                                      "use)")
+    assert rows["warmup"] == (
+        "SKIP",
+        "skipped (no --warmup config: the bench and the self-check compile what they use)",
+    )
     for p in ("pytest", "bench"):
         assert rows[p] == ("SKIP", "skipped: no CUDA GPU (nvidia-smi -L lists none)")
     assert rows["selfcheck"][0] == "TIMEOUT"
@@ -235,16 +307,30 @@ def test_real_run_without_a_gpu_reports_each_phase_and_packs_the_cache(tmp_path)
     assert all(stat.S_IMODE(p.stat().st_mode) & 0o077 == 0 for p in cache.rglob("*"))
     # --out: flat, within the limits, the summary holding the same table
     names = sorted(p.name for p in out.iterdir())
-    assert names == ["kernel-cache.tar.gz.00", "kernel-cache.tar.gz.01", "kernel-cache.tar.gz.02", "phases.log",
-                     "summary.md"]
+    assert names == [
+        "kernel-cache.tar.gz.00",
+        "kernel-cache.tar.gz.01",
+        "kernel-cache.tar.gz.02",
+        "phases.log",
+        "summary.md",
+    ]
     assert all(p.is_file() and p.stat().st_size <= 1 << 20 for p in out.iterdir())
     assert "| selfcheck | TIMEOUT |" in (out / "summary.md").read_text()
     assert "=== 5 selfcheck (limit 4 s)" in (out / "phases.log").read_text()
 
     # the parts restore in a later run, into another cache directory
     cache2 = tmp_path / "cache2"
-    res = _run(repo, "--out", "out2", "--cache-in", str(out / "kernel-cache.tar.gz"), "--cache-dir", str(cache2),
-               "--skip", "facts,selfcheck,pack")
+    res = _run(
+        repo,
+        "--out",
+        "out2",
+        "--cache-in",
+        str(out / "kernel-cache.tar.gz"),
+        "--cache-dir",
+        str(cache2),
+        "--skip",
+        "facts,selfcheck,pack",
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     assert _table(res.stdout)["restore"][0] == "OK"
     assert _tree(cache2) == files
@@ -254,9 +340,24 @@ def test_gpu_phases_that_fail_or_time_out_here_are_reported_and_the_script_goes_
     """With a GPU listed (fake nvidia-smi), warmup, pytest and bench run on this CPU: each fails or hits its limit
     (this repository copy has no tests/ or bench/), each is recorded as such, and the table still comes last."""
     repo = _repo(tmp_path)
-    res = _run(repo, "--out", "out", "--cache-dir", str(tmp_path / "cache"), "--skip", "selfcheck,pack",
-               "--warmup", "arch=llama model.size=2L64D", "--limit", "warmup=3", "--limit", "pytest=20",
-               "--limit", "bench=20", gpu=True)
+    res = _run(
+        repo,
+        "--out",
+        "out",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--skip",
+        "selfcheck,pack",
+        "--warmup",
+        "arch=llama model.size=2L64D",
+        "--limit",
+        "warmup=3",
+        "--limit",
+        "pytest=20",
+        "--limit",
+        "bench=20",
+        gpu=True,
+    )
     assert res.returncode == 1, res.stdout + res.stderr
     rows = _table(res.stdout)
     for p in ("warmup", "pytest", "bench"):
@@ -273,9 +374,12 @@ def test_budget_cuts_phases_and_keeps_time_for_pack(tmp_path):
     res = _run(repo, "--out", "out", "--cache-dir", str(tmp_path / "cache"), "--budget", "12", "--limit", "pack=3")
     rows = _table(res.stdout)
     for p in ("facts", "restore", "selfcheck"):
-        assert rows[p][0] == "SKIP" and re.fullmatch(r"skipped: no time left \(\d s of the --budget 12 s left for it; "
-                                                     r"it needs at least \d+ s\)", rows[p][1]), rows
-    assert rows["pack"] == ("OK", f"no cache directory {tmp_path / 'cache'}: nothing to pack")   # it ran
+        assert rows[p][0] == "SKIP" and re.fullmatch(
+            r"skipped: no time left \(\d s of the --budget 12 s left for it; "
+            r"it needs at least \d+ s\)",
+            rows[p][1],
+        ), rows
+    assert rows["pack"] == ("OK", f"no cache directory {tmp_path / 'cache'}: nothing to pack")  # it ran
     assert res.returncode == 0
 
 

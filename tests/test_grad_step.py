@@ -56,8 +56,8 @@ def _probe_class():
         def __init__(self, *args, poison=(), **kwargs):
             super().__init__(*args, **kwargs)
             self.poison = set(poison)
-            self.reading = False      # the read counter is on
-            self.norming = False      # the norm counter is on
+            self.reading = False  # the read counter is on
+            self.norming = False  # the norm counter is on
             self.reads: dict[int, list[str]] = {}
             self.norm_calls: dict[int, dict[str, int]] = {}
             self.grads_before: dict[int, list[torch.Tensor]] = {}
@@ -85,8 +85,9 @@ def _probe_class():
         def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
             step = self.trainer.global_step + 1
             super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
-            self.grads_after[step] = [None if p.grad is None else p.grad.detach().clone()
-                                      for p in self._params(optimizer)]
+            self.grads_after[step] = [
+                None if p.grad is None else p.grad.detach().clone() for p in self._params(optimizer)
+            ]
 
         def on_train_batch_end(self, outputs, batch, batch_idx):
             try:
@@ -97,8 +98,10 @@ def _probe_class():
                 self.reads[step] = self.reads.get(step, []) + self._reads_now
                 self._reads_now = []
                 opt = self.trainer.optimizers[0]
-                self.states[step] = ({k: v.detach().clone() for k, v in self.model.state_dict().items()},
-                                     {id(p): {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()})
+                self.states[step] = (
+                    {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+                    {id(p): {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()},
+                )
 
         @staticmethod
         def _params(optimizer):
@@ -135,8 +138,19 @@ def counted(monkeypatch):
 
         monkeypatch.setattr(owner, name, norm)
 
-    def fit(tmp_path, *, steps, every, clip=1.0, fused=True, poison=(), max_nonfinite=5, precision="32-true",
-            plugins=(), accumulate=1):
+    def fit(
+        tmp_path,
+        *,
+        steps,
+        every,
+        clip=1.0,
+        fused=True,
+        poison=(),
+        max_nonfinite=5,
+        precision="32-true",
+        plugins=(),
+        accumulate=1,
+    ):
         from canonlm.train.datamodule import SyntheticDataModule
         from canonlm.config.build import build_configs
 
@@ -144,17 +158,36 @@ def counted(monkeypatch):
         task, mcfg = build_configs(cfg)
         task_cfg = OmegaConf.to_container(cfg.task, resolve=True)
         L.seed_everything(0, verbose=False)
-        module = _probe_class()(mcfg, optimizer=partial(torch.optim.AdamW, lr=1e-3, fused=fused),
-                                sched={"name": "constant"}, total_steps=steps, loss={}, num_groups=task.num_groups,
-                                max_nonfinite_steps=max_nonfinite, poison=poison)
+        module = _probe_class()(
+            mcfg,
+            optimizer=partial(torch.optim.AdamW, lr=1e-3, fused=fused),
+            sched={"name": "constant"},
+            total_steps=steps,
+            loss={},
+            num_groups=task.num_groups,
+            max_nonfinite_steps=max_nonfinite,
+            poison=poison,
+        )
         module.tokens_per_step = BATCH * int(task_cfg["context"])
         current["module"] = module
         logger = Capture()
-        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, log_every_n_steps=every,
-                            gradient_clip_val=clip, precision=precision, logger=logger, enable_checkpointing=False,
-                            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                            limit_val_batches=0, default_root_dir=str(tmp_path), plugins=list(plugins),
-                            accumulate_grad_batches=accumulate)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=steps,
+            log_every_n_steps=every,
+            gradient_clip_val=clip,
+            precision=precision,
+            logger=logger,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
+            default_root_dir=str(tmp_path),
+            plugins=list(plugins),
+            accumulate_grad_batches=accumulate,
+        )
         dm = SyntheticDataModule(task, task_cfg, batch_size=BATCH)
         try:
             trainer.fit(module, datamodule=dm)
@@ -289,12 +322,13 @@ def test_fp16_mixed_clips_unscaled_gradients_and_skips_overflows(tmp_path, count
 
     scaler = torch.amp.GradScaler("cpu")
     plugin = MixedPrecision("16-mixed", "cpu", scaler=scaler)  # Lightning maps 16-mixed on the CPU to bf16
-    module, trainer, rows = counted(tmp_path, steps=3, every=1, clip=0.05, fused=fused, poison=(2,),
-                                    precision=None, plugins=[plugin])
-    assert trainer.precision_plugin is plugin and scaler.get_scale() == 2.0 ** 15
+    module, trainer, rows = counted(
+        tmp_path, steps=3, every=1, clip=0.05, fused=fused, poison=(2,), precision=None, plugins=[plugin]
+    )
+    assert trainer.precision_plugin is plugin and scaler.get_scale() == 2.0**15
     logged = _metric(rows, "train/grad_norm")
     assert len(logged) == 3 and math.isnan(logged[1])
-    for step, value, scale in ((1, logged[0], 2.0 ** 16), (3, logged[2], 2.0 ** 15)):
+    for step, value, scale in ((1, logged[0], 2.0**16), (3, logged[2], 2.0**15)):
         copies = [torch.nn.Parameter(torch.zeros_like(g)) for g in module.grads_before[step]]
         for c, g in zip(copies, module.grads_before[step]):
             c.grad = g / scale if fused else g.clone()
@@ -320,13 +354,31 @@ def test_device_side_skip_on_two_processes(strategy, tmp_path):
 
     from conftest import ROOT
 
-    cmd = [sys.executable, str(ROOT / "train.py"), *TINY, "data.batch_size=8", "data.val_windows=16",
-           "trainer.val_check_interval=3", "trainer.log_every_n_steps=2", "callbacks=none", "logger=none",
-           f"paths.log_dir={tmp_path}/logs", "run_name=dist_nan", f"strategy={strategy}", "trainer=ddp_sim",
-           *(["strategy.param_dtype=fp32"] if strategy == "fsdp2" else []),
-           "optim.lr=1e25", "sched.warmup_steps=0", "max_nonfinite_steps=3", "trainer.max_steps=20", "test=false"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path,
-                       env={**os.environ, "WANDB_MODE": "disabled"})
+    cmd = [
+        sys.executable,
+        str(ROOT / "train.py"),
+        *TINY,
+        "data.batch_size=8",
+        "data.val_windows=16",
+        "trainer.val_check_interval=3",
+        "trainer.log_every_n_steps=2",
+        "callbacks=none",
+        "logger=none",
+        f"paths.log_dir={tmp_path}/logs",
+        "run_name=dist_nan",
+        f"strategy={strategy}",
+        "trainer=ddp_sim",
+        *(["strategy.param_dtype=fp32"] if strategy == "fsdp2" else []),
+        "optim.lr=1e25",
+        "sched.warmup_steps=0",
+        "max_nonfinite_steps=3",
+        "trainer.max_steps=20",
+        "test=false",
+    ]
+    p = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env={**os.environ, "WANDB_MODE": "disabled"}
+    )
     msg = [ln for ln in p.stderr.splitlines() if ln.startswith("canonlm:")]
-    assert p.returncode == 3 and msg and "3 optimizer steps in a row (steps 2-4)" in msg[0], \
+    assert p.returncode == 3 and msg and "3 optimizer steps in a row (steps 2-4)" in msg[0], (
         p.stdout[-3000:] + p.stderr[-5000:]
+    )

@@ -124,16 +124,19 @@ def test_lora_on_the_documented_names_acts_trains_and_merges(exports, name):
             base = hf(ids).logits
         torch.manual_seed(0)  # init_lora_weights=False: B is random too, so the adapter changes the output at once
         pm = peft.get_peft_model(hf, peft.LoraConfig(r=4, target_modules=targets, init_lora_weights=False))
-        wrapped = {n.removeprefix("base_model.model.") for n, mod in pm.named_modules()
-                   if isinstance(mod, peft.tuners.lora.LoraLayer)}
-        assert wrapped == linear, (targets, sorted(wrapped ^ linear))      # every Linear of every block, not lm_head
+        wrapped = {
+            n.removeprefix("base_model.model.")
+            for n, mod in pm.named_modules()
+            if isinstance(mod, peft.tuners.lora.LoraLayer)
+        }
+        assert wrapped == linear, (targets, sorted(wrapped ^ linear))  # every Linear of every block, not lm_head
         with torch.no_grad():
             adapted = pm(input_ids=ids).logits
         change = (adapted - base).abs().max().item()
         pm.train()
         pm(input_ids=ids, labels=ids).loss.backward()
         lora = [(n, p) for n, p in pm.named_parameters() if p.requires_grad]
-        assert len(lora) == 2 * len(linear)                                 # lora_A and lora_B of each
+        assert len(lora) == 2 * len(linear)  # lora_A and lora_B of each
         without = [n for n, p in lora if p.grad is None or not bool(p.grad.abs().max() > 0)]
         pm.eval()
         with torch.no_grad():
@@ -142,8 +145,10 @@ def test_lora_on_the_documented_names_acts_trains_and_merges(exports, name):
             merged = merged_model(ids).logits
             assert torch.equal(merged_model.generate(ids[:, :5], max_new_tokens=4, pad_token_id=0), gen)
         dmerge = (merged - adapted).abs().max().item()
-        print(f"{name} {targets}: max|adapted - base| {change:.3f}, LoRA tensors without gradient {len(without)}/"
-              f"{len(lora)}, max|merged - adapted| {dmerge:.1e}")
+        print(
+            f"{name} {targets}: max|adapted - base| {change:.3f}, LoRA tensors without gradient {len(without)}/"
+            f"{len(lora)}, max|merged - adapted| {dmerge:.1e}"
+        )
         assert change > 0.05 and not without and dmerge <= TOL, (change, without, dmerge)
 
 
@@ -167,14 +172,14 @@ def test_lora_on_mamba2_out_proj_leaves_the_fused_kernel(monkeypatch):
     ids = _ids(m.cfg.vocab_size)
     with torch.no_grad():
         plain = m(ids)
-    assert len(calls) == m.cfg.n_layers                                     # the fused path ran, once per block
+    assert len(calls) == m.cfg.n_layers  # the fused path ran, once per block
     torch.manual_seed(0)
     pm = peft.get_peft_model(m, peft.LoraConfig(r=4, target_modules=["out_proj"], init_lora_weights=False))
     with torch.no_grad():
         adapted = pm(ids)
     assert len(calls) == m.cfg.n_layers and (adapted - plain).abs().max().item() > 0.05
     with torch.no_grad():
-        merged = pm.merge_and_unload()(ids)                                 # plain Linears again: fused, merged weight
+        merged = pm.merge_and_unload()(ids)  # plain Linears again: fused, merged weight
     assert len(calls) == 2 * m.cfg.n_layers and (merged - adapted).abs().max().item() <= TOL
 
 
@@ -202,14 +207,14 @@ def test_gradient_checkpointing_recomputes_blocks_with_the_same_gradients(export
         hf.gradient_checkpointing_enable()
     assert hf.gradient_checkpointing
     ckpt = _grads(hf, ids)
-    assert len(runs) == 3                                                   # forward, then again in the backward
+    assert len(runs) == 3  # forward, then again in the backward
     assert plain.keys() == ckpt.keys() and len(plain) == sum(1 for p in hf.parameters() if p.requires_grad)
     diff = max((plain[k] - ckpt[k]).abs().max().item() for k in plain)
     assert diff <= 1e-6, diff
     hf.eval()
     with torch.no_grad():
         hf(ids)
-    assert len(runs) == 4                                                   # evaluation: no checkpointing
+    assert len(runs) == 4  # evaluation: no checkpointing
     hf.gradient_checkpointing_disable()
     hf.train()
     _grads(hf, ids)
@@ -233,10 +238,10 @@ def test_hidden_states_inputs_embeds_and_padding(exports, name):
     for h in hooks:
         h.remove()
     hs = out.hidden_states
-    assert torch.equal(out.logits, want)                                    # the same code: exactly
+    assert torch.equal(out.logits, want)  # the same code: exactly
     assert len(hs) == m.cfg.n_layers + 1
     assert torch.equal(hs[0], oracle.tok_emb(ids))
-    assert all(torch.equal(a, b) for a, b in zip(hs[:-1], seen))           # the input of every block
+    assert all(torch.equal(a, b) for a, b in zip(hs[:-1], seen))  # the input of every block
     assert torch.equal(hs[-1], normed) and torch.equal(hf.get_output_embeddings()(hs[-1]), out.logits)
     with torch.no_grad():
         assert hf(ids).hidden_states is None
@@ -286,7 +291,7 @@ def test_resize_token_embeddings_keeps_rows_and_updates_both_configs(exports, na
         hf.save_pretrained(tmp_path / f"re{new}")
         again = _load(tmp_path / f"re{new}")
         assert json.loads((tmp_path / f"re{new}" / "config.json").read_text())["canonlm"]["vocab_size"] == new
-        cfg2, sd2, _ = hf_to_canonlm(tmp_path / f"re{new}")                  # and canonlm reads it back
+        cfg2, sd2, _ = hf_to_canonlm(tmp_path / f"re{new}")  # and canonlm reads it back
         back = CanonLM(dataclasses.replace(cfg2, kernels={"canon": "torch"})).eval()
         back.load_state_dict(sd2)
         with torch.no_grad():
@@ -350,8 +355,14 @@ def _depo(tmp_path, arch: str, seed: int = 0, **over):
 
     t = build_task(task["name"], task)
     model = dict(arch="llama", n_heads=4) if arch == "llama" else dict(ARCH_PRESETS[arch], n_heads=2)
-    m = _model(model, dict(set="AbCD" if arch != "llama" else "ABCD"), dict(type="rope") if arch == "llama" else {},
-               seed=seed, vocab_size=t.vocab_size, **over)
+    m = _model(
+        model,
+        dict(set="AbCD" if arch != "llama" else "ABCD"),
+        dict(type="rope") if arch == "llama" else {},
+        seed=seed,
+        vocab_size=t.vocab_size,
+        **over,
+    )
     return m, t, task
 
 
@@ -395,7 +406,7 @@ def test_generate_equals_canonlm_over_long_outputs_through_pad_ids(arch, tmp_pat
         with warnings.catch_warnings(record=True) as caught, torch.no_grad():
             warnings.simplefilter("always")
             x = torch.as_tensor(np.stack(prompts))
-            got = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=N)[:, x.shape[1]:].numpy()
+            got = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=N)[:, x.shape[1] :].numpy()
             # left-padded rows of different lengths (what pipelines and lm-eval send)
             short = torch.as_tensor(prompts[0][:4])
             xp = torch.stack([torch.cat([torch.zeros(2, dtype=torch.long), short]), x[1]])
@@ -407,8 +418,10 @@ def test_generate_equals_canonlm_over_long_outputs_through_pad_ids(arch, tmp_pat
     assert (got_pad[0] == generate_ids(m, [prompts[0][:4]], 12)[0]).all() and (got_pad[1] == want[1, :12]).all()
     said = [str(w.message) for w in caught] + rec.messages
     assert not [s for s in said if "max_length" in s], said
-    print(f"{arch}: HF greedy == canonlm.generate for {N} tokens per row ({int((want == 0).sum())} pad ids among "
-          "them); no max_length warning")
+    print(
+        f"{arch}: HF greedy == canonlm.generate for {N} tokens per row ({int((want == 0).sum())} pad ids among "
+        "them); no max_length warning"
+    )
 
 
 def test_generate_refuses_a_request_past_a_llama_context_before_generating(tmp_path):
@@ -434,8 +447,10 @@ def test_generate_refuses_a_request_past_a_llama_context_before_generating(tmp_p
         mask[:, :10] = 0
         assert hf_llama.generate(ids, attention_mask=mask, max_new_tokens=14, pad_token_id=0).shape == (1, 74)
         # no positional limit: a GLA generates past its training context
-        assert hf_gla.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10,
-                               pad_token_id=0).shape == (1, 70)
+        assert hf_gla.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, pad_token_id=0).shape == (
+            1,
+            70,
+        )
 
 
 def test_generate_from_inputs_embeds(exports):
@@ -462,15 +477,22 @@ def test_bundle_needs_torch_and_transformers_only_and_names_every_file(exports):
     assert needed <= set(sys.stdlib_module_names) | {"torch", "transformers"}, sorted(needed)
     # transformers 4.51 copies only the files the modeling file imports itself: all of them
     assert {f"{r}.py" for r in get_relative_imports(str(d / "modeling_canonlm.py"))} == set(files) - {
-        "modeling_canonlm.py"}
+        "modeling_canonlm.py"
+    }
     import ast
 
     for f in files:
         tree = ast.parse((d / f).read_text())
-        absolute = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0 and n.module
-                    and n.module.split(".")[0] == "canonlm"]
-        absolute += [n for n in ast.walk(tree) if isinstance(n, ast.Import)
-                     and any(a.name.split(".")[0] == "canonlm" for a in n.names)]
+        absolute = [
+            n
+            for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom) and n.level == 0 and n.module and n.module.split(".")[0] == "canonlm"
+        ]
+        absolute += [
+            n
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Import) and any(a.name.split(".")[0] == "canonlm" for a in n.names)
+        ]
         assert not absolute, (f, [ast.unparse(n) for n in absolute])
     assert "canonlm_ops_canon__native.py" in files and "REASON" in (d / "canonlm_ops_canon__native.py").read_text()
 
@@ -481,8 +503,11 @@ def test_native_stub_has_what_the_canon_op_reads():
     from canonlm.hf.remote import native_stub
 
     src = (ROOT / "src" / "canonlm" / "ops" / "canon" / "__init__.py").read_text()
-    used = {n.attr for n in ast.walk(ast.parse(src))
-            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "_native"}
+    used = {
+        n.attr
+        for n in ast.walk(ast.parse(src))
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "_native"
+    }
     assert used and all(hasattr(native_stub, a) for a in used), used - set(dir(native_stub))
     assert not native_stub.available() and not native_stub.SUPPORTED_DTYPES
 
@@ -490,9 +515,11 @@ def test_native_stub_has_what_the_canon_op_reads():
 def test_bundle_refuses_imports_it_cannot_rewrite_and_export_writes_nothing(tmp_path, monkeypatch):
     from canonlm.hf.remote import bundle
 
-    for src, needle in (("import canonlm.arch.config\n", "cannot be bundled"),
-                        ("x = 1; from canonlm.errors import ConfigError\n", "shares its line"),
-                        ("from canonlm.nothing_here import x\n", "not a canonlm module")):
+    for src, needle in (
+        ("import canonlm.arch.config\n", "cannot be bundled"),
+        ("x = 1; from canonlm.errors import ConfigError\n", "shares its line"),
+        ("from canonlm.nothing_here import x\n", "not a canonlm module"),
+    ):
         with pytest.raises(bundle.BundleError, match=needle):
             bundle._rewrite("canonlm.hf.remote.x", src, False, "x.py")
     src = "from ._fold import fold_residual\ndef f():\n    from canonlm.ops import gla as g\n    import flash_attn\n"
@@ -513,7 +540,7 @@ def test_bundle_refuses_imports_it_cannot_rewrite_and_export_writes_nothing(tmp_
 
 
 # ============================================================================================ without canonlm
-W = textwrap.dedent(r'''
+W = textwrap.dedent(r"""
     import json, os, sys, time, warnings
     t0 = time.time()
     import torch, transformers
@@ -593,7 +620,7 @@ W = textwrap.dedent(r'''
     res["canonlm_loaded"] = sorted(k for k in sys.modules if k == "canonlm" or k.startswith("canonlm."))
     res["seconds"] = time.time() - t0
     json.dump(res, open(sys.argv[2], "w"))
-''')
+""")
 
 
 def _fresh_venv(dest: Path, version: str) -> Path:
@@ -638,14 +665,19 @@ def venv_jobs(tmp_path_factory):
         d = _export(m, tmp / f"e_{arch}", task=task)
         ids, prompt = _ids(m.cfg.vocab_size, (2, 16), seed=i), _ids(m.cfg.vocab_size, (2, 5), seed=50 + i)
         with torch.no_grad():
-            ref = {"ids": ids, "prompt": prompt, "logits_same_backends": _same_backends(m)(ids),
-                   "logits_default": m(ids),
-                   "greedy": torch.as_tensor(np.stack(generate_ids(m, list(prompt.numpy()), 24)))}
+            ref = {
+                "ids": ids,
+                "prompt": prompt,
+                "logits_same_backends": _same_backends(m)(ids),
+                "logits_default": m(ids),
+                "greedy": torch.as_tensor(np.stack(generate_ids(m, list(prompt.numpy()), 24))),
+            }
         from safetensors.torch import save_file
 
         save_file({k: v.contiguous() for k, v in ref.items()}, str(tmp / f"ref_{arch}.safetensors"))
-        jobs.append(dict(name=arch, dir=str(d), ref=str(tmp / f"ref_{arch}.safetensors"), new=24,
-                         targets=lora_targets(m.cfg)))
+        jobs.append(
+            dict(name=arch, dir=str(d), ref=str(tmp / f"ref_{arch}.safetensors"), new=24, targets=lora_targets(m.cfg))
+        )
     (tmp / "jobs.json").write_text(json.dumps(jobs))
     return tmp, jobs
 
@@ -660,22 +692,36 @@ def test_export_runs_without_canonlm_installed(venv_jobs, version, tmp_path):
     py = _fresh_venv(tmp_path / "venv", version)
     built = time.time() - t0
     (tmp_path / "worker.py").write_text(W)
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path), "HF_HOME": str(tmp_path / "hf"),
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "PYTHONNOUSERSITE": "1",
-           "OMP_NUM_THREADS": "2"}
-    r = subprocess.run([str(py), str(tmp_path / "worker.py"), str(tmp / "jobs.json"), str(tmp_path / "out.json")],
-                       env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600,
-                       cwd=str(tmp_path))
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(tmp_path),
+        "HF_HOME": str(tmp_path / "hf"),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_VERBOSITY": "error",
+        "PYTHONNOUSERSITE": "1",
+        "OMP_NUM_THREADS": "2",
+    }
+    r = subprocess.run(
+        [str(py), str(tmp_path / "worker.py"), str(tmp / "jobs.json"), str(tmp_path / "out.json")],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=str(tmp_path),
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     res = json.loads((tmp_path / "out.json").read_text())
     assert res["transformers"] == version and res["canonlm"] is None and res["canonlm_loaded"] == []
     assert "No module named 'canonlm'" in res["canonlm_error"]
     for job in jobs:
         got = res[job["name"]]
-        print(f"transformers {version} / peft {res['peft']}, {job['name']}: {got['class']}, max|dlogit| "
-              f"{got['dlogit_same_backends']:.1e} (canonlm, same backends) / {got['dlogit_default']:.1e} (canonlm "
-              f"defaults), generate equal {got['generate_equal']}, LoRA change {got['lora_change']:.3f} merged "
-              f"{got['merge_diff']:.1e}, GC grad diff {got['gc_grad_diff']:.1e}")
+        print(
+            f"transformers {version} / peft {res['peft']}, {job['name']}: {got['class']}, max|dlogit| "
+            f"{got['dlogit_same_backends']:.1e} (canonlm, same backends) / {got['dlogit_default']:.1e} (canonlm "
+            f"defaults), generate equal {got['generate_equal']}, LoRA change {got['lora_change']:.3f} merged "
+            f"{got['merge_diff']:.1e}, GC grad diff {got['gc_grad_diff']:.1e}"
+        )
         assert got["class"] == "CanonLMForCausalLM" and got["module"].startswith("transformers_modules.")
         assert set(got["needs"]) <= set(sys.stdlib_module_names) | {"torch", "transformers"}, got["needs"]
         assert {f"{f}.py" for f in got["relative"]} == set(got["files"]) - {"modeling_canonlm.py"}

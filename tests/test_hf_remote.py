@@ -36,12 +36,24 @@ TOL = 1e-5
 _SMALL = dict(vocab_size=47, n_layers=2, d_model=64, max_seq_len=64)
 # name: (model, canon, pos, expected export format)
 CASES = {
-    "llama_ABCD_partial_qkwhole_gqa": (dict(arch="llama", n_heads=4, n_kv_heads=2, d_ff=96, qk_norm="whole"),
-                                       dict(set="ABCD"), dict(type="partial_rope", fraction=0.5), "canonlm"),
-    "llama_AC_k2_nores_act_bias_nope": (dict(arch="llama", n_heads=4, d_ff=80), dict(set="AC", kernel=2,
-                                        residual=False, activation=True, bias=True), dict(type="nope"), "canonlm"),
-    "llama_B_perhead_qknorm_interleaved": (dict(arch="llama", n_heads=2, qk_norm="per_head"), dict(set="B"),
-                                           dict(type="rope", pairing="interleaved"), "canonlm"),
+    "llama_ABCD_partial_qkwhole_gqa": (
+        dict(arch="llama", n_heads=4, n_kv_heads=2, d_ff=96, qk_norm="whole"),
+        dict(set="ABCD"),
+        dict(type="partial_rope", fraction=0.5),
+        "canonlm",
+    ),
+    "llama_AC_k2_nores_act_bias_nope": (
+        dict(arch="llama", n_heads=4, d_ff=80),
+        dict(set="AC", kernel=2, residual=False, activation=True, bias=True),
+        dict(type="nope"),
+        "canonlm",
+    ),
+    "llama_B_perhead_qknorm_interleaved": (
+        dict(arch="llama", n_heads=2, qk_norm="per_head"),
+        dict(set="B"),
+        dict(type="rope", pairing="interleaved"),
+        "canonlm",
+    ),
     "gla_AbCD": (dict(ARCH_PRESETS["gla"], n_heads=2), dict(set="AbCD"), {}, "canonlm"),
     "gdn_nocanon": (dict(ARCH_PRESETS["gdn"], n_heads=2), dict(set=""), {}, "canonlm"),
     "gdn_AbCD_tied": (dict(ARCH_PRESETS["gdn"], n_heads=2, tie_embeddings=True), dict(set="AbCD"), {}, "canonlm"),
@@ -80,8 +92,10 @@ def test_export_loads_with_auto_model_and_matches(name, tmp_path, capsys):
     with torch.no_grad():
         ours, theirs, exact = m(ids).float(), hf(ids).logits.float(), same(ids).float()
     diff = (ours - theirs).abs().max().item()
-    print(f"{name}: AutoModelForCausalLM {type(hf).__name__}, max|dlogit| = {diff:.2e} (canonlm's defaults), "
-          f"{(exact - theirs).abs().max().item():.2e} (the same backends)")
+    print(
+        f"{name}: AutoModelForCausalLM {type(hf).__name__}, max|dlogit| = {diff:.2e} (canonlm's defaults), "
+        f"{(exact - theirs).abs().max().item():.2e} (the same backends)"
+    )
     assert diff <= TOL, diff
     if info["format"] == "canonlm":
         assert torch.equal(theirs, exact)
@@ -90,8 +104,9 @@ def test_export_loads_with_auto_model_and_matches(name, tmp_path, capsys):
     want = np.stack(generate_ids(m, prompts, 9))
     with torch.no_grad():
         x = torch.as_tensor(np.stack(prompts))
-        got = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=9, do_sample=False,
-                          pad_token_id=m.cfg.vocab_size - 1)[:, 7:].numpy()
+        got = hf.generate(
+            x, attention_mask=torch.ones_like(x), max_new_tokens=9, do_sample=False, pad_token_id=m.cfg.vocab_size - 1
+        )[:, 7:].numpy()
     assert (got == want).all(), (got, want)
 
 

@@ -63,11 +63,16 @@ CASES = [
     ("capo", "capo_cpu", {}),
 ]
 # a config.json as the `canonlm` export format writes it: remote code for a model type transformers does not know
-REMOTE_CONFIG = {"model_type": "canonlm", "architectures": ["CanonLMForCausalLM"],
-                 "auto_map": {"AutoConfig": "configuration_canonlm.CanonLMConfig",
-                              "AutoModelForCausalLM": "modeling_canonlm.CanonLMForCausalLM"}}
+REMOTE_CONFIG = {
+    "model_type": "canonlm",
+    "architectures": ["CanonLMForCausalLM"],
+    "auto_map": {
+        "AutoConfig": "configuration_canonlm.CanonLMConfig",
+        "AutoModelForCausalLM": "modeling_canonlm.CanonLMForCausalLM",
+    },
+}
 
-WORKER = textwrap.dedent(r'''
+WORKER = textwrap.dedent(r"""
     import json, logging, sys, warnings
     import transformers
     from transformers import AutoTokenizer
@@ -94,7 +99,7 @@ WORKER = textwrap.dedent(r'''
         r["eot"] = tok.decode(tok.eos_token_id, skip_special_tokens=False)  # as lm-eval's generate_until does
         out["cases"][case["dir"]] = r
     json.dump(out, open(sys.argv[2], "w"))
-''')
+""")
 
 
 def _printed(task, name: str) -> tuple[list[str], list[list[int]]]:
@@ -114,17 +119,24 @@ def exported(tmp_path_factory):
     from test_text import prepare_fixture  # the text task's fixture corpus, prepared by canonlm.data.prepare
 
     root = tmp_path_factory.mktemp("hf_tok")
-    cfgs = [(case, load_task_config(conf, dict(over, **({"cache_dir": str(root / "capo_cache")}
-                                                        if case == "capo" else {})))) for case, conf, over in CASES]
+    cfgs = [
+        (
+            case,
+            load_task_config(conf, dict(over, **({"cache_dir": str(root / "capo_cache")} if case == "capo" else {}))),
+        )
+        for case, conf, over in CASES
+    ]
     data_dir = prepare_fixture(root / "text")
     cfgs.append(("text", {"name": "text", "data_dir": str(data_dir), "context": 32}))
     # the same BPE as a transformers tokenizer directory (saved by the venv's transformers: 5.x names its class
     # TokenizersBackend, which 4.x does not know), prepared from that directory
     hf_dir = root / "text_hf" / "tokenizer"
-    transformers.PreTrainedTokenizerFast(tokenizer_file=str(root / "text" / "tokenizer.json"),
-                                         eos_token="</s>").save_pretrained(hf_dir)
-    cfgs.append(("text_hf", {"name": "text", "context": 32,
-                             "data_dir": str(prepare_fixture(root / "text_hf", hf_dir))}))
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(root / "text" / "tokenizer.json"), eos_token="</s>"
+    ).save_pretrained(hf_dir)
+    cfgs.append(
+        ("text_hf", {"name": "text", "context": 32, "data_dir": str(prepare_fixture(root / "text_hf", hf_dir))})
+    )
     rng = np.random.default_rng(0)
     out = {}
     for case, cfg in cfgs:
@@ -147,23 +159,45 @@ def exported(tmp_path_factory):
         codec = make_codec(cfg, V)  # what python -m canonlm.generate prints
         eos = getattr(task, "eos_id", None)
         # config.json / generation_config.json: the task's ids (no EOS where the task has none)
-        want_ids = {"pad_token_id": eos if cfg["name"] == "text" else 0, "eos_token_id": eos,
-                    "bos_token_id": getattr(task, "bos_id", None), "unk_token_id": None}
+        want_ids = {
+            "pad_token_id": eos if cfg["name"] == "text" else 0,
+            "eos_token_id": eos,
+            "bos_token_id": getattr(task, "bos_id", None),
+            "unk_token_id": None,
+        }
         # the tokenizer: the same, but a task without EOS names its pad as eos_token (lm-eval's stop string)
         want = dict(want_ids, eos_token_id=eos if eos is not None else want_ids["pad_token_id"])
         special = {v for v in want.values() if v is not None}
-        out[case] = dict(dirs=(str(d), str(r)), texts=texts, text_ids=text_ids, ids=rand, want=want, V=V, codec=codec,
-                         want_ids=want_ids, eot=codec.decode([want["eos_token_id"]]),
-                         printed=[codec.decode(x) for x in rand], ids_returned=ids, name=cfg["name"],
-                         printed_skip=[task.tokenizer().decode(x, skip_special_tokens=True) if cfg["name"] == "text"
-                                       else codec.decode([t for t in x if t not in special]) for x in rand])
+        out[case] = dict(
+            dirs=(str(d), str(r)),
+            texts=texts,
+            text_ids=text_ids,
+            ids=rand,
+            want=want,
+            V=V,
+            codec=codec,
+            want_ids=want_ids,
+            eot=codec.decode([want["eos_token_id"]]),
+            printed=[codec.decode(x) for x in rand],
+            ids_returned=ids,
+            name=cfg["name"],
+            printed_skip=[
+                task.tokenizer().decode(x, skip_special_tokens=True)
+                if cfg["name"] == "text"
+                else codec.decode([t for t in x if t not in special])
+                for x in rand
+            ],
+        )
     return out
 
 
 def _load_all(exported, tmp_path, hf451: bool) -> dict:
     """Run WORKER (one process, stdin closed) on every case folder: 4.51.3 on both trees, 5.x on ``tok/``."""
-    jobs = [{"dir": c["dirs"][k], "texts": c["texts"], "ids": c["ids"]} for c in exported.values()
-            for k in ((0, 1) if hf451 else (0,))]
+    jobs = [
+        {"dir": c["dirs"][k], "texts": c["texts"], "ids": c["ids"]}
+        for c in exported.values()
+        for k in ((0, 1) if hf451 else (0,))
+    ]
     tag = "hf451" if hf451 else "hf5"
     (tmp_path / f"{tag}.json").write_text(json.dumps(jobs))
     (tmp_path / "worker.py").write_text(WORKER)
@@ -171,9 +205,14 @@ def _load_all(exported, tmp_path, hf451: bool) -> dict:
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"))
     if hf451:
         env["PYTHONPATH"] = str(HF451)
-    p = subprocess.run([sys.executable, str(tmp_path / "worker.py"), str(tmp_path / f"{tag}.json"),
-                        str(tmp_path / f"{tag}_out.json")], stdin=subprocess.DEVNULL, capture_output=True,
-                       text=True, timeout=120, env=env)
+    p = subprocess.run(
+        [sys.executable, str(tmp_path / "worker.py"), str(tmp_path / f"{tag}.json"), str(tmp_path / f"{tag}_out.json")],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     # a trust-remote-code question prints its prompt to stdout; a warning (model type, class) goes to stderr
     assert p.stdout == "", p.stdout[-2000:]
@@ -192,12 +231,12 @@ def _check(exported, result: dict, version_prefix: str, trees: tuple[int, ...]) 
             assert r["model_max_length"] == MAX_SEQ_LEN, where
             assert {k2: r[k2] for k2 in c["want"]} == c["want"], (where, r)
             assert c["ids_returned"] == c["want_ids"], where
-            assert r["eot"] == c["eot"], where             # lm-eval's stop string: decode(eos_token_id) works
+            assert r["eot"] == c["eot"], where  # lm-eval's stop string: decode(eos_token_id) works
             if c["name"] != "capo":  # (Capo's BPE keeps its never-used tokens, numbered past the embedding)
-                assert r["len"] <= c["V"], where                                # nothing past the model's embedding
-            assert r["roundtrip"] == c["texts"], where                          # decode(encode(printed)) == printed
-            assert r["dec"] == c["printed"], where                              # == what canonlm.generate prints
-            assert r["dec_skip"] == c["printed_skip"], where                    # lm-eval's decode: specials dropped
+                assert r["len"] <= c["V"], where  # nothing past the model's embedding
+            assert r["roundtrip"] == c["texts"], where  # decode(encode(printed)) == printed
+            assert r["dec"] == c["printed"], where  # == what canonlm.generate prints
+            assert r["dec_skip"] == c["printed_skip"], where  # lm-eval's decode: specials dropped
             # the generator's ids (a text window starts mid-word: the run's own encoder, TextTokenizer); nothing added
             assert r["enc"] == c["text_ids"] == r["enc_default"], where
 
@@ -206,8 +245,10 @@ def test_synthetic_tasks_capo_and_text_tokenizers_load_and_print_as_the_task_in_
     _check(exported, _load_all(exported, tmp_path, hf451=False), "5.", (0,))
 
 
-@pytest.mark.skipif(not (HF451 / "transformers" / "__init__.py").is_file(),
-                    reason="transformers 4.51.3 is not side-installed in .cache/hf451: run `bash scripts/setup.sh dev`")
+@pytest.mark.skipif(
+    not (HF451 / "transformers" / "__init__.py").is_file(),
+    reason="transformers 4.51.3 is not side-installed in .cache/hf451: run `bash scripts/setup.sh dev`",
+)
 def test_synthetic_tasks_capo_and_text_tokenizers_load_and_print_as_the_task_in_transformers_4_51(exported, tmp_path):
     _check(exported, _load_all(exported, tmp_path, hf451=True), "4.51.3", (0, 1))
 

@@ -33,8 +33,15 @@ from conftest import perturb_
 from canonlm.arch.config import build_model_config
 from canonlm.arch.model import CanonLM
 from canonlm.export import main as export_main
-from canonlm.hf import (InteropError, checkpoint_dict, export_model, import_hf, load_canonlm_checkpoint,
-                        load_init_weights, read_hf_dir)
+from canonlm.hf import (
+    InteropError,
+    checkpoint_dict,
+    export_model,
+    import_hf,
+    load_canonlm_checkpoint,
+    load_init_weights,
+    read_hf_dir,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 OFFICIAL = ROOT.parent / "shared" / "data" / "physicslm4" / "huggingface"
@@ -45,12 +52,16 @@ TOL = 1e-5
 pytestmark = pytest.mark.interop
 # the tests that run the official classes (the `official` fixture) need the release files and transformers 4.51.3
 needs_official = [
-    pytest.mark.skipif(not all((OFFICIAL / f).is_file() for f in OFFICIAL_FILES),
-                       reason=f"the official release's huggingface/ files are not at {OFFICIAL}"),
-    pytest.mark.skipif(not (HF451 / "transformers" / "__init__.py").is_file(),
-                       reason="transformers 4.51.3 is not side-installed in .cache/hf451: run `bash scripts/setup.sh "
-                              "dev`, or .venv/bin/python -m pip install --no-deps --target .cache/hf451 "
-                              "transformers==4.51.3 'tokenizers>=0.21,<0.22' 'huggingface_hub<1.0'"),
+    pytest.mark.skipif(
+        not all((OFFICIAL / f).is_file() for f in OFFICIAL_FILES),
+        reason=f"the official release's huggingface/ files are not at {OFFICIAL}",
+    ),
+    pytest.mark.skipif(
+        not (HF451 / "transformers" / "__init__.py").is_file(),
+        reason="transformers 4.51.3 is not side-installed in .cache/hf451: run `bash scripts/setup.sh "
+        "dev`, or .venv/bin/python -m pip install --no-deps --target .cache/hf451 "
+        "transformers==4.51.3 'tokenizers>=0.21,<0.22' 'huggingface_hub<1.0'",
+    ),
 ]
 
 
@@ -59,36 +70,74 @@ def official_test(fn):
         fn = mark(fn)
     return fn
 
-BASE = dict(vocab_size=61, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            max_position_embeddings=64, rms_norm_eps=1e-6)
+
+BASE = dict(
+    vocab_size=61,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-6,
+)
 # official LlamaCanonConfig kwargs (on top of BASE): Canon subsets, kernels 2-4, residual, activation, GQA, QK-norm,
 # partial RoPE, both rope versions, tying, activations, sharded safetensors
 OFFICIAL_CASES = {
     "ABCD_k4_hf": dict(canon_set="ABCD", canon_kernel=4),
-    "AC_k2_nores_act_gqa_lingua": dict(canon_set="AC", canon_kernel=2, canon_residual=False, canon_activation=True,
-                                       num_key_value_heads=2, rope_version="lingua"),
+    "AC_k2_nores_act_gqa_lingua": dict(
+        canon_set="AC",
+        canon_kernel=2,
+        canon_residual=False,
+        canon_activation=True,
+        num_key_value_heads=2,
+        rope_version="lingua",
+    ),
     "BD_k3_qknorm_rope8_theta500": dict(canon_set="BD", canon_kernel=3, qk_norm=True, rope_dim=8, rope_theta=500.0),
-    "ABCD_qknorm_rope4_lingua_mqa_relu2_tied": dict(canon_set="ABCD", qk_norm=True, rope_dim=4, rope_version="lingua",
-                                                    num_key_value_heads=1, hidden_act="relu2",
-                                                    tie_word_embeddings=True),
+    "ABCD_qknorm_rope4_lingua_mqa_relu2_tied": dict(
+        canon_set="ABCD",
+        qk_norm=True,
+        rope_dim=4,
+        rope_version="lingua",
+        num_key_value_heads=1,
+        hidden_act="relu2",
+        tie_word_embeddings=True,
+    ),
     "nocanon_qknorm_gelu_sharded": dict(qk_norm=True, hidden_act="gelu", _shard=True),
-    "B_k3_nores_rope12_lingua_gqa_sharded": dict(canon_set="B", canon_kernel=3, canon_residual=False, rope_dim=12,
-                                                 rope_version="lingua", num_key_value_heads=2, _shard=True),
+    "B_k3_nores_rope12_lingua_gqa_sharded": dict(
+        canon_set="B",
+        canon_kernel=3,
+        canon_residual=False,
+        rope_dim=12,
+        rope_version="lingua",
+        num_key_value_heads=2,
+        _shard=True,
+    ),
     "nocanon_lingua_full": dict(rope_version="lingua"),
 }
 # canonlm configs exported to the official format: (model, canon, pos)
 _M = dict(arch="llama", vocab_size=53, n_layers=2, d_model=64, n_heads=4, d_ff=80, max_seq_len=64)
 EXPORT_CASES = {
     "ABCD_k4_half": (dict(_M), dict(set="ABCD", kernel=4), dict(type="rope")),
-    "AC_k3_nores_act_gqa_interleaved_partial25": (dict(_M, n_kv_heads=2), dict(set="AC", kernel=3, residual=False,
-                                                                               activation=True),
-                                                  dict(type="partial_rope", fraction=0.25, pairing="interleaved")),
-    "nocanon_qkwhole_partial50_theta500": (dict(_M, qk_norm="whole"), dict(set=""),
-                                           dict(type="partial_rope", fraction=0.5, theta=500.0)),
-    "B_k2_interleaved_tied_mqa_relu2": (dict(_M, n_kv_heads=1, tie_embeddings=True, mlp_act="relu2"),
-                                        dict(set="B", kernel=2), dict(type="rope", pairing="interleaved")),
-    "CD_k4_qkwhole_interleaved_partial75": (dict(_M, qk_norm="whole"), dict(set="CD"),
-                                            dict(type="partial_rope", fraction=0.75, pairing="interleaved")),
+    "AC_k3_nores_act_gqa_interleaved_partial25": (
+        dict(_M, n_kv_heads=2),
+        dict(set="AC", kernel=3, residual=False, activation=True),
+        dict(type="partial_rope", fraction=0.25, pairing="interleaved"),
+    ),
+    "nocanon_qkwhole_partial50_theta500": (
+        dict(_M, qk_norm="whole"),
+        dict(set=""),
+        dict(type="partial_rope", fraction=0.5, theta=500.0),
+    ),
+    "B_k2_interleaved_tied_mqa_relu2": (
+        dict(_M, n_kv_heads=1, tie_embeddings=True, mlp_act="relu2"),
+        dict(set="B", kernel=2),
+        dict(type="rope", pairing="interleaved"),
+    ),
+    "CD_k4_qkwhole_interleaved_partial75": (
+        dict(_M, qk_norm="whole"),
+        dict(set="CD"),
+        dict(type="partial_rope", fraction=0.75, pairing="interleaved"),
+    ),
 }
 # lingua params.json "model" sections of released-style checkpoints (+ "_freqs": a lingua rope buffer the loaders
 # skip): Canon subsets, n_kv_heads absent / null / set, hidden_dim null (the 256-multiple rule) or set, QK-norm,
@@ -96,26 +145,32 @@ EXPORT_CASES = {
 _L = dict(dim=64, n_layers=2, n_heads=4, vocab_size=59, norm_eps=1e-5, rope_theta=10000.0)
 LINGUA_CASES = {
     "ABCD_hiddennull": dict(_L, hidden_dim=None, canon_set="ABCD"),
-    "AC_gqa_qknorm_rope8_theta500": dict(_L, hidden_dim=96, canon_set="AC", n_kv_heads=2, qk_norm=True, rope_dim=8,
-                                         rope_theta=500.0),
+    "AC_gqa_qknorm_rope8_theta500": dict(
+        _L, hidden_dim=96, canon_set="AC", n_kv_heads=2, qk_norm=True, rope_dim=8, rope_theta=500.0
+    ),
     "plain_kvnull_rope16": dict(_L, hidden_dim=80, n_kv_heads=None, rope_dim=16, _freqs=True),
-    "BD_mqa_qknorm_rope4": dict(_L, hidden_dim=72, canon_set="BD", n_kv_heads=1, qk_norm=True, rope_dim=4,
-                                _freqs=True),
+    "BD_mqa_qknorm_rope4": dict(_L, hidden_dim=72, canon_set="BD", n_kv_heads=1, qk_norm=True, rope_dim=4, _freqs=True),
 }
 # canonlm models exported with --format official (the lingua layout; kernel 4, residual, no activation, SiLU)
 LINGUA_EXPORT_CASES = {
-    "ABCD_half_qkwhole_partial50_gqa": (dict(_M, n_kv_heads=2, qk_norm="whole"), dict(set="ABCD"),
-                                        dict(type="partial_rope", fraction=0.5)),
+    "ABCD_half_qkwhole_partial50_gqa": (
+        dict(_M, n_kv_heads=2, qk_norm="whole"),
+        dict(set="ABCD"),
+        dict(type="partial_rope", fraction=0.5),
+    ),
     "nocanon_half_tied": (dict(_M, tie_embeddings=True), dict(set=""), dict(type="rope")),
-    "B_interleaved_qkwhole_mqa": (dict(_M, n_kv_heads=1, qk_norm="whole"), dict(set="B"),
-                                  dict(type="rope", pairing="interleaved", theta=500.0)),
+    "B_interleaved_qkwhole_mqa": (
+        dict(_M, n_kv_heads=1, qk_norm="whole"),
+        dict(set="B"),
+        dict(type="rope", pairing="interleaved", theta=500.0),
+    ),
 }
 NATIVE_CASES = {
     "gqa_theta500": (dict(_M, n_kv_heads=2), dict(type="rope", theta=500.0)),
     "interleaved_tied_gelu": (dict(_M, tie_embeddings=True, mlp_act="gelu"), dict(type="rope", pairing="interleaved")),
 }
 
-WORKER = textwrap.dedent(r'''
+WORKER = textwrap.dedent(r"""
     import json, os, shutil, sys, torch
     from safetensors.torch import load_file, save_file
     import transformers
@@ -192,7 +247,7 @@ WORKER = textwrap.dedent(r'''
         save_file({"logits": logits.contiguous()}, job["logits"])
         out[job["name"]] = info
     json.dump(out, open(sys.argv[2], "w"))
-''')
+""")
 
 
 def _ids(vocab: int, seed: int) -> list[list[int]]:
@@ -232,8 +287,17 @@ def official(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("interop")
     jobs, exported = [], {}
     for i, (name, kw) in enumerate(OFFICIAL_CASES.items()):
-        jobs.append(dict(op="build", name=name, kwargs=dict(BASE, **kw), seed=100 + i, dir=str(tmp / f"off_{name}"),
-                         ids=_ids(BASE["vocab_size"], i), logits=str(tmp / f"off_{name}.safetensors")))
+        jobs.append(
+            dict(
+                op="build",
+                name=name,
+                kwargs=dict(BASE, **kw),
+                seed=100 + i,
+                dir=str(tmp / f"off_{name}"),
+                ids=_ids(BASE["vocab_size"], i),
+                logits=str(tmp / f"off_{name}.safetensors"),
+            )
+        )
     for i, (name, (model, canon, pos)) in enumerate(EXPORT_CASES.items()):
         m = _canonlm_model(model, canon, pos, seed=200 + i)
         src = _save_ckpt(m, tmp / f"run_{name}" / "checkpoints" / "last.ckpt")
@@ -247,10 +311,17 @@ def official(tmp_path_factory):
         exported[name] = (_logits(m, ids), json.loads((out / "config.json").read_text()))
         jobs.append(dict(op="load", name=name, dir=str(out), ids=ids, logits=str(tmp / f"exp_{name}.safetensors")))
     for i, (name, params) in enumerate(LINGUA_CASES.items()):
-        jobs.append(dict(op="lingua", name=f"lingua_{name}", params={"name": name, "model": params,
-                                                                     "data": {"seq_len": 64}},
-                         seed=300 + i, dir=str(tmp / f"lingua_{name}"), ids=_ids(params["vocab_size"], 70 + i),
-                         logits=str(tmp / f"lingua_{name}.safetensors")))
+        jobs.append(
+            dict(
+                op="lingua",
+                name=f"lingua_{name}",
+                params={"name": name, "model": params, "data": {"seq_len": 64}},
+                seed=300 + i,
+                dir=str(tmp / f"lingua_{name}"),
+                ids=_ids(params["vocab_size"], 70 + i),
+                logits=str(tmp / f"lingua_{name}.safetensors"),
+            )
+        )
     for i, (name, (model, canon, pos)) in enumerate(LINGUA_EXPORT_CASES.items()):
         m = _canonlm_model(model, canon, pos, seed=400 + i)
         out = tmp / f"lexp_{name}"
@@ -260,15 +331,38 @@ def official(tmp_path_factory):
             shutil.copy(OFFICIAL / f, out / f)
         ids = _ids(m.cfg.vocab_size, 90 + i)
         exported[f"lingua_{name}"] = (_logits(m, ids), json.loads((out / "default" / "params.json").read_text()))
-        jobs.append(dict(op="load_lingua", name=f"lexp_{name}", dir=str(out), ids=ids,
-                         logits=str(tmp / f"lexp_{name}.safetensors")))
+        jobs.append(
+            dict(
+                op="load_lingua",
+                name=f"lexp_{name}",
+                dir=str(out),
+                ids=ids,
+                logits=str(tmp / f"lexp_{name}.safetensors"),
+            )
+        )
     (tmp / "jobs.json").write_text(json.dumps(jobs))
     (tmp / "worker.py").write_text(WORKER)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HF451), str(OFFICIAL)]), HF_HOME=str(tmp / "hf_home"),
-               HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore")
-    r = subprocess.run([sys.executable, str(tmp / "worker.py"), str(tmp / "jobs.json"), str(tmp / "result.json"),
-                        str(Path(__file__).resolve().parent)],
-                       env=env, capture_output=True, text=True, timeout=300)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(HF451), str(OFFICIAL)]),
+        HF_HOME=str(tmp / "hf_home"),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_VERBOSITY="error",
+        PYTHONWARNINGS="ignore",
+    )
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(tmp / "worker.py"),
+            str(tmp / "jobs.json"),
+            str(tmp / "result.json"),
+            str(Path(__file__).resolve().parent),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return tmp, json.loads((tmp / "result.json").read_text()), exported
 
@@ -383,9 +477,16 @@ def test_canonlm_to_native_llama_logits(name, tmp_path):
 
 def test_native_llama_to_canonlm_logits(tmp_path):
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=47, hidden_size=64, intermediate_size=72, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   rope_parameters={"rope_type": "default", "rope_theta": 2000.0})
+    cfg = transformers.LlamaConfig(
+        vocab_size=47,
+        hidden_size=64,
+        intermediate_size=72,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rope_parameters={"rope_type": "default", "rope_theta": 2000.0},
+    )
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
@@ -436,13 +537,16 @@ def test_export_into_nonempty_dir_refused(tmp_path, capsys):
     assert export_main([str(src), str(empty)]) == 0 and (empty / "model.safetensors").is_file()
 
 
-@pytest.mark.parametrize("edit, needle", [
-    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling"),
-    ({"attention_bias": True}, "attention_bias=True"),
-    ({"model_type": "mistral"}, "model_type='mistral'"),
-    ({"rope_version": "neox"}, "rope_version='neox'"),
-    ({"head_dim": 32}, "head_dim=32"),
-])
+@pytest.mark.parametrize(
+    "edit, needle",
+    [
+        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling"),
+        ({"attention_bias": True}, "attention_bias=True"),
+        ({"model_type": "mistral"}, "model_type='mistral'"),
+        ({"rope_version": "neox"}, "rope_version='neox'"),
+        ({"head_dim": 32}, "head_dim=32"),
+    ],
+)
 def test_unmappable_config_refused(tmp_path, capsys, edit, needle):
     d = _tiny_hf_dir(tmp_path)
     c = json.loads((d / "config.json").read_text())
@@ -494,9 +598,11 @@ def _lingua_dir(tmp_path: Path, canon: dict | None = None) -> Path:
 
 
 def test_lingua_export_refuses_what_the_official_loader_ignores(tmp_path, capsys):
-    for canon, needle in (({"set": "AC", "kernel": 2}, "canon.kernel=2"),
-                          ({"set": "B", "residual": False}, "canon.residual=False"),
-                          ({"set": "D", "activation": True}, "canon.activation=True")):
+    for canon, needle in (
+        ({"set": "AC", "kernel": 2}, "canon.kernel=2"),
+        ({"set": "B", "residual": False}, "canon.residual=False"),
+        ({"set": "D", "activation": True}, "canon.activation=True"),
+    ):
         m = _canonlm_model(dict(_M), canon, {"type": "rope"}, seed=3)
         src = _save_ckpt(m, tmp_path / "k.ckpt")
         assert export_main(["--format", "official", str(src), str(tmp_path / "out")]) == 2
@@ -508,14 +614,17 @@ def test_lingua_export_refuses_what_the_official_loader_ignores(tmp_path, capsys
     assert "model.mlp_act='relu2'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("edit, needle", [
-    ({"canon_kernel": 3}, "model.canon_kernel=3 differs from 4"),
-    ({"canon_residual": False}, "model.canon_residual=False differs from True"),
-    ({"norm_eps": None}, "model.norm_eps=None; a number is required"),
-    ({"hidden_dim": "drop"}, "model.hidden_dim is missing"),
-    ({"n_heads": 0}, "model.n_heads=0; a positive integer is required"),
-    ({"rope_dim": 3}, "rope_dim=3 cannot be imported"),
-])
+@pytest.mark.parametrize(
+    "edit, needle",
+    [
+        ({"canon_kernel": 3}, "model.canon_kernel=3 differs from 4"),
+        ({"canon_residual": False}, "model.canon_residual=False differs from True"),
+        ({"norm_eps": None}, "model.norm_eps=None; a number is required"),
+        ({"hidden_dim": "drop"}, "model.hidden_dim is missing"),
+        ({"n_heads": 0}, "model.n_heads=0; a positive integer is required"),
+        ({"rope_dim": 3}, "rope_dim=3 cannot be imported"),
+    ],
+)
 def test_lingua_params_refused(tmp_path, capsys, edit, needle):
     d = _lingua_dir(tmp_path)
     p = d / "default" / "params.json"
@@ -545,7 +654,7 @@ def test_lingua_weights_refused_and_variants_named(tmp_path, capsys):
     torch.save({"model": {k: v for k, v in sd.items() if k != "layers.1.canonC.weight"}}, w)
     assert export_main(["--from-hf", str(d), str(tmp_path / "x.ckpt")]) == 2
     assert "missing 1 tensor(s): model.layers.1.canonC.weight" in capsys.readouterr().err
-    torch.save({"model": sd, "extra": InteropError("not a tensor")}, w)   # needs full unpickling
+    torch.save({"model": sd, "extra": InteropError("not a tensor")}, w)  # needs full unpickling
     assert export_main(["--from-hf", str(d), str(tmp_path / "x.ckpt")]) == 2
     assert "torch.load(weights_only=True)" in capsys.readouterr().err
     assert not (tmp_path / "x.ckpt").exists()

@@ -30,8 +30,14 @@ from canonlm.errors import ConfigError
 from canonlm.utils import kernel_cache as kc
 
 HERE = Path(__file__).resolve().parent
-VARS = ("CANONLM_KERNEL_CACHE", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "CANONLM_CACHE", "XDG_CACHE_HOME",
-        "TRITON_HOME")
+VARS = (
+    "CANONLM_KERNEL_CACHE",
+    "TRITON_CACHE_DIR",
+    "TORCHINDUCTOR_CACHE_DIR",
+    "CANONLM_CACHE",
+    "XDG_CACHE_HOME",
+    "TRITON_HOME",
+)
 MISSING = [m for m in ("triton", "mamba_ssm", "causal_conv1d") if importlib.util.find_spec(m) is None]
 
 
@@ -55,6 +61,7 @@ def _mode(p: Path) -> int:
 # ---------------------------------------------------------------------------------------------------------------
 # which directory
 # ---------------------------------------------------------------------------------------------------------------
+
 
 def test_resolution_order(tmp_path, monkeypatch, clean):
     """explicit path > $CANONLM_KERNEL_CACHE > <canonlm cache>/kernels, where <canonlm cache> is the native Canon
@@ -128,17 +135,22 @@ def test_configure_is_cheap_and_imports_no_compiler(tmp_path):
     code = textwrap.dedent(f"""
         import sys, time, json
         from canonlm.utils import kernel_cache
-        root = kernel_cache.configure({str(tmp_path / 'kc')!r})
+        root = kernel_cache.configure({str(tmp_path / "kc")!r})
         t = time.perf_counter()
         for _ in range(100):
-            kernel_cache.configure({str(tmp_path / 'kc')!r})
+            kernel_cache.configure({str(tmp_path / "kc")!r})
         again = (time.perf_counter() - t) / 100
         print(json.dumps(dict(root=str(root), again=again,
                               loaded=[m for m in ("torch", "triton", "torch._dynamo", "torch._inductor")
                                       if m in sys.modules])))
     """)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       env={k: v for k, v in os.environ.items() if k not in VARS})
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if k not in VARS},
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["root"] == str(tmp_path / "kc") and out["loaded"] == []
@@ -149,6 +161,7 @@ def test_configure_is_cheap_and_imports_no_compiler(tmp_path):
 # the trust rule and bad values
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def test_untrusted_configured_dir_falls_back_with_one_warning(tmp_path, clean):
     """A world-writable or symlinked configured directory is not used: <canonlm cache>/kernels instead, else a
     private temp dir; one warning naming the directory and why."""
@@ -156,8 +169,11 @@ def test_untrusted_configured_dir_falls_back_with_one_warning(tmp_path, clean):
     shared = tmp_path / "shared"
     shared.mkdir()
     os.chmod(shared, 0o777)
-    with pytest.warns(RuntimeWarning, match=r"not using the kernel cache .*shared: it is writable by group or "
-                                            r"others \(mode 0o777\)") as w:
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"not using the kernel cache .*shared: it is writable by group or "
+        r"others \(mode 0o777\)",
+    ) as w:
         root = kc.configure(shared)
     assert len(w) == 1
     assert root == home / ".cache" / "canonlm" / "kernels" and _mode(root) == 0o700
@@ -228,10 +244,11 @@ def test_unwritable_dir_is_a_config_error(tmp_path):
         with pytest.raises(ConfigError, match="is not writable"):
             kc.configure(d)
         return
-    code = ("import sys\nfrom canonlm.errors import ConfigError\nfrom canonlm.utils import kernel_cache as kc\n"
-            "try:\n    kc.configure(sys.argv[1])\nexcept ConfigError as e:\n    print(e)\n    sys.exit(3)\n")
-    script = (f"mount --bind {d} {d} && mount -o remount,bind,ro {d} && "
-              f"{sys.executable} -c \"$0\" {d}")
+    code = (
+        "import sys\nfrom canonlm.errors import ConfigError\nfrom canonlm.utils import kernel_cache as kc\n"
+        "try:\n    kc.configure(sys.argv[1])\nexcept ConfigError as e:\n    print(e)\n    sys.exit(3)\n"
+    )
+    script = f'mount --bind {d} {d} && mount -o remount,bind,ro {d} && {sys.executable} -c "$0" {d}'
     p = subprocess.run(["unshare", "-rm", "sh", "-c", script, code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 3, p.stdout + p.stderr
     assert "paths.kernel_cache" in p.stdout and "is not writable" in p.stdout
@@ -276,7 +293,7 @@ def test_run_refuses_a_bad_kernel_cache_before_writing(tmp_path, compose_cfg):
 # fla: its autotune results go to Triton's cache (TRITON_CACHE_DIR) by themselves
 # ---------------------------------------------------------------------------------------------------------------
 
-FLA_SCRIPT = r'''
+FLA_SCRIPT = r"""
 import importlib, json, sys
 from triton.runtime.autotuner import Autotuner
 # what canonlm's fla paths load (GLA, GDN, Canon's fla causal_conv1d)
@@ -294,7 +311,7 @@ for name, mod in list(sys.modules.items()):
                 if obj is None:
                     break
 print("RESULT " + json.dumps(found))
-'''
+"""
 
 
 @pytest.mark.skipif(importlib.util.find_spec("fla") is None and not os.environ.get("CI"), reason="needs fla-core")
@@ -307,7 +324,7 @@ def test_fla_autotune_results_are_stored_by_triton():
     r = subprocess.run([sys.executable, "-c", FLA_SCRIPT], capture_output=True, text=True, timeout=300, env=env)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     assert r.returncode == 0 and lines, r.stderr[-3000:]
-    found = json.loads(lines[-1][len("RESULT "):])
+    found = json.loads(lines[-1][len("RESULT ") :])
     assert len(found) >= 100, len(found)
     assert [k for k, (cached, _) in found.items() if not cached] == []
     assert [k for k, (_, hooked) in found.items() if hooked] == []
@@ -421,15 +438,22 @@ print("RESULT " + json.dumps(out))
 
 def _interp(phase: str, root: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in VARS}
-    r = subprocess.run([sys.executable, "-c", SCRIPT, phase, str(root), str(HERE)], capture_output=True, text=True,
-                       timeout=600, env=env, cwd=str(HERE.parent))
+    r = subprocess.run(
+        [sys.executable, "-c", SCRIPT, phase, str(root), str(HERE)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=str(HERE.parent),
+    )
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     assert r.returncode == 0 and lines, f"{phase} process failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
-@pytest.mark.skipif(bool(MISSING) and not os.environ.get("CI"),
-                    reason=f"needs {', '.join(MISSING)} (bash scripts/setup.sh dev,interp)")
+@pytest.mark.skipif(
+    bool(MISSING) and not os.environ.get("CI"), reason=f"needs {', '.join(MISSING)} (bash scripts/setup.sh dev,interp)"
+)
 def test_mamba_autotune_choice_survives_the_process_with_its_pre_hook(tmp_path):
     root = tmp_path / "kc"
     one = _interp("first", root)
@@ -476,6 +500,7 @@ def test_only_mamba_ssm_autotuners_are_wrapped(tmp_path, monkeypatch):
         @triton.jit
         def kernel(x, n, B: tl.constexpr):
             pass
+
         return kernel
 
     mine, other = types.ModuleType("mamba_ssm.ops.triton._kc_test"), types.ModuleType("other_lib._kc_test")

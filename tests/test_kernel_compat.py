@@ -57,13 +57,17 @@ T_, OPT = "torch.Tensor", "Optional[torch.Tensor]"
 # csrc/causal_conv1d.cpp, causal-conv1d 1.4.0 - 1.5.0.post8: fwd(x, weight, bias_, seq_idx_, initial_states_,
 # final_states_out_, silu_activation) -> Tensor; bwd(x, weight, bias_, dout, seq_idx_, initial_states_,
 # dfinal_states_, dx_, return_dinitial_states, silu_activation) -> list[Tensor]
-CPP_OLD = dict(fwd=([T_, T_, OPT, OPT, OPT, OPT, "bool"], T_),
-               bwd=([T_, T_, OPT, T_, OPT, OPT, OPT, OPT, "bool", "bool"], "list[torch.Tensor]"))
+CPP_OLD = dict(
+    fwd=([T_, T_, OPT, OPT, OPT, OPT, "bool"], T_),
+    bwd=([T_, T_, OPT, T_, OPT, OPT, OPT, OPT, "bool", "bool"], "list[torch.Tensor]"),
+)
 # causal-conv1d >= 1.5.1: fwd(x, weight, bias_, seq_idx_, initial_states_, out, final_states_out_, silu_activation)
 # -> void; bwd(x, weight, bias_, dout, seq_idx_, initial_states_, dfinal_states_, dx, dweight, dbias_,
 # dinitial_states_, silu_activation) -> void
-CPP_NEW = dict(fwd=([T_, T_, OPT, OPT, OPT, T_, OPT, "bool"], "None"),
-               bwd=([T_, T_, OPT, T_, OPT, OPT, OPT, T_, T_, OPT, OPT, "bool"], "None"))
+CPP_NEW = dict(
+    fwd=([T_, T_, OPT, OPT, OPT, T_, OPT, "bool"], "None"),
+    bwd=([T_, T_, OPT, T_, OPT, OPT, OPT, T_, T_, OPT, OPT, "bool"], "None"),
+)
 
 
 def fake_causal_conv1d(version: str) -> dict[str, types.ModuleType]:
@@ -75,8 +79,16 @@ def fake_causal_conv1d(version: str) -> dict[str, types.ModuleType]:
     ext.causal_conv1d_bwd = PybindFn("causal_conv1d_bwd", *spec["bwd"], "Causal conv1d backward")
     pkg = types.ModuleType("causal_conv1d")
     pkg.__version__ = version
-    pkg.causal_conv1d_fn = lambda x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False, \
-        final_states_out=None, activation=None: None
+    pkg.causal_conv1d_fn = (
+        lambda x,
+        weight,
+        bias=None,
+        seq_idx=None,
+        initial_states=None,
+        return_final_states=False,
+        final_states_out=None,
+        activation=None: None
+    )
     mods = {"causal_conv1d": pkg, "causal_conv1d_cuda": ext}
     if new:
         cpp = types.ModuleType("causal_conv1d.cpp_functions")
@@ -86,15 +98,17 @@ def fake_causal_conv1d(version: str) -> dict[str, types.ModuleType]:
             ext.causal_conv1d_fwd(x, weight, bias, seq_idx, initial_states, out, final_states_out, silu_activation)
             return out
 
-        def causal_conv1d_bwd_function(x, weight, bias, dout, seq_idx, initial_states, dfinal_states, dx,
-                                       return_dinitial_states, silu_activation):
+        def causal_conv1d_bwd_function(
+            x, weight, bias, dout, seq_idx, initial_states, dfinal_states, dx, return_dinitial_states, silu_activation
+        ):
             return dx, None, None, None
 
         cpp.causal_conv1d_fwd_function = causal_conv1d_fwd_function
         cpp.causal_conv1d_bwd_function = causal_conv1d_bwd_function
-        cpp.causal_conv1d_update_function = lambda x, conv_state, weight, bias, silu_activation, cache_seqlens, \
-            conv_state_indices: None
-        pkg.__path__ = []                                   # a package, so `causal_conv1d.cpp_functions` resolves
+        cpp.causal_conv1d_update_function = (
+            lambda x, conv_state, weight, bias, silu_activation, cache_seqlens, conv_state_indices: None
+        )
+        pkg.__path__ = []  # a package, so `causal_conv1d.cpp_functions` resolves
         pkg.cpp_functions = cpp
         mods["causal_conv1d.cpp_functions"] = cpp
     return mods
@@ -107,15 +121,15 @@ def fake_ssd_combined(mamba: str, cc_mods: dict) -> types.ModuleType:
     mod.mamba_chunk_scan_combined = lambda *a, **k: None
     mod.mamba_split_conv1d_scan_combined = lambda *a, **k: None
     cpp = cc_mods.get("causal_conv1d.cpp_functions")
-    if mamba in ("2.2.0", "2.2.4"):                         # import causal_conv1d_cuda
+    if mamba in ("2.2.0", "2.2.4"):  # import causal_conv1d_cuda
         mod.causal_conv1d_cuda = cc_mods.get("causal_conv1d_cuda")
         mod.causal_conv1d_fn = None if mod.causal_conv1d_cuda is None else cc_mods["causal_conv1d"].causal_conv1d_fn
-    else:                                                   # from causal_conv1d.cpp_functions import ...
+    else:  # from causal_conv1d.cpp_functions import ...
         for n in ("causal_conv1d_fwd_function", "causal_conv1d_bwd_function", "causal_conv1d_update_function"):
             setattr(mod, n, None if cpp is None else getattr(cpp, n))
         if mamba in ("2.2.5", "2.2.6"):
             mod.rearrange_and_update_stride = lambda tensor, pattern=None, dim=2: tensor
-        else:                                               # 2.3.x
+        else:  # 2.3.x
             mod.ensure_stride = lambda inp: inp
     return mod
 
@@ -139,7 +153,7 @@ def install(monkeypatch, mamba: str, cc: str | None):
         if name in cc_mods:
             monkeypatch.setitem(sys.modules, name, cc_mods[name])
         else:
-            monkeypatch.setitem(sys.modules, name, None)    # import raises ImportError (not installed)
+            monkeypatch.setitem(sys.modules, name, None)  # import raises ImportError (not installed)
     pkg = types.ModuleType("mamba_ssm")
     pkg.__path__ = []
     monkeypatch.setitem(sys.modules, "mamba_ssm", pkg)
@@ -155,10 +169,10 @@ DIMS = dict(d_inner=512, conv_dim=640, nheads=16)
 PAIRS = [
     # (mamba-ssm, causal-conv1d, fused path runs?, words of the reason)
     ("2.2.4", "1.5.0.post8", True, None),
-    ("2.2.4", "1.5.1", False, "out` argument"),             # 7-argument call of the 8-argument C++ op
+    ("2.2.4", "1.5.1", False, "out` argument"),  # 7-argument call of the 8-argument C++ op
     ("2.2.4", "1.6.1", False, "takes [8]"),
-    ("2.2.4", None, False, "causal_conv1d_cuda"),           # causal-conv1d not installed
-    ("2.2.5", "1.5.0.post8", False, "cpp_functions"),       # names left None by the failed import
+    ("2.2.4", None, False, "causal_conv1d_cuda"),  # causal-conv1d not installed
+    ("2.2.5", "1.5.0.post8", False, "cpp_functions"),  # names left None by the failed import
     ("2.2.5", "1.5.1", True, None),
     ("2.2.6", "1.6.1", True, None),
     ("2.3.0", "1.6.1", True, None),
@@ -171,7 +185,7 @@ PAIRS = [
 def test_fused_split_probe_per_library_pair(monkeypatch, fresh_probes, mamba, cc, ok, words):
     install(monkeypatch, mamba, cc)
     dev, dt = "cuda", torch.bfloat16
-    assert ssd.resolve_backend("auto", dev, dt) == "mamba_ssm"   # the unfused kernels import in every case
+    assert ssd.resolve_backend("auto", dev, dt) == "mamba_ssm"  # the unfused kernels import in every case
     why = ssd.fused_split_reason(dev, dt, 4, **DIMS)
     assert (why is None) == ok, why
     if ok:
@@ -185,8 +199,8 @@ def test_fused_split_probe_per_library_pair(monkeypatch, fresh_probes, mamba, cc
     with pytest.warns(RuntimeWarning, match="fused mamba_split_conv1d_scan_combined path cannot run"):
         assert ssd.use_fused_split("mamba_ssm", dev, dt, 4, **DIMS) is False
     with warnings.catch_warnings():
-        warnings.simplefilter("error")                      # one warning per reason and process: already given
-        assert ssd.check_fused_split("auto", dev, dt, 4, **DIMS) is False   # auto: the unfused mamba_ssm path
+        warnings.simplefilter("error")  # one warning per reason and process: already given
+        assert ssd.check_fused_split("auto", dev, dt, 4, **DIMS) is False  # auto: the unfused mamba_ssm path
     assert ssd.check_fused_split("reference", dev, dt, 4, **DIMS) is False
     with pytest.raises(ConfigError) as e:
         ssd.check_fused_split("mamba_ssm", dev, dt, 4, **DIMS)
@@ -214,24 +228,26 @@ def test_positional_arities_reads_signatures_and_pybind_docstrings():
     assert _mamba.positional_arities(f) == {2, 3}
     assert _mamba.positional_arities(lambda *a: a) is None
     over = PybindFn("op", [T_], T_, "")
-    over.__doc__ = ("op(*args, **kwargs)\nOverloaded function.\n\n1. op(arg0: torch.Tensor) -> None\n\n"
-                    "2. op(arg0: torch.Tensor, arg1: Dict[str, Tuple[int, int]]) -> None\n")
+    over.__doc__ = (
+        "op(*args, **kwargs)\nOverloaded function.\n\n1. op(arg0: torch.Tensor) -> None\n\n"
+        "2. op(arg0: torch.Tensor, arg1: Dict[str, Tuple[int, int]]) -> None\n"
+    )
     assert _mamba.positional_arities(over) == {1, 2}
     nodoc = PybindFn("op", [T_], T_, "")
     nodoc.__doc__ = None
-    assert _mamba.positional_arities(nodoc) is None              # unknown: not held against the library
+    assert _mamba.positional_arities(nodoc) is None  # unknown: not held against the library
 
 
 def test_split_shape_reason():
     """causal-conv1d's channel-last rules on the xBC slice (conv channels % 8; an uncopied view also needs the row
     stride 2*d_inner + 2GN + H and the start offset d_inner to be multiples of 8)."""
-    assert ssd.split_shape_reason(512, 640, 16) is None                  # the Mamba2 preset at d = 256
+    assert ssd.split_shape_reason(512, 640, 16) is None  # the Mamba2 preset at d = 256
     assert ssd.split_shape_reason(512, 640, 16, stride_fix=False) is None
     assert "644" in ssd.split_shape_reason(512, 644, 16)
     assert ssd.split_shape_reason(512, 640, 12, stride_fix=True) is None
     assert "in_proj's width" in ssd.split_shape_reason(512, 640, 12, stride_fix=False)
-    assert "d_inner = 500" in ssd.split_shape_reason(500, 632, 20)     # 500 + 632 + 20 = 1152: uncopied, misaligned
-    assert ssd.split_shape_reason(500, 632, 16) is None                # 1148: copied by mamba-ssm >= 2.2.5
+    assert "d_inner = 500" in ssd.split_shape_reason(500, 632, 20)  # 500 + 632 + 20 = 1152: uncopied, misaligned
+    assert ssd.split_shape_reason(500, 632, 16) is None  # 1148: copied by mamba-ssm >= 2.2.5
     assert "in_proj's width" in ssd.split_shape_reason(500, 632, 16, stride_fix=False)
 
 
@@ -249,7 +265,7 @@ def test_fused_split_checks_width_and_layout(monkeypatch, fresh_probes):
     with pytest.raises(ConfigError, match="kernel width 5"):
         ssd.check_fused_split("mamba_ssm", dev, dt, 5, **DIMS)
     assert "float64" in ssd.fused_split_reason(dev, torch.float64, 4, **DIMS)
-    assert ssd.use_fused_split("reference", dev, dt, 4, **DIMS) is False            # no warning: not requested
+    assert ssd.use_fused_split("reference", dev, dt, 4, **DIMS) is False  # no warning: not requested
     assert ssd.check_fused_split("fused", dev, dt, 4, **DIMS) is True
 
 
@@ -274,8 +290,17 @@ class FakeCausalConv1dFn:
     def __init__(self):
         self.inputs = []
 
-    def __call__(self, x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,
-                 final_states_out=None, activation=None):
+    def __call__(
+        self,
+        x,
+        weight,
+        bias=None,
+        seq_idx=None,
+        initial_states=None,
+        return_final_states=False,
+        final_states_out=None,
+        activation=None,
+    ):
         B, C, T = x.shape
         assert x.stride(1) == 1 and x.stride(2) > 1, "channel-last view expected"
         assert C % 8 == 0, "causal_conv1d only supports channel dimension divisible by 8 for now"
@@ -287,9 +312,14 @@ class FakeCausalConv1dFn:
         if bias is not None:
             assert bias.dtype == weight.dtype
         self.inputs.append((x, initial_states))
-        y = causal_conv1d_reference(x.transpose(1, 2), weight, bias, residual=False,
-                                    activation=activation == "silu",
-                                    initial_state=initial_states)
+        y = causal_conv1d_reference(
+            x.transpose(1, 2),
+            weight,
+            bias,
+            residual=False,
+            activation=activation == "silu",
+            initial_state=initial_states,
+        )
         return y.transpose(1, 2)
 
 
@@ -307,13 +337,16 @@ def _strided(B, T, C, row, batch, offset=0, dtype=torch.float32, seed=0):
     return buf.as_strided((B, T, C), (batch, row, 1), offset)
 
 
-@pytest.mark.parametrize("case,copied", [
-    ("contiguous", False),
-    ("slice_of_wider", False),      # channels 16..48 of a 64-wide row: strides (T*64, 64, 1), 64-byte offset
-    ("misaligned_slice", True),     # starts 2 fp32 elements into the buffer: 8-byte offset
-    ("row_not_mult_8", True),       # row stride 36
-    ("batch1_odd_stride", True),    # B = 1 with stride(0) = 7: `.contiguous()` would return it unchanged
-])
+@pytest.mark.parametrize(
+    "case,copied",
+    [
+        ("contiguous", False),
+        ("slice_of_wider", False),  # channels 16..48 of a 64-wide row: strides (T*64, 64, 1), 64-byte offset
+        ("misaligned_slice", True),  # starts 2 fp32 elements into the buffer: 8-byte offset
+        ("row_not_mult_8", True),  # row stride 36
+        ("batch1_odd_stride", True),  # B = 1 with stride(0) = 7: `.contiguous()` would return it unchanged
+    ],
+)
 def test_dao_forward_copies_only_when_needed(fake_dao, case, copied):
     B, T, C, K = 2, 9, 32, 4
     if case == "contiguous":
@@ -339,7 +372,7 @@ def test_dao_forward_initial_state_and_grads(fake_dao):
     B, T, C, K = 2, 7, 16, 4
     x = torch.randn(B, T, C, requires_grad=True)
     w = torch.randn(C, K, requires_grad=True)
-    h = torch.randn(B, C, K - 1, requires_grad=True)      # (B, C, K-1) channel-first: must become channel-last
+    h = torch.randn(B, C, K - 1, requires_grad=True)  # (B, C, K-1) channel-first: must become channel-last
     y = canon_cuda.dao_forward(x, w, None, True, False, h)
     yr = causal_conv1d_reference(x, w, None, residual=True, initial_state=h)
     torch.testing.assert_close(y, yr)
@@ -362,10 +395,10 @@ def test_dao_forward_initial_state_and_grads(fake_dao):
 def test_dao_channel_last_ok_rules():
     ok = canon_cuda.dao_channel_last_ok
     assert ok(torch.randn(2, 5, 16))
-    assert not ok(torch.randn(2, 5, 12))                              # row stride 12
-    assert not ok(torch.randn(2, 16, 5).transpose(1, 2))              # channel stride 5
-    assert not ok(torch.randn(2, 1, 16).as_strided((2, 1, 16), (16, 1, 1)))   # stride(1) == 1: not channel-last
-    assert not ok(_strided(2, 3, 16, row=16, batch=48, offset=1))    # 4-byte offset
+    assert not ok(torch.randn(2, 5, 12))  # row stride 12
+    assert not ok(torch.randn(2, 16, 5).transpose(1, 2))  # channel stride 5
+    assert not ok(torch.randn(2, 1, 16).as_strided((2, 1, 16), (16, 1, 1)))  # stride(1) == 1: not channel-last
+    assert not ok(_strided(2, 3, 16, row=16, batch=48, offset=1))  # 4-byte offset
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -375,7 +408,7 @@ def test_dao_channel_last_ok_rules():
 
 def test_flash_head_dim_checked_at_resolution(monkeypatch):
     assert attn.flash_shape_reason(256) is None and attn.flash_shape_reason(None) is None
-    assert attn.flash_shape_reason(100) is None                       # padded to 104 by flash_attn_func
+    assert attn.flash_shape_reason(100) is None  # padded to 104 by flash_attn_func
     assert "256" in attn.flash_shape_reason(257)
     assert attn.resolve_backend("auto", "cpu", torch.float32, head_dim=512) == "sdpa"
     assert attn.resolve_backend("fused", "cuda", torch.float32, head_dim=512) == "sdpa"

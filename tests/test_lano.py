@@ -54,23 +54,26 @@ def test_cpu_preset_composes_and_is_small():
     assert 0 < paper.rejected_mass < 1e-3
 
 
-@pytest.mark.parametrize("over, key", [
-    (dict(bogus=1), "task.bogus"),
-    (dict(grammar="cfg9z"), "task.grammar"),
-    (dict(grammar=dict(depth=3)), "task.grammar"),
-    (dict(grammar_seed=-1), "task.grammar_seed"),
-    (dict(context=4), "task.context"),
-    (dict(context=50, max_sentence_len=None), "task.context"),
-    (dict(max_sentence_len=3), "task.max_sentence_len"),
-    (dict(max_sentence_len="big"), "task.max_sentence_len"),
-    (dict(tail="keep"), "task.tail"),
-    (dict(kl_restrict="softmax"), "task.kl_restrict"),
-    (dict(kl_samples=-1), "task.kl_samples"),
-    (dict(eval_num_samples=1.5), "task.eval_num_samples"),
-    (dict(eval_temperature=-1.0), "task.eval_temperature"),
-    (dict(grammar_file=3), "task.grammar_file"),
-    (dict(grammar_file="/nonexistent/cfg.json"), "task.grammar_file"),
-])
+@pytest.mark.parametrize(
+    "over, key",
+    [
+        (dict(bogus=1), "task.bogus"),
+        (dict(grammar="cfg9z"), "task.grammar"),
+        (dict(grammar=dict(depth=3)), "task.grammar"),
+        (dict(grammar_seed=-1), "task.grammar_seed"),
+        (dict(context=4), "task.context"),
+        (dict(context=50, max_sentence_len=None), "task.context"),
+        (dict(max_sentence_len=3), "task.max_sentence_len"),
+        (dict(max_sentence_len="big"), "task.max_sentence_len"),
+        (dict(tail="keep"), "task.tail"),
+        (dict(kl_restrict="softmax"), "task.kl_restrict"),
+        (dict(kl_samples=-1), "task.kl_samples"),
+        (dict(eval_num_samples=1.5), "task.eval_num_samples"),
+        (dict(eval_temperature=-1.0), "task.eval_temperature"),
+        (dict(grammar_file=3), "task.grammar_file"),
+        (dict(grammar_file="/nonexistent/cfg.json"), "task.grammar_file"),
+    ],
+)
 def test_bad_config_is_config_error(over, key):
     with pytest.raises(ConfigError) as e:
         cpu_task(**over)
@@ -105,7 +108,7 @@ def test_instances_layout_derivable_and_deterministic():
     assert len(b) == 60 and b.loss_mask.all() and b.ans_len.size == 0 and b.ans_offsets.tolist() == [0] * 61
     sents = []
     for r in range(60):
-        x = b.tokens[b.offsets[r]:b.offsets[r + 1]]
+        x = b.tokens[b.offsets[r] : b.offsets[r + 1]]
         assert x[0] == t.bos_id and ((x[1:] >= 1) & (x[1:] <= 3)).all()
         assert t.min_instance_len("train") <= len(x) <= t.max_instance_len("train")
         assert b.meta["length"][r] == len(x) - 1
@@ -113,7 +116,7 @@ def test_instances_layout_derivable_and_deterministic():
     assert check(t.grammar, sents).all()
     # instance (w, i) does not depend on the rest of the call; instance() agrees
     one = t.instance("train", (int(w[17]), int(i[17])))
-    assert np.array_equal(one.tokens, b.tokens[b.offsets[17]:b.offsets[18]])
+    assert np.array_equal(one.tokens, b.tokens[b.offsets[17] : b.offsets[18]])
     assert (one.answer_id == -1).all() and one.loss_mask.all()
     # split namespaces differ; seeds differ
     assert not np.array_equal(t.generate("val", w, i).tokens, b.tokens)
@@ -127,7 +130,7 @@ def test_packed_windows_are_bos_separated_sentences():
     for row in out["tokens"]:
         assert row[0] == t.bos_id
         cuts = np.nonzero(row == t.bos_id)[0].tolist() + [len(row)]
-        complete = [row[a + 1:b] for a, b in zip(cuts[:-2], cuts[1:-1])]
+        complete = [row[a + 1 : b] for a, b in zip(cuts[:-2], cuts[1:-1])]
         assert len(complete) >= 2 and check(t.grammar, complete).all()
     assert out["loss_mask"][:, 1:].all() and not out["loss_mask"][:, 0].any()
 
@@ -138,7 +141,7 @@ def test_official_grammar_through_the_task():
     g = load_grammar(LANO_DIR / "cfg3f.json")
     assert t.grammar.rules == g.rules and t.max_len == 511 and 1e-7 < t.rejected_mass < 1e-5
     b = t.generate("test", np.arange(50), np.zeros(50, dtype=np.int64))
-    assert check(g, [b.tokens[b.offsets[r] + 1:b.offsets[r + 1]] for r in range(50)]).all()
+    assert check(g, [b.tokens[b.offsets[r] + 1 : b.offsets[r + 1]] for r in range(50)]).all()
     for name, ctx in (("cfg3j", 1536), ("cfg3k", 1536)):
         u = build_task("lano", dict(grammar=name, grammar_file=str(LANO_DIR / f"{name}.json"), context=ctx))
         assert u.max_len == min(1535, longest(u.grammar)) and u.rejected_mass < 1e-40
@@ -160,14 +163,14 @@ def oracle_forward(grammar, vocab_size):
                 k = j + 1
                 while k < L and 1 <= xs[b, k] <= T:
                     k += 1
-                P = next_symbol_probs(grammar, xs[b, j + 1:k])
+                P = next_symbol_probs(grammar, xs[b, j + 1 : k])
                 if np.isnan(P).any():
                     continue
                 row = np.full((P.shape[0], vocab_size), -1e30)
                 with np.errstate(divide="ignore"):
                     row[:, bos] = np.log(P[:, 0])
-                    row[:, 1:T + 1] = np.log(P[:, 1:])
-                out[b, j:j + P.shape[0]] = np.maximum(row, -1e30)
+                    row[:, 1 : T + 1] = np.log(P[:, 1:])
+                out[b, j : j + P.shape[0]] = np.maximum(row, -1e30)
         return torch.from_numpy(out)
 
     return fwd
@@ -201,8 +204,14 @@ def test_score_generations_rules():
     t = cpu_task()
     s = t.sentences("test", [0])[0]
     bos = t.bos_id
-    gens = [np.concatenate([s, [bos]]), s, np.array([bos]), np.concatenate([s[:-1], [bos]]),
-            np.concatenate([s, [0, bos]]), np.zeros(0, np.int64)]
+    gens = [
+        np.concatenate([s, [bos]]),
+        s,
+        np.array([bos]),
+        np.concatenate([s[:-1], [bos]]),
+        np.concatenate([s, [0, bos]]),
+        np.zeros(0, np.int64),
+    ]
     want = [True, False, False, bool(check(t.grammar, [s[:-1]])[0]), False, False]
     assert t.score_generations(gens).tolist() == want
     pr = t.prompts("test", [5, 6])

@@ -43,8 +43,11 @@ def layout_table(text: str | None = None) -> dict[str, set[str]]:
 
 def parts_on_disk() -> set[str]:
     """The top-level modules and packages of src/canonlm (``__init__`` is the package's own module)."""
-    return {p.stem if p.is_file() else p.name for p in PKG.iterdir()
-            if (p.is_file() and p.suffix == ".py") or (p.is_dir() and (p / "__init__.py").is_file())}
+    return {
+        p.stem if p.is_file() else p.name
+        for p in PKG.iterdir()
+        if (p.is_file() and p.suffix == ".py") or (p.is_dir() and (p / "__init__.py").is_file())
+    }
 
 
 def _imports(path: Path, pkg: Path = PKG) -> list[tuple[int, str, str]]:
@@ -59,12 +62,12 @@ def _imports(path: Path, pkg: Path = PKG) -> list[tuple[int, str, str]]:
     for node in ast.walk(ast.parse(text, filename=str(path))):
         if not isinstance(node, (ast.Import, ast.ImportFrom)):
             continue
-        src = " ".join(" ".join(lines[node.lineno - 1:node.end_lineno]).split())
+        src = " ".join(" ".join(lines[node.lineno - 1 : node.end_lineno]).split())
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name, src) for a in node.names if a.name.split(".")[0] == "canonlm"]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
-                base = package[:len(package) - (node.level - 1)]
+                base = package[: len(package) - (node.level - 1)]
                 mod = ".".join(base + ([node.module] if node.module else []))
             else:
                 mod = node.module or ""
@@ -93,8 +96,10 @@ def import_graph() -> dict[str, dict[str, list[str]]]:
 def test_every_part_has_a_row_and_every_row_a_part():
     table, disk = layout_table(), parts_on_disk()
     new = sorted(disk - set(table))
-    assert not new, (f"src/canonlm has {', '.join(new)} but README.md's Layout table has no row for it: add one "
-                     "(its job and what it may import)")
+    assert not new, (
+        f"src/canonlm has {', '.join(new)} but README.md's Layout table has no row for it: add one "
+        "(its job and what it may import)"
+    )
     gone = sorted(set(table) - disk)
     assert not gone, f"README.md's Layout table lists {', '.join(gone)}, which src/canonlm does not have"
     unknown = sorted({m for may in table.values() for m in may} - set(table))
@@ -126,22 +131,29 @@ def test_no_module_imports_a_part_its_row_does_not_allow():
             if target in table.get(part, set()):
                 continue
             for w in where:
-                bad.append(f"{w}\n    -> {part} may not import {target} (README.md, Layout: {part} may import "
-                           f"{', '.join(sorted(table.get(part, set()))) or 'nothing'})")
+                bad.append(
+                    f"{w}\n    -> {part} may not import {target} (README.md, Layout: {part} may import "
+                    f"{', '.join(sorted(table.get(part, set()))) or 'nothing'})"
+                )
     assert not bad, "imports that break the layers:\n" + "\n".join(bad)
 
 
-@pytest.mark.parametrize("snippet, expected", [
-    ("from canonlm.arch.config import ModelConfig\n", "canonlm.arch.config"),
-    ("def f():\n    from canonlm.train.run import run\n", "canonlm.train.run"),  # function-local
-    ("import canonlm.hf.io as h\n", "canonlm.hf.io"),
-    ("from canonlm import eval\n", "canonlm.eval"),
-    ("from ...train import run\n", "canonlm.train"),                        # relative, from ops/canon/x.py
-    ("from .. import attention\n", "canonlm.ops"),
-    ("from . import _native\n", "canonlm.ops.canon"),
-    ("if True:\n    try:\n        import canonlm.data.tasks\n    except ImportError:\n        pass\n",
-     "canonlm.data.tasks"),
-])
+@pytest.mark.parametrize(
+    "snippet, expected",
+    [
+        ("from canonlm.arch.config import ModelConfig\n", "canonlm.arch.config"),
+        ("def f():\n    from canonlm.train.run import run\n", "canonlm.train.run"),  # function-local
+        ("import canonlm.hf.io as h\n", "canonlm.hf.io"),
+        ("from canonlm import eval\n", "canonlm.eval"),
+        ("from ...train import run\n", "canonlm.train"),  # relative, from ops/canon/x.py
+        ("from .. import attention\n", "canonlm.ops"),
+        ("from . import _native\n", "canonlm.ops.canon"),
+        (
+            "if True:\n    try:\n        import canonlm.data.tasks\n    except ImportError:\n        pass\n",
+            "canonlm.data.tasks",
+        ),
+    ],
+)
 def test_the_parser_sees_every_form_of_import(tmp_path, snippet, expected):
     """The reader above against hand-written modules: each form of import resolves to the module Python would
     import (relative ones from ``canonlm/ops/canon/x.py``)."""
@@ -153,8 +165,10 @@ def test_the_parser_sees_every_form_of_import(tmp_path, snippet, expected):
 
 
 def test_the_table_reader_on_a_small_table():
-    text = ("# x\n## Layout\nprose\n\n| Part | Job | May import |\n|---|---|---|\n| `errors.py` | e | nothing |\n"
-            "| `ops/` | o | `errors` |\n| `arch/` | a | `errors`, `ops` |\n\n## Next\n| Part | Job | May import |\n")
+    text = (
+        "# x\n## Layout\nprose\n\n| Part | Job | May import |\n|---|---|---|\n| `errors.py` | e | nothing |\n"
+        "| `ops/` | o | `errors` |\n| `arch/` | a | `errors`, `ops` |\n\n## Next\n| Part | Job | May import |\n"
+    )
     assert layout_table(text) == {"errors": set(), "ops": {"errors"}, "arch": {"errors", "ops"}}
 
 
@@ -163,5 +177,7 @@ if __name__ == "__main__":  # the layer picture, from the table and the imports 
     order = list(table)
     for part, may in table.items():
         uses = sorted(graph.get(part, {}), key=lambda p: order.index(p) if p in order else len(order))
-        print(f"{part}: may import {', '.join(sorted(may, key=order.index)) or 'nothing'}; "
-              f"imports {', '.join(uses) or 'nothing'}")
+        print(
+            f"{part}: may import {', '.join(sorted(may, key=order.index)) or 'nothing'}; "
+            f"imports {', '.join(uses) or 'nothing'}"
+        )

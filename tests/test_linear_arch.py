@@ -24,8 +24,9 @@ from conftest import ARCH_PRESETS as PRESETS  # noqa: E402
 
 def build(preset, canon="", size="2L64D", vocab=32, dtype=torch.float64, **kw):
     model = dict(PRESETS[preset], size=size, **kw)
-    cfg = build_model_config(model, canon={"set": canon}, pos={"type": "rope"}, vocab_size=vocab, max_seq_len=256,
-                             ops="reference")
+    cfg = build_model_config(
+        model, canon={"set": canon}, pos={"type": "rope"}, vocab_size=vocab, max_seq_len=256, ops="reference"
+    )
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -34,6 +35,7 @@ def build(preset, canon="", size="2L64D", vocab=32, dtype=torch.float64, **kw):
 
 
 # ------------------------------------------------------------------------------------------------ parameter counts
+
 
 def expected_params(preset, L, d, V, canon="", K=4, r_gate=16):
     """Independent count from paper §4 and App. C (per-layer pieces written out one by one)."""
@@ -44,32 +46,32 @@ def expected_params(preset, L, d, V, canon="", K=4, r_gate=16):
     if arch == "gla" or arch == "gdn":
         Kd, Vd = int(p["expand_k"] * d), int(p["expand_v"] * d)
         H = 4 if preset == "gla" else (max(4, d // 128) if preset == "gdn" else max(1, Kd // 128))
-        per_layer += d * Kd * 2 + d * Vd + Vd * d          # q, k, v, o
+        per_layer += d * Kd * 2 + d * Vd + Vd * d  # q, k, v, o
         if p.get("output_gate_rank", 0):
-            per_layer += d * r_gate + r_gate * Vd + Vd     # low-rank output gate (+ bias)
+            per_layer += d * r_gate + r_gate * Vd + Vd  # low-rank output gate (+ bias)
         else:
-            per_layer += d * Vd                            # full-rank output gate
-        per_layer += Vd // H                               # per-head output norm gain
+            per_layer += d * Vd  # full-rank output gate
+        per_layer += Vd // H  # per-head output norm gain
         if arch == "gla":
-            per_layer += d * 16 + 16 * Kd + Kd             # low-rank forget gate (+ bias)
+            per_layer += d * 16 + 16 * Kd + Kd  # low-rank forget gate (+ bias)
         else:
-            per_layer += 2 * d * H + 2 * H                 # a_proj, b_proj, A_log, dt_bias
+            per_layer += 2 * d * H + 2 * H  # a_proj, b_proj, A_log, dt_bias
         if "b" in canon:
-            per_layer += 4 * (2 * Kd + Vd)                 # three short convs, no bias
+            per_layer += 4 * (2 * Kd + Vd)  # three short convs, no bias
         if "B" in canon:
             per_layer += K * (2 * Kd + Vd)
     else:  # mamba2
         H, N, di = 16, 64, 2 * d
         per_layer += d * (2 * di + 2 * N + H) + di * d + di + 3 * H  # in_proj, out_proj, gated norm, dt_bias/A_log/D
         if "b" in canon:
-            per_layer += 4 * (di + 2 * N) + (di + 2 * N)   # conv1d weight + bias
+            per_layer += 4 * (di + 2 * N) + (di + 2 * N)  # conv1d weight + bias
         if "B" in canon:
             per_layer += K * (2 * di + 2 * N + H)
     if "A" in canon:
         per_layer += K * d
     if has_mlp:
         I = 2 * d if p.get("ffn_ratio") else 256 * math.ceil(8 * d / 3 / 256)
-        per_layer += d + 3 * d * I                         # mlp_norm + gated MLP
+        per_layer += d + 3 * d * I  # mlp_norm + gated MLP
         per_layer += K * d * ("C" in canon) + K * 2 * I * ("D" in canon)
     return L * per_layer + 2 * V * d + d
 
@@ -102,8 +104,8 @@ def test_mixer_sizes_follow_the_papers_d2_budgets():
         blk = m.blocks[0]
         n_mixer = sum(p.numel() for p in blk.attn.parameters())
         n_mlp = sum(p.numel() for p in blk.mlp.parameters())
-        assert abs(n_mixer / d ** 2 - mixer_d2) < 0.25, (preset, n_mixer / d ** 2)
-        assert abs(n_mlp / d ** 2 - mlp_d2) < 0.3, (preset, n_mlp / d ** 2)
+        assert abs(n_mixer / d**2 - mixer_d2) < 0.25, (preset, n_mixer / d**2)
+        assert abs(n_mlp / d**2 - mlp_d2) < 0.3, (preset, n_mlp / d**2)
 
 
 def test_head_rules_and_widths():
@@ -125,6 +127,7 @@ def test_head_rules_and_widths():
 
 # ------------------------------------------------------------------------------------------------ mixer oracles
 
+
 def _rms(x, w, eps):
     return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
@@ -143,8 +146,10 @@ def _qkv(m, x, canon_cfg):
         qkv = canon_loop(torch.cat([q, k, v], -1), m.canon_b.weight, residual=True)
         q, k, v = qkv.split([m.key_dim, m.key_dim, m.value_dim], -1)
     if m.conv_q is not None:
-        q, k, v = (canon_loop(t, c.weight, residual=False, activation=True) for t, c in
-                   ((q, m.conv_q), (k, m.conv_k), (v, m.conv_v)))
+        q, k, v = (
+            canon_loop(t, c.weight, residual=False, activation=True)
+            for t, c in ((q, m.conv_q), (k, m.conv_k), (v, m.conv_v))
+        )
     else:
         q, k, v = q * torch.sigmoid(q), k * torch.sigmoid(k), v * torch.sigmoid(v)
     return q, k, v
@@ -188,15 +193,21 @@ def mamba2_oracle(m, x, eps):
         xbc = canon_loop(xbc, m.conv1d.weight, m.conv1d.bias, residual=False, activation=True)
     xs, Bm, Cm = xbc.split([di, G * N, G * N], -1)
     xs, Bm, Cm = xs.view(B, T, H, P), Bm.view(B, T, G, N), Cm.view(B, T, G, N)
-    y, _ = ssd_loop(xs, dt, -m.A_log.exp(), Bm, Cm, m.D, m.dt_bias)          # softplus(dt + dt_bias), D skip
+    y, _ = ssd_loop(xs, dt, -m.A_log.exp(), Bm, Cm, m.D, m.dt_bias)  # softplus(dt + dt_bias), D skip
     y = y.reshape(B, T, di)
     y = y * z * torch.sigmoid(z)
     y = _rms(y.view(B, T, G, -1), m.norm.weight.view(G, -1), eps).reshape(B, T, di)
     return y @ m.out_proj.weight.T
 
 
-ORACLES = {"gla": gla_oracle, "gla5": gla_oracle, "gdn": gdn_oracle, "gdn2": gdn_oracle,
-           "mamba2": mamba2_oracle, "mamba2_nomlp": mamba2_oracle}
+ORACLES = {
+    "gla": gla_oracle,
+    "gla5": gla_oracle,
+    "gdn": gdn_oracle,
+    "gdn2": gdn_oracle,
+    "mamba2": mamba2_oracle,
+    "mamba2_nomlp": mamba2_oracle,
+}
 
 
 @pytest.mark.parametrize("preset", list(ORACLES))
@@ -233,22 +244,23 @@ def test_block_wiring_canon_a_c_d():
 
 # ------------------------------------------------------------------------------------------------ inits
 
+
 def test_linear_inits():
     torch.manual_seed(0)
     m = build("gla", canon="AbCD", size="2L256D", dtype=torch.float32)
     blk = m.blocks[0]
     assert abs(blk.attn.q_proj.weight.std().item() - 0.02) < 2e-3
-    assert abs(blk.attn.conv_q.weight.std().item() - 0.02) < 3e-3          # fla-style 0.02 for the short convs (b)
-    w = blk.canon_a.weight                                                 # Canon: PyTorch default U(-1/2, 1/2)
+    assert abs(blk.attn.conv_q.weight.std().item() - 0.02) < 3e-3  # fla-style 0.02 for the short convs (b)
+    w = blk.canon_a.weight  # Canon: PyTorch default U(-1/2, 1/2)
     assert w.abs().max() <= 0.5 and w.std().item() > 0.25
     assert blk.attn.gk_proj[1].bias.abs().max() == 0
     m5 = build("gla5", canon="AbCD", size="2L256D", dtype=torch.float32)
-    lr = m5.blocks[0].attn.g_proj[0].weight                                # split init σ = √0.02 / 16^¼
+    lr = m5.blocks[0].attn.g_proj[0].weight  # split init σ = √0.02 / 16^¼
     assert abs(lr.std().item() - math.sqrt(0.02) / 2) < 5e-3
     mm = build("mamba2", canon="AbCD", size="2L256D", dtype=torch.float32)
     mix = mm.blocks[0].attn
-    assert abs(mm.tok_emb.weight.std().item() - 0.1) < 5e-3               # embedding N(0, 0.1)
-    bound = 1 / math.sqrt(256)                                             # kaiming-uniform(a=√5) of a Linear
+    assert abs(mm.tok_emb.weight.std().item() - 0.1) < 5e-3  # embedding N(0, 0.1)
+    bound = 1 / math.sqrt(256)  # kaiming-uniform(a=√5) of a Linear
     assert mix.in_proj.weight.abs().max() <= bound and mix.in_proj.weight.std().item() > 0.8 * bound / math.sqrt(3)
     assert mix.conv1d.bias.abs().max() == 0
     A = mix.A_log.exp()
@@ -261,6 +273,7 @@ def test_linear_inits():
 
 # ------------------------------------------------------------------------------------------------ decode caches
 
+
 def decode_in_pieces(model, ids):
     """(full forward logits, logits of prefill 7 -> 3 single tokens -> a 5-token chunk -> single tokens, the cache)
     for ids (B, 23)."""
@@ -269,19 +282,33 @@ def decode_in_pieces(model, ids):
         cache = model.new_cache()
         parts, t = [model(ids[:, :7], cache)], 7
         for n in (1, 1, 1, 5, 1, 1, 1, 1, 1, 1, 1, 1):
-            parts.append(model(ids[:, t:t + n], cache))
+            parts.append(model(ids[:, t : t + n], cache))
             t += n
     assert t == ids.shape[1]
     return full, torch.cat(parts, 1), cache
 
 
 DECODE_CASES = [
-    ("llama", "", {}), ("llama", "ABCD", {}), ("llama", "AC", {"qk_norm": "whole"}),
+    ("llama", "", {}),
+    ("llama", "ABCD", {}),
+    ("llama", "AC", {"qk_norm": "whole"}),
     ("llama", "ABCD", {"n_kv_heads": 1}),
-    ("gla", "", {}), ("gla", "b", {}), ("gla", "AbCD", {}), ("gla", "ABCD", {}),
-    ("gla5", "AbCD", {}), ("gdn", "", {}), ("gdn", "b", {}), ("gdn", "AbCD", {}), ("gdn", "AbBCD", {}),
-    ("gdn2", "AbCD", {}), ("mamba2", "", {}), ("mamba2", "b", {}), ("mamba2", "AbCD", {}), ("mamba2", "ABCD", {}),
-    ("mamba2_nomlp", "Ab", {}), ("mamba2_nomlp", "B", {}),
+    ("gla", "", {}),
+    ("gla", "b", {}),
+    ("gla", "AbCD", {}),
+    ("gla", "ABCD", {}),
+    ("gla5", "AbCD", {}),
+    ("gdn", "", {}),
+    ("gdn", "b", {}),
+    ("gdn", "AbCD", {}),
+    ("gdn", "AbBCD", {}),
+    ("gdn2", "AbCD", {}),
+    ("mamba2", "", {}),
+    ("mamba2", "b", {}),
+    ("mamba2", "AbCD", {}),
+    ("mamba2", "ABCD", {}),
+    ("mamba2_nomlp", "Ab", {}),
+    ("mamba2_nomlp", "B", {}),
 ]
 
 
@@ -336,22 +363,26 @@ def test_use_cache_true_needs_a_cache():
 
 # ------------------------------------------------------------------------------------------------ bad input
 
-@pytest.mark.parametrize("model, canon, key", [
-    (dict(arch="llama", size="2L64D"), "AbCD", "canon.set"),
-    (dict(arch="gla", size="2L64D"), "AbCE", "canon.set"),
-    (dict(arch="mamba2", mlp="none", size="2L64D"), "AbCD", "canon.set"),
-    (dict(arch="gla", size="2L64D", n_heads=5), "", "model.expand_k"),
-    (dict(arch="gdn", size="2L64D", expand_v=0.3, n_heads=4), "", "model.expand_v"),
-    (dict(arch="mamba2", size="2L64D", n_heads=7), "", "model.n_heads"),
-    (dict(arch="mamba2", size="2L64D", n_groups=3), "", "model.n_groups"),
-    (dict(arch="gla", size="2L64D", chunk_size=0), "", "model.chunk_size"),
-    (dict(arch="gdn", size="2L64D", chunk_size=-4), "", "model.chunk_size"),
-    (dict(arch="mamba2", size="2L64D", ssm_state=0), "", "model.ssm_state"),
-    (dict(arch="gla", size="2L64D", qk_norm="whole"), "", "model.qk_norm"),
-    (dict(arch="gla", size="2L64D", mlp="none"), "", "model.mlp"),
-    (dict(arch="rwkv", size="2L64D"), "", "model.arch"),
-    (dict(arch="gla", size="2L64D", no_conv_act="gelu"), "", "model.no_conv_act"),
-])
+
+@pytest.mark.parametrize(
+    "model, canon, key",
+    [
+        (dict(arch="llama", size="2L64D"), "AbCD", "canon.set"),
+        (dict(arch="gla", size="2L64D"), "AbCE", "canon.set"),
+        (dict(arch="mamba2", mlp="none", size="2L64D"), "AbCD", "canon.set"),
+        (dict(arch="gla", size="2L64D", n_heads=5), "", "model.expand_k"),
+        (dict(arch="gdn", size="2L64D", expand_v=0.3, n_heads=4), "", "model.expand_v"),
+        (dict(arch="mamba2", size="2L64D", n_heads=7), "", "model.n_heads"),
+        (dict(arch="mamba2", size="2L64D", n_groups=3), "", "model.n_groups"),
+        (dict(arch="gla", size="2L64D", chunk_size=0), "", "model.chunk_size"),
+        (dict(arch="gdn", size="2L64D", chunk_size=-4), "", "model.chunk_size"),
+        (dict(arch="mamba2", size="2L64D", ssm_state=0), "", "model.ssm_state"),
+        (dict(arch="gla", size="2L64D", qk_norm="whole"), "", "model.qk_norm"),
+        (dict(arch="gla", size="2L64D", mlp="none"), "", "model.mlp"),
+        (dict(arch="rwkv", size="2L64D"), "", "model.arch"),
+        (dict(arch="gla", size="2L64D", no_conv_act="gelu"), "", "model.no_conv_act"),
+    ],
+)
 def test_bad_linear_config_is_one_clear_error(model, canon, key):
     with pytest.raises(ConfigError) as e:
         build_model_config(model, canon={"set": canon}, vocab_size=8)
@@ -364,8 +395,10 @@ def test_fused_request_without_library_fails_early(op, arch):
     (CanonLM.place; training and evaluation place before the first step), and at a forward before placement --
     not at construction, which may precede the move to a GPU."""
     ids = torch.zeros(1, 4, dtype=torch.long)
-    for kw, key in (({"kernels": {op: "fla" if op != "ssd" else "mamba_ssm"}}, f"model.kernels.{op}"),
-                    ({"ops": "fused"}, "model.ops")):
+    for kw, key in (
+        ({"kernels": {op: "fla" if op != "ssd" else "mamba_ssm"}}, f"model.kernels.{op}"),
+        ({"ops": "fused"}, "model.ops"),
+    ):
         cfg = build_model_config(dict(PRESETS[arch], size="2L64D"), canon={"set": "b"}, vocab_size=8, **kw)
         model = CanonLM(cfg)
         assert op in model.pending
@@ -405,6 +438,7 @@ def test_bf16_autocast_forward_backward_linear():
 
 # ------------------------------------------------------------------------------------------------ through train.py
 
+
 def _train_py(args, tmp_path, name):
     import json
     import os
@@ -413,22 +447,42 @@ def _train_py(args, tmp_path, name):
 
     from conftest import ROOT
 
-    p = subprocess.run([sys.executable, str(ROOT / "train.py"), *args, f"run_name={name}",
-                        f"paths.log_dir={tmp_path}/logs"], capture_output=True, text=True, timeout=600, cwd=tmp_path,
-                       env={**os.environ, "WANDB_MODE": "disabled"})
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args, f"run_name={name}", f"paths.log_dir={tmp_path}/logs"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env={**os.environ, "WANDB_MODE": "disabled"},
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     return json.loads((tmp_path / "logs" / "train" / "runs" / name / "results.json").read_text())
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch, canon", [("gla", "none"), ("gla", "AbCD"), ("gdn", "none"), ("gdn", "AbCD"),
-                                         ("mamba2", "none"), ("mamba2", "AbCD")])
+@pytest.mark.parametrize(
+    "arch, canon",
+    [("gla", "none"), ("gla", "AbCD"), ("gdn", "none"), ("gdn", "AbCD"), ("mamba2", "none"), ("mamba2", "AbCD")],
+)
 def test_linear_archs_train_on_depo1(arch, canon, tmp_path):
     """The issue's command, `python train.py arch=<gla|gdn|mamba2> canon=<none|AbCD> task=depo1`, on the paper's
     Depo1 config (context 2048) with a tiny model and 3 steps: builds, trains, validates and tests on CPU."""
-    res = _train_py([f"arch={arch}", f"canon={canon}", "task=depo1", "model.size=2L64D", "data.batch_size=2",
-                     "data.val_windows=2", "data.test_windows=2", "trainer.max_steps=3", "trainer.val_check_interval=3",
-                     "callbacks=none"], tmp_path, f"{arch}_{canon}")
+    res = _train_py(
+        [
+            f"arch={arch}",
+            f"canon={canon}",
+            "task=depo1",
+            "model.size=2L64D",
+            "data.batch_size=2",
+            "data.val_windows=2",
+            "data.test_windows=2",
+            "trainer.max_steps=3",
+            "trainer.val_check_interval=3",
+            "callbacks=none",
+        ],
+        tmp_path,
+        f"{arch}_{canon}",
+    )
     assert res["steps"] == 3 and res["model"]["arch"] == ("mamba2" if arch == "mamba2" else arch)
     assert res["model"]["canon"] == ("" if canon == "none" else canon) and res["model"]["pos"] == "none"
     assert math.isfinite(res["test"]["loss"]) and res["test"]["overall"]["answers"] > 0
@@ -438,10 +492,25 @@ def test_linear_archs_train_on_depo1(arch, canon, tmp_path):
 @pytest.mark.parametrize("arch, canon", [("gla5", "AbCD"), ("gdn2", "b"), ("mamba2_nomlp", "Ab")])
 def test_linear_generation_eval_through_train_py(arch, canon, tmp_path):
     """Brevo's generation-based evaluation on a linear model: greedy decoding through the decode caches."""
-    res = _train_py([f"arch={arch}", f"canon={canon}", "task=brevo1_cpu", "model.size=2L64D", "data.batch_size=4",
-                     "data.val_windows=4", "data.test_windows=4", "data.gen_eval.samples=4",
-                     "data.gen_eval.batch_size=3", "data.gen_eval.on_val=false", "trainer.max_steps=2",
-                     "trainer.val_check_interval=2", "callbacks=none"], tmp_path, f"{arch}_{canon}")
+    res = _train_py(
+        [
+            f"arch={arch}",
+            f"canon={canon}",
+            "task=brevo1_cpu",
+            "model.size=2L64D",
+            "data.batch_size=4",
+            "data.val_windows=4",
+            "data.test_windows=4",
+            "data.gen_eval.samples=4",
+            "data.gen_eval.batch_size=3",
+            "data.gen_eval.on_val=false",
+            "trainer.max_steps=2",
+            "trainer.val_check_interval=2",
+            "callbacks=none",
+        ],
+        tmp_path,
+        f"{arch}_{canon}",
+    )
     gen = res["test"]["generate"]
     assert gen["samples"] == 4 and 0.0 <= gen["acc"] <= 1.0
 
@@ -481,8 +550,12 @@ def test_fla_gdn_head_dim_limit(monkeypatch):
     from canonlm.arch import model as model_mod
 
     monkeypatch.setattr(model_mod.gdn_ops, "resolve_backend", lambda name, device, dtype: "fla")
-    cfg = build_model_config(dict(PRESETS["gdn"], size="1L512D", n_heads=1, expand_k=1.0, expand_v=1.0),
-                             canon={"set": "b"}, vocab_size=8, kernels={"gdn": "fla"})
+    cfg = build_model_config(
+        dict(PRESETS["gdn"], size="1L512D", n_heads=1, expand_k=1.0, expand_v=1.0),
+        canon={"set": "b"},
+        vocab_size=8,
+        kernels={"gdn": "fla"},
+    )
     assert cfg.head_k_dim == 512
     with pytest.raises(ConfigError, match="256") as e:
         model_mod.resolve_backends(cfg, "cpu", torch.bfloat16)

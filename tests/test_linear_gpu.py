@@ -80,10 +80,12 @@ def _pair(arch, canon, dtype=torch.float32, mode="pinned"):
     kw = dict(PRESETS[arch], size="2L256D")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        fast = CanonLM(build_model_config(kw, canon={"set": canon}, vocab_size=64, max_seq_len=512,
-                                          **_requests(arch, mode, dtype))).cuda()
-        ref = CanonLM(build_model_config(kw, canon={"set": canon}, vocab_size=64, max_seq_len=512,
-                                         ops="reference")).cuda()
+        fast = CanonLM(
+            build_model_config(kw, canon={"set": canon}, vocab_size=64, max_seq_len=512, **_requests(arch, mode, dtype))
+        ).cuda()
+        ref = CanonLM(
+            build_model_config(kw, canon={"set": canon}, vocab_size=64, max_seq_len=512, ops="reference")
+        ).cuda()
     ref.load_state_dict(fast.state_dict())
     got = fast.place("cuda", dtype)
     assert got[OP[arch]] == FAST[arch] and got["canon"] in ("dao", "fla"), got
@@ -135,7 +137,7 @@ def test_gpu_decode_equals_full_forward(arch, dtype):
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
         full = fast(ids)
         cache = fast.new_cache()
-        parts = [fast(ids[:, :17], cache)] + [fast(ids[:, t:t + 1], cache) for t in range(17, 40)]
+        parts = [fast(ids[:, :17], cache)] + [fast(ids[:, t : t + 1], cache) for t in range(17, 40)]
     step = torch.cat(parts, 1)
     assert step.dtype == full.dtype == (torch.bfloat16 if bf16 else torch.float32)
     if bf16:  # different kernels (chunked vs recurrent), each rounding to bf16: compare relative norms
@@ -154,15 +156,34 @@ def test_fsdp2_bf16_training_smoke(arch, tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs >= 2 GPUs")
     n = min(torch.cuda.device_count(), 2)
-    args = [f"arch={arch}", "task=depo1_cpu",
-            "model.size=2L128D", "task.N=8", "task.K=4", "task.vocab_V=6", "task.context=128",
-            f"data.batch_size={4 * n}", "data.val_windows=8", "data.test_windows=8", "trainer.max_steps=4",
-            "trainer.val_check_interval=4", "trainer.log_every_n_steps=1", "strategy=fsdp2",
-            "strategy.param_dtype=bf16", "trainer=gpu", f"trainer.devices={n}", "trainer.precision=32-true",
-            f"kernels.{OP[arch]}={FAST[arch]}", f"kernels.canon={_fast_canon(torch.bfloat16)}", "logger=none",
-            "run_name=fsdp", f"paths.log_dir={tmp_path}/logs"]
-    p = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True,
-                       timeout=900, cwd=tmp_path)
+    args = [
+        f"arch={arch}",
+        "task=depo1_cpu",
+        "model.size=2L128D",
+        "task.N=8",
+        "task.K=4",
+        "task.vocab_V=6",
+        "task.context=128",
+        f"data.batch_size={4 * n}",
+        "data.val_windows=8",
+        "data.test_windows=8",
+        "trainer.max_steps=4",
+        "trainer.val_check_interval=4",
+        "trainer.log_every_n_steps=1",
+        "strategy=fsdp2",
+        "strategy.param_dtype=bf16",
+        "trainer=gpu",
+        f"trainer.devices={n}",
+        "trainer.precision=32-true",
+        f"kernels.{OP[arch]}={FAST[arch]}",
+        f"kernels.canon={_fast_canon(torch.bfloat16)}",
+        "logger=none",
+        "run_name=fsdp",
+        f"paths.log_dir={tmp_path}/logs",
+    ]
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True, timeout=900, cwd=tmp_path
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     run = tmp_path / "logs" / "train" / "runs" / "fsdp"
     res = json.loads((run / "results.json").read_text())

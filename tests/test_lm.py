@@ -15,8 +15,13 @@ from canonlm.data.lm import LanguageModel
 @pytest.fixture(scope="module")
 def tiny_model():
     torch.manual_seed(0)
-    cfg = build_model_config({"arch": "llama", "size": "2L64D", "ops": "reference"}, {"set": "ABCD"},
-                             {"type": "rope"}, vocab_size=11, max_seq_len=64)
+    cfg = build_model_config(
+        {"arch": "llama", "size": "2L64D", "ops": "reference"},
+        {"set": "ABCD"},
+        {"type": "rope"},
+        vocab_size=11,
+        max_seq_len=64,
+    )
     m = LlamaCanon(cfg).eval()
     return m
 
@@ -62,8 +67,7 @@ def test_sync_keeps_ranks_in_lockstep(tiny_model):
         return tiny_model(x)
 
     other_rank_active = iter([True] * 6 + [False] * 100)
-    lm = LanguageModel(fwd, vocab_size=11, batch_size=4,
-                       sync=lambda local: local or next(other_rank_active))
+    lm = LanguageModel(fwd, vocab_size=11, batch_size=4, sync=lambda local: local or next(other_rank_active))
     got = lm.generate([np.array([1, 2, 3])], max_new_tokens=2)
     assert len(got[0]) == 2
     assert len(calls) == 8 and calls[2:] == [(1, 1)] * 6  # 2 real steps, then dummies until the other rank stops
@@ -89,8 +93,9 @@ def test_sampling_is_per_prompt_deterministic(tiny_model):
     a = LanguageModel(tiny_model, vocab_size=11, batch_size=1).generate(prompts, 6, temperature=1.0, keys=keys)
     b = LanguageModel(tiny_model, vocab_size=11, batch_size=5).generate(prompts, 6, temperature=1.0, keys=keys)
     perm = [3, 0, 4, 1, 2]
-    c = LanguageModel(tiny_model, vocab_size=11, batch_size=2).generate([prompts[i] for i in perm], 6,
-                                                                          temperature=1.0, keys=keys[perm])
+    c = LanguageModel(tiny_model, vocab_size=11, batch_size=2).generate(
+        [prompts[i] for i in perm], 6, temperature=1.0, keys=keys[perm]
+    )
     for i in range(5):
         assert a[i].tolist() == b[i].tolist()
         assert c[perm.index(i)].tolist() == a[i].tolist()
@@ -129,6 +134,7 @@ def test_bad_arguments():
 
 def test_rows_stopping_at_different_steps():
     """A longer prompt that stops first must not break the shorter rows (regression)."""
+
     def fwd(x):
         out = torch.zeros(*x.shape, 5)
         out[..., 4] = 1.0

@@ -53,10 +53,12 @@ def _setup(kind: str, tmp_path):
         vocab = len(names)
         model_cfg = dict(ARCH_PRESETS["gla"], n_heads=2, vocab_size=vocab, n_layers=2, d_model=64, max_seq_len=128)
         canon = {"set": "AbCD"}
-        docs = [{"context": "<bos> p3.e1 e2 p4.e5 <query_1> p3.e1 <ans>", "target": " e2"},
-                {"context": "<bos> p5.e6 e7 p8.e1 <query_1> p5.e6 <ans>", "target": " e7"},
-                {"context": "<bos> p1.e2 e3 <query_1> p1.e2 <ans>", "target": " e3 e4"},
-                {"context": "<bos> p2.e6", "target": " e1"}]
+        docs = [
+            {"context": "<bos> p3.e1 e2 p4.e5 <query_1> p3.e1 <ans>", "target": " e2"},
+            {"context": "<bos> p5.e6 e7 p8.e1 <query_1> p5.e6 <ans>", "target": " e7"},
+            {"context": "<bos> p1.e2 e3 <query_1> p1.e2 <ans>", "target": " e3 e4"},
+            {"context": "<bos> p2.e6", "target": " e1"},
+        ]
 
         def encode(text):
             return [names.index(w) for w in text.replace(".", " ").split()]
@@ -68,11 +70,16 @@ def _setup(kind: str, tmp_path):
         vocab = tk.get_vocab_size() + 4
         model_cfg = dict(arch="llama", n_heads=2, vocab_size=vocab, n_layers=2, d_model=64, max_seq_len=128)
         canon = {"set": "ABCD"}
-        docs = [{"context": "the cat sat on", "target": " the mat"}, {"context": "a dog sat on", "target": " the mat"},
-                {"context": "a dog ate", "target": " the bone"}, {"context": "the", "target": " cat"}]
+        docs = [
+            {"context": "the cat sat on", "target": " the mat"},
+            {"context": "a dog sat on", "target": " the mat"},
+            {"context": "a dog ate", "target": " the bone"},
+            {"context": "the", "target": " cat"},
+        ]
 
         def encode(text):
             return tk.encode(text).ids
+
     cfg = build_model_config(model_cfg, canon, {"type": "rope"} if kind == "text" else {})
     torch.manual_seed(7)
     m = CanonLM(cfg).eval()
@@ -101,9 +108,14 @@ def _stop_text(m, encode, tok, docs) -> str:
 
 
 def _gen_task(d, f, name: str, kwargs: str) -> None:
-    (d / f"{name}.yaml").write_text(TASK_YAML.format(
-        name=name, docs=f, kind="generate_until",
-        extra=f"generation_kwargs:\n{kwargs}metric_list:\n  - metric: exact_match\n"))
+    (d / f"{name}.yaml").write_text(
+        TASK_YAML.format(
+            name=name,
+            docs=f,
+            kind="generate_until",
+            extra=f"generation_kwargs:\n{kwargs}metric_list:\n  - metric: exact_match\n",
+        )
+    )
 
 
 def _tasks(tmp_path, docs, stop: str | None = None):
@@ -112,11 +124,12 @@ def _tasks(tmp_path, docs, stop: str | None = None):
     f.write_text("".join(json.dumps(d) + "\n" for d in docs))
     d = tmp_path / "tasks"
     d.mkdir()
-    (d / "ll.yaml").write_text(TASK_YAML.format(name="cl_ll", docs=f, kind="loglikelihood",
-                                                extra="metric_list:\n  - metric: acc\n"))
+    (d / "ll.yaml").write_text(
+        TASK_YAML.format(name="cl_ll", docs=f, kind="loglikelihood", extra="metric_list:\n  - metric: acc\n")
+    )
     _gen_task(d, f, "cl_gen", f"  until: []\n  max_gen_toks: {GEN_TOKENS}\n  do_sample: false\n")
     if stop is not None:
-        _gen_task(d, f, "cl_stop", f"  until: [\"{stop}\"]\n  max_gen_toks: {STOP_TOKENS}\n  do_sample: false\n")
+        _gen_task(d, f, "cl_stop", f'  until: ["{stop}"]\n  max_gen_toks: {STOP_TOKENS}\n  do_sample: false\n')
     _gen_task(d, f, "cl_sample", "  until: []\n  max_gen_toks: 2\n  do_sample: true\n  temperature: 1.0\n")
     _gen_task(d, f, "cl_penalty", "  until: []\n  max_gen_toks: 2\n  do_sample: false\n  repetition_penalty: 1.3\n")
     return d
@@ -148,9 +161,17 @@ def test_lm_eval_on_export_and_on_run_match_canonlm(kind, tmp_path, monkeypatch)
     model, htok = harness_model(run, "cpu")
 
     def on_export(names, batch_size):
-        return _by_doc(lm_eval.simple_evaluate(
-            model="hf", model_args=f"pretrained={export},trust_remote_code=True,dtype=float32", tasks=names,
-            task_manager=tm, batch_size=batch_size, log_samples=True, device="cpu"))
+        return _by_doc(
+            lm_eval.simple_evaluate(
+                model="hf",
+                model_args=f"pretrained={export},trust_remote_code=True,dtype=float32",
+                tasks=names,
+                task_manager=tm,
+                batch_size=batch_size,
+                log_samples=True,
+                device="cpu",
+            )
+        )
 
     def on_run(names, batch_size):
         lm = harness_lm_class()(pretrained=model, tokenizer=htok, batch_size=batch_size, device="cpu")
@@ -161,10 +182,13 @@ def test_lm_eval_on_export_and_on_run_match_canonlm(kind, tmp_path, monkeypatch)
 
     names = ["cl_ll", "cl_gen", "cl_stop"]
     # the two longest prompts have one length: lm-eval batches them together, and they share one decode cache
-    assert len(encode(docs[0]["context"])) == len(encode(docs[1]["context"])) > max(len(encode(d["context"]))
-                                                                                  for d in docs[2:])
+    assert (
+        len(encode(docs[0]["context"]))
+        == len(encode(docs[1]["context"]))
+        > max(len(encode(d["context"])) for d in docs[2:])
+    )
     a, b = on_export(names, 2), on_run(names, 2)
-    assert a == b and len(a) == 3 * len(docs)   # response for response (log-likelihood bits included)
+    assert a == b and len(a) == 3 * len(docs)  # response for response (log-likelihood bits included)
     # local tasks are looked up without lm-eval's own index
     assert set(task_manager(names, str(tasks)).all_tasks) == {"cl_ll", "cl_gen", "cl_stop", "cl_sample", "cl_penalty"}
     # one request per batch: each generation ends by its own rule, which _lm_eval_text re-derives
@@ -174,7 +198,7 @@ def test_lm_eval_on_export_and_on_run_match_canonlm(kind, tmp_path, monkeypatch)
     eos = set() if eos is None else set(eos) if isinstance(eos, list) else {eos}
     diffs = []
     for d in docs:
-        c, y = encode(d["context"]), encode(d["context"] + d["target"])[len(encode(d["context"])):]
+        c, y = encode(d["context"]), encode(d["context"] + d["target"])[len(encode(d["context"])) :]
         with torch.no_grad():
             lp = torch.log_softmax(m(torch.tensor([c + y])).double(), -1)[0]
         ours = sum(lp[len(c) - 1 + i, t].item() for i, t in enumerate(y))
@@ -182,11 +206,12 @@ def test_lm_eval_on_export_and_on_run_match_canonlm(kind, tmp_path, monkeypatch)
         diffs.append(abs(ll - ours))
         assert abs(ll - ours) <= 1e-4, (kind, d, ll, ours)
         greedy = generate_ids(m, [torch.tensor(c).numpy()], STOP_TOKENS)[0].tolist()
-        for task, want in (("cl_gen", _lm_eval_text(greedy[:GEN_TOKENS], [], tok, eos)),
-                           ("cl_stop", _lm_eval_text(greedy, [stop], tok, eos))):
+        for task, want in (
+            ("cl_gen", _lm_eval_text(greedy[:GEN_TOKENS], [], tok, eos)),
+            ("cl_stop", _lm_eval_text(greedy, [stop], tok, eos)),
+        ):
             assert a1[(task, d["context"])] == want, (kind, task, d, a1[(task, d["context"])], want, greedy)
-    print(f"{kind}: max |log-likelihood - canonlm's| = {max(diffs):.1e} over {len(docs)} docs; generations equal; "
-          f"{a}")
+    print(f"{kind}: max |log-likelihood - canonlm's| = {max(diffs):.1e} over {len(docs)} docs; generations equal; {a}")
 
 
 def _lm_eval_text(greedy: list[int], until: list[str], tok, eos: set[int]) -> str:
@@ -202,7 +227,7 @@ def _lm_eval_text(greedy: list[int], until: list[str], tok, eos: set[int]) -> st
     out: list[int] = []
     for t in greedy:
         out.append(t)
-        if t in eos or any(s in tok.decode(out[-(len(tok.encode(s, add_special_tokens=False)) + 2):]) for s in stops):
+        if t in eos or any(s in tok.decode(out[-(len(tok.encode(s, add_special_tokens=False)) + 2) :]) for s in stops):
             break
     text = tok.decode(out, skip_special_tokens=True)
     for s in stops:
@@ -239,8 +264,10 @@ def test_harness_cli_refuses_bad_input(tmp_path, capsys):
     (tmp_path / "o.json").write_text("{}")
     assert main([str(tmp_path), "--tasks", "x", "--out", str(tmp_path / "o.json")]) == 2
     assert "exists; nothing is overwritten" in capsys.readouterr().err
-    for device, says in (("gpu0", "--device='gpu0'; allowed: auto | cpu | cuda | cuda:N"),
-                         ("cuda:64", "--device='cuda:64': this machine has")):
+    for device, says in (
+        ("gpu0", "--device='gpu0'; allowed: auto | cpu | cuda | cuda:N"),
+        ("cuda:64", "--device='cuda:64': this machine has"),
+    ):
         assert main([str(tmp_path), "--tasks", "x", "--device", device]) == 2
         err = capsys.readouterr().err
         assert says in err and len(err.strip().splitlines()) == 1, err

@@ -34,8 +34,13 @@ def snapshot(top: Path) -> dict[str, tuple]:
         for name in ["", *dirs, *files]:
             p = os.path.join(dirpath, name) if name else dirpath
             st = os.lstat(p)
-            body = (os.readlink(p) if stat.S_ISLNK(st.st_mode)
-                    else Path(p).read_bytes() if stat.S_ISREG(st.st_mode) else None)
+            body = (
+                os.readlink(p)
+                if stat.S_ISLNK(st.st_mode)
+                else Path(p).read_bytes()
+                if stat.S_ISREG(st.st_mode)
+                else None
+            )
             out[p] = (stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode), st.st_uid, body)
     return out
 
@@ -53,7 +58,7 @@ def etc_after_stop(before: str | None) -> str | None:
         return None
     port = re.search(r"^SlurmctldPort=(\d+)", before, re.M)
     if not before.startswith("# written by canonlm scripts/local_slurm.py") or port is None:
-        return before                                  # not the script's copy: never touched
+        return before  # not the script's copy: never touched
     with socket.socket() as s:
         s.settimeout(5)
         running = s.connect_ex(("127.0.0.1", int(port.group(1)))) == 0
@@ -130,6 +135,7 @@ def test_folder_in_a_world_writable_non_sticky_folder_is_refused(tmp_path):
 # Real daemons: a second cluster in its own folder
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def processes_of(folder: Path) -> dict[int, str]:
     """Live (not zombie) processes whose environment holds this folder's ``SLURM_CONF``: everything
     local_slurm.py started for it (munged, slurmctld and its slurmscriptd, slurmd) carries it: {pid: comm}."""
@@ -139,8 +145,10 @@ def processes_of(folder: Path) -> dict[int, str]:
         if not d.name.isdigit():
             continue
         try:
-            if want in (d / "environ").read_bytes().split(b"\0") and \
-                    (d / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            if (
+                want in (d / "environ").read_bytes().split(b"\0")
+                and (d / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+            ):
                 found[int(d.name)] = (d / "comm").read_text().strip()
         except OSError:  # ended meanwhile
             continue

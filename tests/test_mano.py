@@ -146,7 +146,7 @@ def trees(task, split, n):
     m = id_map(task)
     out = []
     for r in range(n):
-        toks = b.tokens[b.offsets[r]:b.offsets[r + 1]].tolist()
+        toks = b.tokens[b.offsets[r] : b.offsets[r + 1]].tolist()
         out.append(parse_prefix(toks, 2, m)[0])
     return b, out
 
@@ -188,7 +188,7 @@ def test_batched_generation_equals_single_instances_whatever_the_batch():
             s, e = b.offsets[r], b.offsets[r + 1]
             np.testing.assert_array_equal(b.tokens[s:e], one.tokens)
             r2 = len(w) - 1 - r
-            np.testing.assert_array_equal(b2.tokens[b2.offsets[r2]:b2.offsets[r2 + 1]], one.tokens)
+            np.testing.assert_array_equal(b2.tokens[b2.offsets[r2] : b2.offsets[r2 + 1]], one.tokens)
             assert b.meta["value"][r] == one.meta["value"]
 
 
@@ -262,8 +262,8 @@ def test_knowledge_augment_synonyms_are_coin_flips_with_same_semantics():
     np.testing.assert_array_equal(a.offsets, b.offsets)
     by_kind: dict[str, list[int]] = {"bos": [], "len": [], "ans": [], "op": []}
     for r in range(n):
-        ta = a.tokens[a.offsets[r]:a.offsets[r + 1]].tolist()
-        tb = b.tokens[b.offsets[r]:b.offsets[r + 1]].tolist()
+        ta = a.tokens[a.offsets[r] : a.offsets[r + 1]].tolist()
+        tb = b.tokens[b.offsets[r] : b.offsets[r + 1]].tolist()
         for x, y in zip(ta, tb):
             ka_kind, ka_val, s = m_ka[y]
             p_kind, p_val, _ = m_plain[x]
@@ -299,9 +299,23 @@ def test_official_ids_relabel_the_compact_stream():
     o = build_task("mano", dict(L=16, vocab="official", knowledge_augment=True, ops=["add", "sub", "mul", "div"]))
     names = o.token_names()
     assert (names[9999], names[9998], names[160], names[161], names[164], names[165]) == (
-        "<bos>", "<bos'>", "<len_16>", "<len_16'>", "<ans_16>", "<ans_16'>")
+        "<bos>",
+        "<bos'>",
+        "<len_16>",
+        "<len_16'>",
+        "<ans_16>",
+        "<ans_16'>",
+    )
     assert (names[1], names[5], names[2], names[6], names[3], names[7], names[4], names[8]) == (
-        "+", "+'", "-", "-'", "*", "*'", "/", "/'")
+        "+",
+        "+'",
+        "-",
+        "-'",
+        "*",
+        "*'",
+        "/",
+        "/'",
+    )
     assert names[5000] == "0" and names[5022] == "22"
     plain = build_task("mano", dict(L=16, vocab="official"))
     toks = plain.generate("test", np.arange(50), np.zeros(50, dtype=np.int64)).tokens
@@ -372,8 +386,7 @@ def _tree_from(prefix, p):
     return (v, left, right), p
 
 
-@pytest.mark.parametrize("cfg", [dict(L=6, knowledge_augment=True), dict(L=9, ops=["add", "sub", "mul", "div"],
-                                                                         mod=5)])
+@pytest.mark.parametrize("cfg", [dict(L=6, knowledge_augment=True), dict(L=9, ops=["add", "sub", "mul", "div"], mod=5)])
 def test_numba_kernel_follows_the_documented_counter_scheme(cfg):
     task = build_task("mano", cfg)
     m = id_map(task)
@@ -385,7 +398,7 @@ def test_numba_kernel_follows_the_documented_counter_scheme(cfg):
             seen_retry |= att > 1
             toks = inst.tokens.tolist()
             assert inst.meta["ell"] == l and inst.meta["attempts"] == att
-            got = [("op", m[t][1]) if m[t][0] == "op" else ("leaf", m[t][1]) for t in toks[2:2 * l + 3]]
+            got = [("op", m[t][1]) if m[t][0] == "op" else ("leaf", m[t][1]) for t in toks[2 : 2 * l + 3]]
             assert got == prefix
             if task.knowledge_augment:
                 sb = [m[t][2] for t in toks]
@@ -434,7 +447,7 @@ def test_packed_windows_score_the_answer_token_with_group_l():
         for q, pos in enumerate(scored):
             assert aid[pos] == q and grp[pos] == 6
             assert m[toks[pos - 1]][0] == "ans" and m[toks[pos]][0] == "operand"
-            inst = toks[pos - 16:pos + 1]
+            inst = toks[pos - 16 : pos + 1]
             tree, _ = parse_prefix(inst, 2, m)
             assert evaluate(tree, 23) == m[toks[pos]][1]
         assert (grp[aid < 0] == 0).all()
@@ -447,17 +460,20 @@ def test_splits_seeds_and_switches():
     t = build_task("mano", dict(L=5))
     a = {s: t.generate(s, np.arange(20), np.zeros(20, dtype=np.int64)).tokens for s in ("train", "val", "test")}
     assert not np.array_equal(a["val"], a["test"])
-    assert not np.array_equal(t.generate("train", np.arange(20), np.zeros(20, dtype=np.int64), seed=1).tokens,
-                              a["train"])
+    assert not np.array_equal(
+        t.generate("train", np.arange(20), np.zeros(20, dtype=np.int64), seed=1).tokens, a["train"]
+    )
     # loss_on and the op order in the config do not change the problems; L and mod do
     same = build_task("mano", dict(L=5, loss_on="answers", ops=["mul", "add", "sub"]))
-    np.testing.assert_array_equal(same.generate("train", np.arange(20), np.zeros(20, dtype=np.int64)).tokens,
-                                  a["train"])
+    np.testing.assert_array_equal(
+        same.generate("train", np.arange(20), np.zeros(20, dtype=np.int64)).tokens, a["train"]
+    )
     assert same.cfg["ops"] == ["add", "sub", "mul"]
     for other in (dict(L=6), dict(L=5, mod=29)):
         o = build_task("mano", other)
-        assert not np.array_equal(o.generate("val", np.arange(20), np.zeros(20, dtype=np.int64)).tokens[:40],
-                                  a["val"][:40])
+        assert not np.array_equal(
+            o.generate("val", np.arange(20), np.zeros(20, dtype=np.int64)).tokens[:40], a["val"][:40]
+        )
 
 
 def test_accepts_omegaconf_node():

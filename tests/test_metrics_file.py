@@ -21,7 +21,7 @@ FILE = (
     '{"step": 50, "time": 2005.0, "train/loss": "inf", "lr-AdamW": 0.001}\n'
     '{"step": 60, "time": 2006.0, "train/loss": 2.5, "lr-AdamW": 0.001}\n'
     '{"step": 60, "time": 2006.5, "val/loss": 2.7, "val/acc": 0.3}\n'
-    '\n'
+    "\n"
     '{"step": 60, "time": 3006.0, "train/loss": 2.4, "lr-AdamW": 0.001}\n'
     '{"step": 70, "time": 3007.0, "train/loss": "nan", "lr-AdamW": 0.0005}\n'
     '{"step": 70, "time": 3007.5, "val/loss": 2.8, "val/ac'
@@ -31,11 +31,11 @@ NAN = "NAN"  # placeholder in the expected rows below (NaN != NaN)
 EXPECTED = [
     {"step": 10, "time": 1001.0, "train/loss": 4.0, "lr-AdamW": 0.001},
     {"step": 20, "time": 1002.5, "train/loss": 3.5, "lr-AdamW": 0.002, "val/loss": 3.6, "val/acc": 0.1},
-    {"step": 30, "time": 2003.0, "train/loss": 3.1, "lr-AdamW": 0.002},                  # the redo wins
+    {"step": 30, "time": 2003.0, "train/loss": 3.1, "lr-AdamW": 0.002},  # the redo wins
     {"step": 40, "time": 2004.5, "train/loss": 2.9, "lr-AdamW": 0.002, "val/loss": 3.0, "val/acc": 0.2},
     {"step": 50, "time": 2005.0, "train/loss": math.inf, "lr-AdamW": 0.001},
     {"step": 60, "time": 3006.0, "train/loss": 2.4, "lr-AdamW": 0.001, "val/loss": 2.7, "val/acc": 0.3},
-    {"step": 70, "time": 3007.0, "train/loss": NAN, "lr-AdamW": 0.0005},                # torn val line dropped
+    {"step": 70, "time": 3007.0, "train/loss": NAN, "lr-AdamW": 0.0005},  # torn val line dropped
 ]
 
 
@@ -66,11 +66,11 @@ def test_resumed_file_merges_last_attempt_and_skips_torn_lines(tmp_path):
 def test_whole_row_without_newline_and_invalid_lines(tmp_path):
     p = tmp_path / "metrics.jsonl"
     p.write_text(
-        '{"step": 1, "time": 1.0, "a": 1.0}'            # complete, but its newline was never written
-        '{"step": 1, "time": 2.0, "a": 2.0}\n'          # ... and the next attempt's row is glued to it
-        'not json\n'
-        '[1, 2]\n'
-        '{"step": null, "time": 3.0, "a": 3.0}\n'       # not a row of a step
+        '{"step": 1, "time": 1.0, "a": 1.0}'  # complete, but its newline was never written
+        '{"step": 1, "time": 2.0, "a": 2.0}\n'  # ... and the next attempt's row is glued to it
+        "not json\n"
+        "[1, 2]\n"
+        '{"step": null, "time": 3.0, "a": 3.0}\n'  # not a row of a step
         '{"step": 2, "time": 4.0, "a": "-inf", "b": 0}\n'
     )
     rows = read_metrics(p)

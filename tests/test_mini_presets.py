@@ -190,13 +190,25 @@ def _depo_run(d: Path, canon: str, pos: str, seed: int, acc: dict[int, float]):
     """A finished Depo run directory (the layout ``canonlm.train.run`` writes) with accuracy ``acc`` by k."""
     d.mkdir(parents=True)
     by = {str(k): {"answers": 10, "acc": a, "tokens": 20, "token_acc": a} for k, a in acc.items()}
-    cfg = {"task": {"name": "depo1", "N": 16, "K": 4}, "model": {"size": "4L128D", "arch": "llama", "mlp": "gated",
-                                                                "qk_norm": "none"},
-           "canon": {"set": canon}, "pos": {"type": pos, "fraction": 1.0}, "optim": {"lr": 2e-3}, "seed": seed}
-    (d / "results.json").write_text(json.dumps({
-        "task": "depo1", "task_config": {"name": "depo1", "N": 16, "K": 4},
-        "model": {"arch": "llama", "size": "4L128D", "canon": canon, "pos": pos, "qk_norm": "none"},
-        "steps": 800, "test": {"loss": 1.0, "group_name": "k", "by_group": by, "overall": {"acc": 0.1}}}))
+    cfg = {
+        "task": {"name": "depo1", "N": 16, "K": 4},
+        "model": {"size": "4L128D", "arch": "llama", "mlp": "gated", "qk_norm": "none"},
+        "canon": {"set": canon},
+        "pos": {"type": pos, "fraction": 1.0},
+        "optim": {"lr": 2e-3},
+        "seed": seed,
+    }
+    (d / "results.json").write_text(
+        json.dumps(
+            {
+                "task": "depo1",
+                "task_config": {"name": "depo1", "N": 16, "K": 4},
+                "model": {"arch": "llama", "size": "4L128D", "canon": canon, "pos": pos, "qk_norm": "none"},
+                "steps": 800,
+                "test": {"loss": 1.0, "group_name": "k", "by_group": by, "overall": {"acc": 0.1}},
+            }
+        )
+    )
     (d / "hparams.json").write_text(json.dumps(cfg))
     (d / "metrics.jsonl").write_text(json.dumps({"step": 800, "time": 1.0, "val/acc_k1": acc[1]}) + "\n")
 
@@ -248,8 +260,10 @@ def test_a_plain_sweeps_report_compares_what_was_swept(tmp_path, capsys):
     assert header[0].split() == ["task.name", "\\", "canon.set", "|", "none", "|", "ABCD"]  # one table
     assert len(header) == 2 and header[1].split()[0] == "depo1"
     # the best of the two seeds per Canon set: acc@K / acc@K/2 = k=4 / k=2 by default
-    assert header[1].split("|")[1].split("/")[0].strip() == "5.0" and header[1].split("|")[2].split("/")[0].strip() \
-        == "17.5"
+    assert (
+        header[1].split("|")[1].split("/")[0].strip() == "5.0"
+        and header[1].split("|")[2].split("/")[0].strip() == "17.5"
+    )
     assert "canon.set=" not in out and "rows task.name, columns canon.set (auto" in cap.err
     assert "--rows auto --cols auto" in out.splitlines()[-1]
 
@@ -276,11 +290,23 @@ def test_depth_preset_end_to_end_at_toy_size(tmp_path):
     """``python train.py -m experiment=mini/depth`` as a user runs it (shrunk by overrides to seconds, one lr and
     one seed: four jobs), the report at the end with acc@2 / acc@1 per (Canon set, positions), and the report
     command."""
-    tiny = ["model.size=2L64D", "trainer.max_steps=2", "trainer.val_check_interval=2", "data.val_windows=8",
-            "data.test_windows=8", "data.batch_size=4", "callbacks.progress.force=lines"]
-    p = subprocess.run([sys.executable, str(ROOT / "train.py"), "-m", "experiment=mini/depth", *tiny,
-                        "optim.lr=1e-3", "seed=1"],
-                       capture_output=True, text=True, timeout=900, cwd=tmp_path, env=ENV)
+    tiny = [
+        "model.size=2L64D",
+        "trainer.max_steps=2",
+        "trainer.val_check_interval=2",
+        "data.val_windows=8",
+        "data.test_windows=8",
+        "data.batch_size=4",
+        "callbacks.progress.force=lines",
+    ]
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "-m", "experiment=mini/depth", *tiny, "optim.lr=1e-3", "seed=1"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=tmp_path,
+        env=ENV,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "Launching 4 jobs locally" in p.stdout + p.stderr
     sweeps = list((tmp_path / "logs" / "mini_depth" / "multiruns").iterdir())

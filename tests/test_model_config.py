@@ -65,15 +65,18 @@ def test_unknown_keys():
     expect("pos.rope_theta", 1e4, build, pos={"rope_theta": 1e4})
 
 
-@pytest.mark.parametrize("model,key,value", [
-    ({"qk_norm": "true"}, "model.qk_norm", "true"),
-    ({"mlp": "moe"}, "model.mlp", "moe"),
-    ({"mlp_act": "tanh"}, "model.mlp_act", "tanh"),
-    ({"init": "xavier"}, "model.init", "xavier"),
-    ({"ops": "fast"}, "model.ops", "fast"),
-    ({"kernels": {"mlp": "fused"}}, "model.kernels", "mlp"),
-    ({"arch": "rwkv"}, "model.arch", "rwkv"),
-])
+@pytest.mark.parametrize(
+    "model,key,value",
+    [
+        ({"qk_norm": "true"}, "model.qk_norm", "true"),
+        ({"mlp": "moe"}, "model.mlp", "moe"),
+        ({"mlp_act": "tanh"}, "model.mlp_act", "tanh"),
+        ({"init": "xavier"}, "model.init", "xavier"),
+        ({"ops": "fast"}, "model.ops", "fast"),
+        ({"kernels": {"mlp": "fused"}}, "model.kernels", "mlp"),
+        ({"arch": "rwkv"}, "model.arch", "rwkv"),
+    ],
+)
 def test_bad_choices(model, key, value):
     expect(key, value, build, model)
 

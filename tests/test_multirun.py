@@ -16,16 +16,33 @@ import pytest
 
 from conftest import ROOT
 
-TINY = ["task=depo1_cpu",
-        "model.size=2L64D", "task.N=8", "task.K=4", "task.vocab_V=6", "task.context=128", "data.batch_size=8",
-        "data.val_windows=16", "data.test_windows=16", "trainer.log_every_n_steps=5", "trainer.val_check_interval=5",
-        "callbacks.checkpoint.every_n_train_steps=5", "callbacks.progress.force=lines"]
+TINY = [
+    "task=depo1_cpu",
+    "model.size=2L64D",
+    "task.N=8",
+    "task.K=4",
+    "task.vocab_V=6",
+    "task.context=128",
+    "data.batch_size=8",
+    "data.val_windows=16",
+    "data.test_windows=16",
+    "trainer.log_every_n_steps=5",
+    "trainer.val_check_interval=5",
+    "callbacks.checkpoint.every_n_train_steps=5",
+    "callbacks.progress.force=lines",
+]
 ENV = {**os.environ, "WANDB_MODE": "disabled"}
 
 
 def _multirun(args: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
-    p = subprocess.run([sys.executable, str(ROOT / "train.py"), "-m", *TINY, *args], capture_output=True, text=True,
-                       timeout=timeout, cwd=cwd, env=ENV)
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "-m", *TINY, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        env=ENV,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     return p
 
@@ -57,8 +74,9 @@ def test_two_by_two_sweep_from_the_command_line(where, tmp_path):
         assert len(sweeps) == 1, sweeps
         jobs = _jobs(sweeps[0])
         assert set(jobs) == {("", "rope"), ("", "nope"), ("ABCD", "rope"), ("ABCD", "nope")}
-        assert all(r["steps"] == 5 and r["model"]["canon"] == k[0] and r["model"]["pos"] == k[1]
-                   for k, r in jobs.items())
+        assert all(
+            r["steps"] == 5 and r["model"]["canon"] == k[0] and r["model"]["pos"] == k[1] for k, r in jobs.items()
+        )
         assert sorted(d.name for d in sweeps[0].iterdir() if d.is_dir()) == ["0", "1", "2", "3"]
         assert "Launching 4 jobs locally" in p.stdout + p.stderr
         # the sweep ends with its tables and the report command (canonlm.train.sweep_callbacks.ReportCommand)
@@ -67,9 +85,16 @@ def test_two_by_two_sweep_from_the_command_line(where, tmp_path):
         assert table.count("canon.set \\ pos.type |") == 1 and "canon.set=" not in table
         assert p.stdout.strip().splitlines()[-1] == (
             "report (tables, heat maps, learning curves): python -m canonlm.train.report "
-            f"{sweeps[0]} --rows auto --cols auto --out {sweeps[0] / 'report'}")
-        r = subprocess.run([sys.executable, "-m", "canonlm.train.report", str(sweeps[0])], capture_output=True,
-                           text=True, cwd=cwd, env=ENV, timeout=120)
+            f"{sweeps[0]} --rows auto --cols auto --out {sweeps[0] / 'report'}"
+        )
+        r = subprocess.run(
+            [sys.executable, "-m", "canonlm.train.report", str(sweeps[0])],
+            capture_output=True,
+            text=True,
+            cwd=cwd,
+            env=ENV,
+            timeout=120,
+        )
         assert r.returncode == 0, r.stderr
         assert "canon.set=none" in r.stdout and "canon.set=ABCD" in r.stdout
     finally:
@@ -90,8 +115,10 @@ def test_rerun_of_a_fixed_sweep_dir_resumes_unfinished_and_skips_finished_jobs(t
     # longer schedule: each job continues from its own step-5 checkpoint in its own directory
     _multirun([*common, "trainer.max_steps=10"], tmp_path)
     second = _jobs(sweep)
-    assert {k: (r["steps"], r["attempts"]) for k, r in second.items()} == \
-        {("", "rope"): (10, 2), ("ABCD", "rope"): (10, 2)}
+    assert {k: (r["steps"], r["attempts"]) for k, r in second.items()} == {
+        ("", "rope"): (10, 2),
+        ("ABCD", "rope"): (10, 2),
+    }
     stamps = {p: p.stat().st_mtime_ns for p in sweep.rglob("results.json")}
     # the same command again: both jobs are finished, nothing is trained or rewritten
     p = _multirun([*common, "trainer.max_steps=10"], tmp_path)

@@ -107,6 +107,7 @@ def _no_temp_files(d: Path) -> bool:
 # the trust rule
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def test_safe_to_load_reasons(tmp_path, planted):
     lib, _ = planted
     good = _private_dir(tmp_path / "good")
@@ -196,6 +197,7 @@ def test_fallback_directories(tmp_path, monkeypatch):
     assert d == home / ".cache" / "canonlm"
     assert (os.stat(d).st_mode & 0o777) == 0o700  # created private
     import warnings
+
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert _native.safe_cache_dir() == d  # once per directory
@@ -241,6 +243,7 @@ def test_group_writable_library_is_not_loaded(tmp_path, planted, monkeypatch):
 # ---------------------------------------------------------------------------------------------------------------
 # self-repair and reuse
 # ---------------------------------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def good_build(tmp_path_factory):

@@ -22,8 +22,13 @@ from _kernel_calls import count_calls, fp32_tol, no_torch_tf32
 
 from canonlm.errors import ConfigError
 from canonlm.ops._fla_naive import load_fla_naive
-from canonlm.ops.gdn import (BACKENDS, CONFIG_KEY, chunk_gated_delta_rule, chunk_gated_delta_rule_reference,
-                             resolve_backend)
+from canonlm.ops.gdn import (
+    BACKENDS,
+    CONFIG_KEY,
+    chunk_gated_delta_rule,
+    chunk_gated_delta_rule_reference,
+    resolve_backend,
+)
 from canonlm.ops.gdn.naive import gdn_loop as oracle
 
 CUDA = torch.cuda.is_available()
@@ -32,6 +37,7 @@ CUDA = torch.cuda.is_available()
 # ----------------------------------------------------------------------------------------------------------------
 # oracle and helpers
 # ----------------------------------------------------------------------------------------------------------------
+
 
 def make(B=2, T=37, H=2, K=8, V=6, dtype=torch.float64, seed=0, strong_decay=False, init=True):
     gen = torch.Generator().manual_seed(seed)
@@ -70,6 +76,7 @@ def assert_close(a, b, atol, rtol=0.0, msg=""):
 # reference vs oracle (float64, forward and gradients)
 # ----------------------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("chunk_size", [1, 16, 64])
 @pytest.mark.parametrize("T", [1, 37, 130])
 @pytest.mark.parametrize("use_qk_l2norm", [True, False])
@@ -83,11 +90,25 @@ def test_reference_matches_oracle_fp64(chunk_size, T, use_qk_l2norm):
     scale = 0.3 if not use_qk_l2norm else None
 
     o_ref, S_ref, g_ref = run_with_grads(
-        lambda q, k, v, g, b, h: oracle(q, k, v, g, b, scale, h, use_qk_l2norm), inputs, do, dS)
+        lambda q, k, v, g, b, h: oracle(q, k, v, g, b, scale, h, use_qk_l2norm), inputs, do, dS
+    )
     o, S, gr = run_with_grads(
         lambda q, k, v, g, b, h: chunk_gated_delta_rule_reference(
-            q, k, v, g, b, scale=scale, initial_state=h, output_final_state=True, use_qk_l2norm=use_qk_l2norm,
-            chunk_size=chunk_size), inputs, do, dS)
+            q,
+            k,
+            v,
+            g,
+            b,
+            scale=scale,
+            initial_state=h,
+            output_final_state=True,
+            use_qk_l2norm=use_qk_l2norm,
+            chunk_size=chunk_size,
+        ),
+        inputs,
+        do,
+        dS,
+    )
     assert o.dtype == torch.float64 and S.dtype == torch.float64
     msg = f"C={chunk_size} T={T} l2={use_qk_l2norm} init={init}"
     assert_close(o, o_ref, 1e-9, msg=msg + " o")
@@ -106,10 +127,15 @@ def test_no_final_state_and_grads_without_it():
     o_ref, _ = oracle(q, k, v, g, beta)
     assert_close(o, o_ref, 1e-10)
     do = torch.randn_like(o)
-    _, _, gr = run_with_grads(lambda *a: chunk_gated_delta_rule_reference(*a[:5], chunk_size=16), make(
-        T=50, init=False, seed=3)[:5] + [None], do, None)
-    _, _, g_ref = run_with_grads(lambda *a: (oracle(*a[:5])[0], None), make(T=50, init=False, seed=3)[:5] + [None],
-                                 do, None)
+    _, _, gr = run_with_grads(
+        lambda *a: chunk_gated_delta_rule_reference(*a[:5], chunk_size=16),
+        make(T=50, init=False, seed=3)[:5] + [None],
+        do,
+        None,
+    )
+    _, _, g_ref = run_with_grads(
+        lambda *a: (oracle(*a[:5])[0], None), make(T=50, init=False, seed=3)[:5] + [None], do, None
+    )
     for name, a, b in zip(NAMES[:5], gr, g_ref):
         assert_close(a, b, 1e-9, 1e-10, msg=f"d{name}")
 
@@ -124,8 +150,12 @@ def test_strongly_negative_decay_stays_finite(chunk_size):
     for dtype, tol in ((torch.float64, 1e-9), (torch.float32, 2e-4)):
         o, S, gr = run_with_grads(
             lambda q, k, v, g, b, h: chunk_gated_delta_rule_reference(
-                q, k, v, g, b, initial_state=h, output_final_state=True, chunk_size=chunk_size),
-            [t.to(dtype) for t in inputs], do, dS)
+                q, k, v, g, b, initial_state=h, output_final_state=True, chunk_size=chunk_size
+            ),
+            [t.to(dtype) for t in inputs],
+            do,
+            dS,
+        )
         assert torch.isfinite(o).all() and torch.isfinite(S).all()
         assert all(torch.isfinite(t).all() for t in gr)
         assert_close(o, o_ref, tol, msg=f"{dtype} o")
@@ -138,14 +168,30 @@ def test_strongly_negative_decay_stays_finite(chunk_size):
 # continuation, dtypes, dispatch on CPU
 # ----------------------------------------------------------------------------------------------------------------
 
+
 def test_continuation_two_calls_equal_one():
     q, k, v, g, beta, h0 = make(T=87, seed=5)
-    o_full, S_full = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
-                                            chunk_size=16)
-    o1, S1 = chunk_gated_delta_rule(q[:, :37], k[:, :37], v[:, :37], g[:, :37], beta[:, :37], initial_state=h0,
-                                    output_final_state=True, chunk_size=16)
-    o2, S2 = chunk_gated_delta_rule(q[:, 37:], k[:, 37:], v[:, 37:], g[:, 37:], beta[:, 37:], initial_state=S1,
-                                    output_final_state=True, chunk_size=16)
+    o_full, S_full = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, chunk_size=16)
+    o1, S1 = chunk_gated_delta_rule(
+        q[:, :37],
+        k[:, :37],
+        v[:, :37],
+        g[:, :37],
+        beta[:, :37],
+        initial_state=h0,
+        output_final_state=True,
+        chunk_size=16,
+    )
+    o2, S2 = chunk_gated_delta_rule(
+        q[:, 37:],
+        k[:, 37:],
+        v[:, 37:],
+        g[:, 37:],
+        beta[:, 37:],
+        initial_state=S1,
+        output_final_state=True,
+        chunk_size=16,
+    )
     assert_close(torch.cat([o1, o2], 1), o_full, 1e-11)
     assert_close(S2, S_full, 1e-11)
 
@@ -155,8 +201,15 @@ def test_repeated_single_steps_equal_full_call():
     o_full, S_full = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True)
     S, outs = h0, []
     for t in range(20):
-        o_t, S = chunk_gated_delta_rule(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1],
-                                        beta[:, t:t + 1], initial_state=S, output_final_state=True)
+        o_t, S = chunk_gated_delta_rule(
+            q[:, t : t + 1],
+            k[:, t : t + 1],
+            v[:, t : t + 1],
+            g[:, t : t + 1],
+            beta[:, t : t + 1],
+            initial_state=S,
+            output_final_state=True,
+        )
         assert o_t.shape == (2, 1, 2, 6) and S.dtype == torch.float32
         outs.append(o_t)
     assert_close(torch.cat(outs, 1), o_full, 1e-5)
@@ -190,8 +243,10 @@ def test_bf16_inputs_and_autocast():
 
 def test_chunk_size_independent_fp32():
     inputs = make(B=1, T=100, H=3, K=16, V=8, seed=10, dtype=torch.float32)
-    outs = [chunk_gated_delta_rule_reference(*inputs[:5], initial_state=inputs[5], output_final_state=True,
-                                             chunk_size=c) for c in (1, 7, 32, 64, 128)]
+    outs = [
+        chunk_gated_delta_rule_reference(*inputs[:5], initial_state=inputs[5], output_final_state=True, chunk_size=c)
+        for c in (1, 7, 32, 64, 128)
+    ]
     for o, S in outs[1:]:
         assert_close(o, outs[0][0], 1e-5)
         assert_close(S, outs[0][1], 1e-5)
@@ -222,13 +277,13 @@ def test_bad_arguments():
         with pytest.raises(ValueError, match="chunk_size"):
             chunk_gated_delta_rule_reference(q, k, v, g, beta, chunk_size=cs)
     bad = [
-        (q[..., :4], k, v, g, beta, None),            # K mismatch
-        (q, k, v[:, :3], g, beta, None),              # T mismatch
-        (q, k, v, g[..., None], beta, None),          # g rank
-        (q, k, v, g, beta[:, :, :1], None),           # beta heads
-        (q, k, v, g, beta, h0[..., :2]),              # state V
+        (q[..., :4], k, v, g, beta, None),  # K mismatch
+        (q, k, v[:, :3], g, beta, None),  # T mismatch
+        (q, k, v, g[..., None], beta, None),  # g rank
+        (q, k, v, g, beta[:, :, :1], None),  # beta heads
+        (q, k, v, g, beta, h0[..., :2]),  # state V
         (q[:, :0], k[:, :0], v[:, :0], g[:, :0], beta[:, :0], None),  # T == 0
-        (q[0], k[0], v[0], g[0], beta[0], None),      # no batch dim
+        (q[0], k[0], v[0], g[0], beta[0], None),  # no batch dim
     ]
     for args in bad:
         with pytest.raises(ValueError, match="allowed"):
@@ -237,10 +292,12 @@ def test_bad_arguments():
 
 def test_import_is_lazy():
     """Importing the op and resolving on CPU must not import fla."""
-    code = ("import sys, torch; from canonlm.ops.gdn import resolve_backend, chunk_gated_delta_rule; "
-            "resolve_backend('auto', 'cpu', torch.float32); "
-            "bad = [m for m in sys.modules if m == 'fla' or m.startswith('fla.') or m == 'triton']; "
-            "assert not bad, bad")
+    code = (
+        "import sys, torch; from canonlm.ops.gdn import resolve_backend, chunk_gated_delta_rule; "
+        "resolve_backend('auto', 'cpu', torch.float32); "
+        "bad = [m for m in sys.modules if m == 'fla' or m.startswith('fla.') or m == 'triton']; "
+        "assert not bad, bad"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
 
@@ -248,6 +305,7 @@ def test_import_is_lazy():
 # ----------------------------------------------------------------------------------------------------------------
 # second oracle: fla's naive references (loaded by file path; no triton needed)
 # ----------------------------------------------------------------------------------------------------------------
+
 
 def _naive():
     m = load_fla_naive("gated_delta_rule")
@@ -263,14 +321,15 @@ def test_matches_fla_naive_references(T):
     m = _naive()
     q, k, v, g, beta, h0 = make(B=2, T=T, H=2, K=16, V=8, seed=T, dtype=torch.float32)
     k = F.normalize(k, dim=-1)
-    o, S = chunk_gated_delta_rule_reference(q, k, v, g, beta, initial_state=h0, output_final_state=True,
-                                            use_qk_l2norm=False, chunk_size=32)
-    o_r, S_r = m.naive_recurrent_gated_delta_rule(q, k, v, beta, g, initial_state=h0.clone(),
-                                                  output_final_state=True)
+    o, S = chunk_gated_delta_rule_reference(
+        q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm=False, chunk_size=32
+    )
+    o_r, S_r = m.naive_recurrent_gated_delta_rule(q, k, v, beta, g, initial_state=h0.clone(), output_final_state=True)
     assert_close(o, o_r, 1e-4, 1e-5, msg="vs naive_recurrent o")
     assert_close(S, S_r, 1e-4, 1e-5, msg="vs naive_recurrent S")
-    o_c, S_c = m.naive_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=32, initial_state=h0.clone(),
-                                              output_final_state=True)
+    o_c, S_c = m.naive_chunk_gated_delta_rule(
+        q, k, v, g, beta, chunk_size=32, initial_state=h0.clone(), output_final_state=True
+    )
     assert_close(o, o_c, 1e-4, 1e-5, msg="vs naive_chunk o")
     assert_close(S, S_c, 1e-4, 1e-5, msg="vs naive_chunk S")
     # with the in-kernel normalisation: same as normalising q and k beforehand
@@ -288,12 +347,21 @@ def test_grads_match_fla_naive_recurrent():
     do = torch.randn(1, 45, 2, 8, dtype=torch.float64)
     dS = torch.randn(1, 2, 8, 8, dtype=torch.float64)
     _, _, g_ref = run_with_grads(
-        lambda q, k, v, g, b, h: m.naive_recurrent_gated_delta_rule(q, k, v, b, g, initial_state=h * 1.0,
-                                                                    output_final_state=True), inputs, do, dS)
+        lambda q, k, v, g, b, h: m.naive_recurrent_gated_delta_rule(
+            q, k, v, b, g, initial_state=h * 1.0, output_final_state=True
+        ),
+        inputs,
+        do,
+        dS,
+    )
     _, _, gr = run_with_grads(
         lambda q, k, v, g, b, h: chunk_gated_delta_rule_reference(
-            q, k, v, g, b, initial_state=h, output_final_state=True, use_qk_l2norm=False, chunk_size=16),
-        inputs, do, dS)
+            q, k, v, g, b, initial_state=h, output_final_state=True, use_qk_l2norm=False, chunk_size=16
+        ),
+        inputs,
+        do,
+        dS,
+    )
     for name, a, b in zip(NAMES, gr, g_ref):
         assert_close(a, b, 1e-4, 1e-4, msg=f"d{name}")
 
@@ -302,10 +370,12 @@ def test_grads_match_fla_naive_recurrent():
 # GPU: fla kernels vs the reference
 # ----------------------------------------------------------------------------------------------------------------
 
+
 def _skip_unless_fla(dtype=torch.bfloat16):
     if not CUDA:
         pytest.skip("needs a CUDA GPU")
     from canonlm.ops.gdn import _fla
+
     fns, err = _fla.functions()
     if fns is None:
         pytest.skip(f"fla unavailable: {err}")
@@ -325,6 +395,7 @@ GPU_TOL = {torch.float32: fp32_tol(), torch.bfloat16: 5e-2}
 def test_fla_chunk_matches_reference(monkeypatch, dtype, T, init):
     _skip_unless_fla(dtype)
     from canonlm.ops.gdn import _fla
+
     no_torch_tf32(monkeypatch)
     assert resolve_backend("auto", "cuda", dtype) == "fla"
     calls = count_calls(monkeypatch, _fla, "forward")
@@ -338,11 +409,17 @@ def test_fla_chunk_matches_reference(monkeypatch, dtype, T, init):
     args = [q, k, v, g, beta, h0]
     o_ref, S_ref, g_ref = run_with_grads(
         lambda *a: chunk_gated_delta_rule(*a[:5], initial_state=a[5], output_final_state=True, backend="reference"),
-        [None if t is None else t.float() for t in args], do, dS)
+        [None if t is None else t.float() for t in args],
+        do,
+        dS,
+    )
     o, S, gr = run_with_grads(
         lambda *a: chunk_gated_delta_rule(*a[:5], initial_state=a[5], output_final_state=True, backend="auto"),
-        args, do, dS)
-    assert len(calls) == 1                                  # fla ran, not the reference
+        args,
+        do,
+        dS,
+    )
+    assert len(calls) == 1  # fla ran, not the reference
     assert o.dtype == dtype and S.dtype == torch.float32
     tol = GPU_TOL[dtype]
     assert_close(o, o_ref, tol, tol, msg=f"fla {dtype} o")
@@ -359,14 +436,23 @@ def test_fla_decode_path_matches_reference(monkeypatch, dtype):
     """T <= 64 without autograd goes to fused_recurrent_gated_delta_rule; T=1 steps continue the state."""
     _skip_unless_fla(dtype)
     from canonlm.ops.gdn import _fla
+
     calls = count_calls(monkeypatch, _fla, "forward")
     B, H, K, V, T = 2, 4, 64, 64, 24
     inputs = [t.cuda() for t in make(B=B, T=T, H=H, K=K, V=V, seed=1, dtype=torch.float32)]
     q, k, v, g, beta, h0 = inputs
     q, k, v, beta = (t.to(dtype) for t in (q, k, v, beta))  # beta in the kernel dtype here (fla's own layer)
     with torch.no_grad():
-        o_ref, S_ref = chunk_gated_delta_rule(q.float(), k.float(), v.float(), g, beta.float(), initial_state=h0,
-                                              output_final_state=True, backend="reference")
+        o_ref, S_ref = chunk_gated_delta_rule(
+            q.float(),
+            k.float(),
+            v.float(),
+            g,
+            beta.float(),
+            initial_state=h0,
+            output_final_state=True,
+            backend="reference",
+        )
         o, S = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, backend="fla")
         tol = GPU_TOL[dtype]
         assert o.dtype == dtype and S.dtype == torch.float32
@@ -374,11 +460,18 @@ def test_fla_decode_path_matches_reference(monkeypatch, dtype):
         assert_close(S, S_ref, tol, tol, msg="fused_recurrent S")
         St, outs = h0, []
         for t in range(T):
-            o_t, St = chunk_gated_delta_rule(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1],
-                                             beta[:, t:t + 1], initial_state=St, output_final_state=True,
-                                             backend="fla")
+            o_t, St = chunk_gated_delta_rule(
+                q[:, t : t + 1],
+                k[:, t : t + 1],
+                v[:, t : t + 1],
+                g[:, t : t + 1],
+                beta[:, t : t + 1],
+                initial_state=St,
+                output_final_state=True,
+                backend="fla",
+            )
             outs.append(o_t)
-        assert len(calls) == 1 + T                          # every call went to fla
+        assert len(calls) == 1 + T  # every call went to fla
         assert_close(torch.cat(outs, 1), o_ref, tol, tol, msg="T=1 steps o")
         assert_close(St, S_ref, tol, tol, msg="T=1 steps S")
 

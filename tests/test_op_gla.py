@@ -39,14 +39,19 @@ def _two_threads():
 # oracle and helpers
 # ----------------------------------------------------------------------------------------------------------------
 
+
 def make(B=2, T=37, H=2, K=8, V=6, gate="mild", init=True, seed=0, dtype=F64):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(B, T, H, K, generator=gen, dtype=F64)
     k = torch.randn(B, T, H, K, generator=gen, dtype=F64)
     v = torch.randn(B, T, H, V, generator=gen, dtype=F64)
     x = torch.randn(B, T, H, K, generator=gen, dtype=F64)
-    g = {"mild": F.logsigmoid(x) / 16, "strong": F.logsigmoid(x) * 5, "huge": F.logsigmoid(x) * 200 - 50,
-         "zero": torch.zeros_like(x)}[gate]
+    g = {
+        "mild": F.logsigmoid(x) / 16,
+        "strong": F.logsigmoid(x) * 5,
+        "huge": F.logsigmoid(x) * 200 - 50,
+        "zero": torch.zeros_like(x),
+    }[gate]
     h0 = torch.randn(B, H, K, V, generator=gen, dtype=F64) if init else None
     return [t.to(dtype) if t is not None else None for t in (q, k, v, g, h0)]
 
@@ -67,8 +72,9 @@ def rel(a, b):
 
 
 def ref(chunk_size=64, scale=None):
-    return lambda q, k, v, g, h0: chunk_gla_reference(q, k, v, g, scale=scale, initial_state=h0,
-                                                      output_final_state=True, chunk_size=chunk_size)
+    return lambda q, k, v, g, h0: chunk_gla_reference(
+        q, k, v, g, scale=scale, initial_state=h0, output_final_state=True, chunk_size=chunk_size
+    )
 
 
 def oracle(scale=None):
@@ -78,6 +84,7 @@ def oracle(scale=None):
 # ----------------------------------------------------------------------------------------------------------------
 # reference vs loop oracle (float64)
 # ----------------------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("gate", ["mild", "strong"])
 @pytest.mark.parametrize("init", [False, True])
@@ -126,7 +133,7 @@ def test_extreme_gates_stay_finite(dtype):
 def test_zero_gate_is_plain_linear_attention():
     q, k, v, g, _ = make(T=20, gate="zero", init=False, seed=5)
     o, S = chunk_gla_reference(q, k, v, g, output_final_state=True, chunk_size=8)
-    scores = torch.einsum("bthk,bjhk->bhtj", q * 8 ** -0.5, k).tril()
+    scores = torch.einsum("bthk,bjhk->bhtj", q * 8**-0.5, k).tril()
     torch.testing.assert_close(o, torch.einsum("bhtj,bjhv->bthv", scores, v), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(S, torch.einsum("bthk,bthv->bhkv", k, v), rtol=1e-12, atol=1e-12)
 
@@ -135,14 +142,17 @@ def test_zero_gate_is_plain_linear_attention():
 # continuation, decode steps
 # ----------------------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("T1,T2,chunk_size", [(37, 50, 16), (64, 64, 64), (1, 90, 64), (100, 3, 32)])
 def test_continuation_equals_one_call(T1, T2, chunk_size):
     q, k, v, g, h0 = make(T=T1 + T2, gate="strong", seed=T1)
     o, S = chunk_gla_reference(q, k, v, g, initial_state=h0, output_final_state=True, chunk_size=chunk_size)
-    o1, S1 = chunk_gla_reference(q[:, :T1], k[:, :T1], v[:, :T1], g[:, :T1], initial_state=h0,
-                                 output_final_state=True, chunk_size=chunk_size)
-    o2, S2 = chunk_gla_reference(q[:, T1:], k[:, T1:], v[:, T1:], g[:, T1:], initial_state=S1,
-                                 output_final_state=True, chunk_size=chunk_size)
+    o1, S1 = chunk_gla_reference(
+        q[:, :T1], k[:, :T1], v[:, :T1], g[:, :T1], initial_state=h0, output_final_state=True, chunk_size=chunk_size
+    )
+    o2, S2 = chunk_gla_reference(
+        q[:, T1:], k[:, T1:], v[:, T1:], g[:, T1:], initial_state=S1, output_final_state=True, chunk_size=chunk_size
+    )
     torch.testing.assert_close(torch.cat([o1, o2], dim=1), o, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(S2, S, rtol=1e-10, atol=1e-10)
 
@@ -155,8 +165,7 @@ def test_single_token_steps_equal_one_call(init):
     with torch.no_grad():
         for t in range(40):
             sl = slice(t, t + 1)
-            ot, state = chunk_gla(q[:, sl], k[:, sl], v[:, sl], g[:, sl], initial_state=state,
-                                  output_final_state=True)
+            ot, state = chunk_gla(q[:, sl], k[:, sl], v[:, sl], g[:, sl], initial_state=state, output_final_state=True)
             outs.append(ot)
     torch.testing.assert_close(torch.cat(outs, dim=1), o, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(state, S, rtol=1e-10, atol=1e-10)
@@ -164,8 +173,10 @@ def test_single_token_steps_equal_one_call(init):
 
 def test_results_do_not_depend_on_chunk_size():
     q, k, v, g, h0 = make(T=150, gate="strong", seed=2)
-    outs = [chunk_gla_reference(q, k, v, g, initial_state=h0, output_final_state=True, chunk_size=c)
-            for c in (1, 7, 32, 64, 128, 1000)]
+    outs = [
+        chunk_gla_reference(q, k, v, g, initial_state=h0, output_final_state=True, chunk_size=c)
+        for c in (1, 7, 32, 64, 128, 1000)
+    ]
     for o, S in outs[1:]:
         torch.testing.assert_close(o, outs[0][0], rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(S, outs[0][1], rtol=1e-10, atol=1e-10)
@@ -182,6 +193,7 @@ def test_no_final_state_unless_asked():
 # ----------------------------------------------------------------------------------------------------------------
 # dtypes
 # ----------------------------------------------------------------------------------------------------------------
+
 
 def test_float32_close_to_float64():
     inputs = make(B=2, T=300, H=2, K=16, V=16, gate="mild", seed=4)
@@ -220,6 +232,7 @@ def test_autocast_is_disabled_inside():
 # fla's naive recurrent reference (second oracle)
 # ----------------------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("init", [False, True])
 def test_matches_fla_naive_recurrent(init):
     naive = load_fla_naive("gla")
@@ -229,8 +242,12 @@ def test_matches_fla_naive_recurrent(init):
     do = torch.randn(2, 100, 2, 8)
     dS = torch.randn(2, 2, 16, 8)
     # naive_recurrent_gla(q, k, v, gk, initial_state, output_final_state) -> (o, final_state); scale fixed K**-0.5
-    eo, eS, egrads = run(lambda q, k, v, g, h0: naive.naive_recurrent_gla(q, k, v, g, initial_state=h0,
-                                                                          output_final_state=True), inputs, do, dS)
+    eo, eS, egrads = run(
+        lambda q, k, v, g, h0: naive.naive_recurrent_gla(q, k, v, g, initial_state=h0, output_final_state=True),
+        inputs,
+        do,
+        dS,
+    )
     o, S, grads = run(ref(32), inputs, do, dS)
     assert rel(o, eo) < 1e-5 and rel(S, eS) < 1e-5
     for gr, eg in zip(grads, egrads):
@@ -241,6 +258,7 @@ def test_matches_fla_naive_recurrent(init):
 # ----------------------------------------------------------------------------------------------------------------
 # backend resolution and argument checks
 # ----------------------------------------------------------------------------------------------------------------
+
 
 def test_resolve_backend_cpu():
     assert BACKENDS == ("auto", "reference", "fla") and CONFIG_KEY == "model.kernels.gla"
@@ -288,14 +306,14 @@ def test_chunk_size_must_be_positive_int(bad):
 def test_shape_errors():
     q, k, v, g, h0 = make(B=2, T=5, H=2, K=8, V=6)
     cases = [
-        (q, k, v, g[..., :4], None),            # g not like q
-        (q, k[:, :4], v, g, None),              # T mismatch
-        (q, k, v[:, :, :1], g, None),           # H mismatch
+        (q, k, v, g[..., :4], None),  # g not like q
+        (q, k[:, :4], v, g, None),  # T mismatch
+        (q, k, v[:, :, :1], g, None),  # H mismatch
         (q[:, :0], k[:, :0], v[:, :0], g[:, :0], None),  # T = 0
-        (q[0], k[0], v[0], g[0], None),         # 3-D
-        (q, k, v, g, h0[..., :3]),              # state V mismatch
-        (q, k, v, g, h0.transpose(-1, -2)),     # state (B, H, V, K)
-        (q.long(), k, v, g, None),              # integer dtype
+        (q[0], k[0], v[0], g[0], None),  # 3-D
+        (q, k, v, g, h0[..., :3]),  # state V mismatch
+        (q, k, v, g, h0.transpose(-1, -2)),  # state (B, H, V, K)
+        (q.long(), k, v, g, None),  # integer dtype
     ]
     for q_, k_, v_, g_, h_ in cases:
         with pytest.raises(ValueError, match="chunk_gla"):
@@ -312,9 +330,12 @@ def test_meta_tensors_give_shapes():
 def test_module_import_does_not_import_fla():
     import subprocess
     import sys
-    code = ("import sys, canonlm.ops.gla as m; "
-            "bad = [n for n in sys.modules if n == 'fla' or n.startswith(('fla.', 'triton'))]; "
-            "m.resolve_backend('auto', 'cpu', m.torch.float32); print(bad)")
+
+    code = (
+        "import sys, canonlm.ops.gla as m; "
+        "bad = [n for n in sys.modules if n == 'fla' or n.startswith(('fla.', 'triton'))]; "
+        "m.resolve_backend('auto', 'cpu', m.torch.float32); print(bad)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
@@ -323,10 +344,12 @@ def test_module_import_does_not_import_fla():
 # GPU: fla kernels vs the reference
 # ----------------------------------------------------------------------------------------------------------------
 
+
 def _skip_unless_fla():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from canonlm.ops.gla import _fla
+
     fns, err = _fla.fla_functions()
     if fns is None:
         pytest.skip(f"fla.ops.gla unavailable: {err}")
@@ -360,14 +383,19 @@ def _cuda(ts):
 def test_fla_chunk_matches_reference(monkeypatch, dtype, T, init):
     _skip_unless_fla()
     from canonlm.ops.gla import _fla
+
     no_torch_tf32(monkeypatch)
     assert resolve_backend("auto", "cuda", dtype) == "fla"
     calls = count_calls(monkeypatch, _fla, "fla_forward")
     inputs, do, dS = _gpu_case(dtype, T, init, seed=T)
     eo, eS, egrads = run(ref(64), [t.double() if t is not None else None for t in inputs], do, dS)
-    o, S, grads = run(lambda q, k, v, g, h0: chunk_gla(q, k, v, g, initial_state=h0, output_final_state=True,
-                                                       backend="auto"), _cuda(inputs), do.cuda(), dS.cuda())
-    assert len(calls) == 1                                  # fla ran, not the reference
+    o, S, grads = run(
+        lambda q, k, v, g, h0: chunk_gla(q, k, v, g, initial_state=h0, output_final_state=True, backend="auto"),
+        _cuda(inputs),
+        do.cuda(),
+        dS.cuda(),
+    )
+    assert len(calls) == 1  # fla ran, not the reference
     assert o.dtype == dtype and o.device.type == "cuda" and S.dtype == torch.float32
     tol = GPU_TOL[dtype]
     assert rel(o, eo) < tol and rel(S, eS) < tol
@@ -385,8 +413,12 @@ def test_fla_fused_recurrent_matches_reference(dtype):
         pytest.skip("fused_recurrent_gla not exported by this fla version")
     inputs, do, dS = _gpu_case(dtype, 50, True, seed=1)
     eo, eS, egrads = run(ref(16), [t.double() for t in inputs], do, dS)
-    o, S, grads = run(lambda q, k, v, g, h0: fns[1](q, k, v, gk=g, initial_state=h0, output_final_state=True),
-                      _cuda(inputs), do.cuda(), dS.cuda())
+    o, S, grads = run(
+        lambda q, k, v, g, h0: fns[1](q, k, v, gk=g, initial_state=h0, output_final_state=True),
+        _cuda(inputs),
+        do.cuda(),
+        dS.cuda(),
+    )
     tol = GPU_TOL[dtype]
     assert rel(o, eo) < tol and rel(S, eS) < tol
     for name, gr, eg in zip("q k v g h0".split(), grads, egrads):
@@ -400,16 +432,19 @@ def test_fla_decode_steps_match_reference(monkeypatch, dtype):
     chunk (chunk_gla), state carried over; equals one reference call."""
     _skip_unless_fla()
     from canonlm.ops.gla import _fla
+
     calls = count_calls(monkeypatch, _fla, "fla_forward")
     inputs, _, _ = _gpu_case(dtype, 130, True, seed=2)
-    eo, eS = chunk_gla_reference(*[t.double() for t in inputs[:4]], initial_state=inputs[4].double(),
-                                 output_final_state=True)
+    eo, eS = chunk_gla_reference(
+        *[t.double() for t in inputs[:4]], initial_state=inputs[4].double(), output_final_state=True
+    )
     q, k, v, g, state = _cuda(inputs)
     outs = []
     with torch.no_grad():
         for a, b in [(0, 20)] + [(t, t + 1) for t in range(20, 30)] + [(30, 130)]:
-            o, state = chunk_gla(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], initial_state=state,
-                                 output_final_state=True, backend="fla")
+            o, state = chunk_gla(
+                q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], initial_state=state, output_final_state=True, backend="fla"
+            )
             assert o.dtype == dtype and state.dtype == torch.float32
             outs.append(o)
     assert len(calls) == len(outs)

@@ -47,11 +47,12 @@ F64 = torch.float64
 # oracles
 # ----------------------------------------------------------------------------------------------------------------
 
+
 def _inputs(Bsz=2, T=37, H=4, P=3, G=2, N=5, seed=0, dtype=F64, big=False):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(Bsz, T, H, P, generator=g)
     dt = torch.randn(Bsz, T, H, generator=g) * (5.0 if big else 1.0) + (10.0 if big else 0.0)
-    A = -torch.exp(torch.rand(H, generator=g) * 4.0)                        # -exp(U(0, 4)): down to -54.6
+    A = -torch.exp(torch.rand(H, generator=g) * 4.0)  # -exp(U(0, 4)): down to -54.6
     B = torch.randn(Bsz, T, G, N, generator=g)
     C = torch.randn(Bsz, T, G, N, generator=g)
     D = torch.randn(H, generator=g)
@@ -81,6 +82,7 @@ NAMES = ("x", "dt", "A", "B", "C", "D", "dt_bias", "initial_state")
 # reference vs the loop oracle (float64)
 # ----------------------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("G", [1, 2])
 @pytest.mark.parametrize("T", [1, 37, 130])
 @pytest.mark.parametrize("Q", [1, 16, 64])
@@ -101,8 +103,20 @@ def test_reference_matches_loop_oracle_fwd_and_grads(Q, T, G):
         gh = torch.randn(h0.shape, generator=g, dtype=F64) if final else None
 
         def ref(x, dt, A, B, C, D, db, h0):
-            return ssd_scan_reference(x, dt, A, B, C, chunk_size=Q, D=D, dt_bias=db, dt_softplus=sp, dt_limit=lim,
-                                      initial_state=h0, output_final_state=final)
+            return ssd_scan_reference(
+                x,
+                dt,
+                A,
+                B,
+                C,
+                chunk_size=Q,
+                D=D,
+                dt_bias=db,
+                dt_softplus=sp,
+                dt_limit=lim,
+                initial_state=h0,
+                output_final_state=final,
+            )
 
         def oracle(x, dt, A, B, C, D, db, h0):
             y, h = ssd_loop(x, dt, A, B, C, D, db, sp, lim, h0)
@@ -125,13 +139,19 @@ def test_reference_matches_loop_oracle_fwd_and_grads(Q, T, G):
 
 
 def test_very_negative_A_and_large_dt_stay_finite():
-    x, dt, A, B, C, D, db, h0 = _inputs(T=150, G=1, seed=3, big=True)      # Δ ~ 10..25 (past softplus' threshold)
+    x, dt, A, B, C, D, db, h0 = _inputs(T=150, G=1, seed=3, big=True)  # Δ ~ 10..25 (past softplus' threshold)
     ts = [x, dt, A, B, C, D, db, h0]
     gy = torch.randn(x.shape, dtype=F64)
     gh = torch.randn(h0.shape, dtype=F64)
     for Q in (16, 64):
-        y, h, gr = _fwd_bwd(lambda *a: ssd_scan_reference(*a[:5], chunk_size=Q, D=a[5], dt_bias=a[6],
-                                                          initial_state=a[7], output_final_state=True), ts, gy, gh)
+        y, h, gr = _fwd_bwd(
+            lambda *a: ssd_scan_reference(
+                *a[:5], chunk_size=Q, D=a[5], dt_bias=a[6], initial_state=a[7], output_final_state=True
+            ),
+            ts,
+            gy,
+            gh,
+        )
         assert torch.isfinite(y).all() and torch.isfinite(h).all()
         assert all(torch.isfinite(g).all() for g in gr)
         yo, ho, go = _fwd_bwd(lambda *a: ssd_loop(*a[:5], a[5], a[6], True, (0.0, INF), a[7]), ts, gy, gh)
@@ -140,8 +160,14 @@ def test_very_negative_A_and_large_dt_stay_finite():
         for name, a, b in zip(NAMES, gr, go):
             torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=name)
     # float32 too: same inputs, finite and close
-    y32, h32 = ssd_scan_reference(*[t.float() for t in (x, dt, A, B, C)], chunk_size=64, D=D.float(),
-                                  dt_bias=db.float(), initial_state=h0.float(), output_final_state=True)
+    y32, h32 = ssd_scan_reference(
+        *[t.float() for t in (x, dt, A, B, C)],
+        chunk_size=64,
+        D=D.float(),
+        dt_bias=db.float(),
+        initial_state=h0.float(),
+        output_final_state=True,
+    )
     assert torch.isfinite(y32).all() and torch.isfinite(h32).all()
     torch.testing.assert_close(y32.double(), yo, rtol=1e-4, atol=1e-4)
 
@@ -150,8 +176,9 @@ def test_gradcheck_small():
     x, dt, A, B, C, D, db, h0 = _inputs(Bsz=1, T=5, H=2, P=2, G=1, N=2, seed=11)
 
     def f(x, dt, A, B, C, D, db, h0):
-        return ssd_scan_reference(x, dt, A, B, C, chunk_size=3, D=D, dt_bias=db, initial_state=h0,
-                                  output_final_state=True)
+        return ssd_scan_reference(
+            x, dt, A, B, C, chunk_size=3, D=D, dt_bias=db, initial_state=h0, output_final_state=True
+        )
 
     assert torch.autograd.gradcheck(f, _leaves([x, dt, A, B, C, D, db, h0]))
 
@@ -159,6 +186,7 @@ def test_gradcheck_small():
 # ----------------------------------------------------------------------------------------------------------------
 # continuation, decode, dtypes
 # ----------------------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("Q", [16, 256])
 def test_continuation_equals_one_call(Q):
@@ -179,8 +207,17 @@ def test_repeated_single_steps_equal_full_call():
     with torch.no_grad():
         for t in range(x.shape[1]):
             sl = slice(t, t + 1)
-            yt, state = ssd_scan(x[:, sl], dt[:, sl], A, B[:, sl], C[:, sl], D=D, dt_bias=db, initial_state=state,
-                                 output_final_state=True)
+            yt, state = ssd_scan(
+                x[:, sl],
+                dt[:, sl],
+                A,
+                B[:, sl],
+                C[:, sl],
+                D=D,
+                dt_bias=db,
+                initial_state=state,
+                output_final_state=True,
+            )
             assert yt.shape == (x.shape[0], 1, x.shape[2], x.shape[3])
             ys.append(yt)
     torch.testing.assert_close(torch.cat(ys, dim=1), y, rtol=1e-10, atol=1e-10)
@@ -190,8 +227,7 @@ def test_repeated_single_steps_equal_full_call():
 def test_float32_close_to_float64():
     ts64 = _inputs(Bsz=2, T=100, H=4, P=8, G=2, N=16, seed=8)
     x, dt, A, B, C, D, db, h0 = [t.float() for t in ts64]
-    y, h = ssd_scan_reference(x, dt, A, B, C, chunk_size=32, D=D, dt_bias=db, initial_state=h0,
-                              output_final_state=True)
+    y, h = ssd_scan_reference(x, dt, A, B, C, chunk_size=32, D=D, dt_bias=db, initial_state=h0, output_final_state=True)
     assert y.dtype == torch.float32 and h.dtype == torch.float32
     yo, ho = ssd_loop(*ts64[:5], ts64[5], ts64[6], True, (0.0, INF), ts64[7])
     torch.testing.assert_close(y.double(), yo, rtol=1e-4, atol=1e-4)
@@ -202,12 +238,13 @@ def test_bfloat16_inputs_give_bfloat16_output_and_fp32_state():
     ts64 = _inputs(Bsz=2, T=50, H=4, P=8, G=1, N=16, seed=9)
     x, dt, A, B, C, D, db, h0 = ts64
     xb, Bb, Cb = (t.to(torch.bfloat16) for t in (x, B, C))
-    y, h = ssd_scan(xb, dt.float(), A.float(), Bb, Cb, chunk_size=16, D=D.float(), dt_bias=db.float(),
-                    output_final_state=True)
+    y, h = ssd_scan(
+        xb, dt.float(), A.float(), Bb, Cb, chunk_size=16, D=D.float(), dt_bias=db.float(), output_final_state=True
+    )
     assert y.dtype == torch.bfloat16 and h.dtype == torch.float32
     yo, ho = ssd_loop(xb.double(), dt, A, Bb.double(), Cb.double(), D, db)
     torch.testing.assert_close(y.double(), yo, rtol=2e-2, atol=5e-2)
-    torch.testing.assert_close(h.double(), ho, rtol=1e-4, atol=1e-4)      # state computed in fp32 from bf16 inputs
+    torch.testing.assert_close(h.double(), ho, rtol=1e-4, atol=1e-4)  # state computed in fp32 from bf16 inputs
     # gradients flow to bf16 leaves in bf16
     xl = xb.clone().requires_grad_()
     ssd_scan_reference(xl, dt.float(), A.float(), Bb, Cb, chunk_size=16)[0].float().sum().backward()
@@ -225,8 +262,10 @@ def test_autocast_is_disabled_inside():
 
 def test_padding_does_not_change_final_state():
     x, dt, A, B, C, D, db, h0 = _inputs(T=33, seed=12)
-    outs = [ssd_scan_reference(x, dt, A, B, C, chunk_size=Q, D=D, dt_bias=db, initial_state=h0,
-                               output_final_state=True) for Q in (1, 11, 16, 33, 64)]
+    outs = [
+        ssd_scan_reference(x, dt, A, B, C, chunk_size=Q, D=D, dt_bias=db, initial_state=h0, output_final_state=True)
+        for Q in (1, 11, 16, 33, 64)
+    ]
     for y, h in outs[1:]:
         torch.testing.assert_close(y, outs[0][0], rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(h, outs[0][1], rtol=1e-10, atol=1e-10)
@@ -247,18 +286,24 @@ def test_D_per_channel_and_meta_device():
 # second oracle: fla's naive simple GLA (same op under q=C, k=B, v=Δx, g=Δ·A, scale=1)
 # ----------------------------------------------------------------------------------------------------------------
 
+
 def test_matches_fla_naive_simple_gla():
     m = load_fla_naive("simple_gla")
     if m is None or not hasattr(m, "naive_recurrent_simple_gla"):
         pytest.skip("fla-core (simple_gla/naive.py) not installed")
     x, dt, A, B, C, D, db, h0 = [t.float() for t in _inputs(Bsz=2, T=70, H=4, P=8, G=2, N=16, seed=14)]
-    y, h = ssd_scan_reference(x, dt, A, B, C, chunk_size=32, D=D, dt_bias=db, initial_state=h0,
-                              output_final_state=True)
+    y, h = ssd_scan_reference(x, dt, A, B, C, chunk_size=32, D=D, dt_bias=db, initial_state=h0, output_final_state=True)
     delta = F.softplus(dt + db)
     rep = x.shape[2] // B.shape[2]
-    o, S = m.naive_recurrent_simple_gla(C.repeat_interleave(rep, 2), B.repeat_interleave(rep, 2),
-                                        x * delta[..., None], delta * A, scale=1.0,
-                                        initial_state=h0.transpose(-1, -2).contiguous(), output_final_state=True)
+    o, S = m.naive_recurrent_simple_gla(
+        C.repeat_interleave(rep, 2),
+        B.repeat_interleave(rep, 2),
+        x * delta[..., None],
+        delta * A,
+        scale=1.0,
+        initial_state=h0.transpose(-1, -2).contiguous(),
+        output_final_state=True,
+    )
     torch.testing.assert_close(y, o + D[:, None] * x, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(h, S.transpose(-1, -2), rtol=1e-4, atol=1e-4)
 
@@ -266,6 +311,7 @@ def test_matches_fla_naive_simple_gla():
 # ----------------------------------------------------------------------------------------------------------------
 # Mamba2 mixer core: conv -> scan -> gated RMSNorm -> out-proj
 # ----------------------------------------------------------------------------------------------------------------
+
 
 def _mixer_inputs(Bsz=2, T=29, H=4, P=4, G=2, N=6, W=4, out=10, seed=20, dtype=F64):
     g = torch.Generator().manual_seed(seed)
@@ -290,25 +336,26 @@ def _gated_norm_loop(y, z, w, eps, G, norm_before_gate=False):
     u = y if norm_before_gate else y * gate
     parts = []
     for k in range(G):
-        seg = u[..., k * gs:(k + 1) * gs]
+        seg = u[..., k * gs : (k + 1) * gs]
         parts.append(seg / torch.sqrt((seg * seg).mean(-1, keepdim=True) + eps))
     out = torch.cat(parts, dim=-1) * w
     return out * gate if norm_before_gate else out
 
 
-def _mixer_oracle(zxbcdt, conv_w, conv_b, dt_bias, A, D, norm_w, out_w, dims, activation, eps, conv=True,
-                  dt_limit=(0.0, INF)):
+def _mixer_oracle(
+    zxbcdt, conv_w, conv_b, dt_bias, A, D, norm_w, out_w, dims, activation, eps, conv=True, dt_limit=(0.0, INF)
+):
     H, P, G, N = dims["H"], dims["P"], dims["G"], dims["N"]
     Bsz, T, _ = zxbcdt.shape
     d_inner = H * P
     z = zxbcdt[..., :d_inner]
-    xBC = zxbcdt[..., d_inner:2 * d_inner + 2 * G * N]
-    dt = zxbcdt[..., 2 * d_inner + 2 * G * N:]
+    xBC = zxbcdt[..., d_inner : 2 * d_inner + 2 * G * N]
+    dt = zxbcdt[..., 2 * d_inner + 2 * G * N :]
     if conv:
         xBC = canon_loop(xBC, conv_w, conv_b, residual=False, activation=activation == "silu")
     x = xBC[..., :d_inner].reshape(Bsz, T, H, P)
-    B = xBC[..., d_inner:d_inner + G * N].reshape(Bsz, T, G, N)
-    C = xBC[..., d_inner + G * N:].reshape(Bsz, T, G, N)
+    B = xBC[..., d_inner : d_inner + G * N].reshape(Bsz, T, G, N)
+    C = xBC[..., d_inner + G * N :].reshape(Bsz, T, G, N)
     y, _ = ssd_loop(x, dt, A, B, C, D, dt_bias, True, dt_limit)
     y = _gated_norm_loop(y.reshape(Bsz, T, d_inner), z, norm_w, eps, G)
     return y @ out_w.T
@@ -319,8 +366,9 @@ def test_split_reference_with_random_conv_matches_step_by_step_composition():
     kw = dict(chunk_size=16, rmsnorm_eps=1e-5, headdim=dims["P"], ngroups=dims["G"])
 
     def ref(zxbcdt, conv_w, conv_b, dt_bias, A, D, norm_w, out_w):
-        return split_conv1d_scan_reference(zxbcdt, conv_w, conv_b, dt_bias, A, D, activation="silu",
-                                           rmsnorm_weight=norm_w, outproj_weight=out_w, **kw), None
+        return split_conv1d_scan_reference(
+            zxbcdt, conv_w, conv_b, dt_bias, A, D, activation="silu", rmsnorm_weight=norm_w, outproj_weight=out_w, **kw
+        ), None
 
     def oracle(zxbcdt, conv_w, conv_b, dt_bias, A, D, norm_w, out_w):
         return _mixer_oracle(zxbcdt, conv_w, conv_b, dt_bias, A, D, norm_w, out_w, dims, "silu", 1e-5), None
@@ -340,19 +388,34 @@ def test_noconv1d_identity_kernel_passes_xBC_through():
     zxbcdt, conv_w, conv_b, dt_bias, A, D, norm_w, out_w = ts
     ident = torch.zeros_like(conv_w)
     ident[:, -1] = 1.0
-    kw = dict(chunk_size=8, rmsnorm_weight=norm_w, rmsnorm_eps=1e-6, outproj_weight=out_w, headdim=dims["P"],
-              ngroups=dims["G"])
+    kw = dict(
+        chunk_size=8,
+        rmsnorm_weight=norm_w,
+        rmsnorm_eps=1e-6,
+        outproj_weight=out_w,
+        headdim=dims["P"],
+        ngroups=dims["G"],
+    )
     y = split_conv1d_scan_reference(zxbcdt, ident, None, dt_bias, A, D, activation=None, **kw)
     # the composition without any conv: plain ssd_scan_reference + gated_rmsnorm + linear
     H, P, G, N = dims["H"], dims["P"], dims["G"], dims["N"]
     Bsz, T, _ = zxbcdt.shape
     z, x, B, C, dt = zxbcdt.split([H * P, H * P, G * N, G * N, H], dim=-1)
-    ys, _ = ssd_scan_reference(x.reshape(Bsz, T, H, P), dt, A, B.reshape(Bsz, T, G, N), C.reshape(Bsz, T, G, N),
-                               chunk_size=8, D=D, dt_bias=dt_bias)
+    ys, _ = ssd_scan_reference(
+        x.reshape(Bsz, T, H, P),
+        dt,
+        A,
+        B.reshape(Bsz, T, G, N),
+        C.reshape(Bsz, T, G, N),
+        chunk_size=8,
+        D=D,
+        dt_bias=dt_bias,
+    )
     want = F.linear(gated_rmsnorm(ys.reshape(Bsz, T, H * P), z, norm_w, 1e-6, G), out_w)
     torch.testing.assert_close(y, want, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(y, _mixer_oracle(*ts[:1], ident, None, *ts[3:], dims, None, 1e-6, conv=False),
-                               rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(
+        y, _mixer_oracle(*ts[:1], ident, None, *ts[3:], dims, None, 1e-6, conv=False), rtol=1e-9, atol=1e-9
+    )
     # and it differs from the activated / random conv (the switch matters)
     y_conv = split_conv1d_scan_reference(zxbcdt, conv_w, conv_b, dt_bias, A, D, activation="silu", **kw)
     assert (y_conv - y).abs().max() > 1e-2
@@ -374,13 +437,34 @@ def test_split_reference_without_norm_and_outproj_and_dtypes():
     ts, dims = _mixer_inputs(seed=23, dtype=torch.float32)
     zxbcdt, conv_w, conv_b, dt_bias, A, D, norm_w, out_w = ts
     kw = dict(chunk_size=8, rmsnorm_eps=1e-6, headdim=dims["P"], ngroups=dims["G"])
-    y = split_conv1d_scan_reference(zxbcdt, conv_w, conv_b, dt_bias, A, D, activation="silu", rmsnorm_weight=None,
-                                    outproj_weight=None, **kw)
+    y = split_conv1d_scan_reference(
+        zxbcdt, conv_w, conv_b, dt_bias, A, D, activation="silu", rmsnorm_weight=None, outproj_weight=None, **kw
+    )
     assert y.shape == (*zxbcdt.shape[:2], dims["H"] * dims["P"]) and y.dtype == torch.float32
-    yb = split_conv1d_scan_reference(zxbcdt.to(torch.bfloat16), conv_w, conv_b, dt_bias, A, D, activation="silu",
-                                     rmsnorm_weight=norm_w, outproj_weight=out_w, **kw)
-    y32 = split_conv1d_scan_reference(zxbcdt.to(torch.bfloat16).float(), conv_w, conv_b, dt_bias, A, D,
-                                      activation="silu", rmsnorm_weight=norm_w, outproj_weight=out_w, **kw)
+    yb = split_conv1d_scan_reference(
+        zxbcdt.to(torch.bfloat16),
+        conv_w,
+        conv_b,
+        dt_bias,
+        A,
+        D,
+        activation="silu",
+        rmsnorm_weight=norm_w,
+        outproj_weight=out_w,
+        **kw,
+    )
+    y32 = split_conv1d_scan_reference(
+        zxbcdt.to(torch.bfloat16).float(),
+        conv_w,
+        conv_b,
+        dt_bias,
+        A,
+        D,
+        activation="silu",
+        rmsnorm_weight=norm_w,
+        outproj_weight=out_w,
+        **kw,
+    )
     assert yb.dtype == torch.bfloat16
     torch.testing.assert_close(yb.float(), y32, rtol=1e-2, atol=2e-2)
 
@@ -388,22 +472,37 @@ def test_split_reference_without_norm_and_outproj_and_dtypes():
 def test_split_shape_errors():
     ts, dims = _mixer_inputs(seed=24)
     zxbcdt, conv_w, conv_b, dt_bias, A, D, norm_w, out_w = ts
-    kw = dict(chunk_size=8, rmsnorm_weight=norm_w, rmsnorm_eps=1e-6, outproj_weight=out_w, headdim=dims["P"],
-              ngroups=dims["G"])
+    kw = dict(
+        chunk_size=8,
+        rmsnorm_weight=norm_w,
+        rmsnorm_eps=1e-6,
+        outproj_weight=out_w,
+        headdim=dims["P"],
+        ngroups=dims["G"],
+    )
     with pytest.raises(ValueError, match="zxbcdt"):
         split_conv1d_scan_reference(zxbcdt[..., :-1], conv_w, conv_b, dt_bias, A, D, activation="silu", **kw)
     with pytest.raises(ValueError, match="activation"):
         split_conv1d_scan_reference(zxbcdt, conv_w, conv_b, dt_bias, A, D, activation="relu", **kw)
     with pytest.raises(ValueError, match="conv_weight"):
         split_conv1d_scan_reference(zxbcdt, conv_w[:, None], conv_b, dt_bias, A, D, activation="silu", **kw)
-    with pytest.raises(ConfigError, match=CONFIG_KEY):       # fused path off CUDA
-        split_conv1d_scan_combined(zxbcdt.float(), conv_w.float(), conv_b.float(), dt_bias.float(), A.float(),
-                                   D.float(), activation="silu", **kw)
+    with pytest.raises(ConfigError, match=CONFIG_KEY):  # fused path off CUDA
+        split_conv1d_scan_combined(
+            zxbcdt.float(),
+            conv_w.float(),
+            conv_b.float(),
+            dt_bias.float(),
+            A.float(),
+            D.float(),
+            activation="silu",
+            **kw,
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # backend resolution and argument errors
 # ----------------------------------------------------------------------------------------------------------------
+
 
 def test_resolve_backend_names_and_errors():
     assert resolve_backend("auto", "cpu", torch.float32) == "reference"
@@ -437,7 +536,7 @@ def test_bad_arguments_raise_value_error():
         (dict(x=x[0]), "x.shape"),
         (dict(dt=dt[..., :-1]), "dt.shape"),
         (dict(A=A[:-1]), "A.shape"),
-        (dict(B=B[..., :-1], C=C[..., :-1], h0=h0[..., :-1]), None),          # consistent smaller N is fine
+        (dict(B=B[..., :-1], C=C[..., :-1], h0=h0[..., :-1]), None),  # consistent smaller N is fine
         (dict(B=torch.randn(2, 6, 3, 5, dtype=F64), C=torch.randn(2, 6, 3, 5, dtype=F64)), "B.shape"),  # H % G
         (dict(C=C[..., :-1]), "C.shape"),
         (dict(D=D[:-1]), "D.shape"),
@@ -450,8 +549,10 @@ def test_bad_arguments_raise_value_error():
         a.update(over)
 
         def call():
-            return ssd_scan(a["x"], a["dt"], a["A"], a["B"], a["C"], chunk_size=4, D=a["D"], dt_bias=a["db"],
-                            initial_state=a["h0"])
+            return ssd_scan(
+                a["x"], a["dt"], a["A"], a["B"], a["C"], chunk_size=4, D=a["D"], dt_bias=a["db"], initial_state=a["h0"]
+            )
+
         if match is None:
             call()
         else:
@@ -465,15 +566,41 @@ def test_bad_arguments_raise_value_error():
 # the mamba_ssm adapters against the documented kernel contracts (fake kernels, CPU)
 # ----------------------------------------------------------------------------------------------------------------
 
-def _fake_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None, seq_idx=None,
-                     cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, INF), return_final_states=False,
-                     return_varlen_states=False, state_dtype=None):
+
+def _fake_chunk_scan(
+    x,
+    dt,
+    A,
+    B,
+    C,
+    chunk_size,
+    D=None,
+    z=None,
+    dt_bias=None,
+    initial_states=None,
+    seq_idx=None,
+    cu_seqlens=None,
+    dt_softplus=False,
+    dt_limit=(0.0, INF),
+    return_final_states=False,
+    return_varlen_states=False,
+    state_dtype=None,
+):
     """mamba_chunk_scan_combined's documented contract, via the loop oracle."""
     assert x.dim() == 4 and dt.shape == x.shape[:3] and A.shape == (x.shape[2],) and A.dtype == torch.float32
     assert z is None and B.dtype == x.dtype == C.dtype and isinstance(chunk_size, int)
-    y, h = ssd_loop(x.double(), dt.double(), A.double(), B.double(), C.double(),
-                    None if D is None else D.double(), None if dt_bias is None else dt_bias.double(), dt_softplus,
-                    dt_limit, None if initial_states is None else initial_states.double())
+    y, h = ssd_loop(
+        x.double(),
+        dt.double(),
+        A.double(),
+        B.double(),
+        C.double(),
+        None if D is None else D.double(),
+        None if dt_bias is None else dt_bias.double(),
+        dt_softplus,
+        dt_limit,
+        None if initial_states is None else initial_states.double(),
+    )
     y = y.to(x.dtype)
     return (y, h.float()) if return_final_states else y
 
@@ -508,12 +635,11 @@ def test_mamba_adapters_against_documented_contracts(monkeypatch):
     h0c = h0.clone()
     s = slice(0, 1)
     y1, h1 = _mamba.state_update(x[:, s], dt[:, s], A, B[:, s], C[:, s], D, db, True, lim, h0, True)
-    yo1, ho1 = ssd_loop(*[t.double() for t in (x[:, s], dt[:, s], A, B[:, s], C[:, s], D, db)], True, lim,
-                        h0.double())
+    yo1, ho1 = ssd_loop(*[t.double() for t in (x[:, s], dt[:, s], A, B[:, s], C[:, s], D, db)], True, lim, h0.double())
     assert y1.shape == (2, 1, 4, 3) and h1.dtype == torch.float32
     torch.testing.assert_close(y1.double(), yo1, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(h1.double(), ho1, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(h0, h0c, rtol=0, atol=0)                      # caller's state untouched
+    torch.testing.assert_close(h0, h0c, rtol=0, atol=0)  # caller's state untouched
     y0, h0n = _mamba.state_update(x[:, s], dt[:, s], A, B[:, s], C[:, s], None, None, False, (0.0, INF), None, False)
     assert h0n is None and y0.shape == (2, 1, 4, 3)
 
@@ -560,11 +686,17 @@ def test_gpu_chunk_scan_matches_reference(monkeypatch, dtype, T, G, init):
     kw = dict(chunk_size=64, dt_limit=(0.0, 5.0), output_final_state=True)
 
     def run(backend, dev):
-        return _fwd_bwd(lambda x, dt, A, B, C, D, db, h0: ssd_scan(x, dt, A, B, C, D=D, dt_bias=db, initial_state=h0,
-                                                                   backend=backend, **kw),
-                        [None if t is None else t.to(dev) for t in ts], gy.to(dev), gh.to(dev))
+        return _fwd_bwd(
+            lambda x, dt, A, B, C, D, db, h0: ssd_scan(
+                x, dt, A, B, C, D=D, dt_bias=db, initial_state=h0, backend=backend, **kw
+            ),
+            [None if t is None else t.to(dev) for t in ts],
+            gy.to(dev),
+            gh.to(dev),
+        )
+
     y, h, gr = run("auto", "cuda")
-    assert len(calls) == 1                                  # mamba_chunk_scan_combined ran (T = 1 too: autograd on)
+    assert len(calls) == 1  # mamba_chunk_scan_combined ran (T = 1 too: autograd on)
     yr, hr, grr = run("reference", "cpu")
     tol = GPU_TOL[dtype]
     # the prefill final state stays float32 for bf16 inputs (mamba-ssm's _state_passing_fwd allocates it float32)
@@ -590,11 +722,19 @@ def test_gpu_decode_step_matches_reference(monkeypatch, dtype):
         s = slice(t, t + 1)
         args = (x[:, s], dt[:, s], A, B[:, s], C[:, s])
         with torch.no_grad():
-            yg, state_g = ssd_scan(*[a.cuda() for a in args], D=D.cuda(), dt_bias=db.cuda(), initial_state=state_g,
-                                   output_final_state=True, backend="auto", dt_limit=(0.0, 2.0))
-        assert len(calls) == t + 1                          # selective_state_update ran for this step
-        yr, state_r = ssd_scan_reference(*args, D=D, dt_bias=db, initial_state=state_r, output_final_state=True,
-                                         dt_limit=(0.0, 2.0))
+            yg, state_g = ssd_scan(
+                *[a.cuda() for a in args],
+                D=D.cuda(),
+                dt_bias=db.cuda(),
+                initial_state=state_g,
+                output_final_state=True,
+                backend="auto",
+                dt_limit=(0.0, 2.0),
+            )
+        assert len(calls) == t + 1  # selective_state_update ran for this step
+        yr, state_r = ssd_scan_reference(
+            *args, D=D, dt_bias=db, initial_state=state_r, output_final_state=True, dt_limit=(0.0, 2.0)
+        )
         assert yg.dtype == dtype and state_g.dtype == torch.float32
         _rel_close(yg, yr, GPU_TOL[dtype], f"y step {t}")
         _rel_close(state_g, state_r, GPU_TOL[dtype], f"state step {t}")
@@ -611,13 +751,13 @@ def test_gpu_split_conv1d_scan_matches_reference(monkeypatch, dtype, noconv):
     assert ssd.use_fused_split("auto", "cuda", dtype, 4, d_inner=128, conv_dim=192, nheads=8)
     calls = count_calls(monkeypatch, _mamba, "split_conv1d_scan")
     zxbcdt, conv_w, conv_b, dt_bias, A, D, norm_w, out_w = ts
-    if noconv:                                   # noconv1d: identity kernel, no bias, no activation
+    if noconv:  # noconv1d: identity kernel, no bias, no activation
         conv_w = torch.zeros_like(conv_w)
         conv_w[:, -1] = 1.0
         conv_b = None
     act = None if noconv else "silu"
     zxbcdt = zxbcdt.to(dtype)
-    out_w = out_w.to(dtype)                      # the fused out-proj runs in the activations' dtype
+    out_w = out_w.to(dtype)  # the fused out-proj runs in the activations' dtype
     leaves = [zxbcdt, conv_w, conv_b, dt_bias, A, D, norm_w, out_w]
     kw = dict(chunk_size=64, activation=act, rmsnorm_eps=1e-5, headdim=dims["P"], ngroups=dims["G"])
     gy = torch.randn(*zxbcdt.shape[:2], out_w.shape[0]).to(dtype)
@@ -625,7 +765,9 @@ def test_gpu_split_conv1d_scan_matches_reference(monkeypatch, dtype, noconv):
     def run(fn, dev):
         def f(zx, cw, cb, db, A, D, nw, ow):
             return fn(zx, cw, cb, db, A, D, rmsnorm_weight=nw, outproj_weight=ow, **kw), None
+
         return _fwd_bwd(f, [None if t is None else t.to(dev) for t in leaves], gy.to(dev), None)
+
     y, _, gr = run(split_conv1d_scan_combined, "cuda")
     assert len(calls) == 1
     yr, _, grr = run(split_conv1d_scan_reference, "cpu")

@@ -13,15 +13,32 @@ from test_grad_step import counted  # noqa: F401  (fixture: an in-process traini
 # H100 SXM 1,979 / PCIe 1,513 / NVL 1,671 sparse; H200 SXM 1,979 / NVL 1,671 sparse; GH200 1,979 sparse; HGX B200
 # 4.5 PFLOPS sparse per GPU; L40S 362.05; L40 181.05; A10 125; RTX 4090 165.2 (fp32 accumulate, Ada whitepaper).
 KNOWN = [
-    ("NVIDIA A100-SXM4-40GB", 312), ("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA A100-PCIE-40GB", 312),
+    ("NVIDIA A100-SXM4-40GB", 312),
+    ("NVIDIA A100-SXM4-80GB", 312),
+    ("NVIDIA A100-PCIE-40GB", 312),
     ("NVIDIA A100 80GB PCIe", 312),
-    ("NVIDIA H100 80GB HBM3", 1979 / 2), ("NVIDIA H100 PCIe", 1513 / 2), ("NVIDIA H100 NVL", 1671 / 2),
-    ("NVIDIA H200", 1979 / 2), ("NVIDIA H200 NVL", 1671 / 2), ("NVIDIA GH200 480GB", 1979 / 2),
-    ("NVIDIA B200", 4500 / 2), ("NVIDIA L40S", 362.05), ("NVIDIA L40", 181.05), ("NVIDIA A10", 125),
+    ("NVIDIA H100 80GB HBM3", 1979 / 2),
+    ("NVIDIA H100 PCIe", 1513 / 2),
+    ("NVIDIA H100 NVL", 1671 / 2),
+    ("NVIDIA H200", 1979 / 2),
+    ("NVIDIA H200 NVL", 1671 / 2),
+    ("NVIDIA GH200 480GB", 1979 / 2),
+    ("NVIDIA B200", 4500 / 2),
+    ("NVIDIA L40S", 362.05),
+    ("NVIDIA L40", 181.05),
+    ("NVIDIA A10", 125),
     ("NVIDIA GeForce RTX 4090", 165.2),
 ]
-UNKNOWN = ["NVIDIA GeForce RTX 3090", "NVIDIA A10G", "NVIDIA H20", "Tesla V100-SXM2-16GB", "NVIDIA L4",
-           "NVIDIA H100 80GB HBM3 MIG 1g.10gb", "NVIDIA RTX PRO 6000 Blackwell Server Edition", ""]
+UNKNOWN = [
+    "NVIDIA GeForce RTX 3090",
+    "NVIDIA A10G",
+    "NVIDIA H20",
+    "Tesla V100-SXM2-16GB",
+    "NVIDIA L4",
+    "NVIDIA H100 80GB HBM3 MIG 1g.10gb",
+    "NVIDIA RTX PRO 6000 Blackwell Server Edition",
+    "",
+]
 
 
 @pytest.mark.parametrize("name, tflops", KNOWN)

@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 from conftest import compose
 from test_grad_step import BATCH, TINY, Capture
 
-SLEEP_S = 0.3   # each slow part; validation (batch + generation evaluation) and the write every 2 steps: 0.45 s/step
+SLEEP_S = 0.3  # each slow part; validation (batch + generation evaluation) and the write every 2 steps: 0.45 s/step
 
 
 class SlowWrite(TorchCheckpointIO):
@@ -55,16 +55,34 @@ def _fit(tmp_path, slow: bool) -> list[dict]:
     task, mcfg = build_configs(cfg)
     task_cfg = OmegaConf.to_container(cfg.task, resolve=True)
     L.seed_everything(0, verbose=False)
-    module = Module(mcfg, optimizer=partial(torch.optim.AdamW, lr=1e-3, fused=True), sched={"name": "constant"},
-                    total_steps=12, loss={}, num_groups=task.num_groups)
+    module = Module(
+        mcfg,
+        optimizer=partial(torch.optim.AdamW, lr=1e-3, fused=True),
+        sched={"name": "constant"},
+        total_steps=12,
+        loss={},
+        num_groups=task.num_groups,
+    )
     module.tokens_per_step = BATCH * int(task_cfg["context"])
     logger = Capture()
     callbacks = [ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=2, save_top_k=-1)] if slow else []
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=12, log_every_n_steps=4, logger=logger,
-                        enable_checkpointing=slow, callbacks=callbacks, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=1 if slow else 0,
-                        val_check_interval=2 if slow else None, check_val_every_n_epoch=None,
-                        plugins=[SlowWrite()] if slow else [], default_root_dir=str(tmp_path))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=12,
+        log_every_n_steps=4,
+        logger=logger,
+        enable_checkpointing=slow,
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=1 if slow else 0,
+        val_check_interval=2 if slow else None,
+        check_val_every_n_epoch=None,
+        plugins=[SlowWrite()] if slow else [],
+        default_root_dir=str(tmp_path),
+    )
     trainer.fit(module, datamodule=SyntheticDataModule(task, task_cfg, batch_size=BATCH, val_windows=BATCH))
     if slow:  # the slow parts really ran: 6 validation passes and 6 checkpoints
         assert len(list((tmp_path / "ckpt").glob("*.ckpt"))) == 6
@@ -74,7 +92,7 @@ def _fit(tmp_path, slow: bool) -> list[dict]:
 def test_validation_generation_and_checkpoint_writes_are_not_training_time(tmp_path):
     fast = _fit(tmp_path / "fast", slow=False)
     slow = _fit(tmp_path / "slow", slow=True)
-    assert len(fast) == len(slow) == 3            # logging steps 4, 8, 12 (the clock starts after step 1)
+    assert len(fast) == len(slow) == 3  # logging steps 4, 8, 12 (the clock starts after step 1)
     base = sorted(m["perf/step_time_s"] for m in fast)[1]
     # without the pauses every interval would hold 2 validation passes and 2 writes per 4 steps: >= 0.45 s per step
     for m in slow:

@@ -33,13 +33,17 @@ def rope_pairs(x, theta):
     return out
 
 
-
 @pytest.mark.parametrize("canon", ["ABCD", "A", "B", "C", "D", "AC", ""])
 @pytest.mark.parametrize("pos", ["rope", "nope"])
 def test_block_matches_spec_diagram(canon, pos):
     torch.manual_seed(0)
-    cfg = build_model_config({"n_layers": 1, "d_model": 32, "n_heads": 2, "d_ff": 48}, {"set": canon},
-                             {"type": pos}, vocab_size=11, max_seq_len=16)
+    cfg = build_model_config(
+        {"n_layers": 1, "d_model": 32, "n_heads": 2, "d_ff": 48},
+        {"set": canon},
+        {"type": pos},
+        vocab_size=11,
+        max_seq_len=16,
+    )
     model = LlamaCanon(cfg).double()
     with torch.no_grad():  # every gain and Canon weight away from its init, so each one matters
         for p in model.parameters():
@@ -48,8 +52,9 @@ def test_block_matches_spec_diagram(canon, pos):
     x = torch.randn(2, 9, 32, dtype=torch.float64)
     cos = sin = None
     if pos == "rope":  # exact float64 tables from the formula (the model caches float32 ones)
-        ang = torch.outer(torch.arange(9, dtype=torch.float64),
-                          cfg.pos.theta ** (-torch.arange(0, 16, 2, dtype=torch.float64) / 16))
+        ang = torch.outer(
+            torch.arange(9, dtype=torch.float64), cfg.pos.theta ** (-torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+        )
         cos, sin = ang.cos(), ang.sin()
     got = blk(x, cos, sin)
 

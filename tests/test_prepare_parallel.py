@@ -27,8 +27,18 @@ CORPORA = Path(__file__).parent / "fixtures" / "corpora"
 FILES = [*sorted((CORPORA / "licenses" / "text").glob("*.txt")), *sorted((CORPORA / "readmes" / "text").glob("*.md"))]
 M64 = (1 << 64) - 1
 G = 0x9E3779B97F4A7C15
-COMMON = ["--text-unit", "paragraph", "--append-eos", "--val-fraction", "0.1", "--test-fraction", "0.1",
-          "--shard-tokens", "3000", "--quiet"]
+COMMON = [
+    "--text-unit",
+    "paragraph",
+    "--append-eos",
+    "--val-fraction",
+    "0.1",
+    "--test-fraction",
+    "0.1",
+    "--shard-tokens",
+    "3000",
+    "--quiet",
+]
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +49,12 @@ def tok_path(tmp_path_factory) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tr = trainers.BpeTrainer(vocab_size=512, special_tokens=["<pad>", "</s>"],
-                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tr = trainers.BpeTrainer(
+        vocab_size=512,
+        special_tokens=["<pad>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train([str(f) for f in FILES], tr)
     path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
     tok.save(str(path))
@@ -193,12 +207,29 @@ def _big_inputs(d: Path) -> list[Path]:
 
 def test_killed_run_resumes_to_the_same_corpus_without_redoing_done_units(tmp_path, tok_path, capsys):
     files = _big_inputs(tmp_path / "in")
-    args = [*inputs(files), "--tokenizer", str(tok_path), "--text-unit", "paragraph", "--append-eos",
-            "--val-fraction", "0.05", "--test-fraction", "0.05", "--shard-tokens", "2000"]
+    args = [
+        *inputs(files),
+        "--tokenizer",
+        str(tok_path),
+        "--text-unit",
+        "paragraph",
+        "--append-eos",
+        "--val-fraction",
+        "0.05",
+        "--test-fraction",
+        "0.05",
+        "--shard-tokens",
+        "2000",
+    ]
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    p = subprocess.Popen([sys.executable, "-m", "canonlm.data.prepare", *args, "--out", str(out)], env=env,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "canonlm.data.prepare", *args, "--out", str(out)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     done0 = out / ".prepare" / "done" / "u00000.json"
     t0 = time.monotonic()
     while not done0.exists() and p.poll() is None and time.monotonic() - t0 < 60:
@@ -211,8 +242,9 @@ def test_killed_run_resumes_to_the_same_corpus_without_redoing_done_units(tmp_pa
     done = sorted(f.name for f in (out / ".prepare" / "done").iterdir())
     assert done[0] == "u00000.json" and len(done) < 3, done  # killed mid-way
     assert not (out / "meta.json").exists()
-    unit0 = {f.name: (f.stat().st_ino, f.stat().st_mtime_ns)
-             for f in (out / ".prepare" / "units" / "u00000").glob("*.bin")}
+    unit0 = {
+        f.name: (f.stat().st_ino, f.stat().st_mtime_ns) for f in (out / ".prepare" / "units" / "u00000").glob("*.bin")
+    }
     # resume (with another worker count): unit 0 is not redone -- its whole shards are the same files (inodes),
     # renamed into the corpus
     capsys.readouterr()
@@ -250,9 +282,11 @@ def test_resume_with_other_inputs_or_options_is_refused(tmp_path, tok_path, caps
     assert sorted(f.name for f in (out / ".prepare" / "done").iterdir()) == ["u00000.json"]
     before = tree(out)
     capsys.readouterr()
-    cases = [([*base, "--seed", "1"], "--seed 0 there, 1 now"),
-             ([*base, "--shard-tokens", "7"], "--shard-tokens"),
-             ([*inputs(files[:1]), *base[4:]], "2 files there, 1 now")]
+    cases = [
+        ([*base, "--seed", "1"], "--seed 0 there, 1 now"),
+        ([*base, "--shard-tokens", "7"], "--shard-tokens"),
+        ([*inputs(files[:1]), *base[4:]], "2 files there, 1 now"),
+    ]
     for args, want in cases:
         assert run([*args, "--out", str(out), "--num-tasks", "2", "--task-index", "1"]) == 2
         line = _one_error_line(capsys.readouterr().err)

@@ -35,10 +35,17 @@ def test_preview_packed_windows(capsys):
     assert capsys.readouterr().out.count("window ") == 2
 
 
-@pytest.mark.parametrize("args, key", [(["task=nope"], "task"), (["task=depo1_cpu", "n=0"], "n"),
-                                       (["task=depo1_cpu", "split=dev"], "split"),
-                                       (["task=depo1_cpu", "task.N=2"], "task.N"), (["bogus=1"], "bogus"),
-                                       (["task=depo1_cpu", "seed=abc"], "seed")])
+@pytest.mark.parametrize(
+    "args, key",
+    [
+        (["task=nope"], "task"),
+        (["task=depo1_cpu", "n=0"], "n"),
+        (["task=depo1_cpu", "split=dev"], "split"),
+        (["task=depo1_cpu", "task.N=2"], "task.N"),
+        (["bogus=1"], "bogus"),
+        (["task=depo1_cpu", "seed=abc"], "seed"),
+    ],
+)
 def test_preview_bad_input_one_line(args, key):
     r = subprocess.run([sys.executable, "-m", "canonlm.data.preview", *args], capture_output=True, text=True)
     assert r.returncode == 2

@@ -22,17 +22,25 @@ import torch
 from canonlm.data import ConfigError
 from canonlm.data.lm import LanguageModel
 from canonlm.data.reallife import babilong as bl
-from canonlm.data.reallife.multihop import (MultiHopBuilder, evaluate_multihop, extract_year, load_capo_names,
-                                            score_multihop, split_sentences)
+from canonlm.data.reallife.multihop import (
+    MultiHopBuilder,
+    evaluate_multihop,
+    extract_year,
+    load_capo_names,
+    score_multihop,
+    split_sentences,
+)
 
 from conftest import ROOT, compose
 
 DATA = Path(__file__).parent / "data"
 CORPUS = DATA / "corpus.txt"
 BABI = DATA / "babilong"
-INSTRUCTION = ("You will be asked questions about people's birth years, and the birth year descriptions are hidden in "
-               "some random text. Some people's birth years are directly given, while others are given in the form "
-               "that `name1' was born in the same year as `name2'.\n\n")  # multihop-birthyear.py, verbatim
+INSTRUCTION = (
+    "You will be asked questions about people's birth years, and the birth year descriptions are hidden in "
+    "some random text. Some people's birth years are directly given, while others are given in the form "
+    "that `name1' was born in the same year as `name2'.\n\n"
+)  # multihop-birthyear.py, verbatim
 NAMES = (["Ada", "Bram", "Cleo", "Dov"], ["Kai", "Lux"], ["Moss", "Nye", "Orr"])  # 24 full names
 NAME = r"[A-Z][a-z]+ [A-Z][a-z]+ [A-Z][a-z]+"
 FACT = re.compile(rf"({NAME}) was born in the year of (\d{{4}})\.")
@@ -80,29 +88,56 @@ def builder(tok, **kw) -> MultiHopBuilder:
 
 # ---------------------------------------------------------------------------------------------- sentences
 def test_regex_sentence_splitter():
-    text = ("Dr. Smith met J. R. Tolkien in the U.S. Army. He said \"Hello.\" Then 3.5 kg of salt\narrived!  "
-            "Why? (Because it rained.) The end\n\nNew paragraph without a stop")
+    text = (
+        'Dr. Smith met J. R. Tolkien in the U.S. Army. He said "Hello." Then 3.5 kg of salt\narrived!  '
+        "Why? (Because it rained.) The end\n\nNew paragraph without a stop"
+    )
     assert split_sentences(text, newline="space") == [
-        "Dr. Smith met J. R. Tolkien in the U.S. Army.", 'He said "Hello."', "Then 3.5 kg of salt arrived!", "Why?",
-        "(Because it rained.)", "The end", "New paragraph without a stop"]
+        "Dr. Smith met J. R. Tolkien in the U.S. Army.",
+        'He said "Hello."',
+        "Then 3.5 kg of salt arrived!",
+        "Why?",
+        "(Because it rained.)",
+        "The end",
+        "New paragraph without a stop",
+    ]
     # default: a single line break ends a sentence
     assert split_sentences(text) == [
-        "Dr. Smith met J. R. Tolkien in the U.S. Army.", 'He said "Hello."', "Then 3.5 kg of salt", "arrived!",
-        "Why?", "(Because it rained.)", "The end", "New paragraph without a stop"]
+        "Dr. Smith met J. R. Tolkien in the U.S. Army.",
+        'He said "Hello."',
+        "Then 3.5 kg of salt",
+        "arrived!",
+        "Why?",
+        "(Because it rained.)",
+        "The end",
+        "New paragraph without a stop",
+    ]
 
 
-DUMP = ("Old Harbour\nOld Harbour is a small port town. It was founded in 1702.\nHistory\n"
-        "The first pier was built of oak.  Trade grew quickly\r\nGeography\nThe town lies on a bay.\n")
+DUMP = (
+    "Old Harbour\nOld Harbour is a small port town. It was founded in 1702.\nHistory\n"
+    "The first pier was built of oak.  Trade grew quickly\r\nGeography\nThe town lies on a bay.\n"
+)
 
 
 def test_single_newlines_end_sentences_in_dumps(tmp_path, ws):
     """Regression: a heading without a full stop used to be glued to the next sentence."""
     assert split_sentences(DUMP) == [  # derived by hand: every line break is a boundary
-        "Old Harbour", "Old Harbour is a small port town.", "It was founded in 1702.", "History",
-        "The first pier was built of oak.", "Trade grew quickly", "Geography", "The town lies on a bay."]
+        "Old Harbour",
+        "Old Harbour is a small port town.",
+        "It was founded in 1702.",
+        "History",
+        "The first pier was built of oak.",
+        "Trade grew quickly",
+        "Geography",
+        "The town lies on a bay.",
+    ]
     assert split_sentences(DUMP, newline="space") == [  # the old behaviour, kept as a switch
-        "Old Harbour Old Harbour is a small port town.", "It was founded in 1702.",
-        "History The first pier was built of oak.", "Trade grew quickly Geography The town lies on a bay."]
+        "Old Harbour Old Harbour is a small port town.",
+        "It was founded in 1702.",
+        "History The first pier was built of oak.",
+        "Trade grew quickly Geography The town lies on a bay.",
+    ]
     with pytest.raises(ConfigError) as e:
         split_sentences(DUMP, newline="join")
     assert e.value.key == "multihop.newline"
@@ -125,7 +160,7 @@ def parse(p) -> dict:
     text = p.text
     m = QUEST.search(text)
     assert m, repr(text[-80:])
-    body = text[:m.start()]
+    body = text[: m.start()]
     return dict(facts=FACT.findall(body), equiv=EQUIV.findall(body), name=m.group(1), body=body)
 
 
@@ -164,10 +199,11 @@ def test_prompt_format_and_answer_rederived(ws, hop, L):
         pos = [f["body"].index(s) for s in p.statements]
         assert pos == sorted(pos)
         s0, k = p.background
-        pieces = [*p.statements, *b.sentences[s0:s0 + k]]
+        pieces = [*p.statements, *b.sentences[s0 : s0 + k]]
         assert sum(len(x) for x in pieces) + len(pieces) - 1 == len(
-            f["body"].removeprefix(INSTRUCTION + "<context>").removesuffix("</context>").rstrip(" "))
-        bpos = [f["body"].index(s) for s in b.sentences[s0:s0 + k]]
+            f["body"].removeprefix(INSTRUCTION + "<context>").removesuffix("</context>").rstrip(" ")
+        )
+        bpos = [f["body"].index(s) for s in b.sentences[s0 : s0 + k]]
         assert bpos == sorted(bpos)
         assert p.ids == ws.encode(p.text)
 
@@ -179,14 +215,12 @@ def test_background_length_within_one_sentence_of_L(ws, mode):
         for i in range(5):
             p = b.build(1, L, i)
             s0, k = p.background
-            sents = b.sentences[s0:s0 + k]
-            count = (sum(len(ws.encode(s)) for s in sents) if mode == "per_sentence"
-                     else len(ws.encode(" ".join(sents))))
+            sents = b.sentences[s0 : s0 + k]
+            count = sum(len(ws.encode(s)) for s in sents) if mode == "per_sentence" else len(ws.encode(" ".join(sents)))
             assert p.background_tokens == count and not p.shortfall
             assert count < L or L == 0 and count == 0
             nxt = b.sentences[s0 + k]  # ensure_full_background: the corpus did not end first
-            more = (count + len(ws.encode(nxt)) if mode == "per_sentence"
-                    else len(ws.encode(" ".join([*sents, nxt]))))
+            more = count + len(ws.encode(nxt)) if mode == "per_sentence" else len(ws.encode(" ".join([*sents, nxt])))
             assert more >= L  # the next sentence would reach L: count in [L - one sentence, L)
 
 
@@ -230,8 +264,11 @@ def test_prompts_are_pure_functions_and_query_random(ws):
 
 
 def test_builder_config_errors_and_hf_tokenizer(ws, tmp_path):
-    for kw, key in ((dict(length_count="chars"), "multihop.length_count"), (dict(query="last"), "multihop.query"),
-                    (dict(ensure_full_background="yes"), "multihop.ensure_full_background")):
+    for kw, key in (
+        (dict(length_count="chars"), "multihop.length_count"),
+        (dict(query="last"), "multihop.query"),
+        (dict(ensure_full_background="yes"), "multihop.ensure_full_background"),
+    ):
         with pytest.raises(ConfigError) as e:
             builder(ws, **kw)
         assert e.value.key == key
@@ -244,8 +281,9 @@ def test_builder_config_errors_and_hf_tokenizer(ws, tmp_path):
     t.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     p = builder(t).build(1, 50, 0)
     assert p.ids == t.encode(p.text, add_special_tokens=False).ids
-    assert p.background_tokens == sum(len(t.encode(s).ids) for s in builder(t).sentences[
-        p.background[0]:sum(p.background)])
+    assert p.background_tokens == sum(
+        len(t.encode(s).ids) for s in builder(t).sentences[p.background[0] : sum(p.background)]
+    )
 
 
 def test_name_lists(tmp_path):
@@ -278,8 +316,7 @@ def test_duplicate_names_are_collapsed_and_too_few_distinct_is_an_error(ws, tmp_
         assert pa.text == pc.text and pa.target == pc.target
         people = pa.names1 + pa.names2
         assert len(set(people)) == 6
-        assert all(n.split()[0] in clean[0] and n.split()[1] in clean[1] and n.split()[2] in clean[2]
-                   for n in people)
+        assert all(n.split()[0] in clean[0] and n.split()[1] in clean[1] and n.split()[2] in clean[2] for n in people)
     # the file loader de-duplicates too
     for part, lst in zip(("first", "middle", "last"), rep):
         (tmp_path / f"{part}_names.txt").write_text("\n".join(lst) + "\n\n")
@@ -334,8 +371,7 @@ def test_evaluate_multihop_with_oracle(ws):
                 right[tuple(p.ids)] = [ws.id(str(p.target)), ws.id(".")]
                 wrong[tuple(p.ids)] = [ws.id(str(p.target + 1))]
     V = len(ws.inv) + 1
-    res = evaluate_multihop(oracle_lm(right, V), b, ws.decode, hops=hops, lengths=lengths, num_prompts=n,
-                            stop_ids=(1,))
+    res = evaluate_multihop(oracle_lm(right, V), b, ws.decode, hops=hops, lengths=lengths, num_prompts=n, stop_ids=(1,))
     assert res["accuracy"] == {"1-hop": {"0": 1.0, "60": 1.0}, "2-hop": {"0": 1.0, "60": 1.0}}
     assert res["counts"]["2-hop"]["60"] == [4, 4] and len(res["samples"]) == 16
     assert all(s["output"] == f"{s['target']} ." for s in res["samples"])
@@ -362,8 +398,10 @@ def test_babilong_loader_layouts(tmp_path):
 def test_babilong_prompt_template():
     s = bl.load_babilong(BABI, "qa2", "0k")[0]
     p = bl.PROMPTS["qa2"]
-    want = (p["instruction"] + "\n\n" + p["examples"] + "\n\n" + "<context>\n" + s.input + "\n</context>\n\n"
-            "Question: " + s.question + "\nAnswer:")
+    want = (
+        p["instruction"] + "\n\n" + p["examples"] + "\n\n" + "<context>\n" + s.input + "\n</context>\n\n"
+        "Question: " + s.question + "\nAnswer:"
+    )
     assert bl.build_prompt(s) == want and want.endswith("Answer:")
     bare = bl.build_prompt(s, use_instruction=False, use_examples=False)
     assert bare == "<context>\n" + s.input + "\n</context>\n\nQuestion: " + s.question + "\nAnswer:"
@@ -371,8 +409,7 @@ def test_babilong_prompt_template():
     for qa, pr in bl.PROMPTS.items():
         assert pr["post_prompt"] == ""
         blocks = pr["examples"].split("\n\n<context>")
-        assert len(blocks) >= 2 and all(block.fullmatch(b if k == 0 else "<context>" + b)
-                                        for k, b in enumerate(blocks))
+        assert len(blocks) >= 2 and all(block.fullmatch(b if k == 0 else "<context>" + b) for k, b in enumerate(blocks))
         assert "Reply with" in pr["instruction"]  # the answer format lives in the instruction (Babilong/prompts.py)
         # the example answers follow the scorer's rule: exactly one task label beyond those in the question
         if qa != "qa5":
@@ -388,10 +425,20 @@ CASES = [  # (output, target, question, qa, expected)
     ("The milk is in the office.", "office", "Where is the milk?", "qa2", True),
     (" kitchen", "kitchen", "Where is Mary?", "qa1", True),
     ("Kitchen or office.", "office", "Where is Mary?", "qa1", False),  # two labels
-    ("Before the garden, the football was in the hallway.", "hallway",
-     "Where was the football before the garden?", "qa3", True),  # garden is in the question
-    ("Before the garden the football was in the garden.", "garden",
-     "Where was the football before the garden?", "qa3", False),  # the only label is the question's
+    (
+        "Before the garden, the football was in the hallway.",
+        "hallway",
+        "Where was the football before the garden?",
+        "qa3",
+        True,
+    ),  # garden is in the question
+    (
+        "Before the garden the football was in the garden.",
+        "garden",
+        "Where was the football before the garden?",
+        "qa3",
+        False,
+    ),  # the only label is the question's
     ("office. The kitchen.", "kitchen", "Where is John?", "qa1", False),  # first sentence only
     ("office. The kitchen.", "office", "Where is John?", "qa1", True),
     ("hallway <context> bedroom", "hallway", "Where is John?", "qa1", True),
@@ -424,23 +471,32 @@ def compare_answers_oracle(output: str, target: str, question: str, labels) -> b
     """compare_answers re-derived from its description: lower-case, first '.'-sentence, cut at <context>/<example>,
     then at "Question" -- looked up in the lower-cased text, so never found; labels of the question removed."""
     out = output.lower()
-    out = out[:out.find(".")] if "." in out else out
+    out = out[: out.find(".")] if "." in out else out
     for tag in ("<context>", "<example>", "Question"):
         if tag in out:
-            out = out[:out.find(tag)]
-    found = {x.lower() for x in labels if x.lower() in out} - {x.lower() for x in labels if x.lower() in
-                                                                question.lower()}
+            out = out[: out.find(tag)]
+    found = {x.lower() for x in labels if x.lower() in out} - {
+        x.lower() for x in labels if x.lower() in question.lower()
+    }
     return found == {target.lower()}
 
 
 def test_babilong_scorer_default_is_compare_answers():
     """Regression: the default used to be the lenient any_case cut; it is now compare_answers' verbatim behaviour."""
-    outputs = ["bedroom\nQuestion: where is the kitchen", "kitchen\nquestion: is it the office", "Office. Kitchen",
-               "the garden <example> office", "hallway question hallway", "Mary\nQuestion: who has the milk"]
+    outputs = [
+        "bedroom\nQuestion: where is the kitchen",
+        "kitchen\nquestion: is it the office",
+        "Office. Kitchen",
+        "the garden <example> office",
+        "hallway question hallway",
+        "Mary\nQuestion: who has the milk",
+    ]
     for out in outputs:
-        for target, question, labels in (("bedroom", "Where is Bill?", bl.ROOMS),
-                                          ("kitchen", "Where is the milk?", bl.ROOMS),
-                                          ("Mary", "Who gave the apple?", bl.TASK_LABELS["qa5"])):
+        for target, question, labels in (
+            ("bedroom", "Where is Bill?", bl.ROOMS),
+            ("kitchen", "Where is the milk?", bl.ROOMS),
+            ("Mary", "Who gave the apple?", bl.TASK_LABELS["qa5"]),
+        ):
             want = compare_answers_oracle(out, target, question, labels)
             assert bl.score_babilong(out, target, question, labels) is want, (out, target)
     assert bl.preprocess_output("Kitchen\nQuestion: x") == "kitchen\nquestion: x"
@@ -449,9 +505,14 @@ def test_babilong_scorer_default_is_compare_answers():
 
 def write_prompt_file(path: Path, qas=bl.TASKS) -> dict:
     """A user prompt set (own texts, Babilong-like layout) written as JSON; returns it."""
-    p = {qa: dict(instruction=f"Custom instruction for {qa}: answer with one word.",
-                  examples=f"<example>\nSample context {qa}.\nQuestion: sample?\nAnswer: sample\n</example>",
-                  post_prompt="Think before answering.\n\n") for qa in qas}
+    p = {
+        qa: dict(
+            instruction=f"Custom instruction for {qa}: answer with one word.",
+            examples=f"<example>\nSample context {qa}.\nQuestion: sample?\nAnswer: sample\n</example>",
+            post_prompt="Think before answering.\n\n",
+        )
+        for qa in qas
+    }
     path.write_text(json.dumps(p, indent=1))
     return p
 
@@ -465,8 +526,18 @@ def test_babilong_user_prompts_file(tmp_path):
     assert prompts == mine and digest == hashlib.sha256(f.read_bytes()).hexdigest()
     s = bl.load_babilong(BABI, "qa3", "0k")[0]
     p = mine["qa3"]
-    want = (p["instruction"] + "\n\n" + p["examples"] + "\n\n" + p["post_prompt"] + "<context>\n" + s.input +
-            "\n</context>\n\nQuestion: " + s.question + "\nAnswer:")  # Babilong/prompts.py's template, stripped
+    want = (
+        p["instruction"]
+        + "\n\n"
+        + p["examples"]
+        + "\n\n"
+        + p["post_prompt"]
+        + "<context>\n"
+        + s.input
+        + "\n</context>\n\nQuestion: "
+        + s.question
+        + "\nAnswer:"
+    )  # Babilong/prompts.py's template, stripped
     assert bl.build_prompt(s, prompts=prompts) == want
     # a subset of tasks, and extra Babilong tasks (qa6..) are fine
     sub = tmp_path / "sub.json"
@@ -474,7 +545,7 @@ def test_babilong_user_prompts_file(tmp_path):
     assert set(bl.load_prompts(sub, ["qa1"])[0]) == {"qa1"}
     bad = {  # file content -> words the error must contain
         "[1, 2]": "JSON list",
-        "{\n \"qa1\": {\"instruction\": \"i\",\n}": ":3: invalid JSON",
+        '{\n "qa1": {"instruction": "i",\n}': ":3: invalid JSON",
         json.dumps({"qa1": mine["qa1"]}): "no prompt for qa2",
         json.dumps({**mine, "qa2": {"instruction": "i", "examples": "e"}}): "missing post_prompt",
         json.dumps({**mine, "qa2": {**mine["qa2"], "postprompt": ""}}): "unknown 'postprompt'",
@@ -497,12 +568,19 @@ def test_find_babilong_file_does_not_depend_on_the_hash_seed(tmp_path):
     for name in ("1k", "1K"):
         (tmp_path / "qa1").mkdir(exist_ok=True)
         (tmp_path / "qa1" / f"{name}.json").write_text("[]")
-    code = ("import sys; from canonlm.data.reallife.babilong import find_babilong_file as f; "
-            "print(f(sys.argv[1], 'qa1', 1000).name)")
+    code = (
+        "import sys; from canonlm.data.reallife.babilong import find_babilong_file as f; "
+        "print(f(sys.argv[1], 'qa1', 1000).name)"
+    )
     got = set()
     for seed in range(8):  # with a set, both orders occur among these seeds (e.g. 6 and 7 on CPython 3.11)
-        p = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60,
-                           env={**os.environ, "PYTHONHASHSEED": str(seed)})
+        p = subprocess.run(
+            [sys.executable, "-c", code, str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "PYTHONHASHSEED": str(seed)},
+        )
         assert p.returncode == 0, p.stderr
         got.add(p.stdout.strip())
     assert got == {"1k.json"}  # the canonical spelling comes first, documented order
@@ -529,19 +607,32 @@ def test_evaluate_babilong_default_cut_and_user_prompts(ws, tmp_path):
     answers = {}
     p = mine["qa1"]
     for s in bl.load_babilong(BABI, "qa1", "0k"):
-        text = (p["instruction"] + "\n\n" + p["examples"] + "\n\n" + p["post_prompt"] + "<context>\n" + s.input +
-                "\n</context>\n\nQuestion: " + s.question + "\nAnswer:")
+        text = (
+            p["instruction"]
+            + "\n\n"
+            + p["examples"]
+            + "\n\n"
+            + p["post_prompt"]
+            + "<context>\n"
+            + s.input
+            + "\n</context>\n\nQuestion: "
+            + s.question
+            + "\nAnswer:"
+        )
         other = next(r for r in bl.ROOMS if r != s.target)
         answers[tuple(ws.encode(text))] = [ws.id(s.target), ws.id("Question:"), ws.id(other)]
     lm = oracle_lm(answers, len(ws.inv) + 1)
     kw = dict(qas=["qa1"], lengths=["0k"], num_prompts=10)
     assert bl.evaluate_babilong(lm, ws.encode, ws.decode, BABI, prompts=prompts, **kw)["accuracy"] == {
-        "qa1": {"0k": 0.0}}
-    assert bl.evaluate_babilong(lm, ws.encode, ws.decode, BABI, prompts=prompts, question_cut="any_case",
-                                **kw)["accuracy"] == {"qa1": {"0k": 1.0}}
+        "qa1": {"0k": 0.0}
+    }
+    assert bl.evaluate_babilong(lm, ws.encode, ws.decode, BABI, prompts=prompts, question_cut="any_case", **kw)[
+        "accuracy"
+    ] == {"qa1": {"0k": 1.0}}
     # canonlm's own prompts are not the ones the model knows: nothing right even with any_case
     assert bl.evaluate_babilong(lm, ws.encode, ws.decode, BABI, question_cut="any_case", **kw)["accuracy"] == {
-        "qa1": {"0k": 0.0}}
+        "qa1": {"0k": 0.0}
+    }
     with pytest.raises(ValueError, match="no prompt for qa2"):
         bl.evaluate_babilong(lm, ws.encode, ws.decode, BABI, prompts=prompts, qas=["qa1", "qa2"], lengths=["0k"])
 
@@ -628,8 +719,25 @@ def text_env(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("env")
     tok = train_bpe(d / "tokenizer.json")
-    assert prepare_main(["--input", str(CORPUS), "--tokenizer", str(tok), "--out", str(d / "prep"), "--append-eos",
-                         "--val-fraction", "0.15", "--test-fraction", "0.15", "--quiet"]) == 0
+    assert (
+        prepare_main(
+            [
+                "--input",
+                str(CORPUS),
+                "--tokenizer",
+                str(tok),
+                "--out",
+                str(d / "prep"),
+                "--append-eos",
+                "--val-fraction",
+                "0.15",
+                "--test-fraction",
+                "0.15",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     names = d / "names"
     names.mkdir()
     for part, lst in zip(("first", "middle", "last"), NAMES):
@@ -644,16 +752,19 @@ def make_run(env, run_dir: Path):
     from canonlm.arch.model import LlamaCanon
     from canonlm.config.build import build_configs
 
-    cfg = compose(["task=text", f"task.data_dir={env['prep']}", "task.context=64", "model.size=2L64D"],
-                  output_dir=run_dir)
+    cfg = compose(
+        ["task=text", f"task.data_dir={env['prep']}", "task.context=64", "model.size=2L64D"], output_dir=run_dir
+    )
     _, mcfg = build_configs(cfg)
     torch.manual_seed(0)
     model = LlamaCanon(mcfg)
     (run_dir / ".hydra").mkdir(parents=True)
     OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")
     (run_dir / "checkpoints").mkdir()
-    torch.save({"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}, "global_step": 2},
-               run_dir / "checkpoints" / "last.ckpt")
+    torch.save(
+        {"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}, "global_step": 2},
+        run_dir / "checkpoints" / "last.ckpt",
+    )
     return model
 
 
@@ -681,9 +792,25 @@ def test_reallife_cli_multihop_and_babilong(text_env, tmp_path, capsys):
 
     make_run(text_env, tmp_path / "run")
     out = tmp_path / "mh.json"
-    args = ["--run", str(tmp_path / "run"), "--task", "multihop", "--background", str(CORPUS), "--lengths", "0,90",
-            "--num-prompts", "3", "--names-dir", str(text_env["names"]), "--out", str(out), "--device", "cpu",
-            "--quiet"]
+    args = [
+        "--run",
+        str(tmp_path / "run"),
+        "--task",
+        "multihop",
+        "--background",
+        str(CORPUS),
+        "--lengths",
+        "0,90",
+        "--num-prompts",
+        "3",
+        "--names-dir",
+        str(text_env["names"]),
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        "--quiet",
+    ]
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert "1-hop" in printed and "2-hop" in printed and "results:" in printed
@@ -698,11 +825,35 @@ def test_reallife_cli_multihop_and_babilong(text_env, tmp_path, capsys):
     assert main(args) == 2 and "--force" in capsys.readouterr().err  # never overwrite silently
     assert main([*args, "--force"]) == 0
     out2 = tmp_path / "bl.json"
-    assert main(["--run", str(tmp_path / "run"), "--task", "babilong", "--babilong-dir", str(BABI), "--lengths", "0k",
-                 "--qa", "qa1,qa5", "--num-prompts", "2", "--out", str(out2), "--device", "cpu", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "--run",
+                str(tmp_path / "run"),
+                "--task",
+                "babilong",
+                "--babilong-dir",
+                str(BABI),
+                "--lengths",
+                "0k",
+                "--qa",
+                "qa1,qa5",
+                "--num-prompts",
+                "2",
+                "--out",
+                str(out2),
+                "--device",
+                "cpu",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     res = json.loads(out2.read_text())
-    assert res["counts"] == {"qa1": {"0k": [res["counts"]["qa1"]["0k"][0], 2]},
-                             "qa5": {"0k": [res["counts"]["qa5"]["0k"][0], 2]}}
+    assert res["counts"] == {
+        "qa1": {"0k": [res["counts"]["qa1"]["0k"][0], 2]},
+        "qa5": {"0k": [res["counts"]["qa5"]["0k"][0], 2]},
+    }
     assert res["settings"]["question_cut"] == "verbatim"  # compare_answers by default
     assert res["settings"]["prompts"] == {"source": "canonlm", "file": None, "sha256": None}
     for s in res["samples"]:
@@ -714,12 +865,30 @@ def test_reallife_cli_multihop_and_babilong(text_env, tmp_path, capsys):
     pf = tmp_path / "prompts.json"
     write_prompt_file(pf, qas=("qa1", "qa5"))
     out3 = tmp_path / "bl3.json"
-    bargs = ["--run", str(tmp_path / "run"), "--task", "babilong", "--babilong-dir", str(BABI), "--lengths", "0k",
-             "--qa", "qa1,qa5", "--num-prompts", "2", "--device", "cpu", "--quiet"]
+    bargs = [
+        "--run",
+        str(tmp_path / "run"),
+        "--task",
+        "babilong",
+        "--babilong-dir",
+        str(BABI),
+        "--lengths",
+        "0k",
+        "--qa",
+        "qa1,qa5",
+        "--num-prompts",
+        "2",
+        "--device",
+        "cpu",
+        "--quiet",
+    ]
     assert main([*bargs, "--prompts", str(pf), "--question-cut", "any_case", "--out", str(out3)]) == 0
     res3 = json.loads(out3.read_text())
-    assert res3["settings"]["prompts"] == {"source": "file", "file": str(pf.resolve()),
-                                           "sha256": hashlib.sha256(pf.read_bytes()).hexdigest()}
+    assert res3["settings"]["prompts"] == {
+        "source": "file",
+        "file": str(pf.resolve()),
+        "sha256": hashlib.sha256(pf.read_bytes()).hexdigest(),
+    }
     assert res3["settings"]["question_cut"] == "any_case"
     pf.write_text(json.dumps({"qa1": {"instruction": "only this"}}))
     assert main([*bargs, "--prompts", str(pf), "--out", str(tmp_path / "bl4.json")]) == 2
@@ -752,20 +921,54 @@ def test_train_text_two_steps_then_eval(text_env, tmp_path):
 
     if "make_stream" not in inspect.getsource(datamodule):
         pytest.skip("the trainer's data module does not call task.make_stream yet (lead: wire TextStream)")
-    cmd = [sys.executable, str(ROOT / "train.py"), "task=text", f"task.data_dir={text_env['prep']}",
-           "task.context=64", "model.size=2L64D", "data.batch_size=4", "data.val_windows=4", "data.test_windows=4",
-           "trainer.max_steps=2", "trainer.val_check_interval=2", "trainer.log_every_n_steps=1", "run_name=txt",
-           f"paths.log_dir={tmp_path}/logs"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "train.py"),
+        "task=text",
+        f"task.data_dir={text_env['prep']}",
+        "task.context=64",
+        "model.size=2L64D",
+        "data.batch_size=4",
+        "data.val_windows=4",
+        "data.test_windows=4",
+        "trainer.max_steps=2",
+        "trainer.val_check_interval=2",
+        "trainer.log_every_n_steps=1",
+        "run_name=txt",
+        f"paths.log_dir={tmp_path}/logs",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     run = tmp_path / "logs" / "train" / "runs" / "txt"
     res = json.loads((run / "results.json").read_text())
     assert res["steps"] == 2 and np.isfinite(res["val"]["loss"])
-    p = subprocess.run([sys.executable, "-m", "canonlm.eval.reallife", "--run", str(run), "--task", "multihop",
-                        "--background", str(CORPUS), "--lengths", "0,50", "--num-prompts", "2", "--names-dir",
-                        str(text_env["names"]), "--device", "cpu"], capture_output=True, text=True, timeout=300,
-                       cwd=tmp_path, env=env)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "canonlm.eval.reallife",
+            "--run",
+            str(run),
+            "--task",
+            "multihop",
+            "--background",
+            str(CORPUS),
+            "--lengths",
+            "0,50",
+            "--num-prompts",
+            "2",
+            "--names-dir",
+            str(text_env["names"]),
+            "--device",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=env,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads((run / "reallife_multihop.json").read_text())
     assert out["model"]["step"] == 2 and out["counts"]["1-hop"]["50"][1] == 2

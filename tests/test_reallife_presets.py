@@ -56,8 +56,19 @@ P42_SHAPE = {"1b": (24, 2048, None), "3b": (26, 3072, None), "8b": (32, 4096, No
 #: Llama / LlamaCanon: size -> (heads, kv heads, d_ff, context, batch, steps, warm-up, (lr, wd) pairs, QK-norm +
 #: z-loss, rope theta, vocabulary).
 P42_LLAMA = {
-    "1b": (32, 32, 5632, 4096, 1024, 240_000, 8000, ((2e-3, 0.02), (3e-3, 0.0133), (5e-3, 0.008)), True, 1e4,
-           LLAMA2_VOCAB),
+    "1b": (
+        32,
+        32,
+        5632,
+        4096,
+        1024,
+        240_000,
+        8000,
+        ((2e-3, 0.02), (3e-3, 0.0133), (5e-3, 0.008)),
+        True,
+        1e4,
+        LLAMA2_VOCAB,
+    ),
     "3b": (24, 24, 8192, 4096, 1536, 160_000, 4000, ((2e-3, 0.03), (3e-3, 0.02)), True, 1e4, LLAMA2_VOCAB),
     "8b": (32, 8, 14336, 4096, 1536, 160_000, 3000, ((2e-3, 0.03), (3e-3, 0.02)), False, 1e5, LLAMA3_VOCAB),
 }
@@ -68,8 +79,10 @@ P42_LINEAR = {
     "8b": (32, 9472, 4096, 512, 480_000, 9000, ((2e-3, 0.01), (3e-3, 0.00667))),
 }
 P42_ARCH = {"gla5": "gla", "gdn2": "gdn", "mamba2": "mamba2"}
-P42 = {**{f"p42_{m}_{s}": ("llama", m, s) for m in ("llama", "llamacanon") for s in P42_LLAMA},
-       **{f"p42_{m}_{v}_{s}": (m, v, s) for m in P42_ARCH for v in ("conv", "canon") for s in P42_LINEAR}}
+P42 = {
+    **{f"p42_{m}_{s}": ("llama", m, s) for m in ("llama", "llamacanon") for s in P42_LLAMA},
+    **{f"p42_{m}_{v}_{s}": (m, v, s) for m in P42_ARCH for v in ("conv", "canon") for s in P42_LINEAR},
+}
 
 
 def test_every_preset_is_in_a_table():
@@ -84,13 +97,22 @@ def test_every_preset_is_in_a_table():
 def _fake_corpus(d: Path, vocab: int, tokens: int = 20_000) -> Path:
     d.mkdir()
     dtype = "uint16" if vocab <= 65_536 else "uint32"
-    meta = {"format": "canonlm-text-v1", "dtype": dtype, "vocab_size": vocab, "eos_id": 2, "tokenizer": {},
-            "splits": {}}
+    meta = {
+        "format": "canonlm-text-v1",
+        "dtype": dtype,
+        "vocab_size": vocab,
+        "eos_id": 2,
+        "tokenizer": {},
+        "splits": {},
+    }
     for split in ("train", "val", "test"):
         np.zeros(tokens, dtype=dtype).tofile(d / f"{split}_00000.bin")
         np.save(d / f"{split}_00000.idx.npy", np.zeros((1, 2), dtype=np.int64))
-        meta["splits"][split] = {"tokens": tokens, "documents": 1,
-                                 "shards": [{"file": f"{split}_00000.bin", "tokens": tokens, "documents": 1}]}
+        meta["splits"][split] = {
+            "tokens": tokens,
+            "documents": 1,
+            "shards": [{"file": f"{split}_00000.bin", "tokens": tokens, "documents": 1}],
+        }
     (d / "meta.json").write_text(json.dumps(meta))
     return d
 
@@ -100,8 +122,12 @@ def corpora(tmp_path_factory) -> list[str]:
     """``paths.corpora.*`` overrides naming four fake prepared corpora (Llama-2 vocabulary; Llama-3 for the 8B
     Llama recipes)."""
     root = tmp_path_factory.mktemp("corpora")
-    names = {"slimpajama": LLAMA2_VOCAB, "fineweb_edu": LLAMA2_VOCAB, "nemotron_cc": LLAMA2_VOCAB,
-             "nemotron_cc_llama3": LLAMA3_VOCAB}
+    names = {
+        "slimpajama": LLAMA2_VOCAB,
+        "fineweb_edu": LLAMA2_VOCAB,
+        "nemotron_cc": LLAMA2_VOCAB,
+        "nemotron_cc_llama3": LLAMA3_VOCAB,
+    }
     return [f"paths.corpora.{n}={_fake_corpus(root / n, v)}" for n, v in names.items()]
 
 
@@ -111,8 +137,9 @@ def _job(name: str, corpora: list[str], tmp_path: Path, *extra: str):
     from canonlm.config.strict import compose_jobs
     from canonlm.train.run import check_job
 
-    (job,) = compose_jobs([f"experiment=reallife/{name}", *corpora, f"paths.log_dir={tmp_path / 'logs'}", *extra],
-                          CONF, "train")
+    (job,) = compose_jobs(
+        [f"experiment=reallife/{name}", *corpora, f"paths.log_dir={tmp_path / 'logs'}", *extra], CONF, "train"
+    )
     with job.active() as cfg:
         task, mcfg, _ = check_job(cfg, device_checks=False)
         return OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)), task, mcfg
@@ -149,7 +176,9 @@ def test_result12_preset_holds_the_papers_numbers(name, corpora, tmp_path):
     assert cfg.task.mix == "concat" and list(cfg.task.sources) == ["slimpajama", "fineweb_edu"]
     assert task.context == 4096 and task.source_names == ["slimpajama", "fineweb_edu"]
     assert cfg.data.batch_size == 48 and cfg.trainer.max_steps == 510_000
-    assert cfg.trainer.max_steps * cfg.data.batch_size * task.context == pytest.approx(100.2e9, rel=1e-3)  # "≈ 100.2B tokens"
+    assert cfg.trainer.max_steps * cfg.data.batch_size * task.context == pytest.approx(
+        100.2e9, rel=1e-3
+    )  # "≈ 100.2B tokens"
     assert list(cfg.optim.betas) == [0.9, 0.98] and cfg.optim.eps == 1e-6 and cfg.optim.weight_decay == 0.03
     assert cfg.optim.lr in lrs
     assert (cfg.sched.name, cfg.sched.warmup_steps, cfg.sched.min_lr_ratio) == ("cosine", 1000, 0.1)  # [gap]: App. A's
@@ -191,9 +220,18 @@ def test_corpora_named_once_in_a_local_config_serve_a_sweep_over_presets(corpora
     local.mkdir(parents=True)
     paths = "".join(f"    {c.split('=')[0].rsplit('.', 1)[1]}: {c.split('=')[1]}\n" for c in corpora)
     (local / "default.yaml").write_text("# @package _global_\npaths:\n  corpora:\n" + paths)
-    jobs = compose_jobs(["--config-dir", str(tmp_path / "extra"), "-m",
-                         "experiment=reallife/llama_1b,reallife/gla_canon_1b", "optim.lr=1e-3,2e-3",
-                         f"paths.log_dir={tmp_path / 'logs'}"], CONF, "train")
+    jobs = compose_jobs(
+        [
+            "--config-dir",
+            str(tmp_path / "extra"),
+            "-m",
+            "experiment=reallife/llama_1b,reallife/gla_canon_1b",
+            "optim.lr=1e-3,2e-3",
+            f"paths.log_dir={tmp_path / 'logs'}",
+        ],
+        CONF,
+        "train",
+    )
     seen = set()
     for job in jobs:
         with job.active() as cfg:
@@ -224,11 +262,16 @@ def test_a_corpus_of_another_vocabulary_is_refused_for_training(corpora, tmp_pat
     with pytest.raises(ConfigError) as e:
         _job("llama_1b", corpora, tmp_path, *one)
     assert (e.value.key, e.value.value) == ("task.vocab_size", LLAMA2_VOCAB)
-    assert f"the corpus {bpe} has a vocabulary of 4,096 (its meta.json); task.vocab_size declares 32,000 (the " \
-           "Llama-2 tokenizer)" in e.value.allowed and "task.vocab_size=4096 (or null)" in e.value.allowed
+    assert (
+        f"the corpus {bpe} has a vocabulary of 4,096 (its meta.json); task.vocab_size declares 32,000 (the "
+        "Llama-2 tokenizer)"
+        in e.value.allowed
+        and "task.vocab_size=4096 (or null)" in e.value.allowed
+    )
     for declared in ("4096", "null"):
-        _, task, m = _job("llama_1b", corpora, tmp_path, *one, f"task.vocab_size={declared}",
-                          "task.tokenizer_name=null")
+        _, task, m = _job(
+            "llama_1b", corpora, tmp_path, *one, f"task.vocab_size={declared}", "task.tokenizer_name=null"
+        )
         assert m.vocab_size == task.vocab_size == 4096
 
 
@@ -242,23 +285,36 @@ def test_a_run_resumes_whatever_tokenizer_the_plan_keys_name():
     from canonlm.train.run import _task_cfg_as_saved
 
     now = {"name": "text", "data_dir": "/d", "context": 4096, "vocab_size": 32000, "tokenizer_name": "Llama-2"}
-    for saved in ({"name": "text", "data_dir": "/d", "context": 4096},
-                  {"name": "text", "data_dir": "/d", "context": 4096, "vocab_size": 128256, "tokenizer_name": "x"}):
+    for saved in (
+        {"name": "text", "data_dir": "/d", "context": 4096},
+        {"name": "text", "data_dir": "/d", "context": 4096, "vocab_size": 128256, "tokenizer_name": "x"},
+    ):
         assert _diff(saved, _task_cfg_as_saved(now, SimpleNamespace(meta={"task": saved})), "task") == []
     saved = {"name": "text", "data_dir": "/d", "context": 2048}
     assert _diff(saved, _task_cfg_as_saved(now, SimpleNamespace(meta={"task": saved})), "task") == [
-        "task.context: checkpoint 2048, config 4096"]
+        "task.context: checkpoint 2048, config 4096"
+    ]
 
 
 def test_train_py_prints_a_preset_with_cfg_job():
     """``python train.py experiment=reallife/llama_1b --cfg job`` (Hydra's own output; nothing is checked or
     written): the composed job with the paper's numbers."""
-    out = subprocess.run([sys.executable, str(ROOT / "train.py"), "experiment=reallife/llama_1b", "--cfg", "job"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "experiment=reallife/llama_1b", "--cfg", "job"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     cfg = OmegaConf.create(out.stdout)
-    assert (cfg.model.size, cfg.model.n_heads, cfg.task.context, cfg.data.batch_size, cfg.trainer.max_steps) == \
-        ("24L2048D", 32, 4096, 48, 510_000)
+    assert (cfg.model.size, cfg.model.n_heads, cfg.task.context, cfg.data.batch_size, cfg.trainer.max_steps) == (
+        "24L2048D",
+        32,
+        4096,
+        48,
+        510_000,
+    )
     assert OmegaConf.is_missing(cfg.paths.corpora, "slimpajama")  # named once, by the user
 
 
@@ -281,8 +337,10 @@ def test_part42_recipe_holds_the_releases_numbers(name, corpora, tmp_path):
         assert m.pos.pairing == "interleaved" and m.init == "lingua" and m.norm_eps == 1e-5
         assert (m.qk_norm == "whole") == qk_z and (cfg.loss.z_loss == "lingua") == qk_z
         assert m.vocab_size == vocab
-        assert (cfg.task.vocab_size, cfg.task.tokenizer_name) == (vocab, "Llama-2" if vocab == LLAMA2_VOCAB
-                                                                  else "Llama-3")
+        assert (cfg.task.vocab_size, cfg.task.tokenizer_name) == (
+            vocab,
+            "Llama-2" if vocab == LLAMA2_VOCAB else "Llama-3",
+        )
         expect = L * (4 * d * d - 2 * d * d * (heads - kv) // heads + 3 * d * dff + 2 * d) + 2 * vocab * d + d
         n = _params(m)
         extra = n - expect  # QK-norm gains and Canon taps only
@@ -301,8 +359,12 @@ def test_part42_recipe_holds_the_releases_numbers(name, corpora, tmp_path):
         per_layer = (12 if size != "8b" else 6 + 3 * mlp / d) * d * d  # ≈ 6d² mixer + 3·d·I MLP
         n = _params(m)
         assert n == pytest.approx(L * per_layer + 2 * LLAMA2_VOCAB * d, rel=0.06)
-    assert (task.context, cfg.data.batch_size, cfg.trainer.max_steps, cfg.sched.warmup_steps) == \
-        (ctx, batch, steps, warm)
+    assert (task.context, cfg.data.batch_size, cfg.trainer.max_steps, cfg.sched.warmup_steps) == (
+        ctx,
+        batch,
+        steps,
+        warm,
+    )
     assert ctx * batch * steps == pytest.approx(1.0e12, rel=0.01)  # 1T tokens
     assert (cfg.optim.lr, cfg.optim.weight_decay) == pairs[0]
     text = (PRESETS / f"{name}.yaml").read_text()  # the other pairs are given in the preset's comment

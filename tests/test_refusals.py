@@ -52,9 +52,18 @@ import torch
 
 from conftest import ARCH_PRESETS, CONF, ROOT, compose
 
-TINY = ["task=depo1_cpu",
-        "model.size=2L64D", "task.N=8", "task.K=4", "task.vocab_V=6", "task.context=128", "data.batch_size=8",
-        "data.val_windows=16", "data.test_windows=32", "trainer.max_steps=20"]
+TINY = [
+    "task=depo1_cpu",
+    "model.size=2L64D",
+    "task.N=8",
+    "task.K=4",
+    "task.vocab_V=6",
+    "task.context=128",
+    "data.batch_size=8",
+    "data.val_windows=16",
+    "data.test_windows=32",
+    "trainer.max_steps=20",
+]
 ENV = {**os.environ, "WANDB_MODE": "disabled"}
 RUN = Path("logs") / "train" / "runs" / "bad"  # the run directory of run_name=bad under a row's folder
 LIMIT_S = 10.0
@@ -91,72 +100,170 @@ MEM = "allowed: a run that fits in memory: training needs at least"
 KEYS = "allowed: a key canonlm reads"
 TABLE: list[Row] = [
     # ---- issue 26, item 1: unknown keys, at any depth, with the key that was meant
-    R("plus_batchsize", ["+data.batchsize=4"], f"data.batchsize=4; {KEYS} (data.batchsize is not one; did you mean "
-      "data.batch_size?)", "26.1", alone=True),
+    R(
+        "plus_batchsize",
+        ["+data.batchsize=4"],
+        f"data.batchsize=4; {KEYS} (data.batchsize is not one; did you mean data.batch_size?)",
+        "26.1",
+        alone=True,
+    ),
     R("plus_lr", ["+lr=0.1"], f"lr=0.1; {KEYS} (lr is not one; did you mean optim.lr?)", "26.1", alone=True),
-    R("override_missing_key", ["data.batchsize=4"], f"data.batchsize=4; {KEYS} (data.batchsize is not one; did you "
-      "mean data.batch_size?)", "26.1", alone=True),
-    R("plus_model_key", ["+model.n_layerz=3"], f"model.n_layerz=3; {KEYS} (model.n_layerz is not one; did you mean "
-      "model.n_layers?)", "26.1"),
+    R(
+        "override_missing_key",
+        ["data.batchsize=4"],
+        f"data.batchsize=4; {KEYS} (data.batchsize is not one; did you mean data.batch_size?)",
+        "26.1",
+        alone=True,
+    ),
+    R(
+        "plus_model_key",
+        ["+model.n_layerz=3"],
+        f"model.n_layerz=3; {KEYS} (model.n_layerz is not one; did you mean model.n_layers?)",
+        "26.1",
+    ),
     R("plus_task_key", ["+task.NN=3"], f"task.NN=3; {KEYS} (task.NN is not one; did you mean task.N?)", "26.1"),
-    R("plus_trainer_key", ["+trainer.max_stepz=5"], f"trainer.max_stepz=5; {KEYS} (trainer.max_stepz is not one; did "
-      "you mean trainer.max_steps?)", "26.1"),
-    R("unread_for_this_option", ["+strategy.find_unused_parameters=true"],
-      f"strategy.find_unused_parameters=True; {KEYS} (strategy.find_unused_parameters is read only when "
-      "strategy.name is ddp | ddp_spawn; here auto)", "26.1"),
-    R("linear_field_on_llama", ["+model.ssm_state=16"], f"model.ssm_state=16; {KEYS} (model.ssm_state is read only "
-      "by the linear mixers, model.arch gla | gdn | mamba2; here llama)", "26.1"),
+    R(
+        "plus_trainer_key",
+        ["+trainer.max_stepz=5"],
+        f"trainer.max_stepz=5; {KEYS} (trainer.max_stepz is not one; did you mean trainer.max_steps?)",
+        "26.1",
+    ),
+    R(
+        "unread_for_this_option",
+        ["+strategy.find_unused_parameters=true"],
+        f"strategy.find_unused_parameters=True; {KEYS} (strategy.find_unused_parameters is read only when "
+        "strategy.name is ddp | ddp_spawn; here auto)",
+        "26.1",
+    ),
+    R(
+        "linear_field_on_llama",
+        ["+model.ssm_state=16"],
+        f"model.ssm_state=16; {KEYS} (model.ssm_state is read only "
+        "by the linear mixers, model.arch gla | gdn | mamba2; here llama)",
+        "26.1",
+    ),
     # ---- item 2: booleans take booleans only
     R("train_no", ["train=no", "test=no"], "train='no'; allowed: true or false", "26.2", alone=True),
     R("compile_maybe", ["compile=maybe"], "compile='maybe'; allowed: true or false", "26.2", alone=True),
-    R("checkpointing_int", ["activation_checkpointing=1"], "activation_checkpointing=1; allowed: true or false",
-      "26.2"),
+    R(
+        "checkpointing_int",
+        ["activation_checkpointing=1"],
+        "activation_checkpointing=1; allowed: true or false",
+        "26.2",
+    ),
     R("trainer_bool", ["trainer.benchmark=yes"], "trainer.benchmark='yes'; allowed: true or false", "26.2"),
     R("optim_bool", ["optim.fused=maybe"], "optim.fused='maybe'; allowed: true or false", "26.2"),
     # ---- item 3: values checked before the run directory exists
     R("seed_text", ["seed=abc"], "seed='abc'; allowed: an integer in [0, 4294967295]", "26.3", alone=True),
     R("seed_range", ["seed=-1"], "seed=-1; allowed: an integer in [0, 4294967295]", "26.3"),
-    R("plus_weightdecay", ["+optim.weightdecay=0.5"], f"optim.weightdecay=0.5; {KEYS} (optim.weightdecay is not "
-      "one; did you mean optim.weight_decay?)", "26.3", alone=True),
-    R("adamw_itself", ["+optim.foreach=true"], "optim.fused=True; allowed: a value AdamW accepts (`fused` and "
-      "`foreach` cannot be `True` together.)", "26.3"),
-    R("sched_key_unread", ["+sched.decay_fraction=0.3"], f"sched.decay_fraction=0.3; {KEYS} (sched.decay_fraction "
-      "is read only when sched.name is wsd; here cosine)", "26.3"),
+    R(
+        "plus_weightdecay",
+        ["+optim.weightdecay=0.5"],
+        f"optim.weightdecay=0.5; {KEYS} (optim.weightdecay is not one; did you mean optim.weight_decay?)",
+        "26.3",
+        alone=True,
+    ),
+    R(
+        "adamw_itself",
+        ["+optim.foreach=true"],
+        "optim.fused=True; allowed: a value AdamW accepts (`fused` and `foreach` cannot be `True` together.)",
+        "26.3",
+    ),
+    R(
+        "sched_key_unread",
+        ["+sched.decay_fraction=0.3"],
+        f"sched.decay_fraction=0.3; {KEYS} (sched.decay_fraction is read only when sched.name is wsd; here cosine)",
+        "26.3",
+    ),
     # ---- item 4: output folders that cannot be created or written
-    R("log_dir_proc", ["paths.log_dir=/proc/x"], "paths.log_dir='/proc/x'; allowed: a folder this user can create "
-      "and write", "26.4", alone=True),
-    R("log_dir_file_parent", ["paths.log_dir={tmp}/notes.txt/logs"], "paths.log_dir='{tmp}/notes.txt/logs'; "
-      "allowed: a folder this user can create and write ({tmp}/notes.txt is a file", "26.4", setup="file",
-      alone=True),
-    R("log_dir_read_only", ["paths.log_dir={ro}/logs"], "paths.log_dir='{ro}/logs'; allowed: a folder this user can "
-      "create and write", "26.4", alone=True, read_only=True),
-    R("run_dir_key", ["hydra.run.dir=/proc/y"], "hydra.run.dir='/proc/y'; allowed: a folder this user can create and "
-      "write", "26.4"),
+    R(
+        "log_dir_proc",
+        ["paths.log_dir=/proc/x"],
+        "paths.log_dir='/proc/x'; allowed: a folder this user can create and write",
+        "26.4",
+        alone=True,
+    ),
+    R(
+        "log_dir_file_parent",
+        ["paths.log_dir={tmp}/notes.txt/logs"],
+        "paths.log_dir='{tmp}/notes.txt/logs'; "
+        "allowed: a folder this user can create and write ({tmp}/notes.txt is a file",
+        "26.4",
+        setup="file",
+        alone=True,
+    ),
+    R(
+        "log_dir_read_only",
+        ["paths.log_dir={ro}/logs"],
+        "paths.log_dir='{ro}/logs'; allowed: a folder this user can create and write",
+        "26.4",
+        alone=True,
+        read_only=True,
+    ),
+    R(
+        "run_dir_key",
+        ["hydra.run.dir=/proc/y"],
+        "hydra.run.dir='/proc/y'; allowed: a folder this user can create and write",
+        "26.4",
+    ),
     # ---- item 5: a batch that cannot fit in memory
     R("batch_memory", ["data.batch_size=100000000"], f"data.batch_size=100000000; {MEM}", "26.5", alone=True),
     # ---- item 6: Hydra's own errors (group options, grammar, sweeps), single runs and multiruns
-    R("task_option", ["task=depo9"], "task='depo9'; allowed: brevo1 | brevo1_cpu", "26.6", alone=True,
-      run_name=False),
-    R("arch_option", ["arch=transformerx"], "arch='transformerx'; allowed: gdn | gdn2 | gla | gla5 | llama", "26.6",
-      alone=True),
-    R("grammar", ["model.size=[2L64D"], "model.size='[2L64D'; allowed: an override in Hydra's grammar", "26.6",
-      alone=True),
-    R("sweep_without_m", ["canon=none,ABCD"], "canon='none,ABCD'; allowed: one value; to sweep over several, add "
-      "--multirun", "26.6"),
+    R("task_option", ["task=depo9"], "task='depo9'; allowed: brevo1 | brevo1_cpu", "26.6", alone=True, run_name=False),
+    R(
+        "arch_option",
+        ["arch=transformerx"],
+        "arch='transformerx'; allowed: gdn | gdn2 | gla | gla5 | llama",
+        "26.6",
+        alone=True,
+    ),
+    R(
+        "grammar",
+        ["model.size=[2L64D"],
+        "model.size='[2L64D'; allowed: an override in Hydra's grammar",
+        "26.6",
+        alone=True,
+    ),
+    R(
+        "sweep_without_m",
+        ["canon=none,ABCD"],
+        "canon='none,ABCD'; allowed: one value; to sweep over several, add --multirun",
+        "26.6",
+    ),
     R("multirun_job", ["canon=none,AAB"], "canon='AAB'; allowed: A | AB", "26.6", alone=True, first=("-m",)),
-    R("multirun_job_value", ["train=true,no"], "train='no'; allowed: true or false", "26.6",
-      first=("-m",)),
-    R("multirun_submitit", ["hydra/launcher=slurm_cpu", "+data.batchsize=4,8"], f"data.batchsize=4; {KEYS}", "26.6",
-      first=("-m",)),
-    R("multirun_in_job", ["trainer.max_epochs=-2", "canon=none,ABCD"], "trainer.max_epochs=-2; allowed: a value "
-      "Lightning accepts", "26.6", first=("-m",), lightning=True),
-    R("interpolation", ["trainer.max_steps=${{oops}}"], "trainer.max_steps='${{oops}}'; allowed: a value whose "
-      "interpolations resolve (Interpolation key 'oops' not found)", "26.6"),
+    R("multirun_job_value", ["train=true,no"], "train='no'; allowed: true or false", "26.6", first=("-m",)),
+    R(
+        "multirun_submitit",
+        ["hydra/launcher=slurm_cpu", "+data.batchsize=4,8"],
+        f"data.batchsize=4; {KEYS}",
+        "26.6",
+        first=("-m",),
+    ),
+    R(
+        "multirun_in_job",
+        ["trainer.max_epochs=-2", "canon=none,ABCD"],
+        "trainer.max_epochs=-2; allowed: a value Lightning accepts",
+        "26.6",
+        first=("-m",),
+        lightning=True,
+    ),
+    R(
+        "interpolation",
+        ["trainer.max_steps=${{oops}}"],
+        "trainer.max_steps='${{oops}}'; allowed: a value whose "
+        "interpolations resolve (Interpolation key 'oops' not found)",
+        "26.6",
+    ),
     R("option_after_overrides", ["canon=none", "--multirun"], "command line=", "26.6"),
     R("primary_config", [], "--config-name='nope'; allowed: a primary config", "26.6", first=("--config-name", "nope")),
-    R("callback_argument", ["+callbacks.checkpoint.every_n_train_stepz=5"],
-      f"callbacks.checkpoint.every_n_train_stepz=5; {KEYS} (callbacks.checkpoint.every_n_train_stepz is not one; "
-      "did you mean callbacks.checkpoint.every_n_train_steps?)", "26.1", lightning=True),
+    R(
+        "callback_argument",
+        ["+callbacks.checkpoint.every_n_train_stepz=5"],
+        f"callbacks.checkpoint.every_n_train_stepz=5; {KEYS} (callbacks.checkpoint.every_n_train_stepz is not one; "
+        "did you mean callbacks.checkpoint.every_n_train_steps?)",
+        "26.1",
+        lightning=True,
+    ),
     # ---- item 7: repeated Canon letters
     R("canon_repeat", ["canon.set=AAB"], "canon.set='AAB'; allowed: each letter at most once", "26.7", alone=True),
     # ---- refusals that already held: tests/test_configs.py
@@ -180,10 +287,18 @@ TABLE: list[Row] = [
     R("num_workers", ["data.num_workers=-1"], "data.num_workers=-1", "bad_input"),
     R("gen_eval_key", ["+data.gen_eval.beams=4"], "data.gen_eval.beams=4", "bad_input"),
     R("keep_last", ["callbacks.checkpoint.keep_last=0"], "callbacks.checkpoint.keep_last=0", "bad_input"),
-    R("ckpt_every", ["callbacks.checkpoint.every_n_train_steps=null"],
-      "callbacks.checkpoint.every_n_train_steps=None", "bad_input"),
-    R("signal", ["callbacks.preemption.signal_name=SIGTERM"], "callbacks.preemption.signal_name='SIGTERM'",
-      "bad_input"),
+    R(
+        "ckpt_every",
+        ["callbacks.checkpoint.every_n_train_steps=null"],
+        "callbacks.checkpoint.every_n_train_steps=None",
+        "bad_input",
+    ),
+    R(
+        "signal",
+        ["callbacks.preemption.signal_name=SIGTERM"],
+        "callbacks.preemption.signal_name='SIGTERM'",
+        "bad_input",
+    ),
     R("nonfinite", ["max_nonfinite_steps=0"], "max_nonfinite_steps=0", "bad_input"),
     R("sched", ["sched.name=step"], "sched.name='step'", "bad_input"),
     R("sched_warmup", ["sched.warmup_steps=abc"], "sched.warmup_steps='abc'", "bad_input"),
@@ -195,34 +310,68 @@ TABLE: list[Row] = [
     R("kernel", ["kernels.attention=flash"], "model.kernels.attention='flash'", "bad_input", no_gpu=True),
     # ---- batch / accumulation arithmetic (devices x num_nodes given as integers: before Lightning)
     R("batch_split", ["data.batch_size=10", "trainer.accumulate_grad_batches=4"], "data.batch_size=10", "bad_input"),
-    R("batch_split_ddp", ["strategy=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "data.batch_size=9"],
-      "data.batch_size=9", "bad_input"),
+    R(
+        "batch_split_ddp",
+        ["strategy=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "data.batch_size=9"],
+        "data.batch_size=9",
+        "bad_input",
+    ),
     R("accumulate", ["trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches=0", "bad_input"),
     R("val_interval", ["trainer.val_check_interval=0"], "trainer.val_check_interval=0", "bad_input"),
     # ---- checkpoint choices (in the job, against its run directory)
     R("ckpt_missing", ["ckpt_path={tmp}/nowhere.ckpt"], "ckpt_path='{tmp}/nowhere.ckpt'", "bad_input", alone=True),
-    R("ckpt_damaged", ["ckpt_path={tmp}/damaged.ckpt"], "checkpoint {tmp}/damaged.ckpt: cannot be read", "bad_input",
-      setup="damaged_file"),
+    R(
+        "ckpt_damaged",
+        ["ckpt_path={tmp}/damaged.ckpt"],
+        "checkpoint {tmp}/damaged.ckpt: cannot be read",
+        "bad_input",
+        setup="damaged_file",
+    ),
     R("fresh_beside_checkpoints", [], "run_name='bad'", "bad_input", setup="run_with_checkpoint"),
-    R("auto_all_damaged", ["ckpt_path=auto"], "checkpoints: holds checkpoints but none can be read", "bad_input",
-      setup="run_with_checkpoint"),
+    R(
+        "auto_all_damaged",
+        ["ckpt_path=auto"],
+        "checkpoints: holds checkpoints but none can be read",
+        "bad_input",
+        setup="run_with_checkpoint",
+    ),
     R("init_missing", ["init_from={tmp}/nowhere"], "init_from='{tmp}/nowhere'", "bad_input"),
-    R("init_other_model", ["init_from={tmp}/other.ckpt"], "init_from='{tmp}/other.ckpt'", "bad_input",
-      setup="other_model"),
+    R(
+        "init_other_model",
+        ["init_from={tmp}/other.ckpt"],
+        "init_from='{tmp}/other.ckpt'",
+        "bad_input",
+        setup="other_model",
+    ),
     # ---- the world size Lightning chooses (devices given as a string): checked once the Trainer exists
-    R("batch_split_lightning", ["trainer.accelerator=cpu", "trainer.devices='2'", "data.batch_size=9"],
-      "data.batch_size=9", "bad_input", lightning=True),
+    R(
+        "batch_split_lightning",
+        ["trainer.accelerator=cpu", "trainer.devices='2'", "data.batch_size=9"],
+        "data.batch_size=9",
+        "bad_input",
+        lightning=True,
+    ),
     # ---- Trainer arguments: values by Lightning itself; names set by other groups
     R("trainer_own", ["+trainer.callbacks=null"], "trainer.callbacks=None", "bad_input"),
     R("trainer_value", ["trainer.max_epochs=-2"], "trainer.max_epochs=-2", "bad_input", lightning=True),
-    R("accelerator_name", ["trainer.accelerator=abacus"], "trainer.accelerator='abacus'", "bad_input",
-      lightning=True),
+    R("accelerator_name", ["trainer.accelerator=abacus"], "trainer.accelerator='abacus'", "bad_input", lightning=True),
     # ---- strategy and device combinations
     R("gpu", ["trainer.accelerator=gpu"], "trainer.accelerator='gpu'", "bad_input", lightning=True, no_gpu=True),
-    R("ddp_gpu", ["strategy=ddp", "trainer.accelerator=gpu", "trainer.devices=2"], "trainer.accelerator='gpu'",
-      "bad_input", lightning=True, no_gpu=True),
-    R("cpu_devices", ["trainer.accelerator=cpu", "trainer.devices=0"], "trainer.devices=0", "bad_input",
-      lightning=True),
+    R(
+        "ddp_gpu",
+        ["strategy=ddp", "trainer.accelerator=gpu", "trainer.devices=2"],
+        "trainer.accelerator='gpu'",
+        "bad_input",
+        lightning=True,
+        no_gpu=True,
+    ),
+    R(
+        "cpu_devices",
+        ["trainer.accelerator=cpu", "trainer.devices=0"],
+        "trainer.devices=0",
+        "bad_input",
+        lightning=True,
+    ),
     # ---- the run directory (the last check: it probes checkpoints/ with a file)
     R("run_dir_unwritable", [], "paths.output_dir=", "bad_input", setup="checkpoints_is_a_file", lightning=True),
 ]
@@ -308,8 +457,9 @@ def _one(row: Row, tmp: Path) -> dict:
         cmd = [*cmd, *_overrides(row, tmp)]
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp, env=ENV)
-    return dict(code=p.returncode, stderr=p.stderr, stdout=p.stdout, seconds=time.perf_counter() - t0,
-                before=before, tmp=tmp)
+    return dict(
+        code=p.returncode, stderr=p.stderr, stdout=p.stdout, seconds=time.perf_counter() - t0, before=before, tmp=tmp
+    )
 
 
 ALONE = [r for r in TABLE if r.alone]
@@ -326,8 +476,10 @@ def alone_results(tmp_path_factory):
     with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
         futures = {r.case: pool.submit(_one, r, folders[r.case]) for r in rows}
         out = {case: f.result() for case, f in futures.items()}
-    print(f"\n{len(rows)} refusals in their own processes: {time.perf_counter() - t0:.1f} s wall, "
-          f"{sum(o['seconds'] for o in out.values()):.1f} s summed")
+    print(
+        f"\n{len(rows)} refusals in their own processes: {time.perf_counter() - t0:.1f} s wall, "
+        f"{sum(o['seconds'] for o in out.values()):.1f} s summed"
+    )
     return out
 
 
@@ -392,8 +544,14 @@ def shared_results(tmp_path_factory):
         rows.append(dict(case=row.case, argv=[str(ROOT / "train.py"), *_overrides(row, tmp)], cwd=str(tmp)))
     work = tmp_path_factory.mktemp("driver")
     (work / "rows.json").write_text(json.dumps(rows))
-    p = subprocess.run([sys.executable, "-c", DRIVER, str(work / "rows.json"), str(work / "results.json")],
-                       capture_output=True, text=True, timeout=1800, cwd=work, env=ENV)
+    p = subprocess.run(
+        [sys.executable, "-c", DRIVER, str(work / "rows.json"), str(work / "results.json")],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        cwd=work,
+        env=ENV,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     results = json.loads((work / "results.json").read_text())
     return {case: (*folders[case], results[case]) for case in folders}
@@ -417,13 +575,27 @@ def test_the_table_holds_every_item_of_the_issue():
     items = {r.origin for r in TABLE if r.alone and r.origin.startswith("26.")}
     assert items == {f"26.{i}" for i in range(1, 8)}
     assert len({r.case for r in TABLE}) == len(TABLE)
-    assert len([r for r in TABLE if r.origin == "bad_input"]) == 39 and len([r for r in TABLE
-                                                                            if r.origin == "configs"]) == 9
+    assert (
+        len([r for r in TABLE if r.origin == "bad_input"]) == 39
+        and len([r for r in TABLE if r.origin == "configs"]) == 9
+    )
 
 
 # ------------------------------------------------------------------------------------- what the refusals rest on
-GROUPS = ["arch", "canon", "pos", "task", "optim", "sched", "trainer", "strategy", "logger", "callbacks", "debug",
-          "paths"]
+GROUPS = [
+    "arch",
+    "canon",
+    "pos",
+    "task",
+    "optim",
+    "sched",
+    "trainer",
+    "strategy",
+    "logger",
+    "callbacks",
+    "debug",
+    "paths",
+]
 
 
 def _shape(path: Path) -> tuple:
@@ -440,6 +612,7 @@ def _shape(path: Path) -> tuple:
                 yield from flat(v, f"{prefix}{k}.")
             elif k != "defaults" or prefix:
                 yield f"{prefix}{k}", type(v).__name__
+
     header = [ln for ln in text.splitlines() if ln.startswith("# @package")]
     return str(raw.get("defaults")), tuple(header), tuple(sorted(flat(raw)))
 
@@ -450,8 +623,10 @@ def _options() -> list[list[str]]:
     bring keys of their own."""
     out, seen = [], set()
     files = [(g, p, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml")) if not p.stem.startswith("_")]
-    files += [("experiment", p, str(p.relative_to(CONF / "experiment").with_suffix("")))
-              for p in sorted((CONF / "experiment").rglob("*.yaml"))]
+    files += [
+        ("experiment", p, str(p.relative_to(CONF / "experiment").with_suffix("")))
+        for p in sorted((CONF / "experiment").rglob("*.yaml"))
+    ]
     for group, path, option in files:
         sig = (group, _shape(path))
         if sig not in seen:
@@ -536,8 +711,11 @@ def test_every_conf_key_is_read(every_option):
         if leaf.startswith("_"):  # Hydra's own instantiate keys (optim._partial_)
             continue
         if rule.key.startswith(("callbacks.", "logger.", "trainer.", "optim.")):  # read by the class it configures
-            target = next(OmegaConf.select(c, f"{parent}._target_") for c in every_option.values()
-                          if OmegaConf.select(c, f"{parent}._target_", default=None))
+            target = next(
+                OmegaConf.select(c, f"{parent}._target_")
+                for c in every_option.values()
+                if OmegaConf.select(c, f"{parent}._target_", default=None)
+            )
             assert leaf in inspect.signature(_locate(target)).parameters, f"{rule.key}: not an argument of {target}"
         else:
             assert leaf in names, f"{rule.key}: declared but never read in src/canonlm"
@@ -574,8 +752,17 @@ def test_every_boolean_key_takes_booleans_only(every_option):
         for key, value in leaves({k: v for k, v in raw.items() if k != "hydra"}):
             if isinstance(value, bool) and key not in where:
                 where[key] = name
-    assert {"train", "test", "compile", "activation_checkpointing", "optim.fused", "canon.residual",
-            "model.tie_embeddings", "trainer.benchmark", "data.gen_eval.on_val"} <= set(where)
+    assert {
+        "train",
+        "test",
+        "compile",
+        "activation_checkpointing",
+        "optim.fused",
+        "canon.residual",
+        "model.tie_embeddings",
+        "trainer.benchmark",
+        "data.gen_eval.on_val",
+    } <= set(where)
     for key, name in sorted(where.items()):
         cfg = every_option[name].copy()
         with open_dict(cfg):
@@ -599,16 +786,28 @@ def test_linear_fields_change_nothing_in_a_llama():
     from canonlm.arch.model import CanonLM
     from canonlm.config.strict import LINEAR_ONLY
 
-    changed = {"expand_k": 1.0, "expand_v": 2.0, "gate_low_rank_dim": 8, "gate_logit_normalizer": 4.0,
-               "output_gate_rank": 8, "key_head_dim": 16, "conv_kernel": 2, "no_conv_act": "none", "chunk_size": 16,
-               "ssm_state": 8, "mamba_expand": 1, "n_groups": 2}
+    changed = {
+        "expand_k": 1.0,
+        "expand_v": 2.0,
+        "gate_low_rank_dim": 8,
+        "gate_logit_normalizer": 4.0,
+        "output_gate_rank": 8,
+        "key_head_dim": 16,
+        "conv_kernel": 2,
+        "no_conv_act": "none",
+        "chunk_size": 16,
+        "ssm_state": 8,
+        "mamba_expand": 1,
+        "n_groups": 2,
+    }
     assert set(changed) == set(LINEAR_ONLY)
     x = torch.randint(0, 32, (2, 16))
 
     def logits(**kw):
         torch.manual_seed(0)
-        cfg = build_model_config({"size": "2L64D", "arch": "llama", **kw}, {"set": "ABCD"}, {"type": "rope"},
-                                 vocab_size=32, max_seq_len=64)
+        cfg = build_model_config(
+            {"size": "2L64D", "arch": "llama", **kw}, {"set": "ABCD"}, {"type": "rope"}, vocab_size=32, max_seq_len=64
+        )
         m = CanonLM(cfg)
         with torch.no_grad():
             return {k: tuple(v.shape) for k, v in m.state_dict().items()}, m(x)
@@ -683,10 +882,14 @@ def test_a_sweep_is_checked_job_by_job_before_hydra(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------- memory arithmetic
-MODELS = {"llama": ({"arch": "llama"}, "ABCD"), "gla": (ARCH_PRESETS["gla"], "AbCD"),
-          "gdn": (ARCH_PRESETS["gdn"], "AbCD"), "mamba2": (ARCH_PRESETS["mamba2"], "AbCD"),
-          "mamba2_nomlp": (ARCH_PRESETS["mamba2_nomlp"], "Ab"), "llama_tied_gqa": (
-              {"arch": "llama", "tie_embeddings": True, "n_kv_heads": 1, "mlp": "standard"}, "")}
+MODELS = {
+    "llama": ({"arch": "llama"}, "ABCD"),
+    "gla": (ARCH_PRESETS["gla"], "AbCD"),
+    "gdn": (ARCH_PRESETS["gdn"], "AbCD"),
+    "mamba2": (ARCH_PRESETS["mamba2"], "AbCD"),
+    "mamba2_nomlp": (ARCH_PRESETS["mamba2_nomlp"], "Ab"),
+    "llama_tied_gqa": ({"arch": "llama", "tie_embeddings": True, "n_kv_heads": 1, "mlp": "standard"}, ""),
+}
 
 
 def _model(name: str):
@@ -694,8 +897,9 @@ def _model(name: str):
     from canonlm.arch.model import CanonLM
 
     preset, canon = MODELS[name]
-    cfg = build_model_config({"size": "2L64D", **preset}, {"set": canon}, {"type": "rope"}, vocab_size=48,
-                             max_seq_len=64, ops="reference")
+    cfg = build_model_config(
+        {"size": "2L64D", **preset}, {"set": canon}, {"type": "rope"}, vocab_size=48, max_seq_len=64, ops="reference"
+    )
     torch.manual_seed(0)
     return cfg, CanonLM(cfg)
 

@@ -12,16 +12,23 @@ NAN = float("nan")
 
 def _config(N, size, lr, K=8, canon="ABCD", pos="rope"):
     """The identity keys of a run's resolved config (hparams.json; Hydra's .hydra/config.yaml has the same keys)."""
-    return {"task": {"name": "depo1", "N": N, "K": K}, "model": {"size": size, "arch": "llama", "mlp": "gated",
-                                                                 "qk_norm": "none"},
-            "canon": {"set": canon, "kernel": 4}, "pos": {"type": pos, "fraction": 1.0}, "optim": {"lr": lr},
-            "seed": 0}
+    return {
+        "task": {"name": "depo1", "N": N, "K": K},
+        "model": {"size": size, "arch": "llama", "mlp": "gated", "qk_norm": "none"},
+        "canon": {"set": canon, "kernel": 4},
+        "pos": {"type": pos, "fraction": 1.0},
+        "optim": {"lr": lr},
+        "seed": 0,
+    }
 
 
 def _val_rows(curve):
     """metrics.jsonl lines of validation passes: curve = [(step, {k: acc}), ...] -> ``val/acc_k<k>`` keys."""
-    return "".join(json.dumps({"step": st, "time": 1.0 + st, "val/loss": 2.0,
-                               **{f"val/acc_k{k}": a for k, a in accs.items()}}) + "\n" for st, accs in curve)
+    return "".join(
+        json.dumps({"step": st, "time": 1.0 + st, "val/loss": 2.0, **{f"val/acc_k{k}": a for k, a in accs.items()}})
+        + "\n"
+        for st, accs in curve
+    )
 
 
 def _run(root, name, N, size, lr, acc_hi, acc_lo, K=8, canon="ABCD", pos="rope", hparams=True, curve=()):
@@ -29,14 +36,29 @@ def _run(root, name, N, size, lr, acc_hi, acc_lo, K=8, canon="ABCD", pos="rope",
     config in hparams.json and .hydra/config.yaml, metrics.jsonl (a training line, then ``curve``'s val lines)."""
     d = root / name
     d.mkdir(parents=True)
-    by = {str(K // 2): {"answers": 10, "acc": acc_lo, "tokens": 20, "token_acc": 0.5},
-          str(K): {"answers": 10, "acc": acc_hi, "tokens": 20, "token_acc": 0.5}}
-    (d / "results.json").write_text(json.dumps({
-        "task": "depo1", "task_config": {"name": "depo1", "N": N, "K": K, "context": 256},
-        "model": {"arch": "llama", "size": size, "n_heads": 2, "canon": canon, "pos": pos, "qk_norm": "none"},
-        "steps": 100, "tokens_seen": 409600, "train_time_s": 1.0,
-        "test": {"loss": 2.0, "ppl": 7.4, "group_name": "k", "by_group": by,
-                 "overall": {"answers": 20, "acc": (acc_hi + acc_lo) / 2, "tokens": 40, "token_acc": 0.5}}}))
+    by = {
+        str(K // 2): {"answers": 10, "acc": acc_lo, "tokens": 20, "token_acc": 0.5},
+        str(K): {"answers": 10, "acc": acc_hi, "tokens": 20, "token_acc": 0.5},
+    }
+    (d / "results.json").write_text(
+        json.dumps(
+            {
+                "task": "depo1",
+                "task_config": {"name": "depo1", "N": N, "K": K, "context": 256},
+                "model": {"arch": "llama", "size": size, "n_heads": 2, "canon": canon, "pos": pos, "qk_norm": "none"},
+                "steps": 100,
+                "tokens_seen": 409600,
+                "train_time_s": 1.0,
+                "test": {
+                    "loss": 2.0,
+                    "ppl": 7.4,
+                    "group_name": "k",
+                    "by_group": by,
+                    "overall": {"answers": 20, "acc": (acc_hi + acc_lo) / 2, "tokens": 40, "token_acc": 0.5},
+                },
+            }
+        )
+    )
     if hparams:
         (d / "hparams.json").write_text(json.dumps(_config(N, size, lr, K, canon, pos)))
         (d / ".hydra").mkdir()
@@ -50,7 +72,7 @@ def _run(root, name, N, size, lr, acc_hi, acc_lo, K=8, canon="ABCD", pos="rope",
 
 def test_best_lr_per_cell(tmp_path, capsys):
     _run(tmp_path, "0", 225, "8L512D", 1e-3, 0.50, 0.90)
-    _run(tmp_path, "1", 225, "8L512D", 2e-3, 0.70, 0.80)   # best of the cell: higher acc@K wins
+    _run(tmp_path, "1", 225, "8L512D", 2e-3, 0.70, 0.80)  # best of the cell: higher acc@K wins
     _run(tmp_path, "2", 375, "8L512D", 1e-3, 0.10, 0.30)
     t = table(load_runs(tmp_path), "task.N", "model.size")
     assert t["225"]["8L512D"]["acc"] == (0.70, 0.80) and t["225"]["8L512D"]["dir"].endswith("/1")
@@ -84,9 +106,9 @@ def _sweep_2x2(root):
     s = root / "multiruns" / "2026-01-01_00-00-00"
     #                                              acc@8 acc@4        best of the cell (by hand)
     _run(s, "0", 16, "2L64D", 1e-3, 0.10, 0.30, canon="", pos="rope")
-    _run(s, "1", 16, "2L64D", 2e-3, 0.12, 0.25, canon="", pos="rope")      # none/rope: 12.0/25.0 (higher acc@8)
-    _run(s, "2", 16, "2L64D", 1e-3, 0.05, 0.20, canon="", pos="nope")      # none/nope:  5.0/20.0
-    _run(s, "3", 16, "2L64D", 2e-3, NAN, NAN, canon="", pos="nope")        #   (diverged: never wins)
+    _run(s, "1", 16, "2L64D", 2e-3, 0.12, 0.25, canon="", pos="rope")  # none/rope: 12.0/25.0 (higher acc@8)
+    _run(s, "2", 16, "2L64D", 1e-3, 0.05, 0.20, canon="", pos="nope")  # none/nope:  5.0/20.0
+    _run(s, "3", 16, "2L64D", 2e-3, NAN, NAN, canon="", pos="nope")  #   (diverged: never wins)
     _run(s, "4", 16, "2L64D", 1e-3, 0.60, 0.90, canon="ABCD", pos="rope")
     _run(s, "5", 16, "2L64D", 2e-3, 0.60, 0.95, canon="ABCD", pos="rope")  # ABCD/rope: 60.0/95.0 (tie: acc@4)
     _run(s, "6", 16, "2L64D", 1e-3, 0.55, 0.85, canon="ABCD", pos="nope")  # ABCD/nope: 55.0/85.0
@@ -97,12 +119,13 @@ def _sweep_2x2(root):
     (killed / "metrics.jsonl").write_text(
         '{"step": 10, "time": 1.0, "train/loss": 3.0}\n'
         '{"step": 20, "time": 2.0, "train/loss": 2.9}\n'
-        '{"step": 20, "time": 5.0, "train/loss": 2.8}\n'      # redone after the resume
+        '{"step": 20, "time": 5.0, "train/loss": 2.8}\n'  # redone after the resume
         '{"step": 30, "time": 6.0, "train/loss": "nan"}\n'
-        '{"step": 40, "time": 7.0, "tra')                      # killed mid-write: not a step
+        '{"step": 40, "time": 7.0, "tra'
+    )  # killed mid-write: not a step
     (s / "9").mkdir()
     (s / "9" / "results.json").write_text(json.dumps({"task": "depo1", "steps": 0, "model": {"canon": "A"}}))
-    (s / "10" / "checkpoints").mkdir(parents=True)            # natural order: 8, 9, 10
+    (s / "10" / "checkpoints").mkdir(parents=True)  # natural order: 8, 9, 10
     return s
 
 
@@ -160,8 +183,12 @@ def test_json_has_every_table(tmp_path, capsys):
     doc = json.loads(j.read_text())
     assert doc["rows"] == "task.N" and doc["cols"] == "model.size"
     got = {t["title"]: (t["setting"], t["cells"]["16"]["2L64D"]) for t in doc["tables"]}
-    want = {("none", "nope"): ([0.05, 0.20], "2", 2), ("none", "rope"): ([0.12, 0.25], "1", 2),
-            ("ABCD", "nope"): ([0.55, 0.85], "6", 2), ("ABCD", "rope"): ([0.60, 0.95], "5", 2)}
+    want = {
+        ("none", "nope"): ([0.05, 0.20], "2", 2),
+        ("none", "rope"): ([0.12, 0.25], "1", 2),
+        ("ABCD", "nope"): ([0.55, 0.85], "6", 2),
+        ("ABCD", "rope"): ([0.60, 0.95], "5", 2),
+    }
     assert [t["title"] for t in doc["tables"]] == [f"canon.set={c} pos.type={p}" for c, p in want]
     for (c, p), (acc, name, n) in want.items():
         setting, e = got[f"canon.set={c} pos.type={p}"]
@@ -170,15 +197,18 @@ def test_json_has_every_table(tmp_path, capsys):
     assert doc["unfinished"] == [
         {"dir": str(s / "8"), "last_step": 30, "reason": "no results.json"},
         {"dir": str(s / "9"), "last_step": None, "reason": "results.json has no test or val result"},
-        {"dir": str(s / "10"), "last_step": None, "reason": "no results.json"}]
+        {"dir": str(s / "10"), "last_step": None, "reason": "no results.json"},
+    ]
 
 
 def test_only_unfinished_runs(tmp_path, capsys):
     (tmp_path / "0" / ".hydra").mkdir(parents=True)
     (tmp_path / "0" / "metrics.jsonl").write_text('{"step": 5, "time": 1.0, "train/loss": 3.0}\n')
     assert main([str(tmp_path)]) == 0
-    assert capsys.readouterr().out == f"no finished runs\n\nunfinished or failed: {tmp_path}/0 (last step 5 from " \
-                                      "metrics.jsonl)\n"
+    assert (
+        capsys.readouterr().out == f"no finished runs\n\nunfinished or failed: {tmp_path}/0 (last step 5 from "
+        "metrics.jsonl)\n"
+    )
 
 
 def test_runs_of_another_canon_set_are_refused_in_one_cell_and_nan_loses(tmp_path):
@@ -186,7 +216,9 @@ def test_runs_of_another_canon_set_are_refused_in_one_cell_and_nan_loses(tmp_pat
     _run(tmp_path, "b", 225, "8L512D", 1e-3, 0.70, 0.90, canon="AC", pos="nope")
     ts = tables(load_runs(tmp_path), "task.N", "model.size")
     assert [(t["title"], t["cells"]["225"]["8L512D"]["acc"]) for t in ts] == [
-        ("canon.set=none", (0.30, 0.50)), ("canon.set=AC", (0.70, 0.90))]
+        ("canon.set=none", (0.30, 0.50)),
+        ("canon.set=AC", (0.70, 0.90)),
+    ]
     # table() is one setting: runs of another Canon set in a cell are refused, naming the key
     with pytest.raises(ValueError, match="canon.set=none vs AC"):
         table(load_runs(tmp_path), "task.N", "model.size")
@@ -227,7 +259,9 @@ def test_runs_without_hparams_are_compared_on_their_hydra_config(tmp_path, capsy
     assert {r["config"]["trainer"]["max_steps"] for r in runs} == {87_500}
     ts = tables(runs, "task.N", "model.size")
     assert [(t["title"], t["cells"]["225"]["8L512D"]["acc"], t["protocol"]["runs_per_cell"]) for t in ts] == [
-        ("optim.weight_decay=0.0", (0.70, 0.35), [1, 1]), ("optim.weight_decay=0.03", (0.40, 0.20), [1, 1])]
+        ("optim.weight_decay=0.0", (0.70, 0.35), [1, 1]),
+        ("optim.weight_decay=0.03", (0.40, 0.20), [1, 1]),
+    ]
     with pytest.raises(ValueError, match="optim.weight_decay=0.0 vs 0.03"):
         table(runs, "task.N", "model.size")
     assert main([str(tmp_path)]) == 0
@@ -237,13 +271,19 @@ def test_runs_without_hparams_are_compared_on_their_hydra_config(tmp_path, capsy
     # settings come from Hydra's file: its interpolations resolved to the same values, its names and paths ignored
     d = _run(tmp_path, "resolved", 225, "8L512D", 2e-3, 0.10, 0.05)
     cfg = _config(225, "8L512D", 2e-3)
-    for k, v in {"trainer.max_steps": 87_500, "run_name": "2026-01-01_00-00-00", "paths.output_dir": str(d),
-                 "optim.weight_decay": 0.03}.items():
+    for k, v in {
+        "trainer.max_steps": 87_500,
+        "run_name": "2026-01-01_00-00-00",
+        "paths.output_dir": str(d),
+        "optim.weight_decay": 0.03,
+    }.items():
         _set(cfg, k, v)
     (d / "hparams.json").write_text(json.dumps(cfg))
     ts = tables(load_runs(tmp_path), "task.N", "model.size")
     assert [(t["title"], t["protocol"]["runs_per_cell"]) for t in ts] == [
-        ("optim.weight_decay=0.0", [1, 1]), ("optim.weight_decay=0.03", [2, 2])]
+        ("optim.weight_decay=0.0", [1, 1]),
+        ("optim.weight_decay=0.03", [2, 2]),
+    ]
 
 
 def test_a_run_without_readable_settings_is_refused_by_name(tmp_path, capsys):
@@ -253,7 +293,7 @@ def test_a_run_without_readable_settings_is_refused_by_name(tmp_path, capsys):
     from canonlm.train.cells import NO_SETTINGS, find_unfinished
 
     _run(tmp_path, "ok", 225, "8L512D", 1e-3, 0.30, 0.50)
-    _run(tmp_path, "bare", 225, "8L512D", 1e-3, 0.90, 0.95, hparams=False)                # empty .hydra/
+    _run(tmp_path, "bare", 225, "8L512D", 1e-3, 0.90, 0.95, hparams=False)  # empty .hydra/
     damaged = _run(tmp_path, "damaged", 225, "8L512D", 1e-3, 0.80, 0.95, hparams=False)
     (damaged / ".hydra" / "config.yaml").write_text("task: [unclosed\n")
     (damaged / "hparams.json").write_text("{}")
@@ -272,6 +312,7 @@ def test_a_run_without_readable_settings_is_refused_by_name(tmp_path, capsys):
 # ---------------------------------------------------------------------------------------------------------------
 # Cells compare like with like: only the best-of keys (lr, seeds) and keys that cannot change a result may differ
 # ---------------------------------------------------------------------------------------------------------------
+
 
 def _set(cfg: dict, dotted: str, value) -> dict:
     *path, last = dotted.split(".")
@@ -293,10 +334,20 @@ def _run_with(root, name, acc, changes: dict, lr=1e-3):
 
 
 # (key, value of the weaker run, value of the stronger run): each can change a result
-RESULT_KEYS = [("trainer.max_steps", 600, 100000), ("canon.kernel", 2, 4), ("canon.residual", False, True),
-               ("canon.activation", True, False), ("pos.theta", 500.0, 10000.0), ("pos.pairing", "interleaved", "half"),
-               ("data.batch_size", 32, 64), ("optim.weight_decay", 0.0, 0.1), ("model.n_heads", 2, 4),
-               ("sched.name", "constant", "cosine"), ("loss.z_loss", "palm", "none"), ("task.context", 128, 256)]
+RESULT_KEYS = [
+    ("trainer.max_steps", 600, 100000),
+    ("canon.kernel", 2, 4),
+    ("canon.residual", False, True),
+    ("canon.activation", True, False),
+    ("pos.theta", 500.0, 10000.0),
+    ("pos.pairing", "interleaved", "half"),
+    ("data.batch_size", 32, 64),
+    ("optim.weight_decay", 0.0, 0.1),
+    ("model.n_heads", 2, 4),
+    ("sched.name", "constant", "cosine"),
+    ("loss.z_loss", "palm", "none"),
+    ("task.context", 128, 256),
+]
 
 
 @pytest.mark.parametrize("key, weak, strong", RESULT_KEYS, ids=[k for k, _, _ in RESULT_KEYS])
@@ -323,43 +374,63 @@ def test_the_issue_example_three_runs_are_three_tables(tmp_path, capsys):
     out = capsys.readouterr().out
     print(out)
     titles = [ln for ln in out.splitlines() if ln.startswith("canon.")]
-    assert titles == ["canon.kernel=2 canon.residual=True trainer.max_steps=100000",
-                      "canon.kernel=4 canon.residual=True trainer.max_steps=600",
-                      "canon.kernel=4 canon.residual=False trainer.max_steps=600"], out
-    assert [ln.split("|")[1].strip() for ln in out.splitlines() if ln.startswith("                 16 |")] == \
-        ["95.0/ 47.5", "30.0/ 15.0", "50.0/ 25.0"], out
+    assert titles == [
+        "canon.kernel=2 canon.residual=True trainer.max_steps=100000",
+        "canon.kernel=4 canon.residual=True trainer.max_steps=600",
+        "canon.kernel=4 canon.residual=False trainer.max_steps=600",
+    ], out
+    assert [ln.split("|")[1].strip() for ln in out.splitlines() if ln.startswith("                 16 |")] == [
+        "95.0/ 47.5",
+        "30.0/ 15.0",
+        "50.0/ 25.0",
+    ], out
 
 
 def test_neutral_keys_and_best_of_keys_share_a_cell(tmp_path, capsys):
     """Runs that differ only in paths, names, loggers, checkpoint cadence, the resume choice and the worker count,
     and in learning rate and seeds: one cell, the best of the four, the protocol stated."""
-    neutral = {"run_name": "x", "paths.output_dir": "/x", "logger.csv.save_dir": "/x",
-               "callbacks.checkpoint.every_n_train_steps": 100, "data.num_workers": 4, "trainer.log_every_n_steps": 5,
-               "trainer.devices": 2, "activation_checkpointing": 1}
+    neutral = {
+        "run_name": "x",
+        "paths.output_dir": "/x",
+        "logger.csv.save_dir": "/x",
+        "callbacks.checkpoint.every_n_train_steps": 100,
+        "data.num_workers": 4,
+        "trainer.log_every_n_steps": 5,
+        "trainer.devices": 2,
+        "activation_checkpointing": 1,
+    }
     for i, (lr, seed, acc) in enumerate([(1e-3, 1, 0.3), (1e-3, 2, 0.4), (3e-3, 1, 0.8), (3e-3, 2, 0.6)]):
         ch = {k: (f"{v}{i}" if isinstance(v, str) else v * (i + 1)) for k, v in neutral.items()}
-        ch["ckpt_path"] = None if i % 2 else "auto"          # a fresh start or a resume of the run's own checkpoints
+        ch["ckpt_path"] = None if i % 2 else "auto"  # a fresh start or a resume of the run's own checkpoints
         if i == 3:
-            ch["callbacks"] = None                           # callbacks=none: a node null in one run only
+            ch["callbacks"] = None  # callbacks=none: a node null in one run only
         _run_with(tmp_path, f"r{i}", acc, {**ch, "seed": seed}, lr=lr)
     assert main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert out.startswith("task.N \\ model.size |        2L64D\n                 16 |   80.0/ 40.0\n"), out
-    assert ("100 steps (410K tokens) per run; each cell the best of optim.lr in {0.001, 0.003} x seed in {1, 2} "
-            "(4 runs per cell)") in out, out
+    assert (
+        "100 steps (410K tokens) per run; each cell the best of optim.lr in {0.001, 0.003} x seed in {1, 2} "
+        "(4 runs per cell)"
+    ) in out, out
 
 
 def test_best_of_names_other_keys(tmp_path, capsys):
     _run_with(tmp_path, "a", 0.2, {"optim.weight_decay": 0.0})
     _run_with(tmp_path, "b", 0.7, {"optim.weight_decay": 0.1})
-    assert main([str(tmp_path), "--best-of", "optim.lr,seed,optim.weight_decay", "--json",
-                 str(tmp_path / "r.json")]) == 0
+    assert (
+        main([str(tmp_path), "--best-of", "optim.lr,seed,optim.weight_decay", "--json", str(tmp_path / "r.json")]) == 0
+    )
     out = capsys.readouterr().out
     assert "70.0/ 35.0" in out and "20.0" not in out and "optim.weight_decay in {0.0, 0.1} (2 runs per cell)" in out
     doc = json.loads((tmp_path / "r.json").read_text())
     assert doc["tables"][0]["protocol"]["best_of"]["optim.weight_decay"] == ["0.0", "0.1"]
-    for bad, why in (("task.N", "--rows, --cols or task.name"), ("task", "--rows, --cols or task.name"),
-                     ("paths.output_dir", "cannot change a result"), ("a b", "not a"), ("optim.lrr", "no run sets")):
+    for bad, why in (
+        ("task.N", "--rows, --cols or task.name"),
+        ("task", "--rows, --cols or task.name"),
+        ("paths.output_dir", "cannot change a result"),
+        ("a b", "not a"),
+        ("optim.lrr", "no run sets"),
+    ):
         assert main([str(tmp_path), "--best-of", bad]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and err.startswith("report: error: --best-of") and why in err, err
@@ -374,7 +445,7 @@ def test_every_figure_and_table_states_budget_learning_rates_and_seeds(tmp_path)
     runs = load_runs(s)
     files = build_outputs([s], runs, find_unfinished(s, runs), "task.N", "model.size")
     want = "100 steps (410K tokens) per run; each cell the best of optim.lr in {0.001, 0.002} (2 runs per cell); seed=0"
-    assert (f"Cells: acc@K / acc@K/2 (%) (test split, else val). {want}." in files["table.md"].decode())
+    assert f"Cells: acc@K / acc@K/2 (%) (test split, else val). {want}." in files["table.md"].decode()
     doc = json.loads(files["report.json"])
     assert [t["protocol"]["text"] for t in doc["tables"]] == [want] * 4
     figs = doc["figures"]
@@ -391,8 +462,10 @@ def test_a_key_that_follows_the_rows_does_not_split_the_table(tmp_path, capsys):
         (d / "results.json").write_text(json.dumps(res))
     assert main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("task.N \\ model.size |        2L64D\n                 16 |   90.0/ 45.0\n"
-                          "                 24 |   70.0/ 35.0\n                 32 |   50.0/ 25.0\n"), out
+    assert out.startswith(
+        "task.N \\ model.size |        2L64D\n                 16 |   90.0/ 45.0\n"
+        "                 24 |   70.0/ 35.0\n                 32 |   50.0/ 25.0\n"
+    ), out
     assert "trainer.max_steps follows task.N (16: 600, 24: 900, 32: 1200)" in out, out
 
 
@@ -418,13 +491,16 @@ def test_a_seed_axis_is_left_out_of_the_default_best_of(tmp_path, capsys):
 
 def test_per_cell_learning_rate_sets_are_stated_as_such(tmp_path, capsys):
     """A grid with its own learning rates per model size: the protocol says each cell has its own set."""
-    for i, (size, lr, acc) in enumerate([("2L64D", 1e-3, 0.3), ("2L64D", 2e-3, 0.4), ("4L64D", 1e-2, 0.5),
-                                         ("4L64D", 2e-2, 0.6)]):
+    for i, (size, lr, acc) in enumerate(
+        [("2L64D", 1e-3, 0.3), ("2L64D", 2e-3, 0.4), ("4L64D", 1e-2, 0.5), ("4L64D", 2e-2, 0.6)]
+    ):
         d = _run(tmp_path, f"r{i}", 16, size, lr, acc, acc / 2)
     assert main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "each cell the best of optim.lr in its own set per cell ({0.001, 0.002} / {0.01, 0.02}) (2 runs per cell)" \
-        in out, out
+    assert (
+        "each cell the best of optim.lr in its own set per cell ({0.001, 0.002} / {0.01, 0.02}) (2 runs per cell)"
+        in out
+    ), out
 
 
 def test_an_unfinished_run_with_unresolved_values_joins_its_setting(tmp_path):
@@ -435,12 +511,14 @@ def test_an_unfinished_run_with_unresolved_values_joins_its_setting(tmp_path):
     _run_with(tmp_path, "done", 0.5, {"trainer.max_steps": 600})
     killed = tmp_path / "killed"
     (killed / ".hydra").mkdir(parents=True)
-    cfg = _set(_set(_config(16, "4L64D", 1e-3), "trainer.max_steps", "${canonlm_steps:depo1,16}"), "data.batch_size",
-               "auto")
+    cfg = _set(
+        _set(_config(16, "4L64D", 1e-3), "trainer.max_steps", "${canonlm_steps:depo1,16}"), "data.batch_size", "auto"
+    )
     (killed / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
     runs = load_runs(tmp_path)
-    doc = json.loads(build_outputs([tmp_path], runs, find_unfinished(tmp_path, runs), "task.N", "model.size")
-                     ["report.json"])
+    doc = json.loads(
+        build_outputs([tmp_path], runs, find_unfinished(tmp_path, runs), "task.N", "model.size")["report.json"]
+    )
     assert len(doc["tables"]) == 1, [t["title"] for t in doc["tables"]]
     cells = doc["tables"][0]["cells"]["16"]
     assert cells["2L64D"]["status"] == "ok" and cells["4L64D"]["status"] == "unfinished", cells

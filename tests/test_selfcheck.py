@@ -37,8 +37,14 @@ HERE = Path(__file__).resolve().parent
 
 def _selfcheck(args, cwd, timeout=400):
     env = {**os.environ, "WANDB_MODE": "disabled"}
-    return subprocess.run([sys.executable, "-m", "canonlm.selfcheck", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "canonlm.selfcheck", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        env=env,
+    )
 
 
 def _rows(report: str) -> dict[str, dict]:
@@ -48,14 +54,21 @@ def _rows(report: str) -> dict[str, dict]:
     for line in report.split("## Checks", 1)[1].splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
         if len(cells) == 6 and cells[0] in (PASS, FAIL, SKIP):
-            out[cells[1]] = dict(status=cells[0], compile=float(cells[2]) if cells[2] else None,
-                                 check=float(cells[3]) if cells[3] else None, kernels=cells[4], detail=cells[5])
+            out[cells[1]] = dict(
+                status=cells[0],
+                compile=float(cells[2]) if cells[2] else None,
+                check=float(cells[3]) if cells[3] else None,
+                kernels=cells[4],
+                detail=cells[5],
+            )
     return out
 
 
 #: A printed result line: ``[STATUS] name (compile 1.2 s, check 0.3 s): detail`` (or ``(not run)``).
-PRINTED = re.compile(r"^\[(PASS|FAIL|SKIP)\] (.+?) \((compile (\d+\.\d) s(?: \[[^\]]*\])?, check (\d+\.\d) s|not run|"
-                     r"stopped after (\d+\.\d) s)\): (.*)$")
+PRINTED = re.compile(
+    r"^\[(PASS|FAIL|SKIP)\] (.+?) \((compile (\d+\.\d) s(?: \[[^\]]*\])?, check (\d+\.\d) s|not run|"
+    r"stopped after (\d+\.\d) s)\): (.*)$"
+)
 
 
 def _printed(stderr: str) -> dict[str, tuple]:
@@ -65,18 +78,22 @@ def _printed(stderr: str) -> dict[str, tuple]:
         m = PRINTED.match(line)
         if m:
             c, k = m.group(4), m.group(5)
-            out[m.group(2)] = (m.group(1), None if c is None else float(c), None if k is None else float(k),
-                               m.group(7))
+            out[m.group(2)] = (m.group(1), None if c is None else float(c), None if k is None else float(k), m.group(7))
     return out
 
 
 #: The CPU lines of a --quick run (docs/selfcheck.md): no bf16 native line, training llama only.
-QUICK_CPU = ["cpu canon/cpu native kernel fp32 fwd+bwd", "cpu canon reference + decode step vs loop (fp64)",
-             "cpu attention sdpa fp32 fwd+bwd + decode"] + \
-    [f"cpu {op} chunked reference vs recurrence (fp64) fwd+bwd" for op in ("gla", "gdn", "ssd")] + \
-    [f"cpu model {a} decode == full forward (fp32)" for a in ("llama", "gla", "gdn", "mamba2")] + \
-    [f"cpu model {a} doc-mask == documents alone (fp32)" for a in ("llama", "gla", "gdn", "mamba2")] + \
-    ["cpu train llama canon=ABCD 2L64D 5 steps"]
+QUICK_CPU = (
+    [
+        "cpu canon/cpu native kernel fp32 fwd+bwd",
+        "cpu canon reference + decode step vs loop (fp64)",
+        "cpu attention sdpa fp32 fwd+bwd + decode",
+    ]
+    + [f"cpu {op} chunked reference vs recurrence (fp64) fwd+bwd" for op in ("gla", "gdn", "ssd")]
+    + [f"cpu model {a} decode == full forward (fp32)" for a in ("llama", "gla", "gdn", "mamba2")]
+    + [f"cpu model {a} doc-mask == documents alone (fp32)" for a in ("llama", "gla", "gdn", "mamba2")]
+    + ["cpu train llama canon=ABCD 2L64D 5 steps"]
+)
 
 
 @CPU_ONLY
@@ -98,8 +115,9 @@ def test_cpu_quick_run_writes_the_report_with_compile_and_check_times(tmp_path, 
     cpu = {n: r for n, r in rows.items() if n.startswith("cpu ")}
     assert any(n.startswith("kernel gla/fla") for n in gpu) and any(n.startswith("fsdp2") for n in gpu)
     assert any(n.startswith("train ") for n in gpu) and any(n.startswith("model ") for n in gpu)
-    assert all((r["status"], r["detail"], r["compile"], r["check"]) == (SKIP, env.NO_CUDA, None, None)
-               for r in gpu.values()), gpu
+    assert all(
+        (r["status"], r["detail"], r["compile"], r["check"]) == (SKIP, env.NO_CUDA, None, None) for r in gpu.values()
+    ), gpu
     assert all(printed[n][:3] == (SKIP, None, None) for n in gpu)  # printed "(not run)"
     assert list(cpu) == QUICK_CPU
     assert all(r["status"] == PASS for r in cpu.values()), cpu
@@ -116,8 +134,10 @@ def test_cpu_quick_run_writes_the_report_with_compile_and_check_times(tmp_path, 
     assert "- kernel cache: Triton " in report and "- autotune: first config that runs" in report
     assert "(15 PASS, 0 FAIL," in report
     for a in ("llama", "gla", "gdn", "mamba2"):  # document masking: a packed window == each document alone
-        assert "7 documents in 2 rows of 48 tokens vs each alone" in cpu[f"cpu model {a} doc-mask == documents alone "
-                                                                        f"(fp32)"]["detail"]
+        assert (
+            "7 documents in 2 rows of 48 tokens vs each alone"
+            in cpu[f"cpu model {a} doc-mask == documents alone (fp32)"]["detail"]
+        )
     # an existing report is not overwritten (refused before anything runs)
     from canonlm.selfcheck.__main__ import main
 
@@ -132,30 +152,56 @@ def test_full_and_quick_plans(capsys):
     documented rules, not read from the plan), their groups, and ``--list``."""
     full = plan.build_plan(plan.Options(), cuda=True, n_gpu=1)
     quick = plan.build_plan(plan.Options(quick=True), cuda=True, n_gpu=1)
-    kernel = {dt: [f"kernel canon/{b} {dt} {m}" for b in ("dao", "fla") for m in ("fwd+bwd", "decode")]
-              + [f"kernel canon/torch compiled {dt} fwd+bwd"]
-              + [f"kernel attention/{b} {dt} {m}" for b in ("sdpa", "flash") if not (b == "flash" and dt == "fp32")
-                 for m in ("fwd+bwd", "decode")]
-              + [f"kernel {o} {dt} {m}" for o in ("gla/fla", "gdn/fla", "ssd/mamba_ssm") for m in ("fwd+bwd", "decode")]
-              + [f"kernel ssd/mamba_ssm fused split {dt} fwd+bwd"]
-              + [f"kernel {o} {dt} doc-mask ({how}) fwd+bwd"
-                 for o, how in (("gla/fla", "cu_seqlens"), ("gdn/fla", "cu_seqlens"), ("ssd/mamba_ssm", "seq_idx"))]
-              for dt in ("fp32", "bf16")}
+    kernel = {
+        dt: [f"kernel canon/{b} {dt} {m}" for b in ("dao", "fla") for m in ("fwd+bwd", "decode")]
+        + [f"kernel canon/torch compiled {dt} fwd+bwd"]
+        + [
+            f"kernel attention/{b} {dt} {m}"
+            for b in ("sdpa", "flash")
+            if not (b == "flash" and dt == "fp32")
+            for m in ("fwd+bwd", "decode")
+        ]
+        + [f"kernel {o} {dt} {m}" for o in ("gla/fla", "gdn/fla", "ssd/mamba_ssm") for m in ("fwd+bwd", "decode")]
+        + [f"kernel ssd/mamba_ssm fused split {dt} fwd+bwd"]
+        + [
+            f"kernel {o} {dt} doc-mask ({how}) fwd+bwd"
+            for o, how in (("gla/fla", "cu_seqlens"), ("gdn/fla", "cu_seqlens"), ("ssd/mamba_ssm", "seq_idx"))
+        ]
+        for dt in ("fp32", "bf16")
+    }
     archs = ("llama", "gla", "gdn", "mamba2")
     sets = {"llama": "ABCD", "gla": "AbCD", "gdn": "AbCD", "mamba2": "AbCD"}
-    want_full = kernel["fp32"] + kernel["bf16"] \
-        + [n for a in archs for n in (f"model {a} fast vs reference (cuda, bf16)",
-                                      f"model {a} decode == full forward (cuda, fp32)",
-                                      f"model {a} doc-mask == documents alone (cuda, fp32)")] \
-        + [f"train {a} canon={sets[a]} 12L768D 20 steps (1 GPU, bf16-mixed)" for a in archs] \
+    want_full = (
+        kernel["fp32"]
+        + kernel["bf16"]
+        + [
+            n
+            for a in archs
+            for n in (
+                f"model {a} fast vs reference (cuda, bf16)",
+                f"model {a} decode == full forward (cuda, fp32)",
+                f"model {a} doc-mask == documents alone (cuda, fp32)",
+            )
+        ]
+        + [f"train {a} canon={sets[a]} 12L768D 20 steps (1 GPU, bf16-mixed)" for a in archs]
         + [f"fsdp2 {a} canon={sets[a]} 12L768D 20 steps (all GPUs)" for a in ("llama", "gla")]
-    want_quick = kernel["bf16"] + ["model llama decode == full forward (cuda, fp32)",  # llama: Canon-ABCD masked
-                                   "model llama doc-mask == documents alone (cuda, fp32)"] \
-        + [f"model {a} decode == full forward (cuda, fp32)" for a in archs[1:]] \
-        + [f"train {a} canon={sets[a]} 4L256D 10 steps (1 GPU, bf16-mixed)" for a in ("llama", "gla")] \
-        + ["fsdp2 llama canon=ABCD 4L256D 10 steps (all GPUs)"] + QUICK_CPU
-    want_full += [QUICK_CPU[0], "cpu canon/cpu native kernel bf16 fwd+bwd"] + QUICK_CPU[1:] + \
-        [f"cpu train {a} canon={sets[a]} 2L64D 5 steps" for a in archs[1:]]
+    )
+    want_quick = (
+        kernel["bf16"]
+        + [
+            "model llama decode == full forward (cuda, fp32)",  # llama: Canon-ABCD masked
+            "model llama doc-mask == documents alone (cuda, fp32)",
+        ]
+        + [f"model {a} decode == full forward (cuda, fp32)" for a in archs[1:]]
+        + [f"train {a} canon={sets[a]} 4L256D 10 steps (1 GPU, bf16-mixed)" for a in ("llama", "gla")]
+        + ["fsdp2 llama canon=ABCD 4L256D 10 steps (all GPUs)"]
+        + QUICK_CPU
+    )
+    want_full += (
+        [QUICK_CPU[0], "cpu canon/cpu native kernel bf16 fwd+bwd"]
+        + QUICK_CPU[1:]
+        + [f"cpu train {a} canon={sets[a]} 2L64D 5 steps" for a in archs[1:]]
+    )
     assert [s.name for s in full] == want_full
     assert [s.name for s in quick] == want_quick
     for specs in (full, quick):
@@ -174,8 +220,11 @@ def test_full_and_quick_plans(capsys):
         # the document-masking lines run their own checks: the varlen kernels, and the model on doc_ids
         for s in specs:
             if "doc-mask" in s.name:
-                want = ("canonlm.selfcheck.kernels:check_doc_mask_kernel" if s.name.startswith("kernel ") else
-                        "canonlm.selfcheck.models:check_model_doc_mask")
+                want = (
+                    "canonlm.selfcheck.kernels:check_doc_mask_kernel"
+                    if s.name.startswith("kernel ")
+                    else "canonlm.selfcheck.models:check_model_doc_mask"
+                )
                 assert s.target == want and s.static is None, s
                 if s.name.startswith("cpu "):
                     assert s.group == "cpu" and s.kwargs == {"fast": False, "T": 48} and s.args[1:] == ["cpu", "2L64D"]
@@ -184,8 +233,7 @@ def test_full_and_quick_plans(capsys):
                 else:
                     assert s.group == s.name.split()[1].split("/")[0] + " " + s.name.split()[2] and s.est_compiles > 0
         train = [s for s in specs if s.name.startswith("train ")]
-        assert all(s.args[0]["autotune"] == "first" and f"data.batch_size=8" in s.args[0]["overrides"]
-                   for s in train)
+        assert all(s.args[0]["autotune"] == "first" and f"data.batch_size=8" in s.args[0]["overrides"] for s in train)
     no_cuda = plan.build_plan(plan.Options(quick=True), cuda=False, n_gpu=0)
     assert all(s.static == [SKIP, env.NO_CUDA] for s in no_cuda if not s.name.startswith("cpu "))
     two = plan.build_plan(plan.Options(size="4L128D", steps=3, autotune="full"), cuda=True, n_gpu=2)
@@ -196,14 +244,20 @@ def test_full_and_quick_plans(capsys):
 
     assert main(["--list", "--quick"]) == 0
     listed = [ln.split("  [", 1)[0] for ln in capsys.readouterr().out.splitlines()]
-    assert listed == [s.name for s in plan.build_plan(plan.Options(quick=True), torch.cuda.is_available(),
-                                                      torch.cuda.device_count())]
+    assert listed == [
+        s.name for s in plan.build_plan(plan.Options(quick=True), torch.cuda.is_available(), torch.cuda.device_count())
+    ]
 
 
-@pytest.mark.parametrize("argv, msg", [(["--steps", "1"], "--steps 1: allowed: an integer >= 2"),
-                                       (["--budget-s", "0"], "--budget-s 0.0: allowed"),
-                                       (["--jobs", "0"], "--jobs 0: allowed"),
-                                       (["--size", "big"], "--size big: allowed: one of")])
+@pytest.mark.parametrize(
+    "argv, msg",
+    [
+        (["--steps", "1"], "--steps 1: allowed: an integer >= 2"),
+        (["--budget-s", "0"], "--budget-s 0.0: allowed"),
+        (["--jobs", "0"], "--jobs 0: allowed"),
+        (["--size", "big"], "--size big: allowed: one of"),
+    ],
+)
 def test_bad_options_are_refused_before_anything_runs(argv, msg, tmp_path, capsys):
     from canonlm.selfcheck.__main__ import main
 
@@ -250,8 +304,9 @@ def test_budget_stops_lines_with_the_reason_and_the_exit_code_stays_right(tmp_pa
         LineSpec("a never starts", "a", "os.path:split", ["PASS/x"]),
         LineSpec("b crashes", "b", "os:_exit", [3], est_s=20),
         LineSpec("b after the crash", "b", "os.path:split", ["PASS/ran in a new worker"]),
-        LineSpec("c timed", "c", "test_selfcheck_interp:planted_line", [], {"compile_s": 0.6, "check_s": 0.3},
-                 est_s=10),
+        LineSpec(
+            "c timed", "c", "test_selfcheck_interp:planted_line", [], {"compile_s": 0.6, "check_s": 0.3}, est_s=10
+        ),
         LineSpec("d static", "d", static=[SKIP, "no CUDA"]),
     ]
     monkeypatch.setattr(cli, "build_plan", lambda opts, cuda, n_gpu: lines)
@@ -268,12 +323,16 @@ def test_budget_stops_lines_with_the_reason_and_the_exit_code_stays_right(tmp_pa
     assert (rows["a planted FAIL"]["status"], rows["a planted FAIL"]["detail"]) == (FAIL, "planted failure")
     hang = rows["a hangs"]
     assert hang["status"] == SKIP and hang["compile"] is None and hang["check"] is None
-    assert re.fullmatch(r"stopped after \d+ s: the 5 s budget was spent while it ran; rerun with --budget-s 10 "
-                        r"\(the kernel cache makes a second run faster\)", hang["detail"]), hang
+    assert re.fullmatch(
+        r"stopped after \d+ s: the 5 s budget was spent while it ran; rerun with --budget-s 10 "
+        r"\(the kernel cache makes a second run faster\)",
+        hang["detail"],
+    ), hang
     assert printed["a hangs"][0] == SKIP and "stopped after" in err
     assert (rows["a never starts"]["status"], rows["a never starts"]["detail"]) == (
-        SKIP, "not run: the 5 s budget was spent; rerun with --budget-s 10 (the kernel cache makes a second run "
-              "faster)")
+        SKIP,
+        "not run: the 5 s budget was spent; rerun with --budget-s 10 (the kernel cache makes a second run faster)",
+    )
     assert rows["b crashes"]["status"] == FAIL
     assert rows["b crashes"]["detail"].startswith("the worker process died (exit 3) while this line ran")
     assert (rows["b after the crash"]["status"], rows["b after the crash"]["detail"]) == (PASS, "ran in a new worker")
@@ -299,6 +358,7 @@ def _cmdline(proc: Path) -> str:
 def test_time_split_of_a_line():
     """Compile time is the time spent inside ``compiling()`` (nested blocks once) plus what ``add_compile_time``
     adds (a subprocess's start-up); check time is the rest of the line's wall time."""
+
     def line():
         with verdict.compiling():
             time.sleep(0.2)
@@ -392,8 +452,13 @@ def test_training_fallback_and_short_runs_are_fail():
     spec = training.TrainSpec("train gla", "gla", "AbCD", [], 30, 1, "cuda", 10)
     rows = [{"step": s, "train/loss": 3.0 - s / 100} for s in range(30)]
     rows += [{"step": s, "perf/tokens_per_s": 1e5, "perf/mfu": 0.3, "perf/peak_mem_gb": 9.5} for s in (5, 10, 15)]
-    info = {"steps": 30, "world_size": 1, "backends": {"canon": "dao", "gla": "fla"},
-            "ran": {"canon": {"dao": 480}, "gla": {"fla": 360}}, "peak_mem_gib": 10.0}
+    info = {
+        "steps": 30,
+        "world_size": 1,
+        "backends": {"canon": "dao", "gla": "fla"},
+        "ran": {"canon": {"dao": 480}, "gla": {"fla": 360}},
+        "peak_mem_gib": 10.0,
+    }
     want = {"canon": "dao", "gla": "fla"}
     status, detail = training.judge_training(spec, rows, info, want)
     assert status == PASS and "tokens/s 100,000" in detail and "MFU 30.0%" in detail and "10.00 GiB" in detail
@@ -417,8 +482,9 @@ def test_training_fallback_and_short_runs_are_fail():
     status, detail = training.judge_training(m2, rows, {**unfused, "fused_split_reason": None}, want_m)
     assert status == FAIL and "ssd ran mamba_ssm" in detail
     assert training.judge_training(m2, rows, {**fused, "fused_split_reason": None}, want_m)[0] == PASS
-    assert training.judge_training(m2, rows, {**unfused, "fused_split_reason": "causal-conv1d too old"}, want_m)[0] \
-        == PASS
+    assert (
+        training.judge_training(m2, rows, {**unfused, "fused_split_reason": "causal-conv1d too old"}, want_m)[0] == PASS
+    )
 
 
 def test_run_check_turns_exceptions_into_lines():
@@ -440,7 +506,9 @@ def test_missing_library_skips_and_broken_install_fails(monkeypatch):
     monkeypatch.setattr(env, "dist_version", lambda names: None)
     assert env.fast_unavailable("attention", "flash", "cuda", torch.bfloat16) == (SKIP, "flash-attn not installed")
     assert env.fast_unavailable("ssd", "split", "cuda", torch.bfloat16) == (
-        SKIP, "mamba-ssm, causal-conv1d not installed")
+        SKIP,
+        "mamba-ssm, causal-conv1d not installed",
+    )
     monkeypatch.setattr(env, "dist_version", lambda names: "9.9")  # "installed", but the probe fails
     monkeypatch.setattr(env.importlib.util, "find_spec", lambda name: None)  # and no such extension module here
 
@@ -449,33 +517,49 @@ def test_missing_library_skips_and_broken_install_fails(monkeypatch):
         return env.fast_unavailable("gla", "fla", "cuda", torch.bfloat16)
 
     assert probes("ModuleNotFoundError: No module named 'einops'") == (
-        FAIL, "fla-core is installed but does not load: ModuleNotFoundError: No module named 'einops'")
+        FAIL,
+        "fla-core is installed but does not load: ModuleNotFoundError: No module named 'einops'",
+    )
     status, reason = probes("ImportError: /x/causal_conv1d_cuda.so: undefined symbol: _ZN3c105ErrorC2E")
     assert status == FAIL and reason.startswith("fla-core is installed but does not load: ImportError: ")
     assert probes(ModuleNotFoundError("No module named 'selective_scan_cuda'", name="selective_scan_cuda")) == (
-        SKIP, "mamba-ssm installed without its CUDA op (selective_scan_cuda): install its CUDA build for this torch "
-              "(`bash scripts/setup.sh cuda` where GitHub is reachable, or with nvcc `MAMBA_FORCE_BUILD=TRUE pip "
-              "install --no-build-isolation --no-cache-dir --no-deps mamba-ssm==9.9`; docs/gpu.md)")
+        SKIP,
+        "mamba-ssm installed without its CUDA op (selective_scan_cuda): install its CUDA build for this torch "
+        "(`bash scripts/setup.sh cuda` where GitHub is reachable, or with nvcc `MAMBA_FORCE_BUILD=TRUE pip "
+        "install --no-build-isolation --no-cache-dir --no-deps mamba-ssm==9.9`; docs/gpu.md)",
+    )
     # the split line needs causal-conv1d's op: SKIP naming it, though the SSD kernels load
-    monkeypatch.setitem(env.FAST_PROBES, ("ssd", "split"), (
-        (("mamba-ssm",), lambda: None),
-        (("causal-conv1d",), lambda: "ModuleNotFoundError: No module named 'causal_conv1d_cuda'")))
+    monkeypatch.setitem(
+        env.FAST_PROBES,
+        ("ssd", "split"),
+        (
+            (("mamba-ssm",), lambda: None),
+            (("causal-conv1d",), lambda: "ModuleNotFoundError: No module named 'causal_conv1d_cuda'"),
+        ),
+    )
     status, reason = env.fast_unavailable("ssd", "split", "cuda", torch.bfloat16)
     assert status == SKIP and reason.startswith("causal-conv1d installed without its CUDA op (causal_conv1d_cuda): ")
 
 
-@pytest.mark.parametrize("error, want", [
-    ("ModuleNotFoundError: No module named 'causal_conv1d_cuda'", ("causal-conv1d", "causal_conv1d_cuda")),
-    ("ModuleNotFoundError: No module named 'flash_attn_2_cuda'", ("flash-attn", "flash_attn_2_cuda")),
-    (ModuleNotFoundError("No module named 'selective_scan_cuda'", name="selective_scan_cuda"),
-     ("mamba-ssm", "selective_scan_cuda")),
-    ("ModuleNotFoundError: No module named 'triton'", None),                # a missing dependency: broken
-    ("ImportError: No module named 'causal_conv1d_cuda'", None),            # not the plain absence of the module
-    (ImportError("causal_conv1d_cuda.so: undefined symbol: _ZN3c10"), None),
-    ("ImportError: mamba_ssm.ops.triton.ssd_combined does not import even without the mamba_ssm package __init__ "
-     "(NameError: x); the package __init__ failed with ModuleNotFoundError: No module named 'selective_scan_cuda'",
-     None),                                                                 # the Triton module itself is broken
-])
+@pytest.mark.parametrize(
+    "error, want",
+    [
+        ("ModuleNotFoundError: No module named 'causal_conv1d_cuda'", ("causal-conv1d", "causal_conv1d_cuda")),
+        ("ModuleNotFoundError: No module named 'flash_attn_2_cuda'", ("flash-attn", "flash_attn_2_cuda")),
+        (
+            ModuleNotFoundError("No module named 'selective_scan_cuda'", name="selective_scan_cuda"),
+            ("mamba-ssm", "selective_scan_cuda"),
+        ),
+        ("ModuleNotFoundError: No module named 'triton'", None),  # a missing dependency: broken
+        ("ImportError: No module named 'causal_conv1d_cuda'", None),  # not the plain absence of the module
+        (ImportError("causal_conv1d_cuda.so: undefined symbol: _ZN3c10"), None),
+        (
+            "ImportError: mamba_ssm.ops.triton.ssd_combined does not import even without the mamba_ssm package __init__ "
+            "(NameError: x); the package __init__ failed with ModuleNotFoundError: No module named 'selective_scan_cuda'",
+            None,
+        ),  # the Triton module itself is broken
+    ],
+)
 def test_missing_cuda_op_is_only_the_plain_absence_of_the_packages_own_extension(monkeypatch, error, want):
     monkeypatch.setattr(env, "dist_version", lambda names: "1.0")
     monkeypatch.setattr(env.importlib.util, "find_spec", lambda name: None)
@@ -501,6 +585,7 @@ def test_write_report_never_overwrites_without_force(tmp_path):
 # ----------------------------------------------------------------------------------------------------------------
 # the fp32 tolerance rule
 # ----------------------------------------------------------------------------------------------------------------
+
 
 def test_fp32_tolerance_follows_triton_f32_default(monkeypatch):
     """Tight (2e-4) only when Triton's tl.dot runs fp32 in IEEE (TRITON_F32_DEFAULT=ieee); the TF32 allowance (5e-3)
@@ -532,6 +617,7 @@ def test_fp32_tolerance_follows_triton_f32_default(monkeypatch):
 # the GPU harness on the CPU: the fast backends resolve here, their entry points are CPU stand-ins
 # ----------------------------------------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def fake_gpu(monkeypatch):
     """Run the GPU checks on the CPU: every fast backend resolves on the CPU (``cuda_reason`` answers None, the
@@ -550,8 +636,12 @@ def fake_gpu(monkeypatch):
     for mod in (canon, gla, gdn, ssd):
         monkeypatch.setattr(mod, "cuda_reason", lambda device: None)
     found = (("stand-in", "stand-in"), None)
-    for mod, fn in ((_cuda, "dao_functions"), (_cuda, "fla_functions"), (gla_fla, "fla_functions"),
-                    (gdn_fla, "functions")):
+    for mod, fn in (
+        (_cuda, "dao_functions"),
+        (_cuda, "fla_functions"),
+        (gla_fla, "fla_functions"),
+        (gdn_fla, "functions"),
+    ):
         monkeypatch.setattr(mod, fn, lambda: found)
     monkeypatch.setattr(gdn_fla, "dtype_reason", lambda dtype: None)
     monkeypatch.setattr(_mamba, "chunk_scan_function", lambda: ("stand-in", None))
@@ -566,8 +656,11 @@ def fake_gpu(monkeypatch):
         return resolve(name, device, dtype, *shape)
 
     monkeypatch.setattr(canon, "resolve_backend", cuda_auto)
-    monkeypatch.setattr(env, "fast_unavailable",
-                        lambda op, fast, dev, dt: (SKIP, "flash-attn not installed") if fast == "flash" else None)
+    monkeypatch.setattr(
+        env,
+        "fast_unavailable",
+        lambda op, fast, dev, dt: (SKIP, "flash-attn not installed") if fast == "flash" else None,
+    )
 
     conv, step = canon.causal_conv1d_torch, canon.causal_conv1d_step
     gla_ref, gdn_ref = gla.chunk_gla_reference, gdn.chunk_gated_delta_rule_reference
@@ -586,7 +679,7 @@ def fake_gpu(monkeypatch):
         for b in range(seq_idx.shape[0]):
             _, counts = torch.unique_consecutive(seq_idx[b], return_counts=True)
             ends = [0] + torch.cumsum(counts, 0).tolist()
-            rows.append(torch.cat([fn(*[t[b:b + 1, a:e] for t in seqs]) for a, e in zip(ends[:-1], ends[1:])], 1))
+            rows.append(torch.cat([fn(*[t[b : b + 1, a:e] for t in seqs]) for a, e in zip(ends[:-1], ends[1:])], 1))
         return torch.cat(rows, 0)
 
     def dao_fwd(x, w, b, residual, act, h, seq_idx=None):
@@ -598,31 +691,55 @@ def fake_gpu(monkeypatch):
         if cu_seqlens is None:
             return conv_fwd(x, w, b, residual, act, h)
         B, T, C = x.shape
-        return per_span(lambda xd: conv_fwd(xd, w, b, residual, act, None), [x.reshape(1, B * T, C)],
-                        cu_seqlens_cpu).view(B, T, C)
+        return per_span(
+            lambda xd: conv_fwd(xd, w, b, residual, act, None), [x.reshape(1, B * T, C)], cu_seqlens_cpu
+        ).view(B, T, C)
 
     def conv_step(x_t, state, w, b, residual, act):
         return step(x_t, state, w, b, residual=residual, activation=act, backend="torch")
 
     def scan(x, dt, A, B, C, Q, D, db, sp, lim, h, final, seq_idx=None):
         if seq_idx is not None:
-            y = per_row_segment(lambda *xs: ssd_ref(*xs[:2], A, *xs[2:], chunk_size=Q, D=D, dt_bias=db,
-                                                    dt_softplus=sp, dt_limit=lim)[0], [x, dt, B, C], seq_idx)
+            y = per_row_segment(
+                lambda *xs: ssd_ref(*xs[:2], A, *xs[2:], chunk_size=Q, D=D, dt_bias=db, dt_softplus=sp, dt_limit=lim)[
+                    0
+                ],
+                [x, dt, B, C],
+                seq_idx,
+            )
             return y, None
-        return ssd_ref(x, dt, A, B, C, chunk_size=Q, D=D, dt_bias=db, dt_softplus=sp, dt_limit=lim, initial_state=h,
-                       output_final_state=final)
+        return ssd_ref(
+            x,
+            dt,
+            A,
+            B,
+            C,
+            chunk_size=Q,
+            D=D,
+            dt_bias=db,
+            dt_softplus=sp,
+            dt_limit=lim,
+            initial_state=h,
+            output_final_state=final,
+        )
 
     stand_ins = {
-        (_cuda, "dao_forward"): dao_fwd, (_cuda, "fla_forward"): fla_fwd,
-        (_cuda, "dao_step"): conv_step, (_cuda, "fla_step"): conv_step,
-        (gla_fla, "fla_forward"): lambda q, k, v, g, s, h, final: gla_ref(q, k, v, g, scale=s, initial_state=h,
-                                                                          output_final_state=final),
+        (_cuda, "dao_forward"): dao_fwd,
+        (_cuda, "fla_forward"): fla_fwd,
+        (_cuda, "dao_step"): conv_step,
+        (_cuda, "fla_step"): conv_step,
+        (gla_fla, "fla_forward"): lambda q, k, v, g, s, h, final: gla_ref(
+            q, k, v, g, scale=s, initial_state=h, output_final_state=final
+        ),
         (gla_fla, "fla_forward_varlen"): lambda q, k, v, g, s, cu, cu_cpu: per_span(
-            lambda *xs: gla_ref(*xs, scale=s)[0], [q, k, v, g], cu_cpu),
+            lambda *xs: gla_ref(*xs, scale=s)[0], [q, k, v, g], cu_cpu
+        ),
         (gdn_fla, "forward"): lambda q, k, v, g, b, s, h, final, l2: gdn_ref(
-            q, k, v, g, b, scale=s, initial_state=h, output_final_state=final, use_qk_l2norm=l2),
+            q, k, v, g, b, scale=s, initial_state=h, output_final_state=final, use_qk_l2norm=l2
+        ),
         (gdn_fla, "forward_varlen"): lambda q, k, v, g, b, s, l2, cu, cu_cpu: per_span(
-            lambda *xs: gdn_ref(*xs, scale=s, use_qk_l2norm=l2)[0], [q, k, v, g, b], cu_cpu),
+            lambda *xs: gdn_ref(*xs, scale=s, use_qk_l2norm=l2)[0], [q, k, v, g, b], cu_cpu
+        ),
         (_mamba, "chunk_scan"): scan,
         (_mamba, "state_update"): lambda x, dt, A, B, C, *rest: scan(x, dt, A, B, C, 64, *rest),
         (_mamba, "split_conv1d_scan"): split_ref,
@@ -652,7 +769,13 @@ def test_gpu_kernel_harness_dry_run_on_cpu(fake_gpu):
     compiled = next(r for r in results if r.backend == "torch")
     assert compiled.name == "kernel canon/torch compiled bf16 fwd+bwd" and compiled.ran == {"canon": {"torch": 2}}
     assert "inductor: 1 graph" in compiled.detail and set(compiled.errors) == {
-        "canon.y", "shortconv.y", "dx", "dw", "db", "dinit"}
+        "canon.y",
+        "shortconv.y",
+        "dx",
+        "dw",
+        "db",
+        "dinit",
+    }
     assert compiled.compile_s > 0.5 and compiled.compile_s > compiled.check_s, compiled
     assert [r.op for r in kernels.run_kernel_checks("cpu", ("bf16",), ops=["gdn"])] == ["gdn", "gdn", "gdn"]
     for arch in models.PRESETS:
@@ -673,17 +796,29 @@ def test_doc_mask_lines_pass_on_the_fast_paths_and_fail_on_a_leak(fake_gpu, monk
     from canonlm.ops.ssd import _mamba
 
     lines = {r.name: r for r in kernels.run_kernel_checks("cpu", ("fp32",)) if "doc-mask" in r.name}
-    assert sorted(lines) == ["kernel gdn/fla fp32 doc-mask (cu_seqlens) fwd+bwd",
-                             "kernel gla/fla fp32 doc-mask (cu_seqlens) fwd+bwd",
-                             "kernel ssd/mamba_ssm fp32 doc-mask (seq_idx) fwd+bwd"]
+    assert sorted(lines) == [
+        "kernel gdn/fla fp32 doc-mask (cu_seqlens) fwd+bwd",
+        "kernel gla/fla fp32 doc-mask (cu_seqlens) fwd+bwd",
+        "kernel ssd/mamba_ssm fp32 doc-mask (seq_idx) fwd+bwd",
+    ]
     for r in lines.values():
         assert r.status == PASS, (r.name, r.detail)
         assert r.ran == {r.op: {r.backend: 1}} and max(r.errors.values()) < 1e-5, r
         assert "7 documents in 2 rows of 300 tokens" in r.detail
     assert set(lines["kernel gdn/fla fp32 doc-mask (cu_seqlens) fwd+bwd"].errors) == {
-        "o", "dq", "dk", "dv", "dg", "dbeta"}
-    for arch, mixer in (("llama", {"attention": {"sdpa": 2}}), ("gla", {"gla": {"fla": 2}}),
-                        ("gdn", {"gdn": {"fla": 2}}), ("mamba2", {"ssd": {"mamba_ssm": 2}})):
+        "o",
+        "dq",
+        "dk",
+        "dv",
+        "dg",
+        "dbeta",
+    }
+    for arch, mixer in (
+        ("llama", {"attention": {"sdpa": 2}}),
+        ("gla", {"gla": {"fla": 2}}),
+        ("gdn", {"gdn": {"fla": 2}}),
+        ("mamba2", {"ssd": {"mamba_ssm": 2}}),
+    ):
         v = models.check_model_doc_mask(arch, "cpu", "2L64D", T=48)
         assert v.status == PASS, (arch, v.detail)
         ran = v.ran["packed fwd+bwd"]
@@ -692,10 +827,12 @@ def test_doc_mask_lines_pass_on_the_fast_paths_and_fail_on_a_leak(fake_gpu, monk
 
     # a varlen kernel that ignores the document boundaries: the state leaks from one document into the next
     whole = gla_fla.fla_forward
-    monkeypatch.setattr(gla_fla, "fla_forward_varlen",
-                        lambda q, k, v, g, s, cu, cu_cpu: whole(q, k, v, g, s, None, False)[0])
-    r = run_check("kernel gla/fla fp32 doc-mask (cu_seqlens) fwd+bwd",
-                  lambda: kernels.check_doc_mask_kernel("gla", "fp32", "cpu"))
+    monkeypatch.setattr(
+        gla_fla, "fla_forward_varlen", lambda q, k, v, g, s, cu, cu_cpu: whole(q, k, v, g, s, None, False)[0]
+    )
+    r = run_check(
+        "kernel gla/fla fp32 doc-mask (cu_seqlens) fwd+bwd", lambda: kernels.check_doc_mask_kernel("gla", "fp32", "cpu")
+    )
     assert r.status == FAIL and r.errors["o"] > 1e-2 and "> tol 5e-03" in r.detail, r.detail
     chunk = _mamba.chunk_scan
     monkeypatch.setattr(_mamba, "chunk_scan", lambda *a, seq_idx=None, **k: chunk(*a, **k))
@@ -856,8 +993,11 @@ def test_train_probe_records_the_calls(tmp_path):
     x, w = torch.randn(1, 5, 8), torch.randn(8, 4)
     canon.causal_conv1d(x, w, backend="torch")
     canon.causal_conv1d_step(x[:, 0], torch.zeros(1, 8, 4), w, backend="torch")
-    model = SimpleNamespace(cfg=SimpleNamespace(arch="llama"), placement=(torch.device("cpu"), torch.float32),
-                            backends={"canon": "torch", "attention": "sdpa"})
+    model = SimpleNamespace(
+        cfg=SimpleNamespace(arch="llama"),
+        placement=(torch.device("cpu"), torch.float32),
+        backends={"canon": "torch", "attention": "sdpa"},
+    )
     trainer = SimpleNamespace(is_global_zero=True, global_step=3, world_size=1, precision="32-true")
     probe.on_train_end(trainer, SimpleNamespace(model=model, device=torch.device("cpu")))
     assert canon.causal_conv1d_torch is original

@@ -32,30 +32,36 @@ from pathlib import Path
 import pytest
 
 SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]  # e.g. .cpython-311-x86_64-linux-gnu.so
-REAL_EXT = [m for m in ("causal_conv1d_cuda", "selective_scan_cuda", "flash_attn_2_cuda")
-            if importlib.util.find_spec(m) is not None]
+REAL_EXT = [
+    m
+    for m in ("causal_conv1d_cuda", "selective_scan_cuda", "flash_attn_2_cuda")
+    if importlib.util.find_spec(m) is not None
+]
 no_real_ext = pytest.mark.skipif(bool(REAL_EXT), reason=f"a real CUDA build is installed ({', '.join(REAL_EXT)})")
 
-DISTS = {"causal_conv1d": ("causal-conv1d", "1.6.2.post1"), "mamba_ssm": ("mamba-ssm", "2.3.1"),
-         "flash_attn": ("flash-attn", "2.8.3")}
+DISTS = {
+    "causal_conv1d": ("causal-conv1d", "1.6.2.post1"),
+    "mamba_ssm": ("mamba-ssm", "2.3.1"),
+    "flash_attn": ("flash-attn", "2.8.3"),
+}
 PACKAGES = {
     "causal_conv1d": {
         "__init__.py": '__version__ = "1.6.2.post1"\n'
-                       "from causal_conv1d.causal_conv1d_interface import causal_conv1d_fn, causal_conv1d_update\n",
+        "from causal_conv1d.causal_conv1d_interface import causal_conv1d_fn, causal_conv1d_update\n",
         "causal_conv1d_interface.py": "from causal_conv1d.cpp_functions import causal_conv1d_fwd_function\n"
-                                      "def causal_conv1d_fn(*a, **k): raise NotImplementedError\n"
-                                      "def causal_conv1d_update(*a, **k): raise NotImplementedError\n",
+        "def causal_conv1d_fn(*a, **k): raise NotImplementedError\n"
+        "def causal_conv1d_update(*a, **k): raise NotImplementedError\n",
         "cpp_functions.py": "import causal_conv1d_cuda\n"
-                            "def causal_conv1d_fwd_function(*a): return causal_conv1d_cuda.causal_conv1d_fwd(*a)\n"
-                            "def causal_conv1d_bwd_function(*a): return causal_conv1d_cuda.causal_conv1d_bwd(*a)\n"
-                            "def causal_conv1d_update_function(*a):\n"
-                            "    return causal_conv1d_cuda.causal_conv1d_update(*a)\n",
+        "def causal_conv1d_fwd_function(*a): return causal_conv1d_cuda.causal_conv1d_fwd(*a)\n"
+        "def causal_conv1d_bwd_function(*a): return causal_conv1d_cuda.causal_conv1d_bwd(*a)\n"
+        "def causal_conv1d_update_function(*a):\n"
+        "    return causal_conv1d_cuda.causal_conv1d_update(*a)\n",
     },
     "mamba_ssm": {
         "__init__.py": '__version__ = "2.3.1"\nfrom mamba_ssm.ops.selective_scan_interface import selective_scan_fn\n',
         "ops/__init__.py": "",
         "ops/selective_scan_interface.py": "import selective_scan_cuda\n"
-                                           "def selective_scan_fn(*a, **k): raise NotImplementedError\n",
+        "def selective_scan_fn(*a, **k): raise NotImplementedError\n",
         "ops/triton/__init__.py": "",
         "ops/triton/ssd_combined.py": textwrap.dedent("""\
             try:
@@ -70,14 +76,14 @@ PACKAGES = {
     },
     "flash_attn": {
         "__init__.py": '__version__ = "2.8.3"\n'
-                       "from flash_attn.flash_attn_interface import flash_attn_func, flash_attn_varlen_func\n",
+        "from flash_attn.flash_attn_interface import flash_attn_func, flash_attn_varlen_func\n",
         "flash_attn_interface.py": "import flash_attn_2_cuda as flash_attn_gpu\n"
-                                   "def flash_attn_func(*a, **k): raise NotImplementedError\n"
-                                   "def flash_attn_varlen_func(*a, **k): raise NotImplementedError\n",
+        "def flash_attn_func(*a, **k): raise NotImplementedError\n"
+        "def flash_attn_varlen_func(*a, **k): raise NotImplementedError\n",
     },
 }
 
-PROBE = r'''
+PROBE = r"""
 import json, sys, warnings
 warnings.simplefilter("ignore")
 import torch
@@ -96,7 +102,7 @@ for name, fn in lines.items():
     out[name] = [r.status, r.detail]
 out["ssd loader skips the package __init__"] = hasattr(_mamba, "import_triton_module")
 print("RESULT " + json.dumps(out))
-'''
+"""
 
 
 def _site(tmp_path: Path, packages=("causal_conv1d", "mamba_ssm", "flash_attn"), files: dict | None = None) -> Path:
@@ -122,17 +128,18 @@ def _site(tmp_path: Path, packages=("causal_conv1d", "mamba_ssm", "flash_attn"),
 def _probe(site: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(site)
-    p = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300, env=env,
-                       cwd=site)
+    p = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300, env=env, cwd=site)
     out = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     assert p.returncode == 0 and out, p.stdout[-2000:] + p.stderr[-4000:]
-    return json.loads(out[-1][len("RESULT "):])
+    return json.loads(out[-1][len("RESULT ") :])
 
 
 def _hint(dist: str, ext: str, var: str, version: str) -> str:
-    return (f"{dist} installed without its CUDA op ({ext}): install its CUDA build for this torch (`bash "
-            f"scripts/setup.sh cuda` where GitHub is reachable, or with nvcc `{var}=TRUE pip install "
-            f"--no-build-isolation --no-cache-dir --no-deps {dist}=={version}`; docs/gpu.md)")
+    return (
+        f"{dist} installed without its CUDA op ({ext}): install its CUDA build for this torch (`bash "
+        f"scripts/setup.sh cuda` where GitHub is reachable, or with nvcc `{var}=TRUE pip install "
+        f"--no-build-isolation --no-cache-dir --no-deps {dist}=={version}`; docs/gpu.md)"
+    )
 
 
 CONV_HINT = _hint("causal-conv1d", "causal_conv1d_cuda", "CAUSAL_CONV1D_FORCE_BUILD", "1.6.2.post1")
@@ -151,8 +158,8 @@ def test_installed_without_cuda_ops_is_skip_with_the_reason(tmp_path):
     assert got["attention/flash"] == ["SKIP", FLASH_HINT]
     assert got["kernel canon/dao"] == ["SKIP", CONV_HINT]
     if got["ssd loader skips the package __init__"]:
-        assert got["ssd/mamba_ssm"] is None                       # runnable: the SSD lines run
-        assert got["ssd/split"] == ["SKIP", CONV_HINT]            # only the conv's op is missing
+        assert got["ssd/mamba_ssm"] is None  # runnable: the SSD lines run
+        assert got["ssd/split"] == ["SKIP", CONV_HINT]  # only the conv's op is missing
         assert got["kernel split"] == ["SKIP", CONV_HINT]
     else:  # a canonlm whose SSD loader imports the package: the missing Mamba-1 op stops it (still a SKIP)
         assert got["ssd/mamba_ssm"] == got["ssd/split"] == ["SKIP", MAMBA_HINT]
@@ -175,8 +182,10 @@ def _undefined_symbol_so(tmp_path: Path, module: str) -> bytes:
 def test_an_extension_built_against_another_torch_is_fail(tmp_path):
     """causal-conv1d whose ``causal_conv1d_cuda`` exists but does not load (undefined symbol): the Dao line and the
     split line FAIL, saying why; flash-attn's extension likewise."""
-    files = {f"causal_conv1d_cuda{SUFFIX}": _undefined_symbol_so(tmp_path, "causal_conv1d_cuda"),
-             f"flash_attn_2_cuda{SUFFIX}": _undefined_symbol_so(tmp_path, "flash_attn_2_cuda")}
+    files = {
+        f"causal_conv1d_cuda{SUFFIX}": _undefined_symbol_so(tmp_path, "causal_conv1d_cuda"),
+        f"flash_attn_2_cuda{SUFFIX}": _undefined_symbol_so(tmp_path, "flash_attn_2_cuda"),
+    }
     got = _probe(_site(tmp_path, files=files))
     for key, dist in (("canon/dao", "causal-conv1d"), ("attention/flash", "flash-attn")):
         status, reason = got[key]
@@ -188,14 +197,22 @@ def test_an_extension_built_against_another_torch_is_fail(tmp_path):
         assert got["ssd/split"] == got["canon/dao"] and got["kernel split"][0] == "FAIL"
 
 
-@pytest.mark.parametrize("case, files, want", [
-    ("not an ELF object", {f"causal_conv1d_cuda{SUFFIX}": b"\x00not an ELF shared object\n"}, "ImportError: "),
-    ("a Python error in the extension", {"causal_conv1d_cuda.py": "import torch\ntorch._C._canonlm_no_such()\n"},
-     "AttributeError: "),
-    ("a missing Python dependency",
-     {"causal_conv1d/__init__.py": '__version__ = "1.6.2.post1"\nimport canonlm_no_such_dependency\n'},
-     "ModuleNotFoundError: No module named 'canonlm_no_such_dependency'"),
-])
+@pytest.mark.parametrize(
+    "case, files, want",
+    [
+        ("not an ELF object", {f"causal_conv1d_cuda{SUFFIX}": b"\x00not an ELF shared object\n"}, "ImportError: "),
+        (
+            "a Python error in the extension",
+            {"causal_conv1d_cuda.py": "import torch\ntorch._C._canonlm_no_such()\n"},
+            "AttributeError: ",
+        ),
+        (
+            "a missing Python dependency",
+            {"causal_conv1d/__init__.py": '__version__ = "1.6.2.post1"\nimport canonlm_no_such_dependency\n'},
+            "ModuleNotFoundError: No module named 'canonlm_no_such_dependency'",
+        ),
+    ],
+)
 def test_other_load_failures_are_fail(tmp_path, case, files, want):
     got = _probe(_site(tmp_path, packages=("causal_conv1d",), files=files))
     status, reason = got["canon/dao"]

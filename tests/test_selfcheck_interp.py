@@ -25,11 +25,15 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 MISSING = [m for m in ("triton", "fla", "mamba_ssm", "causal_conv1d") if importlib.util.find_spec(m) is None]
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(bool(MISSING) and not os.environ.get("CI"),
-                                 reason=f"needs {', '.join(MISSING)} (bash scripts/setup.sh dev,interp)")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        bool(MISSING) and not os.environ.get("CI"),
+        reason=f"needs {', '.join(MISSING)} (bash scripts/setup.sh dev,interp)",
+    ),
+]
 
-SCRIPT = r'''
+SCRIPT = r"""
 import dataclasses, functools, json, sys
 sys.path.insert(0, sys.argv[1])
 import _triton_interp
@@ -59,7 +63,7 @@ for name, op, fast, fn in kernels.kernel_checks("cpu", ("fp32", "bf16")):
                  "seconds": r.seconds, "compile_s": r.compile_s, "launches": sum(launches.values())})
     print(name, r.status, round(r.seconds, 1), file=sys.stderr, flush=True)
 print("RESULT " + json.dumps(rows))
-'''
+"""
 
 
 def planted_line(compile_s: float = 0.0, check_s: float = 0.0):
@@ -91,17 +95,23 @@ def lingering_line():
 @pytest.fixture(scope="module")
 def lines():
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(HERE)], capture_output=True, text=True, env=env,
-                          timeout=1500, cwd=HERE.parent)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(HERE)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1500,
+        cwd=HERE.parent,
+    )
     out = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and out, f"self-check subprocess failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return json.loads(out[-1][len("RESULT "):])
+    return json.loads(out[-1][len("RESULT ") :])
 
 
 def test_selfcheck_kernel_lines_pass_on_the_real_triton_kernels(lines):
     ops = {r["op"] for r in lines}
     assert {"canon", "gla", "gdn", "ssd"} <= ops, ops
-    assert len(lines) >= 16, [r["name"] for r in lines]      # 2 dtypes x (canon fla 2 + gla 2 + gdn 2 + ssd 2 + split)
+    assert len(lines) >= 16, [r["name"] for r in lines]  # 2 dtypes x (canon fla 2 + gla 2 + gdn 2 + ssd 2 + split)
     bad = [(r["name"], r["status"], r["detail"]) for r in lines if r["status"] != "PASS"]
     assert not bad, bad
     idle = [r["name"] for r in lines if r["launches"] == 0]

@@ -19,17 +19,38 @@ from pathlib import Path
 
 import pytest
 
-from _slurm_cluster import (EXIT_UNAVAILABLE, ClusterHandle, cluster_dir, job_info, job_report, local_slurm,
-                            wait_job_end, wait_until)
+from _slurm_cluster import (
+    EXIT_UNAVAILABLE,
+    ClusterHandle,
+    cluster_dir,
+    job_info,
+    job_report,
+    local_slurm,
+    wait_job_end,
+    wait_until,
+)
 from conftest import ROOT, compose
 
 LAUNCH = ROOT / "slurm" / "launch.py"
-TINY = ["task=depo1_cpu",
-        "model.size=2L64D", "task.N=8", "task.K=4", "task.vocab_V=6", "task.context=128", "data.batch_size=6",
-        "data.val_windows=12", "data.test_windows=24", "trainer.log_every_n_steps=5"]  # batches split over 1, 2, 3 ranks
+TINY = [
+    "task=depo1_cpu",
+    "model.size=2L64D",
+    "task.N=8",
+    "task.K=4",
+    "task.vocab_V=6",
+    "task.context=128",
+    "data.batch_size=6",
+    "data.val_windows=12",
+    "data.test_windows=24",
+    "trainer.log_every_n_steps=5",
+]  # batches split over 1, 2, 3 ranks
 MAX_STEPS = 60
-RUN = [*TINY, f"trainer.max_steps={MAX_STEPS}", "trainer.val_check_interval=30",
-       "callbacks.checkpoint.every_n_train_steps=10"]
+RUN = [
+    *TINY,
+    f"trainer.max_steps={MAX_STEPS}",
+    "trainer.val_check_interval=30",
+    "callbacks.checkpoint.every_n_train_steps=10",
+]
 CPU2 = ["--gpus-per-node", "0", "--tasks-per-node", "2", "--cpus-per-task", "1", "--mem", "3G", "--time", "15"]
 JOB_TIMEOUT = 600  # seconds; a job here takes ~30-60 s on 2 cores (most of it imports), a requeue adds ~15 s
 
@@ -52,37 +73,94 @@ def _render(argv):
 # The sbatch script (no cluster needed)
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def test_render_gpu_job_one_task_per_gpu(tmp_path):
-    s, *_ = _render(["--name", "r1", "--nodes", "2", "--gpus-per-node", "4", "--partition", "p",
-                     "--log-dir", str(tmp_path), "--", "experiment=depo1_N375", "canon=ABCD"])
+    s, *_ = _render(
+        [
+            "--name",
+            "r1",
+            "--nodes",
+            "2",
+            "--gpus-per-node",
+            "4",
+            "--partition",
+            "p",
+            "--log-dir",
+            str(tmp_path),
+            "--",
+            "experiment=depo1_N375",
+            "canon=ABCD",
+        ]
+    )
     lines = s.splitlines()
-    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4", "#SBATCH --gpus-per-node=4",
-                 "#SBATCH --signal=USR2@120", "#SBATCH --requeue", "#SBATCH --open-mode=append",
-                 "#SBATCH --partition=p", f"cd {ROOT}"):
+    for line in (
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=4",
+        "#SBATCH --gpus-per-node=4",
+        "#SBATCH --signal=USR2@120",
+        "#SBATCH --requeue",
+        "#SBATCH --open-mode=append",
+        "#SBATCH --partition=p",
+        f"cd {ROOT}",
+    ):
         assert line in lines, line
     assert not any(ln.startswith(("#SBATCH --cpus-per-task", "#SBATCH --mem")) for ln in lines)  # SLURM's defaults
     cmd = [ln for ln in lines if ln.startswith("srun ")][0].split()
     assert cmd[1] == sys.executable and cmd[2] == "train.py"  # this interpreter has canonlm: the job uses it
-    for tok in ("experiment=depo1_N375", "canon=ABCD", "run_name=r1", "ckpt_path=auto", "trainer.num_nodes=2",
-                "trainer.accelerator=gpu", "trainer.devices=4", "callbacks.preemption.signal_name=SIGUSR2",
-                f"paths.log_dir={tmp_path}"):
+    for tok in (
+        "experiment=depo1_N375",
+        "canon=ABCD",
+        "run_name=r1",
+        "ckpt_path=auto",
+        "trainer.num_nodes=2",
+        "trainer.accelerator=gpu",
+        "trainer.devices=4",
+        "callbacks.preemption.signal_name=SIGUSR2",
+        f"paths.log_dir={tmp_path}",
+    ):
         assert tok in cmd, tok
 
 
 def test_render_cpu_job(tmp_path):
     """--gpus-per-node 0 is a CPU job: no GPU line, --tasks-per-node ranks, trainer.accelerator=cpu; --mem and
     --cpus-per-task (repeated on srun, which does not inherit it in Slurm 22.05) only when given."""
-    s, *_ = _render(["--name", "c1", "--gpus-per-node", "0", "--tasks-per-node", "2", "--cpus-per-task", "1",
-                     "--mem", "4G", "--signal", "SIGusr1@60", "--log-dir", str(tmp_path), "--", "strategy=ddp"])
+    s, *_ = _render(
+        [
+            "--name",
+            "c1",
+            "--gpus-per-node",
+            "0",
+            "--tasks-per-node",
+            "2",
+            "--cpus-per-task",
+            "1",
+            "--mem",
+            "4G",
+            "--signal",
+            "SIGusr1@60",
+            "--log-dir",
+            str(tmp_path),
+            "--",
+            "strategy=ddp",
+        ]
+    )
     lines = s.splitlines()
-    for line in ("#SBATCH --ntasks-per-node=2", "#SBATCH --cpus-per-task=1", "#SBATCH --mem=4G",
-                 "#SBATCH --signal=USR1@60"):
+    for line in (
+        "#SBATCH --ntasks-per-node=2",
+        "#SBATCH --cpus-per-task=1",
+        "#SBATCH --mem=4G",
+        "#SBATCH --signal=USR1@60",
+    ):
         assert line in lines, line
     assert not any("gpus" in ln for ln in lines)
     cmd = [ln for ln in lines if ln.startswith("srun ")][0].split()
     assert cmd[1] == "--cpus-per-task=1"
-    for tok in ("strategy=ddp", "trainer.accelerator=cpu", "trainer.devices=2",
-                "callbacks.preemption.signal_name=SIGUSR1"):
+    for tok in (
+        "strategy=ddp",
+        "trainer.accelerator=cpu",
+        "trainer.devices=2",
+        "callbacks.preemption.signal_name=SIGUSR1",
+    ):
         assert tok in cmd, tok
     s1, *_ = _render(["--name", "c2", "--gpus-per-node", "0", "--log-dir", str(tmp_path)])
     assert "#SBATCH --ntasks-per-node=1" in s1.splitlines() and "trainer.devices=1" in s1
@@ -93,25 +171,42 @@ def test_job_overrides_compose_and_build_the_preemption_callback(tmp_path):
     callback accepts (a typo here would only show on the cluster, after the job started)."""
     from hydra.utils import instantiate
 
-    _, args, ov, launch = _render(["--name", "c1", "--gpus-per-node", "0", "--tasks-per-node", "2",
-                                   "--signal", "USR1@60", "--log-dir", str(tmp_path), "--", *TINY])
+    _, args, ov, launch = _render(
+        [
+            "--name",
+            "c1",
+            "--gpus-per-node",
+            "0",
+            "--tasks-per-node",
+            "2",
+            "--signal",
+            "USR1@60",
+            "--log-dir",
+            str(tmp_path),
+            "--",
+            *TINY,
+        ]
+    )
     cfg = compose([o for o in launch.run_overrides(args, ov) if not o.startswith("paths.")], output_dir=tmp_path)
     assert cfg.trainer.accelerator == "cpu" and cfg.trainer.devices == 2 and cfg.ckpt_path == "auto"
     cb = instantiate(cfg.callbacks.preemption)
     assert cb.signal_name == "SIGUSR1"
 
 
-@pytest.mark.parametrize("argv, flag", [
-    (["--signal", "TERM@60"], "--signal"),
-    (["--signal", "USR1"], "--signal"),
-    (["--signal", "USR1@0"], "--signal"),
-    (["--signal", "USR1@70000"], "--signal"),
-    (["--mem", "4GB"], "--mem"),
-    (["--gpus-per-node", "4", "--tasks-per-node", "2"], "--tasks-per-node"),
-    (["--gpus-per-node", "-1"], "--gpus-per-node"),
-    (["--cpus-per-task", "0"], "--cpus-per-task"),
-    (["--time", "2 days"], "--time"),
-])
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--signal", "TERM@60"], "--signal"),
+        (["--signal", "USR1"], "--signal"),
+        (["--signal", "USR1@0"], "--signal"),
+        (["--signal", "USR1@70000"], "--signal"),
+        (["--mem", "4GB"], "--mem"),
+        (["--gpus-per-node", "4", "--tasks-per-node", "2"], "--tasks-per-node"),
+        (["--gpus-per-node", "-1"], "--gpus-per-node"),
+        (["--cpus-per-task", "0"], "--cpus-per-task"),
+        (["--time", "2 days"], "--time"),
+    ],
+)
 def test_bad_flag_is_refused_before_anything_is_written(argv, flag, tmp_path, capsys):
     launch = _launch()
     assert launch.main(["--name", "r1", "--log-dir", str(tmp_path / "logs"), *argv]) == 2
@@ -123,8 +218,17 @@ def test_bad_flag_is_refused_before_anything_is_written(argv, flag, tmp_path, ca
 # Values that must never reach the batch script: a newline (a new script line), a new #SBATCH directive, spaces and
 # shell metacharacters. Each is tried alone and after a valid value of the flag.
 INJECTIONS = ["a\nb", "x\n#SBATCH --wrap=id", "a b", "a;id", "$(id)", "`id`", "a&id", "a|id", "a'b", 'a"b', "a\\b"]
-VALID = {"--name": "r1", "--partition": "debug", "--account": "acct", "--qos": "normal", "--mem": "4G",
-         "--time": "10", "--signal": "USR1@60", "--log-dir": "logs", "--python": "/usr/bin/python3"}
+VALID = {
+    "--name": "r1",
+    "--partition": "debug",
+    "--account": "acct",
+    "--qos": "normal",
+    "--mem": "4G",
+    "--time": "10",
+    "--signal": "USR1@60",
+    "--log-dir": "logs",
+    "--python": "/usr/bin/python3",
+}
 # Paths may hold inner spaces (quoted wherever they are written); they refuse what sbatch's --output or Hydra's
 # paths.log_dir cannot carry: % (sbatch's file name patterns), #, a space at the end.
 PATH_ONLY = ["a%jb", "a#b", "logs "]
@@ -154,24 +258,50 @@ def test_injection_is_refused_before_anything_is_written(flag, value, tmp_path, 
 
 @pytest.mark.parametrize("override", ["a=b\nc", "x=1\n#SBATCH --wrap=id", "x=\tb", "x=\rb"])
 def test_override_with_a_control_character_is_refused(override, tmp_path, capsys):
-    assert _launch().main(["--name", "r1", "--log-dir", str(tmp_path / "logs"), "--", "model.size=2L64D",
-                           override]) == 2
+    assert (
+        _launch().main(["--name", "r1", "--log-dir", str(tmp_path / "logs"), "--", "model.size=2L64D", override]) == 2
+    )
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("launch: error: override=") and "allowed: " in err, err
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("override", ["ckpt_path=/runs/a/checkpoints/step0000010.ckpt", "run_name=other",
-                                      "paths.log_dir=/elsewhere", "trainer.devices=3", "+trainer.num_nodes=2",
-                                      "trainer.accelerator=gpu", "callbacks.preemption.signal_name=SIGUSR1",
-                                      "callbacks=none", "callbacks.preemption=null", "~callbacks.preemption"])
+@pytest.mark.parametrize(
+    "override",
+    [
+        "ckpt_path=/runs/a/checkpoints/step0000010.ckpt",
+        "run_name=other",
+        "paths.log_dir=/elsewhere",
+        "trainer.devices=3",
+        "+trainer.num_nodes=2",
+        "trainer.accelerator=gpu",
+        "callbacks.preemption.signal_name=SIGUSR1",
+        "callbacks=none",
+        "callbacks.preemption=null",
+        "~callbacks.preemption",
+    ],
+)
 def test_override_of_a_key_the_launcher_sets_is_refused(override, tmp_path, capsys):
     """The job's srun line ends with the launcher's own run_name, ckpt_path=auto, paths.log_dir, trainer.* and
     signal overrides, which win over the user's: a user value for one of those keys would be silently replaced
     (ckpt_path=<another run's checkpoint> would train from scratch), so it is refused, naming the key and the flag
     or route that sets it."""
-    assert _launch().main(["--name", "r1", "--gpus-per-node", "0", "--log-dir", str(tmp_path / "logs"), "--",
-                           "model.size=2L64D", override]) == 2
+    assert (
+        _launch().main(
+            [
+                "--name",
+                "r1",
+                "--gpus-per-node",
+                "0",
+                "--log-dir",
+                str(tmp_path / "logs"),
+                "--",
+                "model.size=2L64D",
+                override,
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     key = override.split("=")[0].lstrip("+~")
     assert len(err.splitlines()) == 1 and err.startswith(f"launch: error: override={override!r}"), err
@@ -201,12 +331,16 @@ def test_paths_and_overrides_reach_the_job_unchanged(tmp_path):
     script, argv_file = tmp_path / "job.sbatch", tmp_path / "argv"
     script.write_text(s)
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
-    r = subprocess.run(["bash", "-c", 'srun() { printf "%s\\0" "$@" > "$ARGV_OUT"; }; export -f srun; bash "$1"', "-",
-                        str(script)], cwd=tmp_path, capture_output=True, text=True,
-                       env={**os.environ, "ARGV_OUT": str(argv_file)})
+    r = subprocess.run(
+        ["bash", "-c", 'srun() { printf "%s\\0" "$@" > "$ARGV_OUT"; }; export -f srun; bash "$1"', "-", str(script)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "ARGV_OUT": str(argv_file)},
+    )
     assert r.returncode == 0, r.stderr
     argv = argv_file.read_text().split("\0")[:-1]
-    assert argv[:2 + len(odd)] == [args.python, "train.py", *odd], argv
+    assert argv[: 2 + len(odd)] == [args.python, "train.py", *odd], argv
     assert argv[-1] == f"paths.log_dir={log_dir}", argv
     assert OverridesParser.create().parse_override(argv[-1]).value() == str(log_dir)
     assert not (tmp_path / "pwned").exists() and not (ROOT / "pwned").exists()
@@ -225,6 +359,7 @@ def test_existing_name_is_not_reused(tmp_path, capsys):
 # ---------------------------------------------------------------------------------------------------------------
 # The one-node cluster
 # ---------------------------------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="session")
 def slurm_cluster():
@@ -254,8 +389,9 @@ def oracle(tmp_path_factory):
     """The 60-step run in one local process (same global batch, same seed): its results.json."""
     d = tmp_path_factory.mktemp("oracle")
     cmd = [sys.executable, str(ROOT / "train.py"), *RUN, "run_name=oracle", f"paths.log_dir={d}/logs"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=d,
-                       env={**os.environ, "WANDB_MODE": "disabled"})
+    p = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=900, cwd=d, env={**os.environ, "WANDB_MODE": "disabled"}
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     return json.loads((d / "logs" / "train" / "runs" / "oracle" / "results.json").read_text())
 
@@ -297,8 +433,9 @@ def _submit(name: str, log_dir: Path, flags: list[str], overrides: list[str]) ->
 def _assert_matches_oracle(res: dict, oracle: dict, report: str) -> None:
     assert res["steps"] == oracle["steps"] == MAX_STEPS, report
     assert res["test"]["loss"] == pytest.approx(oracle["test"]["loss"], rel=1e-4), report
-    assert {k: v["answers"] for k, v in res["test"]["by_group"].items()} == \
-        {k: v["answers"] for k, v in oracle["test"]["by_group"].items()}, report
+    assert {k: v["answers"] for k, v in res["test"]["by_group"].items()} == {
+        k: v["answers"] for k, v in oracle["test"]["by_group"].items()
+    }, report
 
 
 def _assert_metrics_end_at_max_steps(sub: Submitted) -> None:
@@ -306,9 +443,10 @@ def _assert_metrics_end_at_max_steps(sub: Submitted) -> None:
 
     rows = read_metrics(sub.run / "metrics.jsonl")
     train_steps = [r["step"] for r in rows if "train/loss" in r]
-    assert rows and rows[-1]["step"] == MAX_STEPS and max(train_steps) == MAX_STEPS - 1, \
-        f"metrics.jsonl ends at step {rows[-1]['step'] if rows else None} (train rows up to " \
+    assert rows and rows[-1]["step"] == MAX_STEPS and max(train_steps) == MAX_STEPS - 1, (
+        f"metrics.jsonl ends at step {rows[-1]['step'] if rows else None} (train rows up to "
         f"{max(train_steps, default=None)}), expected {MAX_STEPS}\n{sub.report()}"
+    )
 
 
 @pytest.mark.slurm
@@ -316,8 +454,20 @@ def test_failed_sbatch_leaves_nothing_behind(slurm_cluster, tmp_path):
     """sbatch refuses an unknown partition: its error is printed, the folders this invocation made are removed
     (so the same command is not then refused as "exists"), and a folder that existed before is kept."""
     logs = tmp_path / "logs"
-    cmd = [sys.executable, str(LAUNCH), "--name", "bad", "--log-dir", str(logs), "--gpus-per-node", "0",
-           "--partition", "no_such_partition", "--", *TINY]
+    cmd = [
+        sys.executable,
+        str(LAUNCH),
+        "--name",
+        "bad",
+        "--log-dir",
+        str(logs),
+        "--gpus-per-node",
+        "0",
+        "--partition",
+        "no_such_partition",
+        "--",
+        *TINY,
+    ]
     for _ in range(2):
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
         assert r.returncode != 0 and "sbatch failed" in r.stderr and "exists" not in r.stderr, r.stderr
@@ -339,9 +489,12 @@ def test_log_dir_with_a_space_on_the_cluster(slurm_cluster, tmp_path):
     folder as paths.log_dir: the job's output file and its run directory land under ``my logs``, nothing under
     ``my`` (where an unquoted path would have been cut)."""
     logs = tmp_path / "my logs"
-    sub = _submit("spaced", logs, ["--gpus-per-node", "0", "--cpus-per-task", "1", "--mem", "2G", "--time", "10"],
-                  [*TINY, "trainer.max_steps=10", "trainer.val_check_interval=10",
-                   "callbacks.checkpoint.every_n_train_steps=10"])
+    sub = _submit(
+        "spaced",
+        logs,
+        ["--gpus-per-node", "0", "--cpus-per-task", "1", "--mem", "2G", "--time", "10"],
+        [*TINY, "trainer.max_steps=10", "trainer.val_check_interval=10", "callbacks.checkpoint.every_n_train_steps=10"],
+    )
     info = wait_job_end(sub.job, JOB_TIMEOUT, sub.files)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", sub.report()
     assert f"[launch] job {sub.job} restart 0 " in sub.files[0].read_text(), sub.report()
@@ -383,18 +536,27 @@ def test_two_rank_cpu_job_matches_one_process(strategy, slurm_cluster, oracle, t
     assert ck.is_dir() and (ck / ".metadata").is_file(), sub.report()
     full = {r["step"]: r["train/loss"] for r in read_metrics(sub.run / "metrics.jsonl") if "train/loss" in r}
     cpus = subprocess.run(["sinfo", "-h", "-o", "%c"], capture_output=True, text=True, timeout=60).stdout.split()
-    assert cpus and int(cpus[0]) >= 4, (f"the test cluster declares {cpus} CPUs; the 1- and 3-rank jobs need 4 "
-                                        "(scripts/local_slurm.py stop, then start: it declares --cpus 4 by default)")
+    assert cpus and int(cpus[0]) >= 4, (
+        f"the test cluster declares {cpus} CPUs; the 1- and 3-rank jobs need 4 "
+        "(scripts/local_slurm.py stop, then start: it declares --cpus 4 by default)"
+    )
     jobs = {}
     for n in (1, 3):
         name = f"resume_fsdp2_ws{n}"
-        run = sub.run.parent / name        # the run as it stood when the step-10 checkpoint was written
+        run = sub.run.parent / name  # the run as it stood when the step-10 checkpoint was written
         (run / "checkpoints").mkdir(parents=True)
         shutil.copytree(ck, run / "checkpoints" / ck.name)
-        (run / "metrics.jsonl").write_text("".join(ln for ln in (sub.run / "metrics.jsonl").read_text().splitlines(True)
-                                                   if json.loads(ln)["step"] < 10))
-        jobs[n] = _submit(name, tmp_path / "logs", ["--resume", *CPU2[:2], "--tasks-per-node", str(n), *CPU2[4:]],
-                          [*RUN, "strategy=fsdp2", *extra])
+        (run / "metrics.jsonl").write_text(
+            "".join(
+                ln for ln in (sub.run / "metrics.jsonl").read_text().splitlines(True) if json.loads(ln)["step"] < 10
+            )
+        )
+        jobs[n] = _submit(
+            name,
+            tmp_path / "logs",
+            ["--resume", *CPU2[:2], "--tasks-per-node", str(n), *CPU2[4:]],
+            [*RUN, "strategy=fsdp2", *extra],
+        )
     table = [("2 (uninterrupted)", 0, MAX_STEPS, full[MAX_STEPS - 1], res["test"]["loss"])]
     for n, job in jobs.items():
         info = wait_job_end(job.job, JOB_TIMEOUT, job.files)
@@ -404,9 +566,12 @@ def test_two_rank_cpu_job_matches_one_process(strategy, slurm_cluster, oracle, t
         if n == 3:
             assert "GLOBAL_RANK: 2, MEMBER: 3/3" in job.log(), job.report()
         assert "ckpt_path=auto: resuming from" in job.files[2].read_text(), job.report()
-        rows = {r["step"]: r["train/loss"] for r in read_metrics(job.run / "metrics.jsonl")
-                if "train/loss" in r and r["step"] >= 10}
-        assert max(rows) == MAX_STEPS - 1 and len(rows) == 10, job.report()    # steps 14, 19, ..., 59
+        rows = {
+            r["step"]: r["train/loss"]
+            for r in read_metrics(job.run / "metrics.jsonl")
+            if "train/loss" in r and r["step"] >= 10
+        }
+        assert max(rows) == MAX_STEPS - 1 and len(rows) == 10, job.report()  # steps 14, 19, ..., 59
         steps = sorted(rows)
         assert [rows[s] for s in steps] == pytest.approx([full[s] for s in steps], rel=1e-6), job.report()
         _assert_matches_oracle(res_n, oracle, job.report())
@@ -468,25 +633,47 @@ def test_hydra_submitit_sweep_on_cpu_node(slurm_cluster, oracle, tmp_path):
     (`scontrol requeue <array job>_0`): it restarts in its own directory of the sweep, resumes (ckpt_path is auto
     inside a multirun job) and ends with the one-process oracle's result; the launcher still returns."""
     logs = tmp_path / "logs"
-    cmd = [sys.executable, str(ROOT / "train.py"), "-m", "hydra/launcher=slurm_cpu", "canon=ABCD,none", *RUN,
-           "hydra.launcher.timeout_min=15", f"paths.log_dir={logs}"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "train.py"),
+        "-m",
+        "hydra/launcher=slurm_cpu",
+        "canon=ABCD,none",
+        *RUN,
+        "hydra.launcher.timeout_min=15",
+        f"paths.log_dir={logs}",
+    ]
     out, err = tmp_path / "launcher.out", tmp_path / "launcher.err"
     multiruns = logs / "train" / "multiruns"
 
     def report():
         sweeps = sorted(multiruns.glob("*")) if multiruns.exists() else []
-        return job_report(None, out, err, *(s / ".submitit" / "*" / "*.out" for s in sweeps),
-                          *(s / ".submitit" / "*" / "*.err" for s in sweeps))
+        return job_report(
+            None,
+            out,
+            err,
+            *(s / ".submitit" / "*" / "*.out" for s in sweeps),
+            *(s / ".submitit" / "*" / "*.err" for s in sweeps),
+        )
 
     with open(out, "w") as fo, open(err, "w") as fe:
         proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, cwd=tmp_path, stdin=subprocess.DEVNULL)
         try:
-            ck = wait_until(lambda: next(iter(multiruns.glob("*/0/checkpoints/step0000010.ckpt")), None)
-                            if multiruns.exists() else None, JOB_TIMEOUT, "cell 0's step-10 checkpoint",
-                            files=(out, err))
+            ck = wait_until(
+                lambda: next(iter(multiruns.glob("*/0/checkpoints/step0000010.ckpt")), None)
+                if multiruns.exists()
+                else None,
+                JOB_TIMEOUT,
+                "cell 0's step-10 checkpoint",
+                files=(out, err),
+            )
             sweep = ck.parents[2]
-            array = wait_until(lambda: next(iter(sorted(p.name for p in (sweep / ".submitit").glob("*_0"))), None),
-                               30, "submitit's folder of cell 0", files=(out, err))
+            array = wait_until(
+                lambda: next(iter(sorted(p.name for p in (sweep / ".submitit").glob("*_0"))), None),
+                30,
+                "submitit's folder of cell 0",
+                files=(out, err),
+            )
             r = subprocess.run(["scontrol", "requeue", array], capture_output=True, text=True, timeout=30)
             assert r.returncode == 0, f"scontrol requeue {array}: {r.stderr}\n{report()}"
             rc = proc.wait(timeout=JOB_TIMEOUT)
@@ -502,8 +689,13 @@ def test_hydra_submitit_sweep_on_cpu_node(slurm_cluster, oracle, tmp_path):
     info = job_info(array)
     assert int(info.get("Restarts", 0)) >= 1 and res[0]["attempts"] >= 2, f"{info}\n{report()}"
     _assert_matches_oracle(res[0], oracle, report())
-    r = subprocess.run([sys.executable, "-m", "canonlm.train.report", str(sweep), "--rows", "canon.set"],
-                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    r = subprocess.run(
+        [sys.executable, "-m", "canonlm.train.report", str(sweep), "--rows", "canon.set"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, f"{r.stdout}\n{r.stderr}"
     assert "none" in r.stdout and "ABCD" in r.stdout, r.stdout
 
@@ -526,9 +718,15 @@ def test_prepare_array_tasks_give_the_single_process_corpus(slurm_cluster, tmp_p
     tok = Tokenizer(models.BPE())  # as test_prepare_parallel.tok_path: byte-level BPE, vocab 512, with </s>
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train([str(f) for f in FILES], trainers.BpeTrainer(
-        vocab_size=512, special_tokens=["<pad>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
+    tok.train(
+        [str(f) for f in FILES],
+        trainers.BpeTrainer(
+            vocab_size=512,
+            special_tokens=["<pad>", "</s>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     tok.save(str(tmp_path / "tokenizer.json"))
     args = [*inputs(), "--tokenizer", str(tmp_path / "tokenizer.json"), *(a for a in COMMON if a != "--quiet")]
 
@@ -540,9 +738,14 @@ def test_prepare_array_tasks_give_the_single_process_corpus(slurm_cluster, tmp_p
         "#SBATCH --job-name=prepare --nodes=1 --ntasks=1 --cpus-per-task=1 --mem=1G --time=5\n"
         f"#SBATCH --output={logs}/%A_%a.out --error={logs}/%A_%a.err\n"
         f"srun {shlex.join([sys.executable, '-m', 'canonlm.data.prepare', *args, '--out', str(out)])} "
-        "--num-tasks 3\n")
-    r = subprocess.run(["sbatch", "--parsable", "--array=0-2", f"--chdir={tmp_path}", str(script)],
-                       capture_output=True, text=True, timeout=60)
+        "--num-tasks 3\n"
+    )
+    r = subprocess.run(
+        ["sbatch", "--parsable", "--array=0-2", f"--chdir={tmp_path}", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, f"sbatch failed ({r.returncode}):\n{r.stdout}\n{r.stderr}"
     job = r.stdout.strip().split(";")[0]
     assert job.isdigit(), r.stdout

@@ -92,7 +92,7 @@ def test_window_layout_rules(tiny):
     for w in range(150):
         tok, lm, aid, grp = (out[k][w] for k in ("tokens", "loss_mask", "answer_id", "group"))
         first = tiny.instance("train", (w, 0), seed=0).tokens
-        assert tok[0] == tiny.bos_id and np.array_equal(tok[:len(first)], first)
+        assert tok[0] == tiny.bos_id and np.array_equal(tok[: len(first)], first)
         assert not lm[0] and (tok != 0).all()
         sc = aid >= 0
         assert (lm[sc]).all() and (grp[sc] >= 1).all() and (grp[~sc] == 0).all()
@@ -206,7 +206,11 @@ def test_batches_have_contract_shapes_and_dtypes(tiny):
     assert set(b) == {"tokens", "loss_mask", "answer_id", "group"}
     assert all(v.shape == (3, 256) for v in b.values())
     assert (b["tokens"].dtype, b["loss_mask"].dtype, b["answer_id"].dtype, b["group"].dtype) == (
-        torch.int64, torch.bool, torch.int32, torch.int32)
+        torch.int64,
+        torch.bool,
+        torch.int32,
+        torch.int32,
+    )
     # global step s, rank r: windows [s*B*W + r*B, ...)
     s = SyntheticStream(tiny, "train", window=256, batch_size=3, seed=0, rank=1, world_size=2)
     assert s.window_indices(5).tolist() == [33, 34, 35]
@@ -216,8 +220,9 @@ def test_batches_have_contract_shapes_and_dtypes(tiny):
 @pytest.mark.parametrize("tail", ["drop", "carry"])
 def test_same_stream_for_0_1_2_workers(tiny, tail):
     def run(nw, finite):
-        s = SyntheticStream(tiny, "train", window=256, batch_size=2, seed=5, start_step=3,
-                            num_steps=5 if finite else None, tail=tail)
+        s = SyntheticStream(
+            tiny, "train", window=256, batch_size=2, seed=5, start_step=3, num_steps=5 if finite else None, tail=tail
+        )
         return collect(DataLoader(s, batch_size=None, num_workers=nw), None if finite else 5)
 
     ref = run(0, True)
@@ -229,8 +234,10 @@ def test_same_stream_for_0_1_2_workers(tiny, tail):
 
 def test_world_size_1_equals_concatenated_rank_slices(tiny):
     one = collect(SyntheticStream(tiny, "val", window=256, batch_size=4, seed=0, num_steps=3))
-    ranks = [collect(SyntheticStream(tiny, "val", window=256, batch_size=2, seed=0, rank=r, world_size=2,
-                                     num_steps=3)) for r in (0, 1)]
+    ranks = [
+        collect(SyntheticStream(tiny, "val", window=256, batch_size=2, seed=0, rank=r, world_size=2, num_steps=3))
+        for r in (0, 1)
+    ]
     for s in range(3):
         for k in one[s]:
             assert torch.equal(one[s][k], torch.cat([ranks[0][s][k], ranks[1][s][k]]))
@@ -260,8 +267,10 @@ def test_finite_streams_replay_and_splits_differ(tiny):
     val = SyntheticStream(tiny, "val", window=256, batch_size=2, seed=0, num_steps=3)
     assert len(val) == 3
     assert_same(collect(val), collect(val))
-    b = {s: next(iter(SyntheticStream(tiny, s, window=256, batch_size=2, seed=0)))["tokens"]
-         for s in ("train", "val", "test")}
+    b = {
+        s: next(iter(SyntheticStream(tiny, s, window=256, batch_size=2, seed=0)))["tokens"]
+        for s in ("train", "val", "test")
+    }
     assert not torch.equal(b["train"], b["val"]) and not torch.equal(b["val"], b["test"])
     other = next(iter(SyntheticStream(tiny, "train", window=256, batch_size=2, seed=1)))["tokens"]
     assert not torch.equal(other, b["train"])
@@ -269,8 +278,17 @@ def test_finite_streams_replay_and_splits_differ(tiny):
         len(SyntheticStream(tiny, "train", window=256, batch_size=2, seed=0))
 
 
-@pytest.mark.parametrize("kw", [dict(batch_size=0), dict(rank=2, world_size=2), dict(world_size=0),
-                                dict(start_step=-1), dict(num_steps=-2), dict(seed=-1)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(batch_size=0),
+        dict(rank=2, world_size=2),
+        dict(world_size=0),
+        dict(start_step=-1),
+        dict(num_steps=-2),
+        dict(seed=-1),
+    ],
+)
 def test_stream_bad_arguments(tiny, kw):
     args = dict(window=256, batch_size=2, seed=0) | kw
     with pytest.raises(ValueError, match=next(iter(kw))):

@@ -29,8 +29,14 @@ def _task(preset, **over):
 def _stream(task, split, workers, batch=2, steps=None, start=0):
     from canonlm.data.stream import SyntheticStream
 
-    kw = dict(window=int(task.context), batch_size=batch, seed=int(task.seed), start_step=start, num_steps=steps,
-              tail=getattr(task, "tail", "drop"))
+    kw = dict(
+        window=int(task.context),
+        batch_size=batch,
+        seed=int(task.seed),
+        start_step=start,
+        num_steps=steps,
+        tail=getattr(task, "tail", "drop"),
+    )
     ds = task.make_stream(split, **kw) if hasattr(task, "make_stream") else SyntheticStream(task, split, **kw)
     return DataLoader(ds, batch_size=None, num_workers=workers)
 
@@ -95,23 +101,49 @@ def test_lano_bad_grammar_files(tmp_path):
 
 
 def test_bad_input_through_train_py_writes_nothing(tmp_path):
-    p = subprocess.run([sys.executable, str(ROOT / "train.py"), "task=mano_cpu", "task.L=0",
-                        f"paths.log_dir={tmp_path}/logs"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "task=mano_cpu", "task.L=0", f"paths.log_dir={tmp_path}/logs"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert p.returncode == 2 and "task.L" in p.stderr and "Traceback" not in p.stderr
     assert not (tmp_path / "logs").exists() or not any((tmp_path / "logs").rglob("*.ckpt"))
 
 
-TRAIN = ["model.size=2L64D", "data.batch_size=4", "data.val_windows=4", "data.test_windows=4",
-         "data.gen_eval.samples=4", "data.gen_eval.batch_size=4", "trainer.max_steps=4", "trainer.val_check_interval=2",
-         "trainer.log_every_n_steps=1", "callbacks=none"]
+TRAIN = [
+    "model.size=2L64D",
+    "data.batch_size=4",
+    "data.val_windows=4",
+    "data.test_windows=4",
+    "data.gen_eval.samples=4",
+    "data.gen_eval.batch_size=4",
+    "trainer.max_steps=4",
+    "trainer.val_check_interval=2",
+    "trainer.log_every_n_steps=1",
+    "callbacks=none",
+]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_task_trains_through_train_py(preset, tmp_path):
-    p = subprocess.run([sys.executable, str(ROOT / "train.py"), f"task={preset}", *TRAIN, f"run_name={preset}",
-                        f"paths.log_dir={tmp_path}/logs"], capture_output=True, text=True, timeout=600, cwd=tmp_path,
-                       env={**__import__("os").environ, "WANDB_MODE": "disabled"})
+    p = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            f"task={preset}",
+            *TRAIN,
+            f"run_name={preset}",
+            f"paths.log_dir={tmp_path}/logs",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env={**__import__("os").environ, "WANDB_MODE": "disabled"},
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     res = json.loads((tmp_path / "logs" / "train" / "runs" / preset / "results.json").read_text())
     assert res["steps"] == 4
@@ -120,11 +152,15 @@ def test_every_task_trains_through_train_py(preset, tmp_path):
     task, _ = _task(preset)
     # the closing table says how to read it: the chance level (re-derived here), the scale of bits and KL, the
     # paper's numbers
-    closing = p.stdout[p.stdout.rindex(f"{task.name}: "):]
-    want_chance = {"depo1": lambda: f"chance ~{100 / task.N:.1f} %", "brevo1": lambda: "chance ~0 % (a guessed list",
-                   "brevo2": lambda: "chance ~0 % (a guessed list", "mano": lambda: f"chance ~{100 / task.mod:.1f} %",
-                   "lano": lambda: "chance ~0 % (a guessed string",
-                   "fullcopy": lambda: "chance ~0 % (a guessed copy is right with probability 1/n!)"}
+    closing = p.stdout[p.stdout.rindex(f"{task.name}: ") :]
+    want_chance = {
+        "depo1": lambda: f"chance ~{100 / task.N:.1f} %",
+        "brevo1": lambda: "chance ~0 % (a guessed list",
+        "brevo2": lambda: "chance ~0 % (a guessed list",
+        "mano": lambda: f"chance ~{100 / task.mod:.1f} %",
+        "lano": lambda: "chance ~0 % (a guessed string",
+        "fullcopy": lambda: "chance ~0 % (a guessed copy is right with probability 1/n!)",
+    }
     want_chance = want_chance[task.name]() if task.name in want_chance else None
     assert want_chance is None or want_chance in closing.splitlines()[0], closing
     assert ("read against: paper Fig." in closing) or task.name == "capo"

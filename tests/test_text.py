@@ -38,8 +38,12 @@ def train_bpe(path: Path, vocab_size: int = 400) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tr = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "</s>"],
-                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tr = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<pad>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train([str(CORPUS)], tr)
     tok.save(str(path))
     return path
@@ -72,8 +76,26 @@ def prepare_fixture(root: Path, tok_path: Path | None = None, shard_tokens: int 
     root.mkdir(parents=True, exist_ok=True)
     tok_path = tok_path or train_bpe(root / "tokenizer.json")
     out = root / "corpus"
-    assert prep(["--input", str(CORPUS), "--tokenizer", str(tok_path), "--out", str(out), "--append-eos",
-                 "--val-fraction", "0.15", "--test-fraction", "0.15", "--shard-tokens", str(shard_tokens)]) == 0
+    assert (
+        prep(
+            [
+                "--input",
+                str(CORPUS),
+                "--tokenizer",
+                str(tok_path),
+                "--out",
+                str(out),
+                "--append-eos",
+                "--val-fraction",
+                "0.15",
+                "--test-fraction",
+                "0.15",
+                "--shard-tokens",
+                str(shard_tokens),
+            ]
+        )
+        == 0
+    )
     return out
 
 
@@ -166,8 +188,23 @@ def test_prepare_formats_agree_and_uint32(tmp_path, tok_path):
     wl = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     wl.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     wl.save(str(tmp_path / "wl.json"))
-    assert prep(["--input", str(CORPUS), "--tokenizer", str(tmp_path / "wl.json"), "--out", str(tmp_path / "o3"),
-                 "--val-fraction", "0.15", "--test-fraction", "0.15"]) == 0
+    assert (
+        prep(
+            [
+                "--input",
+                str(CORPUS),
+                "--tokenizer",
+                str(tmp_path / "wl.json"),
+                "--out",
+                str(tmp_path / "o3"),
+                "--val-fraction",
+                "0.15",
+                "--test-fraction",
+                "0.15",
+            ]
+        )
+        == 0
+    )
     meta = json.loads((tmp_path / "o3" / "meta.json").read_text())
     assert meta["dtype"] == "uint32" and meta["eos_id"] == 1
     got = {}
@@ -180,8 +217,25 @@ def test_prepare_formats_agree_and_uint32(tmp_path, tok_path):
 def test_prepare_tiny_corpus_fallback_and_text_units(tmp_path, tok_path):
     f = tmp_path / "three.txt"
     f.write_text("First document here.\n\nSecond one, two lines\ncontinued.\n\nThird.\n")
-    assert prep(["--input", str(f), "--tokenizer", str(tok_path), "--out", str(tmp_path / "p"),
-                 "--text-unit", "paragraph", "--val-fraction", "0.001", "--test-fraction", "0.001"]) == 0
+    assert (
+        prep(
+            [
+                "--input",
+                str(f),
+                "--tokenizer",
+                str(tok_path),
+                "--out",
+                str(tmp_path / "p"),
+                "--text-unit",
+                "paragraph",
+                "--val-fraction",
+                "0.001",
+                "--test-fraction",
+                "0.001",
+            ]
+        )
+        == 0
+    )
     meta = json.loads((tmp_path / "p" / "meta.json").read_text())
     assert meta["documents"] == 3
     assert [meta["splits"][s]["documents"] for s in ("train", "val", "test")] == [1, 1, 1]
@@ -196,8 +250,25 @@ def test_prepare_tiny_corpus_fallback_and_text_units(tmp_path, tok_path):
     (d2,) = read_split(tmp_path / "p", "val")[0].values()
     paras = ["First document here.", "Second one, two lines\ncontinued.", "Third."]
     assert t.decode(d2.tolist()) == paras[us[0]]
-    assert prep(["--input", str(f), "--tokenizer", str(tok_path), "--out", str(tmp_path / "q"),
-                 "--text-unit", "file", "--val-fraction", "0", "--test-fraction", "0"]) == 0
+    assert (
+        prep(
+            [
+                "--input",
+                str(f),
+                "--tokenizer",
+                str(tok_path),
+                "--out",
+                str(tmp_path / "q"),
+                "--text-unit",
+                "file",
+                "--val-fraction",
+                "0",
+                "--test-fraction",
+                "0",
+            ]
+        )
+        == 0
+    )
     (d,) = read_split(tmp_path / "q", "train")[0].values()
     assert t.decode(d.tolist()) == f.read_text()
 
@@ -217,8 +288,10 @@ def test_prepare_errors_and_overwrite(tmp_path, tok_path, capsys):
 
     noeos = Tokenizer(models.WordLevel(vocab={"<unk>": 0, "a": 1}, unk_token="<unk>"))
     noeos.save(str(tmp_path / "noeos.json"))
-    assert prep(["--input", str(CORPUS), "--tokenizer", str(tmp_path / "noeos.json"), "--out", str(out),
-                 "--append-eos"]) == 2
+    assert (
+        prep(["--input", str(CORPUS), "--tokenizer", str(tmp_path / "noeos.json"), "--out", str(out), "--append-eos"])
+        == 2
+    )
     assert "--eos-token" in capsys.readouterr().err
     args = ["--input", str(CORPUS), "--tokenizer", str(tok_path), "--out", str(out), "--val-fraction", "0.2"]
     assert prep(args) == 0
@@ -272,8 +345,9 @@ def test_force_never_deletes_a_foreign_directory(tmp_path, tok_path, capsys):
     # an empty directory is used without --force; a prepared corpus (format tag) is replaced with --force
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert prep(["--input", str(CORPUS), "--tokenizer", str(tok_path), "--out", str(empty), "--val-fraction",
-                 "0.2"]) == 0
+    assert (
+        prep(["--input", str(CORPUS), "--tokenizer", str(tok_path), "--out", str(empty), "--val-fraction", "0.2"]) == 0
+    )
     assert json.loads((empty / "meta.json").read_text())["format"].startswith("canonlm-text-v")
     (empty / "stale.txt").write_text("left by an older run")
     assert prep([*base, "--out", str(empty), "--seed", "7"]) == 0
@@ -298,8 +372,7 @@ def test_non_utf8_input_is_a_clean_error_naming_file_and_line(tmp_path, tok_path
 
     good = "A perfectly fine line of text.\n" * 3000  # > one decoder chunk, so the bad line is far from the start
     latin = (good + "Caf\u00e9 au lait, na\u00efve.\nlast line\n").encode("latin-1")
-    jsonl = b"".join(json.dumps({"text": f"doc {i}"}).encode() + b"\n" for i in range(4)) + \
-        b'{"text": "se\xf1or"}\n'
+    jsonl = b"".join(json.dumps({"text": f"doc {i}"}).encode() + b"\n" for i in range(4)) + b'{"text": "se\xf1or"}\n'
     inputs = {"latin.txt": latin, "latin.txt.gz": gzip.compress(latin), "bad.jsonl": jsonl}
     for name, data in inputs.items():
         p = tmp_path / name
@@ -363,8 +436,9 @@ def test_prepare_main_docstring_documents_exit_codes(tmp_path, tok_path, capsys)
     assert re.search(r"\b0 = ", doc) and re.search(r"\b2 = ", doc), doc
     # ... and the codes are the ones the command really returns
     assert prep(["--input", str(CORPUS), "--tokenizer", str(tok_path), "--out", str(tmp_path / "a")]) == 0
-    assert prep(["--input", str(tmp_path / "none.txt"), "--tokenizer", str(tok_path), "--out",
-                 str(tmp_path / "b")]) == 2
+    assert (
+        prep(["--input", str(tmp_path / "none.txt"), "--tokenizer", str(tok_path), "--out", str(tmp_path / "b")]) == 2
+    )
     with pytest.raises(SystemExit) as e:
         prepare_main(["--tokenizer", str(tok_path)])  # missing --input: argparse, status 2 as documented
     assert e.value.code == 2
@@ -382,16 +456,45 @@ def test_transformers_tokenizer_directory(tmp_path, tok_path, raw_tok):
     assert t.kind == "transformers" and t.eos_id == raw_tok.token_to_id("</s>") and t.vocab_size == 400
     text = documents()[3]
     assert t.encode(text) == raw_tok.encode(text, add_special_tokens=False).ids
-    assert prep(["--input", str(CORPUS), "--tokenizer", str(tmp_path / "hf"), "--out", str(tmp_path / "p"),
-                 "--append-eos", "--val-fraction", "0.2"]) == 0
+    assert (
+        prep(
+            [
+                "--input",
+                str(CORPUS),
+                "--tokenizer",
+                str(tmp_path / "hf"),
+                "--out",
+                str(tmp_path / "p"),
+                "--append-eos",
+                "--val-fraction",
+                "0.2",
+            ]
+        )
+        == 0
+    )
     meta = json.loads((tmp_path / "p" / "meta.json").read_text())
     assert meta["tokenizer"]["kind"] == "transformers" and meta["eos_id"] == t.eos_id
 
 
 def test_prepare_module_entry_point(tmp_path, tok_path):
-    p = subprocess.run([sys.executable, "-m", "canonlm.data.prepare", "--input", str(CORPUS), "--tokenizer",
-                        str(tok_path), "--out", str(tmp_path / "x"), "--val-fraction", "0.2"],
-                       capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "canonlm.data.prepare",
+            "--input",
+            str(CORPUS),
+            "--tokenizer",
+            str(tok_path),
+            "--out",
+            str(tmp_path / "x"),
+            "--val-fraction",
+            "0.2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 0, p.stderr
     assert "[prepare]" in p.stderr and "wrote" in p.stdout
 
@@ -421,7 +524,7 @@ def _find(window: np.ndarray, shards: list[np.ndarray]) -> list[tuple[int, int]]
     hits = []
     for k, arr in enumerate(shards):
         for s in range(0, arr.shape[0] - window.shape[0] + 1):
-            if np.array_equal(arr[s:s + window.shape[0]], window):
+            if np.array_equal(arr[s : s + window.shape[0]], window):
                 hits.append((k, s))
     return hits
 
@@ -439,8 +542,8 @@ def test_windows_are_slots_of_their_split_and_cover_an_epoch(task, prepared, spl
         slots.append(hits[0])
     assert len(set(slots)) == S  # one epoch = every slot once
     # the next epoch is another permutation of the same slots
-    assert sorted(map(tuple, win[S:2 * S].tolist())) == sorted(map(tuple, win[:S].tolist()))
-    assert not np.array_equal(win[S:2 * S], win[:S]) or S == 1
+    assert sorted(map(tuple, win[S : 2 * S].tolist())) == sorted(map(tuple, win[:S].tolist()))
+    assert not np.array_equal(win[S : 2 * S], win[:S]) or S == 1
 
 
 def test_windows_never_cross_splits(task, prepared):
@@ -485,8 +588,10 @@ def test_stream_format_workers_world_size_and_resume(task):
         assert torch.equal(x["tokens"], y["tokens"])
     # world size 3 with per-rank batch 1: concatenated rank slices == the world-size-1 batch
     for step in range(2):
-        parts = [task.make_stream("train", window=T, batch_size=1, seed=3, rank=r, world_size=3).batch(step)["tokens"]
-                 for r in range(3)]
+        parts = [
+            task.make_stream("train", window=T, batch_size=1, seed=3, rank=r, world_size=3).batch(step)["tokens"]
+            for r in range(3)
+        ]
         assert torch.equal(torch.cat(parts), ref[step]["tokens"])
     # resume from the cursor of an infinite stream
     s1 = task.make_stream("train", window=T, batch_size=3, seed=3)
@@ -534,7 +639,8 @@ def test_config_errors(tmp_path, prepared):
     assert "bytes" in err({"data_dir": str(dmg), "context": T}, "task.data_dir")
     with pytest.raises(ConfigError):
         build_task("text", {"data_dir": str(prepared), "context": T}).make_stream(
-            "train", window=T, batch_size=1, seed=0, tail="carry")
+            "train", window=T, batch_size=1, seed=0, tail="carry"
+        )
 
 
 def test_feistel_permutation_is_a_bijection():

@@ -33,22 +33,41 @@ from conftest import ROOT
 pytestmark = pytest.mark.slow
 
 CORPORA = ROOT / "tests" / "fixtures" / "corpora"
-SOURCES = {"readmes": 0.7, "licenses": 0.3}          # source -> mixture weight
+SOURCES = {"readmes": 0.7, "licenses": 0.3}  # source -> mixture weight
 T, BATCH, STEPS, VAL_EVERY, CKPT_EVERY = 128, 8, 200, 50, 100
 VOCAB = 1024
 # one intra-op thread per process: CI runs two test workers on 2 cores (more threads only oversubscribe them)
-ENV = {**os.environ, "WANDB_MODE": "disabled", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
-       "OMP_NUM_THREADS": "1"}
+ENV = {
+    **os.environ,
+    "WANDB_MODE": "disabled",
+    "HF_DATASETS_OFFLINE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "OMP_NUM_THREADS": "1",
+}
 
 
 def train_args(data: Path, logs: Path, run_name: str) -> list[str]:
     """train.py overrides of the end-to-end run (docs/text_data.md, "End to end")."""
     src = "{" + ", ".join(f"{n}: {{data_dir: {data / n}, weight: {w}}}" for n, w in SOURCES.items()) + "}"
-    return ["task=text", "task.data_dir=null", f"task.sources={src}", f"task.context={T}", "arch=llama",
-            "canon=ABCD", "model.size=2L64D", f"data.batch_size={BATCH}", "data.val_windows=32",
-            "data.test_windows=32", f"trainer.max_steps={STEPS}", f"trainer.val_check_interval={VAL_EVERY}",
-            "trainer.log_every_n_steps=10", f"callbacks.checkpoint.every_n_train_steps={CKPT_EVERY}",
-            "callbacks.progress.force=lines", f"paths.log_dir={logs}", f"run_name={run_name}"]
+    return [
+        "task=text",
+        "task.data_dir=null",
+        f"task.sources={src}",
+        f"task.context={T}",
+        "arch=llama",
+        "canon=ABCD",
+        "model.size=2L64D",
+        f"data.batch_size={BATCH}",
+        "data.val_windows=32",
+        "data.test_windows=32",
+        f"trainer.max_steps={STEPS}",
+        f"trainer.val_check_interval={VAL_EVERY}",
+        "trainer.log_every_n_steps=10",
+        f"callbacks.checkpoint.every_n_train_steps={CKPT_EVERY}",
+        "callbacks.progress.force=lines",
+        f"paths.log_dir={logs}",
+        f"run_name={run_name}",
+    ]
 
 
 def paragraphs(folder: Path) -> list[str]:
@@ -73,9 +92,15 @@ def train_tokenizer(files: list[Path], path: Path, vocab: int = VOCAB) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train([str(f) for f in files], trainers.BpeTrainer(
-        vocab_size=vocab, special_tokens=["<pad>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
+    tok.train(
+        [str(f) for f in files],
+        trainers.BpeTrainer(
+            vocab_size=vocab,
+            special_tokens=["<pad>", "</s>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     tok.save(str(path))
     return path
 
@@ -94,15 +119,35 @@ def e2e(tmp_path_factory):
     root = tmp_path_factory.mktemp("e2e")
     secs: dict[str, float] = {}
     t0 = time.perf_counter()
-    tok = train_tokenizer([f for n in SOURCES for f in sorted((CORPORA / n / "text").iterdir())],
-                          root / "tokenizer.json")
+    tok = train_tokenizer(
+        [f for n in SOURCES for f in sorted((CORPORA / n / "text").iterdir())], root / "tokenizer.json"
+    )
     secs["tokenizer"] = time.perf_counter() - t0
     data = root / "data"
     for name in SOURCES:
         t0 = time.perf_counter()
-        _py(["-m", "canonlm.data.prepare", "--input", str(CORPORA / name / "text"), "--tokenizer", str(tok),
-             "--out", str(data / name), "--text-unit", "paragraph", "--append-eos", "--workers", "2",
-             "--val-fraction", "0.1", "--test-fraction", "0.05"], root)
+        _py(
+            [
+                "-m",
+                "canonlm.data.prepare",
+                "--input",
+                str(CORPORA / name / "text"),
+                "--tokenizer",
+                str(tok),
+                "--out",
+                str(data / name),
+                "--text-unit",
+                "paragraph",
+                "--append-eos",
+                "--workers",
+                "2",
+                "--val-fraction",
+                "0.1",
+                "--test-fraction",
+                "0.05",
+            ],
+            root,
+        )
         secs[f"prepare {name}"] = time.perf_counter() - t0
     logs = root / "logs"
     train = [str(ROOT / "train.py")]
@@ -115,14 +160,22 @@ def e2e(tmp_path_factory):
     ckdir = logs / "train" / "runs" / "kr" / "checkpoints"
     t0 = time.perf_counter()
     with open(killed_log, "w") as out:
-        proc = subprocess.Popen([sys.executable, *train, *train_args(data, logs, "kr")], stdout=out,
-                                stderr=subprocess.STDOUT, cwd=root, env=ENV)
+        proc = subprocess.Popen(
+            [sys.executable, *train, *train_args(data, logs, "kr")],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=root,
+            env=ENV,
+        )
         deadline = time.time() + 600
         # killed once a step checkpoint exists and the run has printed a later step, mid-way to the next checkpoint
         # (a kill in the instant between a checkpoint's save and Lightning's logging of that step's metrics loses
         # that one metrics row: the resumed attempt starts after it)
-        while proc.poll() is None and time.time() < deadline and not (
-                list(ckdir.glob("step*.ckpt")) and f"[step {CKPT_EVERY + 10}/" in killed_log.read_text()):
+        while (
+            proc.poll() is None
+            and time.time() < deadline
+            and not (list(ckdir.glob("step*.ckpt")) and f"[step {CKPT_EVERY + 10}/" in killed_log.read_text())
+        ):
             time.sleep(0.02)
         proc.send_signal(signal.SIGKILL)
         rc = proc.wait(timeout=60)
@@ -135,8 +188,16 @@ def e2e(tmp_path_factory):
     t0 = time.perf_counter()
     resumed = _py([*train, *train_args(data, logs, "kr"), "ckpt_path=auto"], root)
     secs["resume"] = time.perf_counter() - t0
-    return dict(root=root, tok=tok, data=data, runs=logs / "train" / "runs", saved=saved, secs=secs,
-                killed_at=max(steps_before, default=0), resumed_out=resumed.stdout + resumed.stderr)
+    return dict(
+        root=root,
+        tok=tok,
+        data=data,
+        runs=logs / "train" / "runs",
+        saved=saved,
+        secs=secs,
+        killed_at=max(steps_before, default=0),
+        resumed_out=resumed.stdout + resumed.stderr,
+    )
 
 
 def test_prepared_corpora_are_the_fixture_paragraphs(e2e):
@@ -155,8 +216,10 @@ def test_prepared_corpora_are_the_fixture_paragraphs(e2e):
         assert sum(s["documents"] for s in meta["splits"].values()) == len(docs)
         held = heldout(e2e["data"] / name, tok)
         assert len(held) == meta["splits"]["test"]["documents"] and set(held) <= set(docs)
-        print(f"{name}: {len(docs)} paragraphs, {meta['tokens']} tokens; splits "
-              + ", ".join(f"{s} {v['tokens']}" for s, v in meta["splits"].items()))
+        print(
+            f"{name}: {len(docs)} paragraphs, {meta['tokens']} tokens; splits "
+            + ", ".join(f"{s} {v['tokens']}" for s, v in meta["splits"].items())
+        )
 
 
 def heldout(data: Path, tok) -> list[str]:
@@ -169,7 +232,7 @@ def heldout(data: Path, tok) -> list[str]:
         starts = np.load(data / sh["index"])[:, 1].tolist() + [len(ids)]
         for a, b in zip(starts[:-1], starts[1:]):
             assert ids[b - 1] == meta["eos_id"]
-            out.append(tok.decode(ids[a:b - 1].tolist(), skip_special_tokens=False))
+            out.append(tok.decode(ids[a : b - 1].tolist(), skip_special_tokens=False))
     return out
 
 
@@ -186,10 +249,13 @@ def test_validation_loss_falls_for_each_source(e2e):
     for name, w in SOURCES.items():
         val = _val(rows, name)
         assert len(val) == STEPS // VAL_EVERY and all(math.isfinite(v) for _, v in val)
-        assert val[-1][1] < val[0][1] - 0.5, (name, val)   # and by a clear margin (nats/token)
+        assert val[-1][1] < val[0][1] - 0.5, (name, val)  # and by a clear margin (nats/token)
         assert res["sources"][name]["share"] == pytest.approx(w, abs=1e-3)
-        print(f"val/{name}/loss " + " ".join(f"@{s + 1}:{v:.3f}" for s, v in val)
-              + f"; test {res['test']['sources'][name]['loss']:.3f}")
+        print(
+            f"val/{name}/loss "
+            + " ".join(f"@{s + 1}:{v:.3f}" for s, v in val)
+            + f"; test {res['test']['sources'][name]['loss']:.3f}"
+        )
     print("timings (s):", {k: round(v, 1) for k, v in e2e["secs"].items()})
 
 
@@ -220,9 +286,11 @@ def test_killed_run_resumes_exactly(e2e):
 
 
 def _task_yaml(name: str, docs: Path) -> str:
-    return (f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {docs}\ntest_split: test\n"
-            "output_type: loglikelihood\ndoc_to_text: \"{{context}}\"\ndoc_to_target: \"{{target}}\"\n"
-            "metric_list:\n  - metric: perplexity\n  - metric: acc\n")
+    return (
+        f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {docs}\ntest_split: test\n"
+        'output_type: loglikelihood\ndoc_to_text: "{{context}}"\ndoc_to_target: "{{target}}"\n'
+        "metric_list:\n  - metric: perplexity\n  - metric: acc\n"
+    )
 
 
 def eval_docs(paras: list[str], tok, limit: int = 16) -> list[dict[str, str]]:
@@ -232,8 +300,12 @@ def eval_docs(paras: list[str], tok, limit: int = 16) -> list[dict[str, str]]:
     out = []
     for p in paras:
         ctx, _, last = p.rpartition(" ")
-        if (16 <= len(tok.encode(p).ids) <= T - 8 and ctx.strip() and ctx == ctx.rstrip()
-                and last.rstrip(".,;:)").isalpha()):
+        if (
+            16 <= len(tok.encode(p).ids) <= T - 8
+            and ctx.strip()
+            and ctx == ctx.rstrip()
+            and last.rstrip(".,;:)").isalpha()
+        ):
             out.append({"context": ctx, "target": " " + last})
         if len(out) == limit:
             break
@@ -263,8 +335,22 @@ def test_harness_on_heldout_paragraphs_matches_canonlm(e2e):
         (tasks / f"e2e_{name}.yaml").write_text(_task_yaml(f"e2e_{name}", f))
     run = e2e["runs"] / "kr"
     t0 = time.perf_counter()
-    _py(["-m", "canonlm.eval.harness", str(run), "--tasks", ",".join(f"e2e_{n}" for n in SOURCES),
-         "--include-path", str(tasks), "--device", "cpu", "--out", str(root / "harness.json")], root)
+    _py(
+        [
+            "-m",
+            "canonlm.eval.harness",
+            str(run),
+            "--tasks",
+            ",".join(f"e2e_{n}" for n in SOURCES),
+            "--include-path",
+            str(tasks),
+            "--device",
+            "cpu",
+            "--out",
+            str(root / "harness.json"),
+        ],
+        root,
+    )
     secs = time.perf_counter() - t0
     res = json.loads((root / "harness.json").read_text())
     cfg, sd, _ = read_canonlm(run)
@@ -274,9 +360,9 @@ def test_harness_on_heldout_paragraphs_matches_canonlm(e2e):
         lls, greedy = [], []
         for d in docs[name]:
             c = tok.encode(d["context"]).ids
-            y = tok.encode(d["context"] + d["target"]).ids[len(c):]
+            y = tok.encode(d["context"] + d["target"]).ids[len(c) :]
             with torch.no_grad():
-                lp = torch.log_softmax(model(torch.tensor([c + y])).double(), -1)[0, len(c) - 1:-1]
+                lp = torch.log_softmax(model(torch.tensor([c + y])).double(), -1)[0, len(c) - 1 : -1]
             lls.append(sum(lp[i, t].item() for i, t in enumerate(y)))
             greedy.append(float(lp.argmax(-1).tolist() == y))
         got = res[f"e2e_{name}"]
@@ -284,7 +370,9 @@ def test_harness_on_heldout_paragraphs_matches_canonlm(e2e):
         assert math.isfinite(got["perplexity,none"])
         assert got["perplexity,none"] == pytest.approx(ppl, rel=1e-4), (name, got, ppl)
         assert got["acc,none"] == pytest.approx(sum(greedy) / len(greedy)), (name, got)
-        print(f"harness e2e_{name}: {len(lls)} docs, perplexity {got['perplexity,none']:.6g} (canonlm {ppl:.6g}), "
-              f"acc {got['acc,none']:.3f} (canonlm {sum(greedy) / len(greedy):.3f}); mean last-word log-likelihood "
-              f"{sum(lls) / len(lls):.3f} nats")
+        print(
+            f"harness e2e_{name}: {len(lls)} docs, perplexity {got['perplexity,none']:.6g} (canonlm {ppl:.6g}), "
+            f"acc {got['acc,none']:.3f} (canonlm {sum(greedy) / len(greedy):.3f}); mean last-word log-likelihood "
+            f"{sum(lls) / len(lls):.3f} nats"
+        )
     print(f"harness: {secs:.1f} s")

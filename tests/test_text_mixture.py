@@ -31,9 +31,27 @@ def _prep(root: Path, name: str, lines: list[str], tok: Path, shard_tokens: int 
     src = root / f"{name}.txt"
     src.write_text("\n".join(lines) + "\n")
     out = root / name
-    assert prepare_main(["--input", str(src), "--tokenizer", str(tok), "--out", str(out), "--append-eos",
-                         "--val-fraction", "0.15", "--test-fraction", "0.15", "--shard-tokens", str(shard_tokens),
-                         "--quiet"]) == 0
+    assert (
+        prepare_main(
+            [
+                "--input",
+                str(src),
+                "--tokenizer",
+                str(tok),
+                "--out",
+                str(out),
+                "--append-eos",
+                "--val-fraction",
+                "0.15",
+                "--test-fraction",
+                "0.15",
+                "--shard-tokens",
+                str(shard_tokens),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     return out
 
 
@@ -45,8 +63,13 @@ def corpora(tmp_path_factory):
     tok = train_bpe(root / "tokenizer.json")
     lines = [ln for ln in CORPUS.read_text().split("\n") if ln.strip()]
     other = train_bpe(root / "other.json", vocab_size=300)
-    return dict(a=_prep(root, "a", lines[0::2], tok), b=_prep(root, "b", lines[1::2], tok),
-                c=_prep(root, "c", lines, tok, shard_tokens=400), other=_prep(root, "o", lines, other), root=root)
+    return dict(
+        a=_prep(root, "a", lines[0::2], tok),
+        b=_prep(root, "b", lines[1::2], tok),
+        c=_prep(root, "c", lines, tok, shard_tokens=400),
+        other=_prep(root, "o", lines, other),
+        root=root,
+    )
 
 
 def mix(corpora, weights=(0.7, 0.3), names=("a", "b"), **kw):
@@ -62,15 +85,20 @@ def alone(path, **kw):
 
 def slot_of(window: np.ndarray, shards: list[np.ndarray]) -> tuple[int, int]:
     """(shard, token offset) of the T-aligned slot holding ``window`` in numpy-read shards (exactly one)."""
-    hits = [(k, s) for k, arr in enumerate(shards) for s in range(0, (arr.shape[0] // T) * T, T)
-            if np.array_equal(arr[s:s + T], window)]
+    hits = [
+        (k, s)
+        for k, arr in enumerate(shards)
+        for s in range(0, (arr.shape[0] // T) * T, T)
+        if np.array_equal(arr[s : s + T], window)
+    ]
     assert len(hits) == 1, hits
     return hits[0]
 
 
 # ---------------------------------------------------------------------------------------------- proportions
-@pytest.mark.parametrize("weights,names,n", [((0.7, 0.3), ("a", "b"), 20_000),
-                                             ((5, 3, 2), ("a", "b", "c"), 3 * MIX_BLOCK + 7_777)])
+@pytest.mark.parametrize(
+    "weights,names,n", [((0.7, 0.3), ("a", "b"), 20_000), ((5, 3, 2), ("a", "b", "c"), 3 * MIX_BLOCK + 7_777)]
+)
 def test_realised_proportions_within_a_binomial_bound(corpora, weights, names, n):
     task = mix(corpora, weights, names)
     src, _, _ = task.locate("train", np.arange(n))
@@ -134,16 +162,21 @@ def test_eval_splits_take_every_source_in_turn(corpora):
 
 
 def test_concat_mode_is_one_permutation_over_all_slots(corpora):
-    task = build_task("text", {"sources": {n: {"data_dir": str(corpora[n])} for n in ("a", "b")}, "mix": "concat",
-                               "context": T, "seed": 5})
+    task = build_task(
+        "text",
+        {"sources": {n: {"data_dir": str(corpora[n])} for n in ("a", "b")}, "mix": "concat", "context": T, "seed": 5},
+    )
     shards = {n: read_split(corpora[n], "train")[1] for n in ("a", "b")}
     sizes = {n: sum(a.shape[0] // T for a in shards[n]) for n in ("a", "b")}
     S = sizes["a"] + sizes["b"]
     win = task.windows("train", np.arange(2 * S))
     seen = []
     for r in range(S):  # one epoch: every slot of every source once
-        name = next(n for n in ("a", "b") if any(np.array_equal(win[r], a[s:s + T]) for a in shards[n]
-                                                  for s in range(0, (a.shape[0] // T) * T, T)))
+        name = next(
+            n
+            for n in ("a", "b")
+            if any(np.array_equal(win[r], a[s : s + T]) for a in shards[n] for s in range(0, (a.shape[0] // T) * T, T))
+        )
         seen.append((name, slot_of(win[r], shards[name])))
     assert len(set(seen)) == S
     assert sorted(map(tuple, win[S:].tolist())) == sorted(map(tuple, win[:S].tolist()))
@@ -167,8 +200,10 @@ def test_single_corpus_is_unchanged(corpora):
     keys = mix64(np.uint64(stable_hash64("text-windows", 5, "train", T)) + ((w // S).astype(np.uint64) + 1) * GOLDEN)
     slot = feistel_permute(w % S, S, keys)
     cum = np.cumsum([0] + sizes)
-    want = [shards[np.searchsorted(cum, s, "right") - 1][(s - cum[np.searchsorted(cum, s, "right") - 1]) * T:][:T]
-            for s in slot]
+    want = [
+        shards[np.searchsorted(cum, s, "right") - 1][(s - cum[np.searchsorted(cum, s, "right") - 1]) * T :][:T]
+        for s in slot
+    ]
     np.testing.assert_array_equal(task.windows("train", w), np.stack(want))
     b = task.make_stream("train", window=T, batch_size=2, seed=5).batch(0)
     assert set(b) == {"tokens", "loss_mask", "answer_id", "group"}
@@ -183,8 +218,9 @@ def test_repetition_cap_is_respected_and_checked(corpora):
     S = task.source_table()["a"]["train_windows"]
     assert task.capacity(0) == S and task.source_table()["a"]["capacity"] == S and task.capacity(1) is None
     # the naive extent: 1 + the largest own window of source a among windows [0, n)
-    probe = build_task("text", {**task.cfg, "sources": {**task.cfg["sources"], "a": {**task.cfg["sources"]["a"],
-                                                                                        "max_epochs": None}}})
+    probe = build_task(
+        "text", {**task.cfg, "sources": {**task.cfg["sources"], "a": {**task.cfg["sources"]["a"], "max_epochs": None}}}
+    )
     src, k, _ = probe.locate("train", np.arange(4 * S))
     ext = np.maximum.accumulate(np.where(src == 0, k + 1, 0))  # ext[n-1] = extent of [0, n)
     n_ok = int(np.searchsorted(ext, S, side="right"))  # the longest run the cap supplies
@@ -245,8 +281,10 @@ def test_doc_ids_match_a_naive_scan_of_the_offsets(corpora, which):
         for r in range(40):
             d = dirs[g["source"][r]]
             meta = json.loads((d / "meta.json").read_text())
-            shards = [np.fromfile(d / sh["file"], dtype=meta["dtype"]).astype(np.int64)
-                      for sh in meta["splits"][split]["shards"]]
+            shards = [
+                np.fromfile(d / sh["file"], dtype=meta["dtype"]).astype(np.int64)
+                for sh in meta["splits"][split]["shards"]
+            ]
             k, s0 = slot_of(g["tokens"][r], shards)
             starts = set(np.load(d / meta["splits"][split]["shards"][k]["index"])[:, 1].tolist())
             doc, want = 0, []
@@ -283,16 +321,20 @@ def test_bad_mixtures_are_one_config_error(corpora, tmp_path):
     err({"sources": {"a": {"data_dir": a, "weight": 1}, "b": {"data_dir": a, "weight": 1}}}, "task.sources.b.data_dir")
     err({"sources": [{"data_dir": a, "weight": 1}, {"data_dir": a, "weight": 1, "name": "a"}]}, "task.sources.1")
     err({"sources": {"a": {"data_dir": a, "weight": 1}, "b": {"weight": 1}}}, "task.sources.b.data_dir")
-    err({"sources": {"a": {"data_dir": a, "weight": 1}, "b": {"data_dir": str(tmp_path / "no"), "weight": 1}}},
-        "task.sources.b.data_dir")
-    assert "tokenizer" in err({"sources": {"a": {"data_dir": a, "weight": 1},
-                                           "o": {"data_dir": str(corpora["other"]), "weight": 1}}},
-                              "task.sources.o.data_dir")
+    err(
+        {"sources": {"a": {"data_dir": a, "weight": 1}, "b": {"data_dir": str(tmp_path / "no"), "weight": 1}}},
+        "task.sources.b.data_dir",
+    )
+    assert "tokenizer" in err(
+        {"sources": {"a": {"data_dir": a, "weight": 1}, "o": {"data_dir": str(corpora["other"]), "weight": 1}}},
+        "task.sources.o.data_dir",
+    )
     err({"sources": {**two(1, 1), "a": {"data_dir": a, "weight": 1, "colour": 2}}}, "task.sources.a.colour")
     err({"sources": {"a/b": {"data_dir": a, "weight": 1}}}, "task.sources.a/b")
     err({"sources": {**two(1, 1), "b": {"data_dir": b, "weight": 1, "max_epochs": 0}}}, "task.sources.b.max_epochs")
-    err({"sources": {**two(1, 1), "b": {"data_dir": b, "weight": 1, "max_epochs": 1e-6}}},
-        "task.sources.b.max_epochs")  # gives no window
+    err(
+        {"sources": {**two(1, 1), "b": {"data_dir": b, "weight": 1, "max_epochs": 1e-6}}}, "task.sources.b.max_epochs"
+    )  # gives no window
     err({"sources": two(1, 1), "mix": "concat"}, "task.sources.a.weight")
     err({"sources": two(1, 1), "mix": "zip"}, "task.mix")
     err({"sources": [], "data_dir": None}, "task.sources")
@@ -309,11 +351,21 @@ def test_validation_loss_per_source_through_the_module(corpora):
     from canonlm.train.module import LMModule
 
     task = mix(corpora)
-    mcfg = build_model_config(dict(arch="llama", n_heads=2, vocab_size=task.vocab_size, n_layers=1, d_model=32,
-                                   max_seq_len=T), {"set": ""}, {"type": "rope"})
+    mcfg = build_model_config(
+        dict(arch="llama", n_heads=2, vocab_size=task.vocab_size, n_layers=1, d_model=32, max_seq_len=T),
+        {"set": ""},
+        {"type": "rope"},
+    )
     torch.manual_seed(0)
-    module = LMModule(mcfg, optimizer=lambda g: torch.optim.AdamW(g), sched={"name": "constant"}, total_steps=1,
-                      loss={"z_loss": "none"}, num_groups=1, task=task)
+    module = LMModule(
+        mcfg,
+        optimizer=lambda g: torch.optim.AdamW(g),
+        sched={"name": "constant"},
+        total_steps=1,
+        loss={"z_loss": "none"},
+        num_groups=1,
+        task=task,
+    )
     module.model.eval()
     with torch.no_grad():
         for i, b in enumerate(task.make_stream("val", window=T, batch_size=4, seed=5, num_steps=3)):
@@ -332,10 +384,27 @@ def _compose_mix(corpora, out, extra):
     from conftest import compose
 
     src = "{" + ",".join(f"{n}:{{data_dir:'{corpora[n]}',weight:{w}}}" for n, w in (("a", 0.7), ("b", 0.3))) + "}"
-    return compose(["task=text", "task.data_dir=null", f"task.sources={src}", f"task.context={T}",
-                    "model.size=1L32D", "model.n_heads=2", "canon=none", "data.batch_size=4", "data.val_windows=8",
-                    "data.test_windows=8", "trainer.log_every_n_steps=2", "trainer.val_check_interval=4",
-                    "logger=none", "callbacks=default", "callbacks.progress.force=lines", *extra], output_dir=out)
+    return compose(
+        [
+            "task=text",
+            "task.data_dir=null",
+            f"task.sources={src}",
+            f"task.context={T}",
+            "model.size=1L32D",
+            "model.n_heads=2",
+            "canon=none",
+            "data.batch_size=4",
+            "data.val_windows=8",
+            "data.test_windows=8",
+            "trainer.log_every_n_steps=2",
+            "trainer.val_check_interval=4",
+            "logger=none",
+            "callbacks=default",
+            "callbacks.progress.force=lines",
+            *extra,
+        ],
+        output_dir=out,
+    )
 
 
 def test_token_budget_resolves_steps_and_refuses_both_or_neither(corpora, tmp_path):
@@ -346,10 +415,12 @@ def test_token_budget_resolves_steps_and_refuses_both_or_neither(corpora, tmp_pa
     cfg = _compose_mix(corpora, tmp_path / "r", ["trainer.max_steps=null", "+data.max_tokens=1000"])
     check_job(cfg, device_checks=False)
     assert cfg.trainer.max_steps == math.ceil(1000 / (4 * T)) == 16
-    for extra, key in ((["+data.max_tokens=1000"], "data.max_tokens"),  # and the default max_steps
-                       (["trainer.max_steps=null"], "trainer.max_steps"),
-                       (["trainer.max_steps=null", "+data.max_tokens=0"], "data.max_tokens"),
-                       (["trainer.max_steps=null", "+data.max_tokens=abc"], "data.max_tokens")):
+    for extra, key in (
+        (["+data.max_tokens=1000"], "data.max_tokens"),  # and the default max_steps
+        (["trainer.max_steps=null"], "trainer.max_steps"),
+        (["trainer.max_steps=null", "+data.max_tokens=0"], "data.max_tokens"),
+        (["trainer.max_steps=null", "+data.max_tokens=abc"], "data.max_tokens"),
+    ):
         cfg = _compose_mix(corpora, tmp_path / "r", extra)
         with pytest.raises(ConfigError) as e:
             check_job(cfg, device_checks=False)
@@ -372,8 +443,18 @@ def test_mixture_run_with_token_budget_logs_tokens_per_source_across_a_resume(co
 
     out = tmp_path / "run"
     per_step = 4 * T
-    first = run(_compose_mix(corpora, out, ["trainer.max_steps=null", f"+data.max_tokens={6 * per_step - 5}",
-                                            "callbacks.checkpoint.every_n_train_steps=4", "test=false"]))
+    first = run(
+        _compose_mix(
+            corpora,
+            out,
+            [
+                "trainer.max_steps=null",
+                f"+data.max_tokens={6 * per_step - 5}",
+                "callbacks.checkpoint.every_n_train_steps=4",
+                "test=false",
+            ],
+        )
+    )
     assert first["steps"] == 6 and first["tokens_seen"] == 6 * per_step and first["max_tokens"] == 6 * per_step - 5
     res = run(_compose_mix(corpora, out, ["trainer.max_steps=8", "ckpt_path=auto"]))
     assert res["steps"] == 8 and res["tokens_seen"] == 8 * per_step and res["attempts"] == 2
@@ -402,9 +483,22 @@ def test_a_text_checkpoint_from_before_mixtures_resumes(corpora, tmp_path):
     from canonlm.train.run import run
 
     out = tmp_path / "run"
-    base = ["task=text", f"task.data_dir={corpora['c']}", f"task.context={T}", "model.size=1L32D", "model.n_heads=2",
-            "canon=none", "data.batch_size=2", "data.val_windows=2", "data.test_windows=2", "test=false",
-            "logger=none", "callbacks=default", "callbacks.progress.force=lines", "trainer.val_check_interval=2"]
+    base = [
+        "task=text",
+        f"task.data_dir={corpora['c']}",
+        f"task.context={T}",
+        "model.size=1L32D",
+        "model.n_heads=2",
+        "canon=none",
+        "data.batch_size=2",
+        "data.val_windows=2",
+        "data.test_windows=2",
+        "test=false",
+        "logger=none",
+        "callbacks=default",
+        "callbacks.progress.force=lines",
+        "trainer.val_check_interval=2",
+    ]
     run(compose([*base, "trainer.max_steps=2"], output_dir=out))
     ck = out / "checkpoints" / "last.ckpt"
     state = torch.load(ck, weights_only=False)
@@ -435,9 +529,19 @@ def test_doc_mask_run_hands_each_batch_doc_ids_to_the_model(corpora, tmp_path, m
 
     monkeypatch.setattr(CanonLM, "forward", spy)
     steps = 6
-    res = run(_compose_mix(corpora, tmp_path / "run", [f"trainer.max_steps={steps}", "task.doc_mask=true",
-                                                       "test=false", "trainer.num_sanity_val_steps=0",
-                                                       f"trainer.val_check_interval={steps}"]))
+    res = run(
+        _compose_mix(
+            corpora,
+            tmp_path / "run",
+            [
+                f"trainer.max_steps={steps}",
+                "task.doc_mask=true",
+                "test=false",
+                "trainer.num_sanity_val_steps=0",
+                f"trainer.val_check_interval={steps}",
+            ],
+        )
+    )
     assert res["steps"] == steps
     assert res["doc_mask"] is True  # results.json says document masking was on (hparams.json: resolved.doc_mask)
     assert json.loads((tmp_path / "run" / "hparams.json").read_text())["resolved"]["doc_mask"] is True

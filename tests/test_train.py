@@ -14,15 +14,30 @@ import torch
 
 from conftest import ROOT, compose
 
-TINY = ["task=depo1_cpu",
-        "model.size=2L64D", "task.N=8", "task.K=4", "task.vocab_V=6", "task.context=128", "data.batch_size=8",
-        "data.val_windows=16", "data.test_windows=32", "trainer.log_every_n_steps=5"]
+TINY = [
+    "task=depo1_cpu",
+    "model.size=2L64D",
+    "task.N=8",
+    "task.K=4",
+    "task.vocab_V=6",
+    "task.context=128",
+    "data.batch_size=8",
+    "data.val_windows=16",
+    "data.test_windows=32",
+    "trainer.log_every_n_steps=5",
+]
 
 
 def _train(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
     cmd = [sys.executable, str(ROOT / "train.py"), *args, f"paths.log_dir={cwd}/logs"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd,
-                       env={**__import__("os").environ, "WANDB_MODE": "disabled"})
+    p = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        env={**__import__("os").environ, "WANDB_MODE": "disabled"},
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     return p
 
@@ -32,8 +47,16 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 
 def test_train_py_end_to_end(tmp_path):
-    p = _train([*TINY, "run_name=e2e", "trainer.max_steps=30", "trainer.val_check_interval=15",
-                "callbacks.checkpoint.every_n_train_steps=15"], tmp_path)
+    p = _train(
+        [
+            *TINY,
+            "run_name=e2e",
+            "trainer.max_steps=30",
+            "trainer.val_check_interval=15",
+            "callbacks.checkpoint.every_n_train_steps=15",
+        ],
+        tmp_path,
+    )
     run = tmp_path / "logs" / "train" / "runs" / "e2e"
     res = json.loads((run / "results.json").read_text())
     assert res["steps"] == 30 and res["tokens_seen"] == 30 * 8 * 128
@@ -51,13 +74,28 @@ def test_train_py_end_to_end(tmp_path):
     assert (run / "csv" / "version_0" / "metrics.csv").is_file()
     assert "accuracy by k" in p.stdout and "results:" in p.stdout
     # a second fresh run into the same dir is refused (nothing is overwritten) ...
-    cmd = [sys.executable, str(ROOT / "train.py"), *TINY, "run_name=e2e", "trainer.max_steps=30",
-           f"paths.log_dir={tmp_path}/logs"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "train.py"),
+        *TINY,
+        "run_name=e2e",
+        "trainer.max_steps=30",
+        f"paths.log_dir={tmp_path}/logs",
+    ]
     p2 = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert p2.returncode != 0 and "ckpt_path=auto" in p2.stderr
     # ... and ckpt_path=auto resumes it to a longer schedule
-    _train([*TINY, "run_name=e2e", "trainer.max_steps=40", "trainer.val_check_interval=20", "ckpt_path=auto",
-            "test=false"], tmp_path)
+    _train(
+        [
+            *TINY,
+            "run_name=e2e",
+            "trainer.max_steps=40",
+            "trainer.val_check_interval=20",
+            "ckpt_path=auto",
+            "test=false",
+        ],
+        tmp_path,
+    )
     steps = [r["step"] for r in _metrics(run) if "train/loss" in r]
     assert max(steps) >= 35
     # the resumed attempt logs to its own CSV file; the first attempt's is kept (Lightning's CSVLogger would delete it)
@@ -69,15 +107,20 @@ def _run_in_process(overrides, out):
     """``canonlm.train.run.run`` on the tiny config (no subprocess); returns its results dict."""
     from canonlm.train.run import run
 
-    cfg = compose([*TINY, *overrides, "logger=none", "callbacks=default", "callbacks.progress.force=lines"],
-                  output_dir=out)
+    cfg = compose(
+        [*TINY, *overrides, "logger=none", "callbacks=default", "callbacks.progress.force=lines"], output_dir=out
+    )
     return run(cfg)
 
 
 def test_resume_equals_continuous(tmp_path):
     """Train 16 steps straight vs 8 steps + resume from the step-8 checkpoint: same data, same final loss."""
-    common = ["trainer.val_check_interval=8", "callbacks.checkpoint.every_n_train_steps=8", "test=false",
-              "trainer.max_steps=16"]
+    common = [
+        "trainer.val_check_interval=8",
+        "callbacks.checkpoint.every_n_train_steps=8",
+        "test=false",
+        "trainer.max_steps=16",
+    ]
     a = _run_in_process(common, tmp_path / "a")
     _run_in_process([*common[:-1], "trainer.max_steps=8"], tmp_path / "b")
     ck = tmp_path / "b" / "checkpoints" / "last.ckpt"
@@ -90,8 +133,19 @@ def test_resume_equals_continuous(tmp_path):
 
 def test_overfit_one_batch(tmp_path):
     """debug=overfit repeats one batch: the training loss must collapse (a model/loss/optimizer sanity check)."""
-    _train([*TINY, "debug=overfit", "trainer.max_steps=120", "optim.lr=3e-3", "sched.warmup_steps=10",
-            "run_name=of", "test=false", "trainer.val_check_interval=120"], tmp_path)
+    _train(
+        [
+            *TINY,
+            "debug=overfit",
+            "trainer.max_steps=120",
+            "optim.lr=3e-3",
+            "sched.warmup_steps=10",
+            "run_name=of",
+            "test=false",
+            "trainer.val_check_interval=120",
+        ],
+        tmp_path,
+    )
     rows = _metrics(tmp_path / "logs" / "debug" / "runs" / "of")
     losses = [r["train/loss"] for r in rows if "train/loss" in r]
     assert losses[-1] < 0.25 * losses[0], losses
@@ -115,18 +169,35 @@ def test_two_process_cpu_strategies_match_one_process(strategy, tmp_path):
     Lightning's "auto" mesh does, or a wrong cross-rank loss normalisation would change the result). FSDP2 runs
     with fp32 parameters and activation checkpointing here (inside each sharded block: recomputed in the backward
     after FSDP2 gathers the block's parameters; the same math, so the same result)."""
-    args = [*TINY, "trainer.max_steps=6", "trainer.val_check_interval=3", "trainer.log_every_n_steps=1",
-            "data.val_windows=16", "data.test_windows=16"]
+    args = [
+        *TINY,
+        "trainer.max_steps=6",
+        "trainer.val_check_interval=3",
+        "trainer.log_every_n_steps=1",
+        "data.val_windows=16",
+        "data.test_windows=16",
+    ]
     extra = ["strategy.param_dtype=fp32", "activation_checkpointing=true"] if strategy == "fsdp2" else ["seed=42"]
-    _train([*args, f"strategy={strategy}", *extra, "trainer=ddp_sim", "run_name=dist",
-            "callbacks.checkpoint.every_n_train_steps=3"], tmp_path, timeout=600)
+    _train(
+        [
+            *args,
+            f"strategy={strategy}",
+            *extra,
+            "trainer=ddp_sim",
+            "run_name=dist",
+            "callbacks.checkpoint.every_n_train_steps=3",
+        ],
+        tmp_path,
+        timeout=600,
+    )
     _train([*args, "run_name=single"], tmp_path)
     runs = tmp_path / "logs" / "train" / "runs"
     dist, single = (json.loads((runs / n / "results.json").read_text()) for n in ("dist", "single"))
     assert dist["steps"] == single["steps"] == 6
     assert dist["test"]["loss"] == pytest.approx(single["test"]["loss"], rel=1e-4)
-    assert {k: v["answers"] for k, v in dist["test"]["by_group"].items()} == \
-        {k: v["answers"] for k, v in single["test"]["by_group"].items()}
+    assert {k: v["answers"] for k, v in dist["test"]["by_group"].items()} == {
+        k: v["answers"] for k, v in single["test"]["by_group"].items()
+    }
     ck = runs / "dist" / "checkpoints" / "last.ckpt"
     assert ck.exists()
     if strategy == "fsdp2":
@@ -148,7 +219,7 @@ def _fsdp2_checkpoint_folder_is_read_directly(ck: Path, args: list[str], dist: d
     assert meta["model"]["d_model"] == 64 and read_distributed_checkpoint(ck)["global_step"] == 6
     from canonlm.eval.load import load_model
 
-    lm = load_model(ck.parent.parent, device="cpu")                  # evaluation / generation's loader
+    lm = load_model(ck.parent.parent, device="cpu")  # evaluation / generation's loader
     assert all(torch.equal(v.float(), sd[k]) for k, v in lm.model.state_dict().items())
     export_model(ck.parent.parent, tmp_path / "exported")
     _, back, _ = hf_to_canonlm(tmp_path / "exported")
@@ -161,17 +232,37 @@ def test_generative_eval_on_two_processes(strategy, samples, tmp_path):
     """Brevo's generation-based evaluation on 2 CPU processes: DDP shards the prompts (uneven shards, and fewer
     prompts than ranks), FSDP2 runs every prompt on every rank in lockstep; neither hangs, and both report the
     same samples and groups as one process."""
-    args = ["task=brevo1_cpu", "model.size=2L64D", "data.batch_size=4", "data.val_windows=4", "data.test_windows=4",
-            f"data.gen_eval.samples={samples}", "data.gen_eval.batch_size=2", "data.gen_eval.on_val=false",
-            "trainer.max_steps=2", "trainer.val_check_interval=2", "callbacks=none"]
-    _train([*args, f"strategy={strategy}", "trainer=ddp_sim", "run_name=dist",
-            *(["strategy.param_dtype=fp32"] if strategy == "fsdp2" else [])], tmp_path, timeout=600)
+    args = [
+        "task=brevo1_cpu",
+        "model.size=2L64D",
+        "data.batch_size=4",
+        "data.val_windows=4",
+        "data.test_windows=4",
+        f"data.gen_eval.samples={samples}",
+        "data.gen_eval.batch_size=2",
+        "data.gen_eval.on_val=false",
+        "trainer.max_steps=2",
+        "trainer.val_check_interval=2",
+        "callbacks=none",
+    ]
+    _train(
+        [
+            *args,
+            f"strategy={strategy}",
+            "trainer=ddp_sim",
+            "run_name=dist",
+            *(["strategy.param_dtype=fp32"] if strategy == "fsdp2" else []),
+        ],
+        tmp_path,
+        timeout=600,
+    )
     _train([*args, "run_name=single"], tmp_path)
     runs = tmp_path / "logs" / "train" / "runs"
     dist, single = (json.loads((runs / n / "results.json").read_text())["test"]["generate"] for n in ("dist", "single"))
     assert dist["samples"] == single["samples"] == samples
-    assert {k: v["samples"] for k, v in dist["by_group"].items()} == \
-        {k: v["samples"] for k, v in single["by_group"].items()}
+    assert {k: v["samples"] for k, v in dist["by_group"].items()} == {
+        k: v["samples"] for k, v in single["by_group"].items()
+    }
     assert dist["acc"] == pytest.approx(single["acc"]) and "set_correct" in dist
 
 
@@ -184,8 +275,15 @@ def test_init_from_loads_weights_only(tmp_path):
     runs = tmp_path / "logs" / "train" / "runs"
     src, dst = (json.loads((runs / n / "results.json").read_text()) for n in ("src", "dst"))
     assert dst["test"]["loss"] == src["test"]["loss"] and dst["steps"] == 0
-    cmd = [sys.executable, str(ROOT / "train.py"), *TINY, "run_name=bad", f"init_from={ck}", "canon=AC",
-           f"paths.log_dir={tmp_path}/logs"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "train.py"),
+        *TINY,
+        "run_name=bad",
+        f"init_from={ck}",
+        "canon=AC",
+        f"paths.log_dir={tmp_path}/logs",
+    ]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert p.returncode == 2 and "init_from=" in p.stderr and "canon.set" in p.stderr, p.stderr[-2000:]
     assert not (runs / "bad").exists()
@@ -200,9 +298,19 @@ def test_fsdp2_checkpoint_resumes_at_other_world_sizes(tmp_path):
     tolerance (only the reduction order of the cross-rank sums changes with the world size)."""
     from canonlm.train.metrics_file import read_metrics
 
-    args = [*TINY, "data.batch_size=6", "trainer.max_steps=8", "trainer.val_check_interval=4",
-            "trainer.log_every_n_steps=1", "data.val_windows=6", "data.test_windows=6", "strategy=fsdp2",
-            "strategy.param_dtype=fp32", "trainer=ddp_sim", "callbacks.checkpoint.every_n_train_steps=4"]
+    args = [
+        *TINY,
+        "data.batch_size=6",
+        "trainer.max_steps=8",
+        "trainer.val_check_interval=4",
+        "trainer.log_every_n_steps=1",
+        "data.val_windows=6",
+        "data.test_windows=6",
+        "strategy=fsdp2",
+        "strategy.param_dtype=fp32",
+        "trainer=ddp_sim",
+        "callbacks.checkpoint.every_n_train_steps=4",
+    ]
     runs = tmp_path / "logs" / "train" / "runs"
     _train([*args, "run_name=full"], tmp_path, timeout=600)
     ck = runs / "full" / "checkpoints" / "step0000004.ckpt"

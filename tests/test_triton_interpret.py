@@ -53,8 +53,9 @@ HERE = Path(__file__).resolve().parent
 NEEDED = ("triton", "fla", "mamba_ssm", "causal_conv1d")
 MISSING = [m for m in NEEDED if importlib.util.find_spec(m) is None]
 # CI must run this tier: there a missing package fails the tests instead of skipping them.
-pytestmark = pytest.mark.skipif(bool(MISSING) and not os.environ.get("CI"),
-                                reason=f"needs {', '.join(MISSING)} (bash scripts/setup.sh dev,interp)")
+pytestmark = pytest.mark.skipif(
+    bool(MISSING) and not os.environ.get("CI"), reason=f"needs {', '.join(MISSING)} (bash scripts/setup.sh dev,interp)"
+)
 
 TOL = {"fp32": 1e-5, "bf16": 6e-2}
 
@@ -71,11 +72,13 @@ def case(name, dtypes=("fp32", "bf16")):
         for dt in dtypes:
             CASES[f"{name}-{dt}"] = (fn, dt)
         return fn
+
     return register
 
 
 def _torch():
     import torch
+
     return torch
 
 
@@ -93,10 +96,14 @@ def compare(fast_fn, ref_fn, inputs: dict, grad: bool, seed: int = 1) -> dict:
     """Run ``fast_fn(**inputs)`` and ``ref_fn(**inputs in float64)``; with ``grad``, back-propagate one random
     float64 cotangent per output through both and compare the gradients of every input tensor that requires one."""
     torch = _torch()
-    fast_in = {k: (v.detach().clone().requires_grad_(grad and v.is_floating_point()) if torch.is_tensor(v) else v)
-               for k, v in inputs.items()}
-    ref_in = {k: (v.detach().double().requires_grad_(grad and v.is_floating_point()) if torch.is_tensor(v) else v)
-              for k, v in inputs.items()}
+    fast_in = {
+        k: (v.detach().clone().requires_grad_(grad and v.is_floating_point()) if torch.is_tensor(v) else v)
+        for k, v in inputs.items()
+    }
+    ref_in = {
+        k: (v.detach().double().requires_grad_(grad and v.is_floating_point()) if torch.is_tensor(v) else v)
+        for k, v in inputs.items()
+    }
     with torch.set_grad_enabled(grad):
         outs = fast_fn(**fast_in)
     with torch.set_grad_enabled(grad):
@@ -113,8 +120,9 @@ def compare(fast_fn, ref_fn, inputs: dict, grad: bool, seed: int = 1) -> dict:
     if grad:
         g = torch.Generator().manual_seed(seed)
         dys = [None if r is None else torch.randn(r.shape, generator=g, dtype=torch.float64) for r in refs]
-        torch.autograd.backward([o for o in outs if o is not None],
-                                [d.to(o.dtype) for o, d in zip(outs, dys) if o is not None])
+        torch.autograd.backward(
+            [o for o in outs if o is not None], [d.to(o.dtype) for o, d in zip(outs, dys) if o is not None]
+        )
         torch.autograd.backward([r for r in refs if r is not None], [d for d in dys if d is not None])
         for k, v in fast_in.items():
             if torch.is_tensor(v) and v.requires_grad:
@@ -140,21 +148,32 @@ def _linear_inputs(dt, T, op, B=1, H=2, K=16, V=32, seed=0):
 @case("gla_chunk")
 def gla_chunk(dt):
     from canonlm.ops import gla
-    err = compare(lambda **a: gla.chunk_gla(**a, output_final_state=True, backend="fla"),
-                  lambda **a: gla.chunk_gla_reference(**a, output_final_state=True),
-                  _linear_inputs(dt, 100, "gla"), grad=True)
-    return {"err": err, "expect": ["chunk_fwd_kernel_h", "chunk_gla_fwd_kernel_o", "chunk_bwd_kernel_dh",
-                                   "chunk_gla_bwd_kernel_inter"], "forbid": ["fused_recurrent_fwd_kernel"]}
+
+    err = compare(
+        lambda **a: gla.chunk_gla(**a, output_final_state=True, backend="fla"),
+        lambda **a: gla.chunk_gla_reference(**a, output_final_state=True),
+        _linear_inputs(dt, 100, "gla"),
+        grad=True,
+    )
+    return {
+        "err": err,
+        "expect": ["chunk_fwd_kernel_h", "chunk_gla_fwd_kernel_o", "chunk_bwd_kernel_dh", "chunk_gla_bwd_kernel_inter"],
+        "forbid": ["fused_recurrent_fwd_kernel"],
+    }
 
 
 @case("gla_decode")
 def gla_decode(dt):
     from canonlm.ops import gla
+
     err = {}
-    for T in (1, 20):   # one decode step, and a short no-grad prefill
-        e = compare(lambda **a: gla.chunk_gla(**a, output_final_state=True, backend="fla"),
-                    lambda **a: gla.chunk_gla_reference(**a, output_final_state=True),
-                    _linear_inputs(dt, T, "gla", seed=T), grad=False)
+    for T in (1, 20):  # one decode step, and a short no-grad prefill
+        e = compare(
+            lambda **a: gla.chunk_gla(**a, output_final_state=True, backend="fla"),
+            lambda **a: gla.chunk_gla_reference(**a, output_final_state=True),
+            _linear_inputs(dt, T, "gla", seed=T),
+            grad=False,
+        )
         err.update({f"T{T}.{k}": v for k, v in e.items()})
     return {"err": err, "expect": ["fused_recurrent_fwd_kernel"], "forbid": ["chunk_fwd_kernel_h"]}
 
@@ -162,25 +181,43 @@ def gla_decode(dt):
 @case("gdn_chunk")
 def gdn_chunk(dt):
     from canonlm.ops import gdn
-    err = compare(lambda **a: gdn.chunk_gated_delta_rule(**a, output_final_state=True, backend="fla"),
-                  lambda **a: gdn.chunk_gated_delta_rule_reference(**a, output_final_state=True),
-                  _linear_inputs(dt, 100, "gdn"), grad=True)
-    return {"err": err, "expect": ["l2norm_fwd_kernel", "chunk_gated_delta_rule_fwd_kernel_h_blockdim64",
-                                   "chunk_fwd_kernel_o", "chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64"],
-            "forbid": ["fused_recurrent_gated_delta_rule_fwd_kernel"]}
+
+    err = compare(
+        lambda **a: gdn.chunk_gated_delta_rule(**a, output_final_state=True, backend="fla"),
+        lambda **a: gdn.chunk_gated_delta_rule_reference(**a, output_final_state=True),
+        _linear_inputs(dt, 100, "gdn"),
+        grad=True,
+    )
+    return {
+        "err": err,
+        "expect": [
+            "l2norm_fwd_kernel",
+            "chunk_gated_delta_rule_fwd_kernel_h_blockdim64",
+            "chunk_fwd_kernel_o",
+            "chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64",
+        ],
+        "forbid": ["fused_recurrent_gated_delta_rule_fwd_kernel"],
+    }
 
 
 @case("gdn_decode")
 def gdn_decode(dt):
     from canonlm.ops import gdn
+
     err = {}
     for T in (1, 20):
-        e = compare(lambda **a: gdn.chunk_gated_delta_rule(**a, output_final_state=True, backend="fla"),
-                    lambda **a: gdn.chunk_gated_delta_rule_reference(**a, output_final_state=True),
-                    _linear_inputs(dt, T, "gdn", seed=T), grad=False)
+        e = compare(
+            lambda **a: gdn.chunk_gated_delta_rule(**a, output_final_state=True, backend="fla"),
+            lambda **a: gdn.chunk_gated_delta_rule_reference(**a, output_final_state=True),
+            _linear_inputs(dt, T, "gdn", seed=T),
+            grad=False,
+        )
         err.update({f"T{T}.{k}": v for k, v in e.items()})
-    return {"err": err, "expect": ["fused_recurrent_gated_delta_rule_fwd_kernel"],
-            "forbid": ["chunk_gated_delta_rule_fwd_kernel_h_blockdim64"]}
+    return {
+        "err": err,
+        "expect": ["fused_recurrent_gated_delta_rule_fwd_kernel"],
+        "forbid": ["chunk_gated_delta_rule_fwd_kernel_h_blockdim64"],
+    }
 
 
 def _canon_inputs(dt, T=40, B=2, C=24, K=4, seed=0, layout="contiguous", state=True, bias=True):
@@ -190,16 +227,21 @@ def _canon_inputs(dt, T=40, B=2, C=24, K=4, seed=0, layout="contiguous", state=T
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
     if layout == "contiguous":
         x = r(B, T, C).to(lo)
-    elif layout == "strided":                    # a slice of a wider (B, T, 3C) activation, as Canon-B's q|k|v
-        x = r(B, T, 3 * C).to(lo)[:, :, C:2 * C]
-    else:                                        # (B, C, T) memory seen as (B, T, C)
+    elif layout == "strided":  # a slice of a wider (B, T, 3C) activation, as Canon-B's q|k|v
+        x = r(B, T, 3 * C).to(lo)[:, :, C : 2 * C]
+    else:  # (B, C, T) memory seen as (B, T, C)
         x = r(B, C, T).to(lo).transpose(1, 2)
-    return dict(x=x, weight=(torch.rand(C, K, generator=g) - 0.5), bias=r(C) if bias else None,
-                initial_state=r(B, C, K - 1).to(lo) if state else None)
+    return dict(
+        x=x,
+        weight=(torch.rand(C, K, generator=g) - 0.5),
+        bias=r(C) if bias else None,
+        initial_state=r(B, C, K - 1).to(lo) if state else None,
+    )
 
 
 def _canon_case(dt, residual, activation, **kw):
     from canonlm.ops import canon
+
     inputs = _canon_inputs(dt, **kw)
     if inputs["bias"] is None:
         inputs.pop("bias")
@@ -210,7 +252,7 @@ def _canon_case(dt, residual, activation, **kw):
     ref = lambda **a: canon.causal_conv1d_reference(**a, residual=residual, activation=activation)  # noqa
     err = compare(fast, ref, inputs, grad=True)
     expect = ["causal_conv1d_fwd_kernel", "causal_conv1d_bwd_kernel"]
-    if "initial_state" in inputs:                   # d(initial_state) has its own kernel
+    if "initial_state" in inputs:  # d(initial_state) has its own kernel
         expect.append("compute_dh0_kernel")
     return {"err": err, "expect": expect, "forbid": [], "x_contiguous": x.is_contiguous()}
 
@@ -247,21 +289,30 @@ def canon_transposed(dt):
 def canon_step(dt):
     torch = _torch()
     from canonlm.ops import canon
+
     g = torch.Generator().manual_seed(3)
     lo = _dtype(dt)
     B, C, K = 2, 24, 4
     err = {}
     for residual, act in ((True, False), (False, True)):
-        inputs = dict(x_t=torch.randn(B, C, generator=g).to(lo), state=torch.randn(B, C, K, generator=g).to(lo),
-                      weight=torch.rand(C, K, generator=g) - 0.5, bias=torch.randn(C, generator=g))
+        inputs = dict(
+            x_t=torch.randn(B, C, generator=g).to(lo),
+            state=torch.randn(B, C, K, generator=g).to(lo),
+            weight=torch.rand(C, K, generator=g) - 0.5,
+            bias=torch.randn(C, generator=g),
+        )
 
-        def ref(x_t, state, weight, bias):   # decode step = the last position of the convolution over the window
-            win = torch.cat([state[:, :, 1:], x_t.unsqueeze(-1)], -1).transpose(1, 2)        # (B, K, C)
+        def ref(x_t, state, weight, bias):  # decode step = the last position of the convolution over the window
+            win = torch.cat([state[:, :, 1:], x_t.unsqueeze(-1)], -1).transpose(1, 2)  # (B, K, C)
             y = canon.causal_conv1d_reference(win, weight, bias, residual=residual, activation=act)[:, -1]
             return y, win.transpose(1, 2)
 
-        e = compare(lambda **a: canon.causal_conv1d_step(**a, residual=residual, activation=act, backend="fla"),
-                    ref, inputs, grad=False)
+        e = compare(
+            lambda **a: canon.causal_conv1d_step(**a, residual=residual, activation=act, backend="fla"),
+            ref,
+            inputs,
+            grad=False,
+        )
         err.update({f"res={residual},silu={act}.{k}": v for k, v in e.items()})
     return {"err": err, "expect": ["causal_conv1d_update_kernel"], "forbid": []}
 
@@ -271,28 +322,51 @@ def _ssd_inputs(dt, T, B=1, H=4, P=16, G=2, N=16, seed=0):
     g = torch.Generator().manual_seed(seed)
     lo = _dtype(dt)
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
-    return dict(x=r(B, T, H, P).to(lo), dt=r(B, T, H) - 1, A=-torch.rand(H, generator=g) - 0.5,
-                B=r(B, T, G, N).to(lo), C=r(B, T, G, N).to(lo), D=r(H), dt_bias=r(H) / 2,
-                initial_state=r(B, H, P, N) / 4)
+    return dict(
+        x=r(B, T, H, P).to(lo),
+        dt=r(B, T, H) - 1,
+        A=-torch.rand(H, generator=g) - 0.5,
+        B=r(B, T, G, N).to(lo),
+        C=r(B, T, G, N).to(lo),
+        D=r(H),
+        dt_bias=r(H) / 2,
+        initial_state=r(B, H, P, N) / 4,
+    )
 
 
 @case("ssd_chunk")
 def ssd_chunk(dt):
     from canonlm.ops import ssd
-    err = compare(lambda **a: ssd.ssd_scan(**a, chunk_size=16, output_final_state=True, backend="mamba_ssm"),
-                  lambda **a: ssd.ssd_scan_reference(**a, chunk_size=16, output_final_state=True),
-                  _ssd_inputs(dt, T=40), grad=True)          # 3 chunks, the last one partial
-    return {"err": err, "expect": ["_chunk_cumsum_fwd_kernel", "_state_passing_fwd_kernel", "_chunk_scan_fwd_kernel",
-                                   "_chunk_scan_chunk_state_bwd_dx_kernel", "_state_passing_bwd_kernel"],
-            "forbid": ["_selective_scan_update_kernel"]}
+
+    err = compare(
+        lambda **a: ssd.ssd_scan(**a, chunk_size=16, output_final_state=True, backend="mamba_ssm"),
+        lambda **a: ssd.ssd_scan_reference(**a, chunk_size=16, output_final_state=True),
+        _ssd_inputs(dt, T=40),
+        grad=True,
+    )  # 3 chunks, the last one partial
+    return {
+        "err": err,
+        "expect": [
+            "_chunk_cumsum_fwd_kernel",
+            "_state_passing_fwd_kernel",
+            "_chunk_scan_fwd_kernel",
+            "_chunk_scan_chunk_state_bwd_dx_kernel",
+            "_state_passing_bwd_kernel",
+        ],
+        "forbid": ["_selective_scan_update_kernel"],
+    }
 
 
 @case("ssd_decode")
 def ssd_decode(dt):
     from canonlm.ops import ssd
-    err = compare(lambda **a: ssd.ssd_scan(**a, chunk_size=32, output_final_state=True, backend="mamba_ssm"),
-                  lambda **a: ssd.ssd_scan_reference(**a, chunk_size=32, output_final_state=True),
-                  _ssd_inputs(dt, T=1), grad=False)
+
+    err = compare(
+        lambda **a: ssd.ssd_scan(**a, chunk_size=32, output_final_state=True, backend="mamba_ssm"),
+        lambda **a: ssd.ssd_scan_reference(**a, chunk_size=32, output_final_state=True),
+        _ssd_inputs(dt, T=1),
+        grad=False,
+    )
     return {"err": err, "expect": ["_selective_scan_update_kernel"], "forbid": ["_chunk_scan_fwd_kernel"]}
 
 
@@ -300,30 +374,52 @@ def ssd_decode(dt):
 def ssd_split(dt):
     torch = _torch()
     from canonlm.ops import ssd
+
     g = torch.Generator().manual_seed(5)
     lo = _dtype(dt)
     B, T, H, P, G, N, W = 1, 70, 4, 16, 2, 16, 4
     d_inner, conv_dim = H * P, H * P + 2 * G * N
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
-    inputs = dict(zxbcdt=r(B, T, 2 * d_inner + 2 * G * N + H).to(lo), conv_weight=(torch.rand(conv_dim, W, generator=g)
-                  - 0.5), conv_bias=r(conv_dim) / 4, dt_bias=r(H) / 2, A=-torch.rand(H, generator=g) - 0.5, D=r(H),
-                  rmsnorm_weight=1 + r(d_inner) / 4, outproj_weight=r(32, d_inner) / 8)
+    inputs = dict(
+        zxbcdt=r(B, T, 2 * d_inner + 2 * G * N + H).to(lo),
+        conv_weight=(torch.rand(conv_dim, W, generator=g) - 0.5),
+        conv_bias=r(conv_dim) / 4,
+        dt_bias=r(H) / 2,
+        A=-torch.rand(H, generator=g) - 0.5,
+        D=r(H),
+        rmsnorm_weight=1 + r(d_inner) / 4,
+        outproj_weight=r(32, d_inner) / 8,
+    )
     # Under bf16 autocast mamba-ssm casts the out-projection weight to the autocast dtype itself
     # (MambaSplitConv1dScanCombinedFn.forward: torch.is_autocast_enabled(), CUDA autocast only); here it comes in bf16.
     inputs["outproj_weight"] = inputs["outproj_weight"].to(lo)
     kw = dict(chunk_size=32, activation="silu", rmsnorm_eps=1e-5, headdim=P, ngroups=G, norm_before_gate=False)
-    err = compare(lambda **a: ssd.split_conv1d_scan_combined(**a, **kw),
-                  lambda **a: ssd.split_conv1d_scan_reference(**a, **kw), inputs, grad=True)
-    return {"err": err, "expect": ["_chunk_scan_fwd_kernel", "_layer_norm_fwd_1pass_kernel", "_layer_norm_bwd_kernel",
-                                   "_chunk_scan_chunk_state_bwd_dx_kernel"], "forbid": []}
+    err = compare(
+        lambda **a: ssd.split_conv1d_scan_combined(**a, **kw),
+        lambda **a: ssd.split_conv1d_scan_reference(**a, **kw),
+        inputs,
+        grad=True,
+    )
+    return {
+        "err": err,
+        "expect": [
+            "_chunk_scan_fwd_kernel",
+            "_layer_norm_fwd_1pass_kernel",
+            "_layer_norm_bwd_kernel",
+            "_chunk_scan_chunk_state_bwd_dx_kernel",
+        ],
+        "forbid": [],
+    }
 
 
 def _run_all(names=None) -> dict:
     """Subprocess entry: run the cases (all, or ``names``) with the interpreter harness enabled."""
     import _triton_interp
+
     launches = _triton_interp.enable()
     import torch
     import triton
+
     torch.manual_seed(0)
     out = {"triton": triton.__version__, "cases": {}}
     for name, (fn, dt) in CASES.items():
@@ -349,31 +445,46 @@ def _run_without_selective_scan() -> dict:
     ``__init__``, canonlm.ops.ssd._mamba.import_triton_module) and run it: the chunked scan with grad and the decode
     step, against the reference."""
     import _triton_interp
+
     launches = _triton_interp.enable(stub_selective_scan=False)
     try:
         import mamba_ssm  # noqa: F401 -- the precondition: this must fail, as on such a node
+
         package = "imported"
     except ImportError as e:
         package = f"{type(e).__name__}: {e}"
     torch = _torch()
     from canonlm.ops import ssd
     from canonlm.ops.ssd import _mamba
+
     out = {"package_import": package, "resolved": ssd.resolve_backend("auto", torch.device("cpu"), torch.float32)}
     launches.clear()
-    out["err"] = compare(lambda **a: ssd.ssd_scan(**a, chunk_size=16, output_final_state=True, backend="auto"),
-                         lambda **a: ssd.ssd_scan_reference(**a, chunk_size=16, output_final_state=True),
-                         _ssd_inputs("fp32", T=40), grad=True)
-    out["chunk_launches"] = dict(launches)
-    launches.clear()
-    out["err"].update({f"decode.{k}": v for k, v in compare(
+    out["err"] = compare(
         lambda **a: ssd.ssd_scan(**a, chunk_size=16, output_final_state=True, backend="auto"),
         lambda **a: ssd.ssd_scan_reference(**a, chunk_size=16, output_final_state=True),
-        _ssd_inputs("fp32", T=1), grad=False).items()})
+        _ssd_inputs("fp32", T=40),
+        grad=True,
+    )
+    out["chunk_launches"] = dict(launches)
+    launches.clear()
+    out["err"].update(
+        {
+            f"decode.{k}": v
+            for k, v in compare(
+                lambda **a: ssd.ssd_scan(**a, chunk_size=16, output_final_state=True, backend="auto"),
+                lambda **a: ssd.ssd_scan_reference(**a, chunk_size=16, output_final_state=True),
+                _ssd_inputs("fp32", T=1),
+                grad=False,
+            ).items()
+        }
+    )
     out["decode_launches"] = dict(launches)
     out["problem"] = _mamba.package_problem()
-    from canonlm.arch import CanonLM, build_model_config   # what a run prints and records about it
-    model = CanonLM(build_model_config({"arch": "mamba2", "size": "1L64D"}, canon={"set": "AbCD"}, vocab_size=32,
-                                       max_seq_len=64))
+    from canonlm.arch import CanonLM, build_model_config  # what a run prints and records about it
+
+    model = CanonLM(
+        build_model_config({"arch": "mamba2", "size": "1L64D"}, canon={"set": "AbCD"}, vocab_size=32, max_seq_len=64)
+    )
     model.place(torch.device("cpu"), torch.float32)
     out["report"] = model.backend_report()
     return out
@@ -382,6 +493,7 @@ def _run_without_selective_scan() -> dict:
 # ----------------------------------------------------------------------------------------------------------------
 # pytest side
 # ----------------------------------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def interp_results():
@@ -423,11 +535,15 @@ def test_mamba_ssm_without_its_cuda_extension_still_runs_the_triton_ssd():
     assert res["package_import"].startswith("ModuleNotFoundError") and "selective_scan_cuda" in res["package_import"]
     assert res["resolved"] == "mamba_ssm", res
     assert res["chunk_launches"].get("_chunk_scan_fwd_kernel") and res["chunk_launches"].get(
-        "_chunk_scan_chunk_state_bwd_dx_kernel"), res
+        "_chunk_scan_chunk_state_bwd_dx_kernel"
+    ), res
     assert res["decode_launches"].get("_selective_scan_update_kernel"), res
     assert "selective_scan_cuda" in (res["problem"] or ""), res
-    assert res["report"]["ssd"] == "mamba_ssm" and "without the mamba_ssm package __init__" in \
-        res["report"]["notes"]["ssd"] and "selective_scan_cuda" in res["report"]["notes"]["ssd"], res["report"]
+    assert (
+        res["report"]["ssd"] == "mamba_ssm"
+        and "without the mamba_ssm package __init__" in res["report"]["notes"]["ssd"]
+        and "selective_scan_cuda" in res["report"]["notes"]["ssd"]
+    ), res["report"]
     assert res["err"] and max(res["err"].values()) <= TOL["fp32"], res
 
 
@@ -438,12 +554,15 @@ def test_mutation_lines_still_exist():
     import interp_mutations
 
     src = HERE.parent / "src" / "canonlm"
-    missing = [name for name, (path, old, *_rest) in interp_mutations.MUTATIONS.items()
-               if (src / path).read_text().count(old) != 1]
+    missing = [
+        name
+        for name, (path, old, *_rest) in interp_mutations.MUTATIONS.items()
+        if (src / path).read_text().count(old) != 1
+    ]
     assert len(interp_mutations.MUTATIONS) >= 5 and not missing, missing
 
 
-if __name__ == "__main__":      # python tests/test_triton_interpret.py [case ...]: print the table of cases
+if __name__ == "__main__":  # python tests/test_triton_interpret.py [case ...]: print the table of cases
     sys.path.insert(0, str(HERE))
     res = _run_all(sys.argv[1:])
     print(json.dumps(res, indent=1))

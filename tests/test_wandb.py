@@ -43,10 +43,10 @@ def read_records(path: Path) -> list:
         if left < 7:
             pos += left
             continue
-        _crc, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _crc, n, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if n == 0 and kind == 0:
             break
-        buf += data[pos + 7:pos + 7 + n]
+        buf += data[pos + 7 : pos + 7 + n]
         pos += 7 + n
         if kind in (1, 4):
             rec = pb.Record()
@@ -87,8 +87,16 @@ def _read_offline_runs(save_dir: Path) -> list[tuple[Path, dict]]:
 
 
 def _train(args: list[str], cwd: Path, multirun: bool = False) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(ROOT / "train.py"), *(["-m"] if multirun else []), *TINY, "logger=wandb",
-           "trainer.val_check_interval=5", f"paths.log_dir={cwd}/logs", *args]
+    cmd = [
+        sys.executable,
+        str(ROOT / "train.py"),
+        *(["-m"] if multirun else []),
+        *TINY,
+        "logger=wandb",
+        "trainer.val_check_interval=5",
+        f"paths.log_dir={cwd}/logs",
+        *args,
+    ]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=cwd, env=dict(os.environ))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     return p
@@ -101,7 +109,7 @@ def test_run_tags_group_history_and_resume(tmp_path):
     assert init["tags"] == ["mine", "arch:llama", "canon:ABCD", "pos:rope", "task:depo1"]
     assert init["group"] is None and init["job_type"] == "train" and init["resume"] == "allow"
     assert init["mode"] == "offline" and init["id"].startswith("wb-")
-    (d, info), = offline_runs(run)
+    ((d, info),) = offline_runs(run)
     assert d.name.endswith("-" + init["id"])
     r = info["run"]
     assert r.run_id == init["id"] and list(r.tags) == init["tags"] and r.job_type == "train" and not r.run_group
@@ -122,7 +130,7 @@ def test_multirun_job_is_grouped_by_its_sweep(tmp_path):
     init = json.loads((sweep / "0" / "wandb_init.json").read_text())
     assert init["group"] == "train/2026-01-01_00-00-00" and "canon:none" in init["tags"]
     assert init["id"].startswith("2026-01-01_00-00-00-0-")
-    (d, info), = offline_runs(sweep / "0")
+    ((d, info),) = offline_runs(sweep / "0")
     assert info["run"].run_group == "train/2026-01-01_00-00-00" and d.name.endswith("-" + init["id"])
 
 
@@ -157,7 +165,7 @@ def test_report_wandb_run(tmp_path, capsys):
     pngs = sorted(p.stem for p in out.glob("*.png"))
     csvs = sorted(p.stem for p in out.glob("*.csv"))
     assert len(pngs) == 9 and len(csvs) == 4
-    (d, info), = offline_runs(out)
+    ((d, info),) = offline_runs(out)
     r = info["run"]
     assert r.job_type == "report" and r.run_group == "train/2026-01-01_00-00-00"
     # media values are flattened in the history: <key>/_type, <key>/path, ...

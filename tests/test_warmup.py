@@ -59,9 +59,20 @@ def test_sigterm_removes_the_temporary_run_directory(tmp_path):
     tmp.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in VARS}
     env.update(TMPDIR=str(tmp), WANDB_MODE="disabled")
-    p = subprocess.Popen([sys.executable, "-m", "canonlm.warmup", "model.size=1L32D", "canon=none",
-                          f"paths.kernel_cache={tmp_path / 'kc'}"], env=env, cwd=str(ROOT),
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "canonlm.warmup",
+            "model.size=1L32D",
+            "canon=none",
+            f"paths.kernel_cache={tmp_path / 'kc'}",
+        ],
+        env=env,
+        cwd=str(ROOT),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.time() + 120
         while not any(d.name.startswith("canonlm-warmup-") for d in tmp.iterdir()) and p.poll() is None:
@@ -96,24 +107,36 @@ def test_warmup_changes_only_the_run_control_keys(tmp_path, compose_cfg):
     assert {k: v for k, v in got.items() if k not in changed} == {k: v for k, v in base.items() if k not in changed}
     for k in ("precision", "devices", "accelerator", "accumulate_grad_batches", "gradient_clip_val"):
         assert got["trainer"][k] == base["trainer"][k]
-    assert {k: v for k, v in got["data"].items() if k != "gen_eval"} == \
-           {k: v for k, v in base["data"].items() if k != "gen_eval"}
+    assert {k: v for k, v in got["data"].items() if k != "gen_eval"} == {
+        k: v for k, v in base["data"].items() if k != "gen_eval"
+    }
 
 
 def test_sweep_overrides_become_one_job_each(monkeypatch):
     seen = {}
     monkeypatch.setattr(warmup, "sweep", lambda jobs, json_path: seen.setdefault("jobs", jobs) and 0)
     assert warmup.main(["-m", "arch=llama,gla", "canon=AbCD", "model.size=2L64D,4L128D"]) == 0
-    assert seen["jobs"] == [[f"arch={a}", "canon=AbCD", f"model.size={s}"]
-                            for a in ("llama", "gla") for s in ("2L64D", "4L128D")]
+    assert seen["jobs"] == [
+        [f"arch={a}", "canon=AbCD", f"model.size={s}"] for a in ("llama", "gla") for s in ("2L64D", "4L128D")
+    ]
 
 
 def test_generation_task_decodes_one_batch_of_prompts(tmp_path):
     """Brevo (scored by generation): validation and test each decode one batch of prompts
     (``data.gen_eval.batch_size``), so decoding's kernels are compiled too; the summary says how many."""
     out = tmp_path / "s.json"
-    r = _run(["task=brevo1_cpu", "model.size=1L32D", "canon=none", "data.gen_eval.batch_size=8",
-              f"paths.kernel_cache={tmp_path / 'kc'}", "--json", str(out)], tmp_path / "t")
+    r = _run(
+        [
+            "task=brevo1_cpu",
+            "model.size=1L32D",
+            "canon=none",
+            "data.gen_eval.batch_size=8",
+            f"paths.kernel_cache={tmp_path / 'kc'}",
+            "--json",
+            str(out),
+        ],
+        tmp_path / "t",
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     s = json.loads(out.read_text())
     assert s["generation_prompts"] == {"val": 8, "test": 8}

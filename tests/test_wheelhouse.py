@@ -33,14 +33,17 @@ from packaging.utils import canonicalize_name, parse_wheel_filename
 
 ROOT = Path(__file__).resolve().parents[1]
 NEVER = re.compile(r"^(torch|triton|nvidia-.*)$")
-NO_DEPS = {"mamba-ssm": "2.3.1", "causal-conv1d": "1.6.2.post1"}      # setup.sh installs them with --no-deps
+NO_DEPS = {"mamba-ssm": "2.3.1", "causal-conv1d": "1.6.2.post1"}  # setup.sh installs them with --no-deps
 
 
 def _env(**extra: str) -> dict[str, str]:
     """This environment without what would steer the scripts elsewhere (a venv's PYTHON, a bytecode switch that makes
     setup.sh compile the whole venv)."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHON", "SETUP_DRY_RUN", "PYTHONDONTWRITEBYTECODE", "TORCH_SPEC", "VIRTUAL_ENV")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PYTHON", "SETUP_DRY_RUN", "PYTHONDONTWRITEBYTECODE", "TORCH_SPEC", "VIRTUAL_ENV")
+    }
     env.update(extra)
     return env
 
@@ -50,8 +53,9 @@ def _run(cmd, timeout=600, **kw) -> subprocess.CompletedProcess:
 
 
 def _can_download(tmp: Path) -> None:
-    res = _run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(tmp / "probe"), "iniconfig"],
-               timeout=120)
+    res = _run(
+        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(tmp / "probe"), "iniconfig"], timeout=120
+    )
     if res.returncode != 0:
         pytest.skip(f"pip cannot download from the package index here: {res.stderr.strip().splitlines()[-1:]}")
 
@@ -129,8 +133,14 @@ def _offline(cmd: list[str]) -> list[str]:
 def _offline_env() -> dict[str, str]:
     """No PIP_FIND_LINKS of this machine; an index and proxies that lead nowhere."""
     dead = "http://127.0.0.1:9"
-    env = _env(http_proxy=dead, https_proxy=dead, HTTP_PROXY=dead, HTTPS_PROXY=dead, ALL_PROXY=dead,
-               PIP_INDEX_URL=dead + "/simple")
+    env = _env(
+        http_proxy=dead,
+        https_proxy=dead,
+        HTTP_PROXY=dead,
+        HTTPS_PROXY=dead,
+        ALL_PROXY=dead,
+        PIP_INDEX_URL=dead + "/simple",
+    )
     env.pop("PIP_FIND_LINKS", None)
     return env
 
@@ -151,8 +161,11 @@ def built(tmp_path_factory):
     assert "torch" in have and "hydra-core" not in have
     (tmp / "have.txt").write_text("".join(f"{n}=={v}\n" for n, v in have.items()))
     wh = tmp / "wh"
-    res = _run(["bash", str(repo / "scripts" / "wheelhouse.sh"), "--have", str(tmp / "have.txt"), "--out", str(wh)],
-               env=_env(PYTHON=sys.executable), cwd=tmp)
+    res = _run(
+        ["bash", str(repo / "scripts" / "wheelhouse.sh"), "--have", str(tmp / "have.txt"), "--out", str(wh)],
+        env=_env(PYTHON=sys.executable),
+        cwd=tmp,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     return repo, wh, have
 
@@ -165,13 +178,22 @@ def test_wheelhouse_installs_offline_into_a_venv_that_has_torch(built, tmp_path)
     # what the wheelhouse holds: never torch & co, nothing the venv already has, the kernels' Python parts built here
     assert not [n for n in wheels if NEVER.match(n)]
     assert not set(wheels) & set(have), "a wheel of something the target has"
-    for name in ("hydra-core", "omegaconf", "antlr4-python3-runtime", "fla-core", "mamba-ssm", "causal-conv1d",
-                 "lightning", "numpy"):
+    for name in (
+        "hydra-core",
+        "omegaconf",
+        "antlr4-python3-runtime",
+        "fla-core",
+        "mamba-ssm",
+        "causal-conv1d",
+        "lightning",
+        "numpy",
+    ):
         assert name in wheels, name
-    for name in ("antlr4-python3-runtime", "mamba-ssm", "causal-conv1d"):       # sdists on PyPI: built here
+    for name in ("antlr4-python3-runtime", "mamba-ssm", "causal-conv1d"):  # sdists on PyPI: built here
         assert wheels[name].endswith("-py3-none-any.whl")
     assert wheels["mamba-ssm"].startswith("mamba_ssm-2.3.1-") and wheels["causal-conv1d"].startswith(
-        "causal_conv1d-1.6.2.post1-")
+        "causal_conv1d-1.6.2.post1-"
+    )
     setup = ["bash", str(repo / "scripts" / "setup.sh"), "--wheelhouse"]
 
     # a wheelhouse that lacks one package: named, exit 2, nothing installed
@@ -180,18 +202,26 @@ def test_wheelhouse_installs_offline_into_a_venv_that_has_torch(built, tmp_path)
     (partial / wheels["antlr4-python3-runtime"]).unlink()
     res = _run(_offline([*setup, str(partial)]), env=_offline_env())
     assert res.returncode == 2, res.stdout + res.stderr
-    assert re.search(r"^  antlr4-python3-runtime==4\.9\.\*\s+\(required by (hydra-core|omegaconf) ", res.stderr,
-                     re.M), res.stderr
+    assert re.search(
+        r"^  antlr4-python3-runtime==4\.9\.\*\s+\(required by (hydra-core|omegaconf) ", res.stderr, re.M
+    ), res.stderr
     assert "Missing:" in res.stderr and "Traceback" not in res.stderr
-    assert len(res.stderr.splitlines()) < 12                                # one message, not pip's wall of text
+    assert len(res.stderr.splitlines()) < 12  # one message, not pip's wall of text
     assert _freeze(vpy) == have
     # gpu_check.sh's install phase (setup.sh, as on a node) reports it in its table and goes on
-    check = ["bash", str(repo / "scripts" / "gpu_check.sh"),
-             "--skip", "facts,restore,warmup,selfcheck,pytest,bench,pack"]
+    check = [
+        "bash",
+        str(repo / "scripts" / "gpu_check.sh"),
+        "--skip",
+        "facts,restore,warmup,selfcheck,pytest,bench,pack",
+    ]
     res = _run(_offline([*check, "--wheelhouse", str(partial), "--out", str(tmp_path / "o1")]), env=_offline_env())
     assert res.returncode == 1, res.stdout + res.stderr
-    assert re.search(r"^\| install \| FAIL \(exit 2\) \| \d+ \| \d+ \| missing: antlr4-python3-runtime==4\.9\.\* \|$",
-                     res.stdout, re.M), res.stdout[-1500:]
+    assert re.search(
+        r"^\| install \| FAIL \(exit 2\) \| \d+ \| \d+ \| missing: antlr4-python3-runtime==4\.9\.\* \|$",
+        res.stdout,
+        re.M,
+    ), res.stdout[-1500:]
 
     # the whole wheelhouse: every command pip gets sees the wheelhouse only ...
     plan = _run([*setup, str(wh)], env=_env(SETUP_DRY_RUN="1"))
@@ -202,22 +232,25 @@ def test_wheelhouse_installs_offline_into_a_venv_that_has_torch(built, tmp_path)
     res = _run(_offline([*check, "--wheelhouse", str(wh), "--out", str(tmp_path / "o2")]), env=_offline_env())
     assert res.returncode == 0, res.stdout + res.stderr
     n_from_wh = len([n for n in wheels if n not in NO_DEPS])
-    assert re.search(rf"^\| install \| OK \| \d+ \| \d+ \| keeping torch {re.escape(have['torch'])} \(CUDA None\) "
-                     rf"\(in \.venv\); {n_from_wh} packages from the wheelhouse \|$", res.stdout, re.M), \
-        res.stdout[-3000:]
+    assert re.search(
+        rf"^\| install \| OK \| \d+ \| \d+ \| keeping torch {re.escape(have['torch'])} \(CUDA None\) "
+        rf"\(in \.venv\); {n_from_wh} packages from the wheelhouse \|$",
+        res.stdout,
+        re.M,
+    ), res.stdout[-3000:]
     after = _freeze(vpy)
     assert after["torch"] == have["torch"]
     assert after["mamba-ssm"] == NO_DEPS["mamba-ssm"] and after["causal-conv1d"] == NO_DEPS["causal-conv1d"]
     assert after["fla-core"] == "0.6.0"
-    res_import = _run([str(vpy), "-c", "import canonlm, hydra, omegaconf, lightning; print(canonlm.__file__)"],
-                      env=_env())
+    res_import = _run(
+        [str(vpy), "-c", "import canonlm, hydra, omegaconf, lightning; print(canonlm.__file__)"], env=_env()
+    )
     assert res_import.returncode == 0, res_import.stderr
-    assert Path(res_import.stdout.strip()).is_relative_to(repo / "src")     # the editable install of the copy
+    assert Path(res_import.stdout.strip()).is_relative_to(repo / "src")  # the editable install of the copy
     # pip's own check: every requirement of every installed distribution met, except those setup.sh skips on purpose
     check = _run([str(vpy), "-m", "pip", "check"], env=_env(PIP_CONFIG_FILE=os.devnull))
     problems = [line for line in check.stdout.splitlines() if line.strip()]
-    assert all(canonicalize_name(line.split()[0]) in NO_DEPS for line in problems if "No broken" not in line), \
-        problems
+    assert all(canonicalize_name(line.split()[0]) in NO_DEPS for line in problems if "No broken" not in line), problems
 
 
 def _python310() -> str | None:
@@ -237,21 +270,52 @@ def test_wheelhouse_for_another_python_takes_its_wheels_and_markers(tmp_path):
     pytest's requirements whose markers hold on 3.10 (tomli, exceptiongroup: ``python_version < "3.11"``), a cp310
     PyYAML for manylinux_2_17 or older, and installs into a real Python 3.10 venv offline where one exists."""
     _can_download(tmp_path)
-    left_out = {"pytest", "iniconfig", "pluggy", "hydra-core", "omegaconf", "antlr4-python3-runtime", "pyyaml",
-                "tomli", "exceptiongroup"}
+    left_out = {
+        "pytest",
+        "iniconfig",
+        "pluggy",
+        "hydra-core",
+        "omegaconf",
+        "antlr4-python3-runtime",
+        "pyyaml",
+        "tomli",
+        "exceptiongroup",
+    }
     have = {canonicalize_name(d.metadata["Name"]): d.version for d in md.distributions()}
-    assert {"fla-core", "mamba-ssm", "causal-conv1d", "torch"} <= set(have)     # so nothing is built but antlr4
+    assert {"fla-core", "mamba-ssm", "causal-conv1d", "torch"} <= set(have)  # so nothing is built but antlr4
     (tmp_path / "have.txt").write_text("".join(f"{n}=={v}\n" for n, v in have.items() if n not in left_out))
     wh = tmp_path / "wh"
-    res = _run(["bash", str(ROOT / "scripts" / "wheelhouse.sh"), "--extras", "dev", "--python-version", "3.10",
-                "--platform", "manylinux_2_17_x86_64", "--have", str(tmp_path / "have.txt"), "--out", str(wh)],
-               env=_env(PYTHON=sys.executable), cwd=tmp_path)
+    res = _run(
+        [
+            "bash",
+            str(ROOT / "scripts" / "wheelhouse.sh"),
+            "--extras",
+            "dev",
+            "--python-version",
+            "3.10",
+            "--platform",
+            "manylinux_2_17_x86_64",
+            "--have",
+            str(tmp_path / "have.txt"),
+            "--out",
+            str(wh),
+        ],
+        env=_env(PYTHON=sys.executable),
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     wheels = _wheels(wh)
     # the oracle for pytest's requirements: its own METADATA, markers evaluated for a 3.10 Linux x86_64 target
-    target = {**default_environment(), "python_version": "3.10", "python_full_version": "3.10.0",
-              "implementation_version": "3.10.0", "sys_platform": "linux", "platform_system": "Linux",
-              "platform_machine": "x86_64", "os_name": "posix"}
+    target = {
+        **default_environment(),
+        "python_version": "3.10",
+        "python_full_version": "3.10.0",
+        "implementation_version": "3.10.0",
+        "sys_platform": "linux",
+        "platform_system": "Linux",
+        "platform_machine": "x86_64",
+        "os_name": "posix",
+    }
     import zipfile
     from email.parser import Parser
 
@@ -260,9 +324,10 @@ def test_wheelhouse_for_another_python_takes_its_wheels_and_markers(tmp_path):
     reqs = [Requirement(r) for r in meta.get_all("Requires-Dist")]
     on_310 = {canonicalize_name(r.name) for r in reqs if r.marker is None or r.marker.evaluate({**target, "extra": ""})}
     assert {"tomli", "exceptiongroup"} <= on_310 and "colorama" not in on_310
-    expected = {"pytest", "hydra-core", "omegaconf", "antlr4-python3-runtime", "pyyaml"} | (on_310 - set(
-        n for n in have if n not in left_out))
-    expected |= {"typing-extensions"} - set(have)                      # exceptiongroup's, if this venv lacks it
+    expected = {"pytest", "hydra-core", "omegaconf", "antlr4-python3-runtime", "pyyaml"} | (
+        on_310 - set(n for n in have if n not in left_out)
+    )
+    expected |= {"typing-extensions"} - set(have)  # exceptiongroup's, if this venv lacks it
     assert set(wheels) == expected, (sorted(wheels), sorted(expected))
     assert wheels["antlr4-python3-runtime"].endswith("-py3-none-any.whl")
     legacy = {17: "manylinux2014", 12: "manylinux2010", 5: "manylinux1"}
@@ -270,15 +335,28 @@ def test_wheelhouse_for_another_python_takes_its_wheels_and_markers(tmp_path):
     tags = parse_wheel_filename(wheels["pyyaml"])[3]
     assert any(t.interpreter == "cp310" and t.platform in ok_platforms for t in tags), wheels["pyyaml"]
     py310 = _python310()
-    if py310 is None:                                   # the wheelhouse was checked above; no 3.10 to install into
+    if py310 is None:  # the wheelhouse was checked above; no 3.10 to install into
         return
     venv = tmp_path / "v310"
     subprocess.run([py310, "-m", "venv", str(venv)], check=True)
     # every wheel installs on a real 3.10 (pip refuses a wheel whose tags it does not support); the fresh venv lacks
     # what --have listed, so without their requirements, and what imports without them is imported: PyYAML's C
     # extension (CSafeLoader exists only when it loaded), omegaconf on the wheel built here, tomli
-    inst = _run(_offline([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-index", "--no-deps",
-                          *map(str, sorted(wh.glob("*.whl")))]), env=_offline_env() | {"PIP_CONFIG_FILE": os.devnull})
+    inst = _run(
+        _offline(
+            [
+                str(venv / "bin" / "python"),
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-index",
+                "--no-deps",
+                *map(str, sorted(wh.glob("*.whl"))),
+            ]
+        ),
+        env=_offline_env() | {"PIP_CONFIG_FILE": os.devnull},
+    )
     assert inst.returncode == 0, inst.stdout + inst.stderr
     imp = _run([str(venv / "bin" / "python"), "-c", "import omegaconf, tomli, iniconfig; from yaml import CSafeLoader"])
     assert imp.returncode == 0, imp.stderr
@@ -297,9 +375,11 @@ def test_base_python_that_is_a_venv_lends_its_torch_and_packages(tmp_path):
     site = next(base.glob("lib/python*/site-packages"))
     try:
         import tomllib
-    except ImportError:                                                  # Python 3.10
+    except ImportError:  # Python 3.10
         from pip._vendor import tomli as tomllib
-    deps = [Requirement(r).name for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]]
+    deps = [
+        Requirement(r).name for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    ]
     keep = [d for d in deps if canonicalize_name(d) != "torch"]
     for dist in _closure(["pip", "setuptools", "wheel", "fla-core", *NO_DEPS, *keep]):
         if canonicalize_name(dist.metadata["Name"]) != "torch":
@@ -307,45 +387,57 @@ def test_base_python_that_is_a_venv_lends_its_torch_and_packages(tmp_path):
     (site / "torch").mkdir(exist_ok=True)
     (site / "torch" / "__init__.py").write_text(
         "__version__ = '2.11.0+cu130'\nclass version:\n    cuda = '13.0'\n"
-        "class _C:\n    _GLIBCXX_USE_CXX11_ABI = True\nclass cuda:\n    is_available = staticmethod(lambda: False)\n")
+        "class _C:\n    _GLIBCXX_USE_CXX11_ABI = True\nclass cuda:\n    is_available = staticmethod(lambda: False)\n"
+    )
     (site / "torch-2.11.0+cu130.dist-info").mkdir()
     (site / "torch-2.11.0+cu130.dist-info" / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: torch\nVersion: 2.11.0+cu130\n")
+        "Metadata-Version: 2.1\nName: torch\nVersion: 2.11.0+cu130\n"
+    )
     repo = _repo(tmp_path)
     wh = tmp_path / "empty-wheelhouse"
     wh.mkdir()
-    res = _run(_offline(["bash", str(repo / "scripts" / "setup.sh"), "--wheelhouse", str(wh)]),
-               env=_offline_env() | {"PYTHON": str(base / "bin" / "python")})
+    res = _run(
+        _offline(["bash", str(repo / "scripts" / "setup.sh"), "--wheelhouse", str(wh)]),
+        env=_offline_env() | {"PYTHON": str(base / "bin" / "python")},
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "is itself a venv" in res.stdout and "keeping torch 2.11.0+cu130 (CUDA 13.0)" in res.stdout
     vpy = repo / ".venv" / "bin" / "python"
     assert "include-system-site-packages = false" in (repo / ".venv" / "pyvenv.cfg").read_text()
-    probe = ("import importlib.metadata as md, torch, hydra, omegaconf, sys; print(torch.__version__); "
-             "print(md.distribution('canonlm').locate_file('')); print(hydra.__file__)")
+    probe = (
+        "import importlib.metadata as md, torch, hydra, omegaconf, sys; print(torch.__version__); "
+        "print(md.distribution('canonlm').locate_file('')); print(hydra.__file__)"
+    )
     out = _run([str(vpy), "-c", probe], env=_env()).stdout.split()
-    assert out[0] == "2.11.0+cu130"                                     # base's torch, seen through the .pth file
-    assert Path(out[1]).resolve().is_relative_to((repo / ".venv").resolve())   # canonlm installed into .venv ...
-    assert Path(out[2]).is_relative_to(site)                            # ... hydra from base, not installed again
+    assert out[0] == "2.11.0+cu130"  # base's torch, seen through the .pth file
+    assert Path(out[1]).resolve().is_relative_to((repo / ".venv").resolve())  # canonlm installed into .venv ...
+    assert Path(out[2]).is_relative_to(site)  # ... hydra from base, not installed again
     assert _freeze(vpy).get("canonlm") is not None
 
 
-@pytest.mark.parametrize("args, names", [
-    (["--extras", "devv"], ["--extras 'devv': unknown extra 'devv'", "dev", "slurm"]),
-    (["--extras", "dev,cuda"], ["'cuda' cannot go into a wheelhouse"]),
-    (["--extras", "interp"], ["'interp' cannot go into a wheelhouse"]),
-    (["--python-version", "3"], ["--python-version '3' (allowed: X.Y or X.Y.Z"]),
-    (["--platform", "win_amd64"], ["--platform 'win_amd64'", "manylinux_2_28_x86_64"]),
-    (["--have", "nowhere.txt"], ["--have 'nowhere.txt': no such readable file"]),
-    (["--have", "BAD"], ["line 2: 'torch 2.11' is not 'name==version'"]),
-    (["--extras"], ["--extras needs a value"]),
-    (["--wheelhouse", "x"], ["unknown argument '--wheelhouse'"]),
-])
+@pytest.mark.parametrize(
+    "args, names",
+    [
+        (["--extras", "devv"], ["--extras 'devv': unknown extra 'devv'", "dev", "slurm"]),
+        (["--extras", "dev,cuda"], ["'cuda' cannot go into a wheelhouse"]),
+        (["--extras", "interp"], ["'interp' cannot go into a wheelhouse"]),
+        (["--python-version", "3"], ["--python-version '3' (allowed: X.Y or X.Y.Z"]),
+        (["--platform", "win_amd64"], ["--platform 'win_amd64'", "manylinux_2_28_x86_64"]),
+        (["--have", "nowhere.txt"], ["--have 'nowhere.txt': no such readable file"]),
+        (["--have", "BAD"], ["line 2: 'torch 2.11' is not 'name==version'"]),
+        (["--extras"], ["--extras needs a value"]),
+        (["--wheelhouse", "x"], ["unknown argument '--wheelhouse'"]),
+    ],
+)
 def test_bad_input_is_refused_before_anything_is_fetched_or_written(tmp_path, args, names):
     (tmp_path / "BAD").write_text("numpy==2.5.2\ntorch 2.11\n")
     args = [str(tmp_path / "BAD") if a == "BAD" else a for a in args]
-    res = _run(["bash", str(ROOT / "scripts" / "wheelhouse.sh"), "--out", str(tmp_path / "wh"), *args],
-               env=_env(PYTHON=sys.executable, http_proxy="http://127.0.0.1:9", https_proxy="http://127.0.0.1:9"),
-               cwd=tmp_path, timeout=60)
+    res = _run(
+        ["bash", str(ROOT / "scripts" / "wheelhouse.sh"), "--out", str(tmp_path / "wh"), *args],
+        env=_env(PYTHON=sys.executable, http_proxy="http://127.0.0.1:9", https_proxy="http://127.0.0.1:9"),
+        cwd=tmp_path,
+        timeout=60,
+    )
     assert res.returncode == 2, res.stdout + res.stderr
     assert res.stdout == "" and not (tmp_path / "wh").exists()
     for n in names:

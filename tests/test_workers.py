@@ -46,10 +46,19 @@ def _fit(task, tmp_path, workers: int, steps: int, ckpt: str | None = None, save
 
     task_obj, task_cfg = task
     rec = Recorder()
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, accumulate_grad_batches=ACCUMULATE,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-                        default_root_dir=str(tmp_path))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        accumulate_grad_batches=ACCUMULATE,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        default_root_dir=str(tmp_path),
+    )
     dm = SyntheticDataModule(task_obj, task_cfg, batch_size=BATCH, num_workers=workers)
     trainer.fit(rec, datamodule=dm, ckpt_path=ckpt)
     if save:
@@ -82,17 +91,20 @@ def test_resume_with_workers_continues_the_stream(task, no_workers, tmp_path):
     micro-batches of steps 3-6 of the run without workers."""
     ckpt = str(tmp_path / "step2.ckpt")
     first = _fit(task, tmp_path, 0, 2, save=ckpt)
-    _assert_same(first, no_workers[:2 * ACCUMULATE])
-    _assert_same(_fit(task, tmp_path, 3, STEPS, ckpt=ckpt), no_workers[2 * ACCUMULATE:])
+    _assert_same(first, no_workers[: 2 * ACCUMULATE])
+    _assert_same(_fit(task, tmp_path, 3, STEPS, ckpt=ckpt), no_workers[2 * ACCUMULATE :])
 
 
-@pytest.mark.parametrize("overrides, workers", [
-    (["trainer=gpu"], "gpu"),
-    (["experiment=capo_N100K"], "gpu"),                  # a paper preset that selects trainer: gpu
-    (["trainer=gpu", "data.num_workers=2"], 2),          # the command line wins
-    (["trainer=gpu", "debug=default"], 0),               # debug runs in the training process
-    (["trainer=default"], 0),
-])
+@pytest.mark.parametrize(
+    "overrides, workers",
+    [
+        (["trainer=gpu"], "gpu"),
+        (["experiment=capo_N100K"], "gpu"),  # a paper preset that selects trainer: gpu
+        (["trainer=gpu", "data.num_workers=2"], 2),  # the command line wins
+        (["trainer=gpu", "debug=default"], 0),  # debug runs in the training process
+        (["trainer=default"], 0),
+    ],
+)
 def test_gpu_preset_uses_workers(overrides, workers):
     cfg = compose(overrides)
     if workers == "gpu":

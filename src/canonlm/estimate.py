@@ -108,15 +108,15 @@ class Estimate:
     precision: str
     param_dtype: str | None
     checkpointing: bool
-    memory: Any            # TrainingMemory without activation checkpointing
-    memory_ckpt: Any       # TrainingMemory with activation checkpointing
+    memory: Any  # TrainingMemory without activation checkpointing
+    memory_ckpt: Any  # TrainingMemory with activation checkpointing
     gpu: Gpu
     mfu: float
     mfu_from: str
-    vocab_from: str = ""          # where the vocabulary comes from (the corpus' meta.json, or the declared tokenizer)
+    vocab_from: str = ""  # where the vocabulary comes from (the corpus' meta.json, or the declared tokenizer)
     vocab_differs: str | None = None  # the corpus' vocabulary differs from task.vocab_size's: the sentence saying so
-    corpus_vocab: int | None = None   # the corpus' own vocabulary (meta.json) when it differs
-    doc_mask: bool = False        # task.doc_mask: the memory counts document masking's costs
+    corpus_vocab: int | None = None  # the corpus' own vocabulary (meta.json) when it differs
+    doc_mask: bool = False  # task.doc_mask: the memory counts document masking's costs
 
     @property
     def tokens(self) -> int:
@@ -165,19 +165,34 @@ def gpu_spec(text: str, peak: float | None = None) -> Gpu:
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """(options, the train.py overrides): the options of this command anywhere on the line, the rest for
     Hydra. Raises ConfigError for a bad option value."""
-    ap = argparse.ArgumentParser(prog="python -m canonlm.estimate", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, add_help=True)
+    ap = argparse.ArgumentParser(
+        prog="python -m canonlm.estimate",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        add_help=True,
+    )
     ap.add_argument("--world-size", default=None, help="GPUs in all (default: trainer.devices x trainer.num_nodes)")
     ap.add_argument("--gpu", default="h100", help=f"{' | '.join(GPUS)} | <GiB per GPU> (default h100)")
-    ap.add_argument("--mfu", default=None, help=f"model FLOPs utilisation in (0, 1] (default: a measured value "
-                                                f"for the shape, else {ASSUMED_MFU}, assumed)")
+    ap.add_argument(
+        "--mfu",
+        default=None,
+        help=f"model FLOPs utilisation in (0, 1] (default: a measured value "
+        f"for the shape, else {ASSUMED_MFU}, assumed)",
+    )
     ap.add_argument("--peak-flops", default=None, help="dense bf16 FLOP/s of one GPU (default: the table's)")
-    ap.add_argument("--bench", action="append", default=[], help="a bench/gpu_step.py gpu_step.jsonl to take "
-                                                                  "measured MFU from (repeatable)")
+    ap.add_argument(
+        "--bench",
+        action="append",
+        default=[],
+        help="a bench/gpu_step.py gpu_step.jsonl to take measured MFU from (repeatable)",
+    )
 
     def error(message: str):
-        raise ConfigError("command line", " ".join(argv), f"python -m canonlm.estimate [train.py overrides] "
-                          f"[--world-size N] [--gpu NAME|GiB] [--mfu X] ({message})")
+        raise ConfigError(
+            "command line",
+            " ".join(argv),
+            f"python -m canonlm.estimate [train.py overrides] [--world-size N] [--gpu NAME|GiB] [--mfu X] ({message})",
+        )
 
     ap.error = error  # type: ignore[method-assign]
     opts, rest = ap.parse_known_args(argv)
@@ -191,8 +206,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
             f = float("nan")
         ok = 0 < f <= 1 if name == "mfu" else 0 < f < math.inf
         if not ok:
-            raise ConfigError(f"--{name.replace('_', '-')}", v, "a number in (0, 1]" if name == "mfu"
-                              else "a positive number of FLOP/s (e.g. 989e12)")
+            raise ConfigError(
+                f"--{name.replace('_', '-')}",
+                v,
+                "a number in (0, 1]" if name == "mfu" else "a positive number of FLOP/s (e.g. 989e12)",
+            )
         setattr(opts, name, f)
     if opts.world_size is not None:
         opts.world_size = _positive_int(opts.world_size)
@@ -213,8 +231,9 @@ def _shape_size(shape: str) -> str | None:
     return {"1.3B": "24L2048D"}.get(shape, shape if re.fullmatch(r"\d+L\d+D", str(shape)) else None)
 
 
-def measured_mfu(files: list[Path], gpu: Gpu, arch: str, size: str, canon: str,
-                 context: int) -> tuple[float, str] | None:
+def measured_mfu(
+    files: list[Path], gpu: Gpu, arch: str, size: str, canon: str, context: int
+) -> tuple[float, str] | None:
     """The best MFU of the ``bench/gpu_step.py`` records in ``files`` that measured this shape: status ``ok``, the
     GPU's exact name in the file's header, the architecture (``model``), ``<L>L<D>D``, the Canon set and the
     context; (mfu, where it comes from) or None. A file that cannot be read is skipped."""
@@ -262,8 +281,12 @@ def world_size_of(cfg, given: int | None) -> int:
 
     world = _declared_world_size(cfg)
     if world is None:
-        raise ConfigError("--world-size", None, f"a positive integer: trainer.devices={cfg.trainer.get('devices')!r}"
-                          " leaves the number of GPUs to the machine, so give it")
+        raise ConfigError(
+            "--world-size",
+            None,
+            f"a positive integer: trainer.devices={cfg.trainer.get('devices')!r}"
+            " leaves the number of GPUs to the machine, so give it",
+        )
     return world
 
 
@@ -290,8 +313,16 @@ def estimate_job(cfg, world: int, gpu: Gpu, mfu: float | None, bench: list[str],
     flops = training_flops(mcfg)
     strategy = str(cfg.strategy.name)
     param_dtype = str(cfg.strategy.get("param_dtype")) if strategy == "fsdp2" else None
-    common = dict(strategy=strategy, world_size=world, precision=str(cfg.trainer.precision), param_dtype=param_dtype,
-                  accumulate=accumulate, amsgrad=bool(cfg.optim.get("amsgrad")), n_params=n, doc_mask=doc_mask)
+    common = dict(
+        strategy=strategy,
+        world_size=world,
+        precision=str(cfg.trainer.precision),
+        param_dtype=param_dtype,
+        accumulate=accumulate,
+        amsgrad=bool(cfg.optim.get("amsgrad")),
+        n_params=n,
+        doc_mask=doc_mask,
+    )
     mem = strategy_memory(mcfg, mb, T, activation_checkpointing=False, **common)
     mem_ck = strategy_memory(mcfg, mb, T, activation_checkpointing=True, **common)
     vocab_from = task.vocab_source() if hasattr(task, "vocab_source") else f"task {task.name}"
@@ -305,16 +336,41 @@ def estimate_job(cfg, world: int, gpu: Gpu, mfu: float | None, bench: list[str],
         mfu_from = "given (--mfu)"
     else:
         hit = measured_mfu(_bench_files(bench), gpu, mcfg.arch, size, canon, T)
-        mfu, mfu_from = hit if hit else (ASSUMED_MFU, "ASSUMED: no bench/gpu_step.py measurement of this shape on "
-                                                      "this GPU; --mfu to override")
-    return Estimate(label=label, arch=mcfg.arch, size=size, canon=canon, context=T, vocab=mcfg.vocab_size,
-                    n_params=n, n_non_embedding=n - emb - (0 if mcfg.tie_embeddings else emb), flops=flops,
-                    steps=int(cfg.trainer.max_steps), steps_from=steps_from, batch=batch, world=world,
-                    accumulate=accumulate, micro_batch=mb, strategy=strategy, precision=str(cfg.trainer.precision),
-                    param_dtype=param_dtype, checkpointing=bool(cfg.get("activation_checkpointing", False)),
-                    memory=mem, memory_ckpt=mem_ck, gpu=gpu, mfu=float(mfu), mfu_from=mfu_from, vocab_from=vocab_from,
-                    vocab_differs=differs, corpus_vocab=task.corpus_vocab_size if differs else None,
-                    doc_mask=doc_mask)
+        mfu, mfu_from = (
+            hit
+            if hit
+            else (ASSUMED_MFU, "ASSUMED: no bench/gpu_step.py measurement of this shape on this GPU; --mfu to override")
+        )
+    return Estimate(
+        label=label,
+        arch=mcfg.arch,
+        size=size,
+        canon=canon,
+        context=T,
+        vocab=mcfg.vocab_size,
+        n_params=n,
+        n_non_embedding=n - emb - (0 if mcfg.tie_embeddings else emb),
+        flops=flops,
+        steps=int(cfg.trainer.max_steps),
+        steps_from=steps_from,
+        batch=batch,
+        world=world,
+        accumulate=accumulate,
+        micro_batch=mb,
+        strategy=strategy,
+        precision=str(cfg.trainer.precision),
+        param_dtype=param_dtype,
+        checkpointing=bool(cfg.get("activation_checkpointing", False)),
+        memory=mem,
+        memory_ckpt=mem_ck,
+        gpu=gpu,
+        mfu=float(mfu),
+        mfu_from=mfu_from,
+        vocab_from=vocab_from,
+        vocab_differs=differs,
+        corpus_vocab=task.corpus_vocab_size if differs else None,
+        doc_mask=doc_mask,
+    )
 
 
 def refusal(e: Estimate, model_size: Any) -> ConfigError | None:
@@ -330,10 +386,14 @@ def refusal(e: Estimate, model_size: Any) -> ConfigError | None:
     hint = ""
     if not e.checkpointing and e.memory_ckpt.total <= e.gpu.memory:
         hint = f"; with activation_checkpointing=true it needs {human_bytes(e.memory_ckpt.total)}, which fits"
-    return ConfigError(key, value, f"a run that fits in memory: training needs at least {human_bytes(m.total)} per GPU "
-                       f"({m.describe()}; micro-batch {e.micro_batch} windows x {e.context} tokens, {e.strategy} over "
-                       f"{e.world} GPU{'s' if e.world > 1 else ''}) and one {e.gpu.label} has "
-                       f"{human_bytes(e.gpu.memory)}{hint}")
+    return ConfigError(
+        key,
+        value,
+        f"a run that fits in memory: training needs at least {human_bytes(m.total)} per GPU "
+        f"({m.describe()}; micro-batch {e.micro_batch} windows x {e.context} tokens, {e.strategy} over "
+        f"{e.world} GPU{'s' if e.world > 1 else ''}) and one {e.gpu.label} has "
+        f"{human_bytes(e.gpu.memory)}{hint}",
+    )
 
 
 def _duration(seconds: float) -> str:
@@ -352,15 +412,20 @@ def report(e: Estimate) -> str:
     a, b = e.memory, e.memory_ckpt
     shard = f"sharded over {e.world}" if e.strategy == "fsdp2" else f"replicated on each of {e.world}"
     dt = f", FSDP2 param_dtype {e.param_dtype}" if e.param_dtype else ""
-    rows = [("parameters", a.parameters, b.parameters), ("gradients", a.gradients, b.gradients),
-            ("AdamW state", a.optimizer, b.optimizer)]
+    rows = [
+        ("parameters", a.parameters, b.parameters),
+        ("gradients", a.gradients, b.gradients),
+        ("AdamW state", a.optimizer, b.optimizer),
+    ]
     if a.gathered:
         rows.append(("FSDP2 all-gathered root + 1 block", a.gathered, b.gathered))
     if a.buckets:
         rows.append(("DDP gradient buckets", a.buckets, b.buckets))
-    rows += [("activations", a.activations, b.activations), ("batch data", a.batch, b.batch),
-             ("total (lower bound; max(grads, acts))" if not a.accumulate else "total (lower bound)",
-              a.total, b.total)]
+    rows += [
+        ("activations", a.activations, b.activations),
+        ("batch data", a.batch, b.batch),
+        ("total (lower bound; max(grads, acts))" if not a.accumulate else "total (lower bound)", a.total, b.total),
+    ]
     gs = e.gpu_seconds
     peak = "unknown peak (give --peak-flops)" if e.gpu.peak is None else f"{e.gpu.peak / 1e12:g} TFLOP/s dense bf16"
     out = [
@@ -369,9 +434,11 @@ def report(e: Estimate) -> str:
         f"  vocabulary       {e.vocab:,} ({e.vocab_from})",
     ]
     if e.vocab_differs:
-        out.append(f"  VOCABULARY DIFFERS from the preset's: {e.vocab_differs}. The parameters, FLOPs, memory and "
-                   f"GPU-hours below are for the corpus' {e.vocab:,}; train.py refuses this run until "
-                   f"task.vocab_size={e.corpus_vocab} (or null) is given")
+        out.append(
+            f"  VOCABULARY DIFFERS from the preset's: {e.vocab_differs}. The parameters, FLOPs, memory and "
+            f"GPU-hours below are for the corpus' {e.vocab:,}; train.py refuses this run until "
+            f"task.vocab_size={e.corpus_vocab} (or null) is given"
+        )
     out += [
         f"  parameters       {e.n_params:,} ({e.n_params / 1e9:.3f} B; without embedding and LM head "
         f"{e.n_non_embedding:,})",
@@ -384,9 +451,11 @@ def report(e: Estimate) -> str:
         f"{human_bytes(e.gpu.memory)}",
         f"    {'':36s}{'no checkpointing':>18s}{'checkpointing':>18s}",
         *[f"    {name:36s}{human_bytes(x):>18s}{human_bytes(y):>18s}" for name, x, y in rows],
-        ("    document masking (task.doc_mask=true), in the rows above: " + a.doc_masking.describe()
-         if a.doc_masking is not None else "    document masking off (task.doc_mask=false): no mask, index tensors "
-         "or doc_ids counted"),
+        (
+            "    document masking (task.doc_mask=true), in the rows above: " + a.doc_masking.describe()
+            if a.doc_masking is not None
+            else "    document masking off (task.doc_mask=false): no mask, index tensors or doc_ids counted"
+        ),
         f"    this config: activation_checkpointing={str(e.checkpointing).lower()} -> "
         f"{human_bytes(e.chosen.total)} of {human_bytes(e.gpu.memory)} "
         f"({100 * e.chosen.total / e.gpu.memory:.0f} %)",
@@ -396,8 +465,10 @@ def report(e: Estimate) -> str:
     if gs is None:
         out.append("  GPU-hours        n/a (the GPU's peak FLOP/s is unknown: give --peak-flops)")
     else:
-        out.append(f"  GPU-hours        {gs / 3600:,.0f} GPU-h; wall time {_duration(gs / e.world)} on {e.world} GPUs "
-                   "(training steps only: no evaluation, checkpointing or restarts)")
+        out.append(
+            f"  GPU-hours        {gs / 3600:,.0f} GPU-h; wall time {_duration(gs / e.world)} on {e.world} GPUs "
+            "(training steps only: no evaluation, checkpointing or restarts)"
+        )
     return "\n".join(out)
 
 
@@ -412,8 +483,11 @@ def main(argv: list[str] | None = None) -> int:
 
         register_resolvers()
         if not runs_jobs(overrides):
-            raise ConfigError("command line", " ".join(overrides), "train.py overrides (--cfg, --help and --info "
-                              "are train.py's own: python train.py ... --cfg job)")
+            raise ConfigError(
+                "command line",
+                " ".join(overrides),
+                "train.py overrides (--cfg, --help and --info are train.py's own: python train.py ... --cfg job)",
+            )
         jobs = compose_jobs(overrides, CONF, "train")
         gpu = gpu_spec(opts.gpu, opts.peak_flops)
         estimates = []

@@ -27,22 +27,34 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     """``python -m canonlm.export``: export a run / checkpoint to a Hugging Face directory, or import one with
     ``--from-hf``. Prints a JSON summary on success; returns 0, or 2 after one error line (nothing written)."""
-    ap = argparse.ArgumentParser(prog="python -m canonlm.export",
-                                 description="Export a canonlm model to a Hugging Face directory, or import one "
-                                             "(--from-hf) into a canonlm checkpoint.")
+    ap = argparse.ArgumentParser(
+        prog="python -m canonlm.export",
+        description="Export a canonlm model to a Hugging Face directory, or import one "
+        "(--from-hf) into a canonlm checkpoint.",
+    )
     ap.add_argument("src", help="run directory or .ckpt (export); Hugging Face directory (with --from-hf)")
     ap.add_argument("out", help="new output directory (export); new .ckpt file or run directory (--from-hf)")
-    ap.add_argument("--from-hf", action="store_true", help="import a Hugging Face directory or a released checkpoint "
-                                                           "(lingua layout) into canonlm")
-    ap.add_argument("--variant", default=None, help="with --from-hf: the lingua layout's variant folder (the "
-                                                     "released checkpoints: default)")
-    ap.add_argument("--format", default="auto", choices=("auto", "canonlm", "official", "llamacanon"),
-                    help="export layout: auto (default) = transformers LlamaForCausalLM when the model is a plain "
-                         "Llama, else canonlm; canonlm = config.json + model.safetensors + canonlm's modeling code "
-                         "bundled (any model; AutoModelForCausalLM with trust_remote_code, torch and transformers "
-                         "only); official = "
-                         "the release's lingua layout (default/params.json + consolidated.pth) + config.json; "
-                         "llamacanon = the official LlamaCanonConfig in config.json + safetensors")
+    ap.add_argument(
+        "--from-hf",
+        action="store_true",
+        help="import a Hugging Face directory or a released checkpoint (lingua layout) into canonlm",
+    )
+    ap.add_argument(
+        "--variant",
+        default=None,
+        help="with --from-hf: the lingua layout's variant folder (the released checkpoints: default)",
+    )
+    ap.add_argument(
+        "--format",
+        default="auto",
+        choices=("auto", "canonlm", "official", "llamacanon"),
+        help="export layout: auto (default) = transformers LlamaForCausalLM when the model is a plain "
+        "Llama, else canonlm; canonlm = config.json + model.safetensors + canonlm's modeling code "
+        "bundled (any model; AutoModelForCausalLM with trust_remote_code, torch and transformers "
+        "only); official = "
+        "the release's lingua layout (default/params.json + consolidated.pth) + config.json; "
+        "llamacanon = the official LlamaCanonConfig in config.json + safetensors",
+    )
     a = ap.parse_args(argv)
     from canonlm.hf import InteropError, export_model, import_hf
 
@@ -50,8 +62,10 @@ def main(argv: list[str] | None = None) -> int:
         print("canonlm.export: error: --variant reads a released checkpoint and needs --from-hf", file=sys.stderr)
         return 2
     if a.format != "auto" and a.from_hf:
-        print("canonlm.export: error: --format chooses the export layout and cannot be used with --from-hf",
-              file=sys.stderr)
+        print(
+            "canonlm.export: error: --format chooses the export layout and cannot be used with --from-hf",
+            file=sys.stderr,
+        )
         return 2
     try:
         info = import_hf(a.src, a.out, variant=a.variant) if a.from_hf else export_model(a.src, a.out, fmt=a.format)

@@ -69,8 +69,11 @@ class GenerateError(ValueError):
         self.flag, self.value, self.allowed, self.detail = flag, value, allowed, detail
         detail = detail[1:-1] if detail.startswith("(") and detail.endswith(")") else detail
         what = f"{flag}={value!r}" if value is not None else f"{flag}: none given"
-        super().__init__(f"{what}: {detail}; allowed: {allowed}" if detail else
-                         f"{what}{'' if value is None else ' is not allowed'}; allowed: {allowed}")
+        super().__init__(
+            f"{what}: {detail}; allowed: {allowed}"
+            if detail
+            else f"{what}{'' if value is None else ' is not allowed'}; allowed: {allowed}"
+        )
 
 
 # ============================================================================================== prompts <-> ids
@@ -100,19 +103,29 @@ def parse_ids(text: str, vocab_size: int, flag: str = "--prompt") -> np.ndarray:
         try:
             t = int(w)
         except ValueError:
-            raise GenerateError(flag, text, f"space-separated token ids in [0, {vocab_size})",
-                                f"(token {w!r} is not an integer)") from None
+            raise GenerateError(
+                flag, text, f"space-separated token ids in [0, {vocab_size})", f"(token {w!r} is not an integer)"
+            ) from None
         if not 0 <= t < vocab_size:
-            raise GenerateError(flag, text, f"token ids in [0, {vocab_size}) (the model's vocabulary)",
-                                f"(token id {t} is outside the vocabulary)")
+            raise GenerateError(
+                flag,
+                text,
+                f"token ids in [0, {vocab_size}) (the model's vocabulary)",
+                f"(token id {t} is outside the vocabulary)",
+            )
         out.append(t)
     return np.asarray(out, dtype=np.int64)
 
 
 def ids_codec(vocab_size: int, note: str = "") -> Codec:
     """The token-id codec: prompts and outputs are space-separated ids in ``[0, vocab_size)``."""
-    return Codec("ids", int(vocab_size), lambda s: parse_ids(s, vocab_size),
-                 lambda ids: " ".join(str(int(t)) for t in ids), note=note)
+    return Codec(
+        "ids",
+        int(vocab_size),
+        lambda s: parse_ids(s, vocab_size),
+        lambda ids: " ".join(str(int(t)) for t in ids),
+        note=note,
+    )
 
 
 def _names_codec(task: Any, vocab_size: int) -> Codec:
@@ -129,14 +142,19 @@ def _names_codec(task: Any, vocab_size: int) -> Codec:
             parts = [w] if w in index else w.split(".")
             for p in parts:
                 if p not in index:
-                    raise GenerateError("--prompt", text, f"tokens of the {task.name} vocabulary ({example}; a "
-                                        "multi-token name as p3.e7), or token ids with --ids",
-                                        f"(token {p!r} is not in the vocabulary)")
+                    raise GenerateError(
+                        "--prompt",
+                        text,
+                        f"tokens of the {task.name} vocabulary ({example}; a "
+                        "multi-token name as p3.e7), or token ids with --ids",
+                        f"(token {p!r} is not in the vocabulary)",
+                    )
                 out.append(index[p])
         return np.asarray(out, dtype=np.int64)
 
-    return Codec("names", int(vocab_size), encode, lambda ids: task.decode(np.asarray(ids, dtype=np.int64)),
-                 example=example)
+    return Codec(
+        "names", int(vocab_size), encode, lambda ids: task.decode(np.asarray(ids, dtype=np.int64)), example=example
+    )
 
 
 def _tokenizer_codec(task: Any, vocab_size: int) -> Codec:
@@ -144,16 +162,34 @@ def _tokenizer_codec(task: Any, vocab_size: int) -> Codec:
     (``CapoTask.encode``, compact ids); outputs by ``task.decode``."""
     if getattr(task, "name", None) == "text":
         tok = task.tokenizer()  # FileNotFoundError / ImportError when the recorded tokenizer cannot be loaded
-        return tokenizer_codec(tok.encode, lambda ids: task.decode(np.asarray(ids, dtype=np.int64)), vocab_size,
-                               "text", tok.eos_token, tok.eos_id)
+        return tokenizer_codec(
+            tok.encode,
+            lambda ids: task.decode(np.asarray(ids, dtype=np.int64)),
+            vocab_size,
+            "text",
+            tok.eos_token,
+            tok.eos_id,
+        )
     from canonlm.data.tasks.capo import EOS_TEXT
 
-    return tokenizer_codec(task.encode, lambda ids: task.decode(np.asarray(ids, dtype=np.int64)), vocab_size,
-                           task.name, EOS_TEXT, task.eos_id)
+    return tokenizer_codec(
+        task.encode,
+        lambda ids: task.decode(np.asarray(ids, dtype=np.int64)),
+        vocab_size,
+        task.name,
+        EOS_TEXT,
+        task.eos_id,
+    )
 
 
-def tokenizer_codec(raw_encode: Callable[[str], Any], decode: Callable[[Sequence[int]], str], vocab_size: int,
-                    what: str, eos_text: str | None = None, eos_id: int | None = None) -> Codec:
+def tokenizer_codec(
+    raw_encode: Callable[[str], Any],
+    decode: Callable[[Sequence[int]], str],
+    vocab_size: int,
+    what: str,
+    eos_text: str | None = None,
+    eos_id: int | None = None,
+) -> Codec:
     """Codec around a tokenizer: ``raw_encode(str) -> ids`` (a KeyError = a token without an id, as Capo's compact
     vocabulary raises), ``decode(ids) -> str``. ``eos_text`` in a prompt becomes ``eos_id``. ``what`` names the
     vocabulary in error messages. encode raises :class:`GenerateError` for ids outside ``[0, vocab_size)``."""
@@ -168,13 +204,20 @@ def tokenizer_codec(raw_encode: Callable[[str], Any], decode: Callable[[Sequence
                 try:
                     out.extend(int(t) for t in raw_encode(piece))
                 except KeyError as e:  # capo: a token that never occurs in biographies has no compact id
-                    raise GenerateError("--prompt", text, f"text whose tokens all occur in the {what} "
-                                        "training data, or token ids with --ids",
-                                        f"(tokenizer id {e.args[0]} is not in the compact vocabulary)") from None
+                    raise GenerateError(
+                        "--prompt",
+                        text,
+                        f"text whose tokens all occur in the {what} training data, or token ids with --ids",
+                        f"(tokenizer id {e.args[0]} is not in the compact vocabulary)",
+                    ) from None
         bad = [t for t in out if not 0 <= t < vocab_size]
         if bad:
-            raise GenerateError("--prompt", text, f"text whose token ids are below the model's vocabulary size "
-                                f"{vocab_size}, or token ids with --ids", f"(token id {bad[0]} is outside it)")
+            raise GenerateError(
+                "--prompt",
+                text,
+                f"text whose token ids are below the model's vocabulary size {vocab_size}, or token ids with --ids",
+                f"(token id {bad[0]} is outside it)",
+            )
         return np.asarray(out, dtype=np.int64)
 
     return Codec("tokenizer", int(vocab_size), encode, decode)
@@ -255,13 +298,31 @@ class Generator:
     codec: Codec
     info: dict[str, Any]
 
-    def generate(self, prompts: Sequence[np.ndarray], max_new_tokens: int, *, temperature: float = 0.0,
-                 top_k: int | None = None, seed: int = 0, batch_size: int = 8) -> list[np.ndarray]:
+    def generate(
+        self,
+        prompts: Sequence[np.ndarray],
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        seed: int = 0,
+        batch_size: int = 8,
+    ) -> list[np.ndarray]:
         """Continuations of ``prompts`` (list of n non-empty int64 arrays (L_r,)): list of n int64 arrays of exactly
         ``max_new_tokens`` tokens (no stop token). See :func:`generate_ids`."""
-        return generate_ids(self.model, prompts, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
-                            batch_size=batch_size, vocab_size=self.vocab_size, max_len=self.max_len,
-                            device=self.device, context=self.precision.context)
+        return generate_ids(
+            self.model,
+            prompts,
+            max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            seed=seed,
+            batch_size=batch_size,
+            vocab_size=self.vocab_size,
+            max_len=self.max_len,
+            device=self.device,
+            context=self.precision.context,
+        )
 
 
 def sampling_keys(seed: int, n: int) -> np.ndarray:
@@ -273,10 +334,20 @@ def sampling_keys(seed: int, n: int) -> np.ndarray:
 
 
 @torch.no_grad()
-def generate_ids(model: Any, prompts: Sequence[np.ndarray], max_new_tokens: int, *, temperature: float = 0.0,
-                 top_k: int | None = None, seed: int = 0, batch_size: int = 8, vocab_size: int | None = None,
-                 max_len: int | None = None, device: torch.device | str = "cpu",
-                 context: Callable[[], Any] | None = None) -> list[np.ndarray]:
+def generate_ids(
+    model: Any,
+    prompts: Sequence[np.ndarray],
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    seed: int = 0,
+    batch_size: int = 8,
+    vocab_size: int | None = None,
+    max_len: int | None = None,
+    device: torch.device | str = "cpu",
+    context: Callable[[], Any] | None = None,
+) -> list[np.ndarray]:
     """Generate ``max_new_tokens`` tokens after every prompt with
     :meth:`canonlm.data.lm.LanguageModel.generate` (decode caches when ``model`` has ``new_cache``).
 
@@ -306,9 +377,11 @@ def generate_ids(model: Any, prompts: Sequence[np.ndarray], max_new_tokens: int,
     if L is not None and prompts:
         longest = max(len(p) for p in prompts)
         if longest + int(max_new_tokens) > int(L):
-            raise GenerateError("--max-new-tokens", int(max_new_tokens),
-                                f"an integer in [1, {int(L) - longest}] (context {int(L)} minus the longest prompt, "
-                                f"{longest} tokens)")
+            raise GenerateError(
+                "--max-new-tokens",
+                int(max_new_tokens),
+                f"an integer in [1, {int(L) - longest}] (context {int(L)} minus the longest prompt, {longest} tokens)",
+            )
     fwd = CachedForward(model, top_k=top_k if temperature > 0 else None, context=context)
     lm = LanguageModel(fwd, vocab_size=V, device=device, batch_size=batch_size, max_len=L)
     keys = sampling_keys(seed, len(prompts)) if temperature > 0 else None
@@ -355,9 +428,15 @@ def load_generator(path: str | Path, *, device: str = "auto", precision: str = "
     except (ConfigError, ValueError) as e:
         raise GenerateError("PATH", str(path), "a run whose config and checkpoint load", f"({e})") from None
     mcfg = loaded.model_cfg
-    return Generator(model=loaded.model, vocab_size=int(mcfg.vocab_size), max_len=int(mcfg.max_seq_len),
-                     device=loaded.device, precision=loaded.precision,
-                     codec=make_codec(loaded.task_cfg, int(mcfg.vocab_size)), info=loaded.describe())
+    return Generator(
+        model=loaded.model,
+        vocab_size=int(mcfg.vocab_size),
+        max_len=int(mcfg.max_seq_len),
+        device=loaded.device,
+        precision=loaded.precision,
+        codec=make_codec(loaded.task_cfg, int(mcfg.vocab_size)),
+        info=loaded.describe(),
+    )
 
 
 def _device(device: str) -> torch.device:
@@ -373,8 +452,9 @@ def _hf() -> Any:
     return hf
 
 
-def _placed(cfg: Any, sd: dict[str, torch.Tensor], dev: torch.device, precision: str,
-            path: Path) -> tuple[Any, EvalPrecision]:
+def _placed(
+    cfg: Any, sd: dict[str, torch.Tensor], dev: torch.device, precision: str, path: Path
+) -> tuple[Any, EvalPrecision]:
     """Build a CanonLM from ``cfg`` and the state dict ``sd``, move it to ``dev`` in the parameter dtype of
     ``precision`` and place its backends for its compute dtype (:func:`canonlm.eval.load.eval_precision`; ``auto``
     = the dtype of ``sd``); returns (model, the precision). Raises :class:`GenerateError` when it does not load or
@@ -391,8 +471,12 @@ def _placed(cfg: Any, sd: dict[str, torch.Tensor], dev: torch.device, precision:
         model.eval().to(dev, dtype=prec.param_dtype)
         model.place(dev, prec.compute_dtype)
     except (ConfigError, RuntimeError) as e:
-        raise GenerateError("PATH", str(path), "a model that loads on this device",
-                            f"({type(e).__name__}: {str(e).splitlines()[0][:300]})") from None
+        raise GenerateError(
+            "PATH",
+            str(path),
+            "a model that loads on this device",
+            f"({type(e).__name__}: {str(e).splitlines()[0][:300]})",
+        ) from None
     return model, prec
 
 
@@ -402,14 +486,23 @@ def _load_exported(p: Path, device: str, precision: str) -> Generator:
     (:class:`canonlm.data.text.TextTokenizer`), else token ids."""
     hf = _hf()
     if hf is None:
-        raise GenerateError("PATH", str(p), "a run directory (with .hydra/) or a checkpoint file",
-                            "an exported directory (config.json, no .hydra/); exported directories need canonlm.hf, "
-                            "which is not installed")
+        raise GenerateError(
+            "PATH",
+            str(p),
+            "a run directory (with .hydra/) or a checkpoint file",
+            "an exported directory (config.json, no .hydra/); exported directories need canonlm.hf, "
+            "which is not installed",
+        )
     try:
         cfg, sd, hcfg = hf.hf_to_canonlm(p)
     except hf.InteropError as e:
-        raise GenerateError("PATH", str(p), "an exported directory that canonlm.hf reads (config.json + "
-                            "model.safetensors of a LlamaCanon / Llama model)", f"({e})") from None
+        raise GenerateError(
+            "PATH",
+            str(p),
+            "an exported directory that canonlm.hf reads (config.json + "
+            "model.safetensors of a LlamaCanon / Llama model)",
+            f"({e})",
+        ) from None
     dev = _device(device)
     model, prec = _placed(cfg, sd, dev, precision, p)
     V = int(cfg.vocab_size)
@@ -419,15 +512,29 @@ def _load_exported(p: Path, device: str, precision: str) -> Generator:
             from canonlm.data.text import TextTokenizer
 
             tok = TextTokenizer(p / "tokenizer.json")
-            codec = tokenizer_codec(tok.encode, lambda ids: tok.decode(ids, skip_special_tokens=False), V,
-                                    "tokenizer.json", tok.eos_token, tok.eos_id)
+            codec = tokenizer_codec(
+                tok.encode,
+                lambda ids: tok.decode(ids, skip_special_tokens=False),
+                V,
+                "tokenizer.json",
+                tok.eos_token,
+                tok.eos_id,
+            )
         except Exception as e:  # noqa: BLE001 -- fall back to ids, say why
             codec = ids_codec(V, f"its tokenizer.json does not load ({type(e).__name__}: {e})")
-    info = dict(path=str(p.resolve()), arch=cfg.arch, size=f"{cfg.n_layers}L{cfg.d_model}D", vocab_size=V,
-                max_seq_len=int(cfg.max_seq_len), model_type=hcfg.get("model_type"), canon=cfg.canon.set,
-                precision=prec.describe())
-    return Generator(model=model, vocab_size=V, max_len=int(cfg.max_seq_len), device=dev, precision=prec,
-                     codec=codec, info=info)
+    info = dict(
+        path=str(p.resolve()),
+        arch=cfg.arch,
+        size=f"{cfg.n_layers}L{cfg.d_model}D",
+        vocab_size=V,
+        max_seq_len=int(cfg.max_seq_len),
+        model_type=hcfg.get("model_type"),
+        canon=cfg.canon.set,
+        precision=prec.describe(),
+    )
+    return Generator(
+        model=model, vocab_size=V, max_len=int(cfg.max_seq_len), device=dev, precision=prec, codec=codec, info=info
+    )
 
 
 # ============================================================================================== CLI
@@ -438,16 +545,24 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog=f"python -m {PROG}", description=(
-        "Continue prompts with a trained canonlm model (decode-cache generation; greedy by default). Prompts are "
-        "text in the run's task vocabulary (token names as `python -m canonlm.data.preview` prints them, or the "
-        "task's tokenizer), or token ids with --ids."))
+    ap = _Parser(
+        prog=f"python -m {PROG}",
+        description=(
+            "Continue prompts with a trained canonlm model (decode-cache generation; greedy by default). Prompts are "
+            "text in the run's task vocabulary (token names as `python -m canonlm.data.preview` prints them, or the "
+            "task's tokenizer), or token ids with --ids."
+        ),
+    )
     ap.add_argument("path", help="run directory, checkpoint file (<run>/checkpoints/*.ckpt) or exported directory")
     ap.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     ap.add_argument("--prompt-file", help="a file with one prompt per line (blank lines skipped)")
-    ap.add_argument("--max-new-tokens", type=int, default=None,
-                    help=f"tokens to generate per prompt (default {DEFAULT_MAX_NEW}, capped at the room left in the "
-                         "context; an explicit value beyond it is an error)")
+    ap.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help=f"tokens to generate per prompt (default {DEFAULT_MAX_NEW}, capped at the room left in the "
+        "context; an explicit value beyond it is an error)",
+    )
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 = sample (default 0)")
     ap.add_argument("--top-k", type=int, default=0, help="sample among the K most likely tokens (0 = all)")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
@@ -455,9 +570,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--ids", action="store_true", help="prompts and outputs as space-separated token ids")
     ap.add_argument("--json", action="store_true", help="print one JSON list instead of lines")
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto)")
-    ap.add_argument("--precision", default="auto",
-                    help="auto (default: the run's training precision, trainer.precision) | 32-true | bf16-mixed | "
-                         "bf16-true | 16-mixed | 64-true | fp32 (= 32-true) | bf16 (= bf16-mixed)")
+    ap.add_argument(
+        "--precision",
+        default="auto",
+        help="auto (default: the run's training precision, trainer.precision) | 32-true | bf16-mixed | "
+        "bf16-true | 16-mixed | 64-true | fp32 (= 32-true) | bf16 (= bf16-mixed)",
+    )
     return ap
 
 
@@ -482,8 +600,12 @@ def _check_args(a: argparse.Namespace) -> list[str]:
         try:
             lines = f.read_text(encoding="utf-8").splitlines()
         except (OSError, UnicodeDecodeError) as e:
-            raise GenerateError("--prompt-file", a.prompt_file, "a readable UTF-8 text file, one prompt per line",
-                                f"({type(e).__name__}: {getattr(e, 'strerror', None) or e})") from None
+            raise GenerateError(
+                "--prompt-file",
+                a.prompt_file,
+                "a readable UTF-8 text file, one prompt per line",
+                f"({type(e).__name__}: {getattr(e, 'strerror', None) or e})",
+            ) from None
         prompts += [line for line in lines if line.strip()]
     if not prompts:
         raise GenerateError("--prompt", None, "at least one prompt (--prompt TEXT, repeatable, or --prompt-file F)")
@@ -505,8 +627,9 @@ def run(argv: Sequence[str] | None = None, out: Any = None) -> list[dict[str, An
             p = codec.encode(s)
         except GenerateError as e:
             if codec.kind == "ids" and codec.note and not a.ids:
-                raise GenerateError(e.flag, e.value, e.allowed + f"; prompts are token ids because {codec.note}",
-                                    e.detail) from None
+                raise GenerateError(
+                    e.flag, e.value, e.allowed + f"; prompts are token ids because {codec.note}", e.detail
+                ) from None
             raise
         if p.size == 0:
             raise GenerateError("--prompt", s, "a prompt of at least one token")
@@ -514,14 +637,22 @@ def run(argv: Sequence[str] | None = None, out: Any = None) -> list[dict[str, An
     longest = max(len(p) for p in ids)
     room = g.max_len - longest
     if room < 1:
-        raise GenerateError("--prompt", texts[int(np.argmax([len(p) for p in ids]))],
-                            f"a prompt shorter than the model's context of {g.max_len} tokens",
-                            f"({longest} tokens)")
+        raise GenerateError(
+            "--prompt",
+            texts[int(np.argmax([len(p) for p in ids]))],
+            f"a prompt shorter than the model's context of {g.max_len} tokens",
+            f"({longest} tokens)",
+        )
     max_new = a.max_new_tokens if a.max_new_tokens is not None else min(DEFAULT_MAX_NEW, room)
-    gen = g.generate(ids, max_new, temperature=a.temperature, top_k=a.top_k or None, seed=a.seed,
-                     batch_size=a.batch_size)
-    records = [dict(prompt=s, prompt_ids=[int(t) for t in p], continuation=codec.decode(c),
-                    continuation_ids=[int(t) for t in c]) for s, p, c in zip(texts, ids, gen)]
+    gen = g.generate(
+        ids, max_new, temperature=a.temperature, top_k=a.top_k or None, seed=a.seed, batch_size=a.batch_size
+    )
+    records = [
+        dict(
+            prompt=s, prompt_ids=[int(t) for t in p], continuation=codec.decode(c), continuation_ids=[int(t) for t in c]
+        )
+        for s, p, c in zip(texts, ids, gen)
+    ]
     if a.json:
         out.write(json.dumps(records, ensure_ascii=False) + "\n")
     else:
@@ -541,8 +672,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["Codec", "CachedForward", "Generator", "GenerateError", "generate_ids", "ids_codec", "is_exported_dir",
-           "load_generator", "make_codec", "parse_ids", "run", "main", "sampling_keys", "top_k_mask"]
+__all__ = [
+    "Codec",
+    "CachedForward",
+    "Generator",
+    "GenerateError",
+    "generate_ids",
+    "ids_codec",
+    "is_exported_dir",
+    "load_generator",
+    "make_codec",
+    "parse_ids",
+    "run",
+    "main",
+    "sampling_keys",
+    "top_k_mask",
+]
 
 if __name__ == "__main__":
     raise SystemExit(main())

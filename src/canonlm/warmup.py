@@ -85,8 +85,11 @@ def warmup_config(cfg, run_dir: Path) -> None:
     from omegaconf import open_dict
 
     devices, nodes = cfg.trainer.get("devices"), cfg.trainer.get("num_nodes", 1)
-    world = devices * nodes if all(isinstance(v, int) and not isinstance(v, bool) and v >= 1
-                                   for v in (devices, nodes)) else 1
+    world = (
+        devices * nodes
+        if all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (devices, nodes))
+        else 1
+    )
     with open_dict(cfg):
         cfg.trainer.max_steps = STEPS
         if cfg.data.get("max_tokens") is not None:
@@ -164,9 +167,11 @@ def _cache_dirs(root: Path) -> dict[str, str]:
     """The directories the libraries actually use (a user-set TRITON_CACHE_DIR / TORCHINDUCTOR_CACHE_DIR wins)."""
     from canonlm.utils.kernel_cache import AUTOTUNE
 
-    return {"triton": os.environ.get("TRITON_CACHE_DIR", str(root / "triton")),
-            "inductor": os.environ.get("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor")),
-            "autotune": str(root / AUTOTUNE)}
+    return {
+        "triton": os.environ.get("TRITON_CACHE_DIR", str(root / "triton")),
+        "inductor": os.environ.get("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor")),
+        "autotune": str(root / AUTOTUNE),
+    }
 
 
 def _cache_delta(before: dict[str, dict], after: dict[str, dict]) -> dict[str, dict[str, int]]:
@@ -175,8 +180,12 @@ def _cache_delta(before: dict[str, dict], after: dict[str, dict]) -> dict[str, d
         old = before.get(name, {})
         new = [p for p in files if p not in old]
         rewritten = [p for p in files if p in old and files[p] != old[p]]
-        delta[name] = {"files": len(files), "new": len(new), "rewritten": len(rewritten),
-                       "new_bytes": sum(files[p][0] for p in new)}
+        delta[name] = {
+            "files": len(files),
+            "new": len(new),
+            "rewritten": len(rewritten),
+            "new_bytes": sum(files[p][0] for p in new),
+        }
         if name == "triton":
             delta[name]["kernels_compiled"] = sum(os.path.basename(p).startswith("__grp__") for p in new)
             delta[name]["autotune_results_new"] = sum(p.endswith(".autotune.json") for p in new)
@@ -189,8 +198,10 @@ def _counters() -> dict[str, int]:
     out = {}
     utils = sys.modules.get("torch._dynamo.utils")
     counters = getattr(utils, "counters", None) if utils else None
-    for group, names in (("inductor", ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass")),
-                         ("aot_autograd", ("autograd_cache_hit", "autograd_cache_miss", "autograd_cache_bypass"))):
+    for group, names in (
+        ("inductor", ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass")),
+        ("aot_autograd", ("autograd_cache_hit", "autograd_cache_miss", "autograd_cache_bypass")),
+    ):
         for n in names:
             out[n] = int(counters[group][n]) if counters is not None else 0
     return out
@@ -212,8 +223,8 @@ def summary(cfg, root: Path, delta: dict, counters: dict, stats: dict, total_s: 
         "kernel_cache": str(root),
         "cache_dirs": _cache_dirs(root),
         "compile": bool(cfg.get("compile", False)),
-        "first_step_s": first,                                     # since the command started
-        "first_step_itself_s": _since("first_batch", "step1"),     # the first optimizer step (compile included)
+        "first_step_s": first,  # since the command started
+        "first_step_itself_s": _since("first_batch", "step1"),  # the first optimizer step (compile included)
         "ready_s": round(clock["first_batch"] - t0, 2) if "first_batch" in clock else None,
         "second_step_s": _since("step1", "step2"),
         "validation_s": _since("val_start", "val_end"),
@@ -231,25 +242,33 @@ def _print_summary(s: dict[str, Any], label: str) -> None:
 
     c, d, m = s["counters"], s["cache"], s["mamba_autotune"]
     gen = s.get("generation_prompts") or {}
-    lines = [f"canonlm warmup: {label}",
-             f"  kernel cache        {s['kernel_cache']}",
-             f"  first optimizer step {fmt(s['first_step_s'])} after the command started (model and data ready at "
-             f"{fmt(s['ready_s'])}; the step itself {fmt(s['first_step_itself_s'])})",
-             f"  second step {fmt(s['second_step_s'])}; validation (1 batch) {fmt(s['validation_s'])}; "
-             f"test (1 batch) {fmt(s['test_s'])}; total {fmt(s['total_s'])}",
-             "  generation          " + (", ".join(f"{k}: {v} prompts decoded" for k, v in gen.items() if v)
-                                         or "none (the task is scored under teacher forcing)"),
-             f"  triton              {d['triton']['kernels_compiled']} kernels compiled, "
-             f"{d['triton']['autotune_results_new']} new autotune results (fla); {d['triton']['files']} files in "
-             f"{s['cache_dirs']['triton']}",
-             f"  mamba-ssm autotune  {m['benchmarked']} benchmarked ({m['bench_s']:.1f} s), {m['restored']} restored "
-             "from the cache",
-             "  inductor            " + (f"FX graph cache {c['fxgraph_cache_hit']} hits, {c['fxgraph_cache_miss']} "
-                                          f"misses, {c['fxgraph_cache_bypass']} bypassed; AOTAutograd cache "
-                                          f"{c['autograd_cache_hit']} hits, {c['autograd_cache_miss']} misses"
-                                          if s["compile"] else "compile=false (nothing to cache)"),
-             "  new in the cache    " + ", ".join(f"{k} +{v['new']} files ({_mb(v['new_bytes'])})"
-                                                 for k, v in d.items())]
+    lines = [
+        f"canonlm warmup: {label}",
+        f"  kernel cache        {s['kernel_cache']}",
+        f"  first optimizer step {fmt(s['first_step_s'])} after the command started (model and data ready at "
+        f"{fmt(s['ready_s'])}; the step itself {fmt(s['first_step_itself_s'])})",
+        f"  second step {fmt(s['second_step_s'])}; validation (1 batch) {fmt(s['validation_s'])}; "
+        f"test (1 batch) {fmt(s['test_s'])}; total {fmt(s['total_s'])}",
+        "  generation          "
+        + (
+            ", ".join(f"{k}: {v} prompts decoded" for k, v in gen.items() if v)
+            or "none (the task is scored under teacher forcing)"
+        ),
+        f"  triton              {d['triton']['kernels_compiled']} kernels compiled, "
+        f"{d['triton']['autotune_results_new']} new autotune results (fla); {d['triton']['files']} files in "
+        f"{s['cache_dirs']['triton']}",
+        f"  mamba-ssm autotune  {m['benchmarked']} benchmarked ({m['bench_s']:.1f} s), {m['restored']} restored "
+        "from the cache",
+        "  inductor            "
+        + (
+            f"FX graph cache {c['fxgraph_cache_hit']} hits, {c['fxgraph_cache_miss']} "
+            f"misses, {c['fxgraph_cache_bypass']} bypassed; AOTAutograd cache "
+            f"{c['autograd_cache_hit']} hits, {c['autograd_cache_miss']} misses"
+            if s["compile"]
+            else "compile=false (nothing to cache)"
+        ),
+        "  new in the cache    " + ", ".join(f"{k} +{v['new']} files ({_mb(v['new_bytes'])})" for k, v in d.items()),
+    ]
     print("\n".join(lines), flush=True)
 
 
@@ -258,10 +277,12 @@ def _label(cfg) -> str:
     accelerator)."""
     try:
         canon = cfg.get("canon")
-        return (f"arch={cfg.model.get('arch')} canon={(canon.get('set') if canon is not None else None) or 'none'} "
-                f"size={cfg.model.get('size')} task={cfg.task.get('name')} context={cfg.task.get('context')} "
-                f"batch={cfg.data.batch_size} compile={bool(cfg.get('compile', False))} "
-                f"precision={cfg.trainer.get('precision')} accelerator={cfg.trainer.get('accelerator')}")
+        return (
+            f"arch={cfg.model.get('arch')} canon={(canon.get('set') if canon is not None else None) or 'none'} "
+            f"size={cfg.model.get('size')} task={cfg.task.get('name')} context={cfg.task.get('context')} "
+            f"batch={cfg.data.batch_size} compile={bool(cfg.get('compile', False))} "
+            f"precision={cfg.trainer.get('precision')} accelerator={cfg.trainer.get('accelerator')}"
+        )
     except Exception:  # noqa: BLE001 -- a label only
         return ""
 
@@ -296,8 +317,9 @@ def warm(overrides: list[str], json_path: Optional[str] = None) -> int:
             if held:
                 signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         try:
-            root = kernel_cache.configure(cfg.paths.get("kernel_cache"), key="paths.kernel_cache",
-                                          base=cfg.paths.get("root_dir"))
+            root = kernel_cache.configure(
+                cfg.paths.get("kernel_cache"), key="paths.kernel_cache", base=cfg.paths.get("root_dir")
+            )
             warmup_config(cfg, tmp)
         except ConfigError as e:
             return _error(e)
@@ -321,8 +343,9 @@ def warm(overrides: list[str], json_path: Optional[str] = None) -> int:
         delta = _cache_delta(before, {k: _tree(v) for k, v in dirs.items()})
         s = summary(cfg, root, delta, _counters(), kernel_cache._stats, time.perf_counter() - _T0)
         s["overrides"], s["label"] = list(overrides), label
-        s["generation_prompts"] = {split: (results.get(split) or {}).get("generate", {}).get("samples")
-                                   for split in ("val", "test")}
+        s["generation_prompts"] = {
+            split: (results.get(split) or {}).get("generate", {}).get("samples") for split in ("val", "test")
+        }
         _print_summary(s, label)
         if json_path:
             Path(json_path).write_text(json.dumps(s, indent=1))
@@ -364,6 +387,7 @@ def _exit_on_sigterm() -> None:
     import threading
 
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+
         def stop(signum, frame):
             raise SystemExit(143)
 

@@ -14,8 +14,17 @@ Imports only ``canonlm.ops`` (never ``canonlm.train`` / ``canonlm.data``, nor li
 
 from canonlm.arch.cache import DecodeCache
 from canonlm.arch.canon import Canon
-from canonlm.arch.config import (ARCHS, SIZES, CanonConfig, ConfigError, ModelConfig, PosConfig, build_model_config,
-                                 parse_size, validate)
+from canonlm.arch.config import (
+    ARCHS,
+    SIZES,
+    CanonConfig,
+    ConfigError,
+    ModelConfig,
+    PosConfig,
+    build_model_config,
+    parse_size,
+    validate,
+)
 from canonlm.arch.doc_mask import doc_mask_problem
 from canonlm.arch.loss import lm_loss
 from canonlm.arch.mixers import GLA, Attention, GatedDeltaNet, Mamba2Mixer
@@ -24,8 +33,31 @@ from canonlm.arch.modules import MLP, GatedRMSNorm, RMSNorm
 from canonlm.arch.positional import apply_rope, interleaved_to_half_permutation, rope_angles
 
 __all__ = [
-    "ARCHS", "SIZES", "CanonConfig", "ConfigError", "ModelConfig", "PosConfig", "build_model_config", "parse_size",
-    "validate", "Canon", "RMSNorm", "GatedRMSNorm", "MLP", "Attention", "GLA", "GatedDeltaNet", "Mamba2Mixer", "Block",
-    "CanonLM", "LlamaCanon", "DecodeCache", "resolve_backends", "lm_loss",
-    "apply_rope", "rope_angles", "interleaved_to_half_permutation", "doc_mask_problem",
+    "ARCHS",
+    "SIZES",
+    "CanonConfig",
+    "ConfigError",
+    "ModelConfig",
+    "PosConfig",
+    "build_model_config",
+    "parse_size",
+    "validate",
+    "Canon",
+    "RMSNorm",
+    "GatedRMSNorm",
+    "MLP",
+    "Attention",
+    "GLA",
+    "GatedDeltaNet",
+    "Mamba2Mixer",
+    "Block",
+    "CanonLM",
+    "LlamaCanon",
+    "DecodeCache",
+    "resolve_backends",
+    "lm_loss",
+    "apply_rope",
+    "rope_angles",
+    "interleaved_to_half_permutation",
+    "doc_mask_problem",
 ]

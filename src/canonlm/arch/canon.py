@@ -53,8 +53,9 @@ class Canon(nn.Module):
     paper §4): the model-level init may then redraw it (GLA / GDN: normal(0, 0.02)), which it never does for Canon.
     """
 
-    def __init__(self, channels: int, cfg: CanonConfig, backend: str = "auto", cache_key: str = "canon",
-                 native: bool = False):
+    def __init__(
+        self, channels: int, cfg: CanonConfig, backend: str = "auto", cache_key: str = "canon", native: bool = False
+    ):
         super().__init__()
         if channels < 1:
             raise ConfigError("canon.channels", channels, "a positive integer")
@@ -90,27 +91,49 @@ class Canon(nn.Module):
         if x.shape[-1] != self.channels:
             raise ValueError(f"Canon: input has {x.shape[-1]} channels, expected {self.channels}")
         if cache is None:
-            return canon_ops.causal_conv1d(x, self.weight, self.bias, residual=self.residual,
-                                           activation=self.activation, backend=self.backend, docs=docs)
+            return canon_ops.causal_conv1d(
+                x,
+                self.weight,
+                self.bias,
+                residual=self.residual,
+                activation=self.activation,
+                backend=self.backend,
+                docs=docs,
+            )
         if docs is not None:
             raise ValueError("Canon: document masking (docs) is not supported with a decode cache")
         prev = cache.get(self.cache_key)  # (B, C, K) last raw inputs, or None (zero history)
         if prev is not None and x.shape[1] == 1:
             y, cache[self.cache_key] = canon_ops.causal_conv1d_step(
-                x[:, 0], prev, self.weight, self.bias, residual=self.residual, activation=self.activation,
-                backend=self.backend)
+                x[:, 0],
+                prev,
+                self.weight,
+                self.bias,
+                residual=self.residual,
+                activation=self.activation,
+                backend=self.backend,
+            )
             return y.unsqueeze(1)
         init = None if prev is None else prev[:, :, 1:].to(x.dtype)
-        y = canon_ops.causal_conv1d(x, self.weight, self.bias, residual=self.residual, activation=self.activation,
-                                    backend=self.backend, initial_state=init)
+        y = canon_ops.causal_conv1d(
+            x,
+            self.weight,
+            self.bias,
+            residual=self.residual,
+            activation=self.activation,
+            backend=self.backend,
+            initial_state=init,
+        )
         cache[self.cache_key] = canon_ops.causal_conv1d_state(x, self.kernel, init)
         return y
 
     def extra_repr(self) -> str:
-        return (f"{'native, ' if self.native else ''}channels={self.channels}, kernel={self.kernel}, "
-                f"residual={self.residual}, "
-                f"activation={self.activation}, bias={self.bias is not None}, "
-                f"trainable={self.weight.requires_grad}, init={self.init_mode}, backend={self.backend}")
+        return (
+            f"{'native, ' if self.native else ''}channels={self.channels}, kernel={self.kernel}, "
+            f"residual={self.residual}, "
+            f"activation={self.activation}, bias={self.bias is not None}, "
+            f"trainable={self.weight.requires_grad}, init={self.init_mode}, backend={self.backend}"
+        )
 
 
 def _fill_rows(w: torch.Tensor, row: torch.Tensor) -> None:

@@ -43,6 +43,8 @@ def position_encoding(arch: str, pos_type: str) -> str:
     the ``pos`` group) for Llama, ``"none"`` for the linear mixers (GLA, GDN, Mamba2), which take no positions
     whatever the composed ``pos`` group says."""
     return "none" if arch in LINEAR_ARCHS else pos_type
+
+
 INITS = ("hf_normal", "lingua", "linear_0.02_split", "mamba2_default")
 
 
@@ -256,8 +258,9 @@ def parse_size(size: str) -> tuple[int, int, int]:
     return n_layers, d, max(1, d // hd)
 
 
-def default_heads(arch: str, d_model: int, size_heads: int | None, key_dim: int | None = None,
-                  key_head_dim: int | None = None) -> int:
+def default_heads(
+    arch: str, d_model: int, size_heads: int | None, key_dim: int | None = None, key_head_dim: int | None = None
+) -> int:
     """The paper's head count for ``arch`` when ``model.n_heads`` is null (paper App. C): with
     ``key_head_dim`` set (GLA5 / GDN2: 128), ``max(1, round(key_dim / key_head_dim))`` (16 / 24 / 32 heads at
     d = 2048 / 3072 / 4096); else GLA 4; GDN ``max(4, d // 128)`` (4 at d=512, 6 at d=768: d_k = 96 with
@@ -275,27 +278,45 @@ def default_heads(arch: str, d_model: int, size_heads: int | None, key_dim: int 
 
 def _validate_linear(cfg: ModelConfig) -> None:
     d, H = cfg.d_model, cfg.n_heads
-    for key in ("gate_low_rank_dim", "conv_kernel", "chunk_size", "ssm_state", "mamba_expand", "n_groups",
-                "n_layers_factor"):
+    for key in (
+        "gate_low_rank_dim",
+        "conv_kernel",
+        "chunk_size",
+        "ssm_state",
+        "mamba_expand",
+        "n_groups",
+        "n_layers_factor",
+    ):
         _positive_int(f"model.{key}", getattr(cfg, key))
     if cfg.key_head_dim is not None:
         _positive_int("model.key_head_dim", cfg.key_head_dim)
     if not isinstance(cfg.output_gate_rank, int) or isinstance(cfg.output_gate_rank, bool) or cfg.output_gate_rank < 0:
-        raise ConfigError("model.output_gate_rank", cfg.output_gate_rank, "0 (full-rank output gate) or a positive rank")
+        raise ConfigError(
+            "model.output_gate_rank", cfg.output_gate_rank, "0 (full-rank output gate) or a positive rank"
+        )
     _positive_float("model.gate_logit_normalizer", cfg.gate_logit_normalizer)
     _choice("model.no_conv_act", cfg.no_conv_act, ("silu", "none"))
     if cfg.arch == "mamba2":
         if (cfg.mamba_expand * d) % H:
-            raise ConfigError("model.n_heads", H, f"a divisor of d_inner = mamba_expand * d_model = {cfg.mamba_expand * d}"
-                              " (Mamba2 head_dim = d_inner / n_heads)")
+            raise ConfigError(
+                "model.n_heads",
+                H,
+                f"a divisor of d_inner = mamba_expand * d_model = {cfg.mamba_expand * d}"
+                " (Mamba2 head_dim = d_inner / n_heads)",
+            )
         if H % cfg.n_groups:
-            raise ConfigError("model.n_groups", cfg.n_groups, f"a divisor of model.n_heads={H} (heads share B/C per group)")
+            raise ConfigError(
+                "model.n_groups", cfg.n_groups, f"a divisor of model.n_heads={H} (heads share B/C per group)"
+            )
         return
     for key, width in (("expand_k", cfg.key_dim), ("expand_v", cfg.value_dim)):
         _positive_float(f"model.{key}", getattr(cfg, key))
         if abs(getattr(cfg, key) * d - width) > 1e-6 or width < H or width % H:
-            raise ConfigError(f"model.{key}", getattr(cfg, key),
-                              f"a factor making {key} * d_model (d_model={d}) an integer divisible by n_heads={H}")
+            raise ConfigError(
+                f"model.{key}",
+                getattr(cfg, key),
+                f"a factor making {key} * d_model (d_model={d}) an integer divisible by n_heads={H}",
+            )
 
 
 def validate(cfg: ModelConfig) -> ModelConfig:
@@ -305,8 +326,9 @@ def validate(cfg: ModelConfig) -> ModelConfig:
         _positive_int(f"model.{key}", getattr(cfg, key))
     linear = cfg.arch in LINEAR_ARCHS
     if not linear and cfg.d_model % cfg.n_heads:
-        raise ConfigError("model.n_heads", cfg.n_heads,
-                          f"a divisor of model.d_model={cfg.d_model} (head_dim = d_model / n_heads)")
+        raise ConfigError(
+            "model.n_heads", cfg.n_heads, f"a divisor of model.d_model={cfg.d_model} (head_dim = d_model / n_heads)"
+        )
     if cfg.n_kv_heads is not None:
         _positive_int("model.n_kv_heads", cfg.n_kv_heads)
         if linear:
@@ -337,14 +359,27 @@ def validate(cfg: ModelConfig) -> ModelConfig:
     bad = sorted(set(c.set) - set(letters))
     if bad:
         if linear:
-            raise ConfigError("canon.set", c.set, f"a string of letters from {letters!r} for arch={cfg.arch} (e.g. "
-                              "'AbCD' = the paper's default, 'b' = the original model, '' = no conv at all)")
-        raise ConfigError("canon.set", c.set, f"a string of letters from {CANON_LETTERS!r} (e.g. 'ABCD', 'AC', '')"
-                          + (" — lowercase 'b' is the native conv of linear models (GLA/GDN/Mamba2), not Llama"
-                             if "b" in bad else ""))
+            raise ConfigError(
+                "canon.set",
+                c.set,
+                f"a string of letters from {letters!r} for arch={cfg.arch} (e.g. "
+                "'AbCD' = the paper's default, 'b' = the original model, '' = no conv at all)",
+            )
+        raise ConfigError(
+            "canon.set",
+            c.set,
+            f"a string of letters from {CANON_LETTERS!r} (e.g. 'ABCD', 'AC', '')"
+            + (
+                " — lowercase 'b' is the native conv of linear models (GLA/GDN/Mamba2), not Llama" if "b" in bad else ""
+            ),
+        )
     if not cfg.has_mlp and (c.has("C") or c.has("D")):
-        raise ConfigError("canon.set", c.set, f"letters from 'AbB' for arch={cfg.arch} without an MLP (model.mlp=none"
-                          " has no Canon-C / Canon-D sites; arch=mamba2 has the MLP for Canon-AbCD)")
+        raise ConfigError(
+            "canon.set",
+            c.set,
+            f"letters from 'AbB' for arch={cfg.arch} without an MLP (model.mlp=none"
+            " has no Canon-C / Canon-D sites; arch=mamba2 has the MLP for Canon-AbCD)",
+        )
     _positive_int("canon.kernel", c.kernel)
     _choice("canon.init", c.init, ("default", "identity", "fixed"))
     for key in ("residual", "activation", "bias", "trainable"):
@@ -358,14 +393,23 @@ def validate(cfg: ModelConfig) -> ModelConfig:
         return cfg  # linear mixers have no positional encoding: `pos` does not apply
     if p.type == "partial_rope":
         if isinstance(p.fraction, bool) or not isinstance(p.fraction, (int, float)) or not 0.0 < p.fraction <= 1.0:
-            raise ConfigError("pos.fraction", p.fraction, "a fraction of head dims in (0, 1] (paper's reduced RoPE: 0.25)")
+            raise ConfigError(
+                "pos.fraction", p.fraction, "a fraction of head dims in (0, 1] (paper's reduced RoPE: 0.25)"
+            )
         r = cfg.rope_dim
         if r < 2 or r % 2:
-            raise ConfigError("pos.fraction", p.fraction,
-                              f"a fraction whose rotated width round(fraction*head_dim={cfg.head_dim}) is even and >= 2 (got {r})")
+            raise ConfigError(
+                "pos.fraction",
+                p.fraction,
+                f"a fraction whose rotated width round(fraction*head_dim={cfg.head_dim}) is even and >= 2 (got {r})",
+            )
     elif p.type == "rope" and cfg.head_dim % 2:
-        raise ConfigError("model.n_heads", cfg.n_heads, f"a head count giving an even head_dim for RoPE "
-                          f"(d_model={cfg.d_model} / n_heads = {cfg.head_dim}), or pos=nope")
+        raise ConfigError(
+            "model.n_heads",
+            cfg.n_heads,
+            f"a head count giving an even head_dim for RoPE "
+            f"(d_model={cfg.d_model} / n_heads = {cfg.head_dim}), or pos=nope",
+        )
     return cfg
 
 
@@ -383,13 +427,21 @@ def canon_set(value: Any) -> str:
         raise ConfigError("canon.set", value, "a string of Canon letters, e.g. 'ABCD', 'AC', '' (none)")
     repeated = sorted({c for c in s if s.count(c) > (2 if c == "b" else 1)})
     if repeated:
-        raise ConfigError("canon.set", value, "each letter at most once (the release's 'AbbCD' / 'bb' may double "
-                          f"the b), e.g. {''.join(dict.fromkeys(s))!r}; repeated: {', '.join(repeated)}")
+        raise ConfigError(
+            "canon.set",
+            value,
+            "each letter at most once (the release's 'AbbCD' / 'bb' may double "
+            f"the b), e.g. {''.join(dict.fromkeys(s))!r}; repeated: {', '.join(repeated)}",
+        )
     return "".join(dict.fromkeys(s))
 
 
-def build_model_config(model: Mapping[str, Any], canon: Mapping[str, Any] | None = None,
-                       pos: Mapping[str, Any] | None = None, **overrides: Any) -> ModelConfig:
+def build_model_config(
+    model: Mapping[str, Any],
+    canon: Mapping[str, Any] | None = None,
+    pos: Mapping[str, Any] | None = None,
+    **overrides: Any,
+) -> ModelConfig:
     """Build and validate a :class:`ModelConfig` from plain mappings (e.g. Hydra nodes converted to dicts).
 
     ``model`` may hold ``size`` (``"12L768D"``); explicit ``n_layers`` / ``d_model`` / ``n_heads`` win over it.
@@ -408,18 +460,28 @@ def build_model_config(model: Mapping[str, Any], canon: Mapping[str, Any] | None
         for k, v in (("n_layers", n_layers * factor), ("d_model", d_model)):
             if model.get(k) is None:
                 model[k] = v
-    if model.get("n_heads") is None and isinstance(model.get("d_model"), int) \
-            and (size_heads is not None or arch in LINEAR_ARCHS):
+    if (
+        model.get("n_heads") is None
+        and isinstance(model.get("d_model"), int)
+        and (size_heads is not None or arch in LINEAR_ARCHS)
+    ):
         kd, khd = model.get("expand_k", ModelConfig.expand_k), model.get("key_head_dim")
         valid = isinstance(kd, (int, float)) and isinstance(khd, int) and not isinstance(khd, bool) and khd > 0
         # an invalid expand_k / key_head_dim falls back to the arch's rule here and is reported by validate()
-        model["n_heads"] = default_heads(arch, model["d_model"], size_heads,
-                                         int(round(kd * model["d_model"])) if valid else None, khd if valid else None)
+        model["n_heads"] = default_heads(
+            arch,
+            model["d_model"],
+            size_heads,
+            int(round(kd * model["d_model"])) if valid else None,
+            khd if valid else None,
+        )
     known = {f.name for f in dataclasses.fields(ModelConfig)} - {"canon", "pos"}
     for k in list(model):
         if k not in known:
             raise ConfigError(f"model.{k}", model[k], "one of " + ", ".join(sorted(known | {"size"})))
-    model = {k: v for k, v in model.items() if v is not None or k in ("n_kv_heads", "d_ff", "ffn_ratio", "key_head_dim")}
+    model = {
+        k: v for k, v in model.items() if v is not None or k in ("n_kv_heads", "d_ff", "ffn_ratio", "key_head_dim")
+    }
     model["kernels"] = dict(model.get("kernels") or {})
 
     def sub(cls, node, prefix):

@@ -61,18 +61,34 @@ class DocMask(varlen.Documents):
 def check_doc_ids(doc_ids: torch.Tensor, lead: torch.Tensor) -> None:
     """ValueError unless ``doc_ids`` is an integer (B, T) tensor on ``lead``'s device with ``lead``'s first two
     sizes (``lead``: the (B, T) input ids or (B, T, d) embeddings)."""
-    ok = (isinstance(doc_ids, torch.Tensor) and doc_ids.dim() == 2 and tuple(doc_ids.shape) == tuple(lead.shape[:2])
-          and not doc_ids.is_floating_point() and not doc_ids.is_complex() and doc_ids.dtype != torch.bool
-          and doc_ids.device == lead.device)
+    ok = (
+        isinstance(doc_ids, torch.Tensor)
+        and doc_ids.dim() == 2
+        and tuple(doc_ids.shape) == tuple(lead.shape[:2])
+        and not doc_ids.is_floating_point()
+        and not doc_ids.is_complex()
+        and doc_ids.dtype != torch.bool
+        and doc_ids.device == lead.device
+    )
     if not ok:
-        got = (f"{tuple(doc_ids.shape)} {doc_ids.dtype} on {doc_ids.device}" if isinstance(doc_ids, torch.Tensor)
-               else type(doc_ids).__name__)
-        raise ValueError(f"doc_ids: {got}; allowed: an integer tensor (B, T) = {tuple(lead.shape[:2])} on "
-                         f"{lead.device}, the index of each token's document within its row")
+        got = (
+            f"{tuple(doc_ids.shape)} {doc_ids.dtype} on {doc_ids.device}"
+            if isinstance(doc_ids, torch.Tensor)
+            else type(doc_ids).__name__
+        )
+        raise ValueError(
+            f"doc_ids: {got}; allowed: an integer tensor (B, T) = {tuple(lead.shape[:2])} on "
+            f"{lead.device}, the index of each token's document within its row"
+        )
 
 
-def build_doc_mask(doc_ids: torch.Tensor, arch: str, attention_backend: str | None = None,
-                   cu_seqlens: bool = False, dtype: torch.dtype | None = None) -> DocMask:
+def build_doc_mask(
+    doc_ids: torch.Tensor,
+    arch: str,
+    attention_backend: str | None = None,
+    cu_seqlens: bool = False,
+    dtype: torch.dtype | None = None,
+) -> DocMask:
     """The :class:`DocMask` of ``doc_ids`` (B, T) for a model of ``arch``: ``pos`` and ``seq_idx`` always; the
     additive block mask in ``dtype`` (the dtype attention's q has: the autocast dtype, else the parameters') for Llama
     unless its attention backend is ``flash``; ``cu_seqlens`` (one device-host sync) for GLA / GDN, for ``flash``, and
@@ -85,5 +101,11 @@ def build_doc_mask(doc_ids: torch.Tensor, arch: str, attention_backend: str | No
     mask = None
     if arch == "llama" and attention_backend != "flash":
         mask = varlen.block_causal_bias(d.seq_idx, torch.float32 if dtype is None else dtype)
-    return DocMask(pos=d.pos, seq_idx=d.seq_idx, cu_seqlens=d.cu_seqlens, cu_seqlens_cpu=d.cu_seqlens_cpu,
-                   max_seqlen=d.max_seqlen, attn_mask=mask)
+    return DocMask(
+        pos=d.pos,
+        seq_idx=d.seq_idx,
+        cu_seqlens=d.cu_seqlens,
+        cu_seqlens_cpu=d.cu_seqlens_cpu,
+        max_seqlen=d.max_seqlen,
+        attn_mask=mask,
+    )

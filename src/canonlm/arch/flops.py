@@ -53,8 +53,19 @@ from canonlm.arch.config import ModelConfig
 CONVENTIONS = ("dense", "causal", "reference")
 
 #: Keys of the dict returned by :func:`flops_per_token` (all present for every architecture; 0.0 where absent).
-COMPONENTS = ("embedding", "lm_head", "mixer_proj", "attention", "scan_intra", "scan_state", "scan_solve", "canon",
-              "short_conv", "mlp")
+COMPONENTS = (
+    "embedding",
+    "lm_head",
+    "mixer_proj",
+    "attention",
+    "scan_intra",
+    "scan_state",
+    "scan_solve",
+    "canon",
+    "short_conv",
+    "mlp",
+)
+
 
 def mfu(tokens_per_s: float, flops_per_token_train: float, peak_flops: float, world_size: int = 1) -> float:
     """Model FLOPs utilisation: ``tokens_per_s · flops_per_token_train / (peak_flops · world_size)``.
@@ -129,8 +140,9 @@ def _ssd_scan(T: int, C: int, H: int, P: int, N: int, G: int, convention: str) -
     return float(intra), float(state)
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int, *, training: bool = True, chunk_size: int | None = None,
-                    convention: str = "dense") -> dict[str, float]:
+def flops_per_token(
+    cfg: ModelConfig, seq_len: int, *, training: bool = True, chunk_size: int | None = None, convention: str = "dense"
+) -> dict[str, float]:
     """FLOPs per token of :class:`~canonlm.arch.model.CanonLM` built from ``cfg``, by component.
 
     Args:
@@ -176,41 +188,41 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, *, training: bool = True, ch
     if cfg.arch == "llama":
         H, Hkv, dh = cfg.n_heads, cfg.kv_heads, cfg.head_dim
         qkv = (H + 2 * Hkv) * dh
-        mixer = 2 * d * qkv + 2 * H * dh * d                             # wqkv, wo
-        keys = (T + 1) / 2 if convention == "causal" else T              # keys per query, averaged over positions
-        attn = 4 * H * dh * keys                                         # q kᵀ and (softmax) v, per query head
+        mixer = 2 * d * qkv + 2 * H * dh * d  # wqkv, wo
+        keys = (T + 1) / 2 if convention == "causal" else T  # keys per query, averaged over positions
+        attn = 4 * H * dh * keys  # q kᵀ and (softmax) v, per query head
         if cv.has("B"):
             canon += 2 * Kc * qkv
     elif cfg.arch in ("gla", "gdn"):
         H, Kd, Vd, dk, dv = cfg.n_heads, cfg.key_dim, cfg.value_dim, cfg.head_k_dim, cfg.head_v_dim
-        mixer = 2 * d * (2 * Kd + Vd) + 2 * Vd * d                       # q, k, v, o_proj
+        mixer = 2 * d * (2 * Kd + Vd) + 2 * Vd * d  # q, k, v, o_proj
         r = cfg.output_gate_rank
-        mixer += 2 * d * Vd if r == 0 else 2 * (d * r + r * Vd)         # g_proj (full or low rank)
+        mixer += 2 * d * Vd if r == 0 else 2 * (d * r + r * Vd)  # g_proj (full or low rank)
         if cfg.arch == "gla":
             rg = cfg.gate_low_rank_dim
-            mixer += 2 * (d * rg + rg * Kd)                              # gk_proj (low-rank forget gate)
+            mixer += 2 * (d * rg + rg * Kd)  # gk_proj (low-rank forget gate)
             intra, state = _gla_scan(T, C, H, dk, dv, convention)
         else:
-            mixer += 2 * 2 * d * H                                       # a_proj, b_proj
+            mixer += 2 * 2 * d * H  # a_proj, b_proj
             intra, state, solve = _gdn_scan(T, C, H, dk, dv, convention)
         if cv.has("B"):
             canon += 2 * Kc * (2 * Kd + Vd)
         if cv.has("b"):
-            short = 2 * cfg.conv_kernel * (2 * Kd + Vd)                  # conv_q, conv_k, conv_v
+            short = 2 * cfg.conv_kernel * (2 * Kd + Vd)  # conv_q, conv_k, conv_v
     else:  # mamba2
         H, G, N = cfg.n_heads, cfg.n_groups, cfg.ssm_state
         di = cfg.mamba_expand * d
         proj = 2 * di + 2 * G * N + H
-        mixer = 2 * d * proj + 2 * di * d                                # in_proj, out_proj
+        mixer = 2 * d * proj + 2 * di * d  # in_proj, out_proj
         intra, state = _ssd_scan(T, C, H, di // H, N, G, convention)
         if cv.has("B"):
             canon += 2 * Kc * proj
         if cv.has("b"):
-            short = 2 * cfg.conv_kernel * (di + 2 * G * N)               # conv1d over xBC
+            short = 2 * cfg.conv_kernel * (di + 2 * G * N)  # conv1d over xBC
     if cfg.has_mlp:
         F_ = cfg.ffn_dim
         up = 2 * F_ if cfg.mlp == "gated" else F_
-        mlp = 2 * d * up + 2 * F_ * d                                    # w13 (or w1), w2
+        mlp = 2 * d * up + 2 * F_ * d  # w13 (or w1), w2
         if cv.has("C"):
             canon += 2 * Kc * d
         if cv.has("D"):

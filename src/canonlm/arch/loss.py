@@ -10,8 +10,14 @@ from canonlm.arch.config import ConfigError
 Z_LOSSES = ("none", "lingua", "palm")
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None, *, z_loss: str = "none",
-            z_coef: float = 1e-4) -> dict[str, torch.Tensor]:
+def lm_loss(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    mask: torch.Tensor | None,
+    *,
+    z_loss: str = "none",
+    z_coef: float = 1e-4,
+) -> dict[str, torch.Tensor]:
     """Token-summed cross entropy over the masked tokens, computed in float32.
 
     Args:
@@ -30,8 +36,9 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | No
     if z_loss not in Z_LOSSES:
         raise ConfigError("loss.z_loss", z_loss, " | ".join(Z_LOSSES))
     if logits.dim() != 3 or targets.shape != logits.shape[:2]:
-        raise ValueError(f"lm_loss: logits {tuple(logits.shape)} / targets {tuple(targets.shape)}; expected "
-                         "(B, T, V) and (B, T)")
+        raise ValueError(
+            f"lm_loss: logits {tuple(logits.shape)} / targets {tuple(targets.shape)}; expected (B, T, V) and (B, T)"
+        )
     if mask is not None and (mask.shape != targets.shape or mask.dtype != torch.bool):
         raise ValueError(f"lm_loss: mask {tuple(mask.shape)} {mask.dtype}; expected bool {tuple(targets.shape)}")
     V = logits.shape[-1]

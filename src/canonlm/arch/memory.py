@@ -140,10 +140,13 @@ class DocMasking:
         by the 24 layers 192.0 MiB, index tensors 288.0 KiB; batch doc_ids 96.0 KiB"``."""
         b, t = self.micro_batch, self.context
         if self.mask:
-            backend = (self.attention if self.attention in ("sdpa", "reference")
-                       else f"sdpa (requested: {self.attention})")
-            what = (f"attention {backend}: one ({b}, 1, {t}, {t}) mask of {self.dtype_bytes}-byte elements shared by "
-                    f"the {self.layers} layers {human_bytes(self.mask)}")
+            backend = (
+                self.attention if self.attention in ("sdpa", "reference") else f"sdpa (requested: {self.attention})"
+            )
+            what = (
+                f"attention {backend}: one ({b}, 1, {t}, {t}) mask of {self.dtype_bytes}-byte elements shared by "
+                f"the {self.layers} layers {human_bytes(self.mask)}"
+            )
         elif self.attention == "flash":
             what = "attention flash: varlen kernel on cu_seqlens, no mask"
         else:
@@ -172,8 +175,7 @@ class TrainingMemory:
         """The step's bound: parameters, optimizer state, batch data, FSDP2's gathered units and DDP's buckets, plus
         the larger of the gradients and the activations -- or their sum under gradient accumulation (module
         docstring, "peak")."""
-        grads_acts = (self.gradients + self.activations if self.accumulate
-                      else max(self.gradients, self.activations))
+        grads_acts = self.gradients + self.activations if self.accumulate else max(self.gradients, self.activations)
         return self.parameters + self.optimizer + grads_acts + self.batch + self.gathered + self.buckets
 
     @property
@@ -191,12 +193,18 @@ class TrainingMemory:
     def describe(self) -> str:
         """``"parameters 1.2 MiB, gradients ..., AdamW state ..., activations ..., batch data ..."`` (binary units)."""
         extra = (f", FSDP2 all-gathered parameters {human_bytes(self.gathered)}" if self.gathered else "") + (
-            f", DDP gradient buckets {human_bytes(self.buckets)}" if self.buckets else "")
-        masked = (f" (document masking {human_bytes(self.doc_masking.activations)} of them)"
-                  if self.doc_masking is not None else "")
-        return (f"parameters {human_bytes(self.parameters)}, gradients {human_bytes(self.gradients)}, optimizer "
-                f"state {human_bytes(self.optimizer)}, activations {human_bytes(self.activations)}{masked}, batch "
-                f"data {human_bytes(self.batch)}{extra}")
+            f", DDP gradient buckets {human_bytes(self.buckets)}" if self.buckets else ""
+        )
+        masked = (
+            f" (document masking {human_bytes(self.doc_masking.activations)} of them)"
+            if self.doc_masking is not None
+            else ""
+        )
+        return (
+            f"parameters {human_bytes(self.parameters)}, gradients {human_bytes(self.gradients)}, optimizer "
+            f"state {human_bytes(self.optimizer)}, activations {human_bytes(self.activations)}{masked}, batch "
+            f"data {human_bytes(self.batch)}{extra}"
+        )
 
 
 def human_bytes(n: float) -> str:
@@ -257,8 +265,14 @@ def attention_request(cfg: ModelConfig) -> str:
     return str(cfg.kernels.get("attention", cfg.ops))
 
 
-def doc_masking(cfg: ModelConfig, micro_batch: int, context: int, compute_bytes: int,
-                attention: str | None = None, activation_checkpointing: bool = False) -> DocMasking:
+def doc_masking(
+    cfg: ModelConfig,
+    micro_batch: int,
+    context: int,
+    compute_bytes: int,
+    attention: str | None = None,
+    activation_checkpointing: bool = False,
+) -> DocMasking:
     """What document masking costs one micro-batch of ``micro_batch`` windows (B) of ``context`` tokens (T) of the
     model ``cfg`` (module docstring, "document masking"; bytes per process). ``compute_bytes``: the compute dtype's
     element size (the mask's). ``attention``: the Llama attention request (default :func:`attention_request`):
@@ -284,8 +298,17 @@ def doc_masking(cfg: ModelConfig, micro_batch: int, context: int, compute_bytes:
             layers = 1 if activation_checkpointing else cfg.n_layers
             kv = B * T * layers * 2 * (cfg.n_heads - cfg.kv_heads) * cfg.head_dim * int(compute_bytes)
     index = B * T * DOC_INDEX_BYTES_PER_TOKEN + ((B + 1) * 8 if cu else 0)
-    return DocMasking(micro_batch=B, context=T, attention=attn, dtype_bytes=int(compute_bytes), layers=cfg.n_layers,
-                      mask=mask, kv_repeat=kv, index=index, batch=B * T * DOC_IDS_BYTES_PER_TOKEN)
+    return DocMasking(
+        micro_batch=B,
+        context=T,
+        attention=attn,
+        dtype_bytes=int(compute_bytes),
+        layers=cfg.n_layers,
+        mask=mask,
+        kv_repeat=kv,
+        index=index,
+        batch=B * T * DOC_IDS_BYTES_PER_TOKEN,
+    )
 
 
 def count_parameters(cfg: ModelConfig) -> int:
@@ -311,11 +334,23 @@ def unit_parameters(cfg: ModelConfig) -> tuple[int, int]:
     return model.num_params() - sum(p.numel() for p in model.blocks.parameters()), block
 
 
-def training_memory(cfg: ModelConfig, micro_batch: int, context: int, *, precision: str | int = "32-true",
-                    fsdp_param_dtype: str | None = None, shards: int = 1, activation_checkpointing: bool = False,
-                    optimizer_states: int = 2, n_params: int | None = None, ddp_buckets: bool = False,
-                    units: tuple[int, int] | None = None, accumulate: int = 1, doc_mask: bool = False,
-                    attention: str | None = None) -> TrainingMemory:
+def training_memory(
+    cfg: ModelConfig,
+    micro_batch: int,
+    context: int,
+    *,
+    precision: str | int = "32-true",
+    fsdp_param_dtype: str | None = None,
+    shards: int = 1,
+    activation_checkpointing: bool = False,
+    optimizer_states: int = 2,
+    n_params: int | None = None,
+    ddp_buckets: bool = False,
+    units: tuple[int, int] | None = None,
+    accumulate: int = 1,
+    doc_mask: bool = False,
+    attention: str | None = None,
+) -> TrainingMemory:
     """Bytes per process of one training step of the model ``cfg`` on ``micro_batch`` windows of ``context`` tokens
     (a lower bound; module docstring for what is counted and why).
 
@@ -343,23 +378,39 @@ def training_memory(cfg: ModelConfig, micro_batch: int, context: int, *, precisi
     per_token = blocks * stream * r_bytes + compute * c_bytes if activation_checkpointing else blocks * block
     per_token += cfg.d_model * r_bytes + LOSS_BYTES * cfg.vocab_size  # final norm input, fp32 log-softmax
     tokens = int(micro_batch) * int(context)
-    masking = (doc_masking(cfg, micro_batch, context, c_bytes, attention, activation_checkpointing) if doc_mask
-               else None)
+    masking = doc_masking(cfg, micro_batch, context, c_bytes, attention, activation_checkpointing) if doc_mask else None
     gathered = 0
     if fsdp_param_dtype is not None and n > 0:
         root, block_params = unit_parameters(cfg) if units is None else units
         gathered = (int(root) + int(block_params)) * c_bytes
-    return TrainingMemory(parameters=state, gradients=state, optimizer=optimizer_states * state,
-                          activations=tokens * per_token + (masking.activations if masking else 0),
-                          batch=tokens * BATCH_BYTES_PER_TOKEN + (masking.batch if masking else 0),
-                          gathered=gathered, buckets=n * p_bytes if ddp_buckets else 0,
-                          accumulate=int(accumulate) > 1, doc_masking=masking)
+    return TrainingMemory(
+        parameters=state,
+        gradients=state,
+        optimizer=optimizer_states * state,
+        activations=tokens * per_token + (masking.activations if masking else 0),
+        batch=tokens * BATCH_BYTES_PER_TOKEN + (masking.batch if masking else 0),
+        gathered=gathered,
+        buckets=n * p_bytes if ddp_buckets else 0,
+        accumulate=int(accumulate) > 1,
+        doc_masking=masking,
+    )
 
 
-def strategy_memory(cfg: ModelConfig, micro_batch: int, context: int, *, strategy: str, world_size: int,
-                    precision: str | int = "32-true", param_dtype: str | None = None, accumulate: int = 1,
-                    activation_checkpointing: bool = False, amsgrad: bool = False,
-                    n_params: int | None = None, doc_mask: bool = False) -> TrainingMemory:
+def strategy_memory(
+    cfg: ModelConfig,
+    micro_batch: int,
+    context: int,
+    *,
+    strategy: str,
+    world_size: int,
+    precision: str | int = "32-true",
+    param_dtype: str | None = None,
+    accumulate: int = 1,
+    activation_checkpointing: bool = False,
+    amsgrad: bool = False,
+    n_params: int | None = None,
+    doc_mask: bool = False,
+) -> TrainingMemory:
     """:func:`training_memory` for a run's settings as the config names them: ``strategy`` (``strategy.name``:
     ``fsdp2`` shards parameters, gradients and optimizer state over ``world_size`` and counts its all-gathered units
     in ``param_dtype``; ``ddp`` / ``ddp_spawn`` / ``auto`` replicate them, with DDP's gradient buckets when
@@ -369,15 +420,39 @@ def strategy_memory(cfg: ModelConfig, micro_batch: int, context: int, *, strateg
     ``train.py``'s memory refusal and ``python -m canonlm.estimate``. Raises ValueError as :func:`training_memory`."""
     fsdp = strategy == "fsdp2"
     n = count_parameters(cfg) if n_params is None else int(n_params)
-    return training_memory(cfg, micro_batch, context, precision=precision,
-                           fsdp_param_dtype=(param_dtype or "fp32") if fsdp else None,
-                           shards=max(1, world_size) if fsdp else 1, activation_checkpointing=activation_checkpointing,
-                           optimizer_states=3 if amsgrad else 2, n_params=n, ddp_buckets=not fsdp and world_size > 1,
-                           units=unit_parameters(cfg) if fsdp and n > 0 else None, accumulate=accumulate,
-                           doc_mask=doc_mask)
+    return training_memory(
+        cfg,
+        micro_batch,
+        context,
+        precision=precision,
+        fsdp_param_dtype=(param_dtype or "fp32") if fsdp else None,
+        shards=max(1, world_size) if fsdp else 1,
+        activation_checkpointing=activation_checkpointing,
+        optimizer_states=3 if amsgrad else 2,
+        n_params=n,
+        ddp_buckets=not fsdp and world_size > 1,
+        units=unit_parameters(cfg) if fsdp and n > 0 else None,
+        accumulate=accumulate,
+        doc_mask=doc_mask,
+    )
 
 
-__all__ = ["BATCH_BYTES_PER_TOKEN", "DOC_IDS_BYTES_PER_TOKEN", "DOC_INDEX_BYTES_PER_TOKEN", "LOSS_BYTES",
-           "MASKED_ATTENTION", "DocMasking", "TrainingMemory", "attention_request", "block_activations",
-           "count_parameters", "doc_masking", "dtype_bytes", "human_bytes", "stream_bytes", "strategy_memory",
-           "training_memory", "unit_parameters"]
+__all__ = [
+    "BATCH_BYTES_PER_TOKEN",
+    "DOC_IDS_BYTES_PER_TOKEN",
+    "DOC_INDEX_BYTES_PER_TOKEN",
+    "LOSS_BYTES",
+    "MASKED_ATTENTION",
+    "DocMasking",
+    "TrainingMemory",
+    "attention_request",
+    "block_activations",
+    "count_parameters",
+    "doc_masking",
+    "dtype_bytes",
+    "human_bytes",
+    "stream_bytes",
+    "strategy_memory",
+    "training_memory",
+    "unit_parameters",
+]

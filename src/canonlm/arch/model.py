@@ -93,8 +93,9 @@ def check_requests(cfg: ModelConfig) -> dict[str, str]:
     return out
 
 
-def _resolve_op(cfg: ModelConfig, op: str, device: torch.device, dtype: torch.dtype,
-                canon_shape: tuple[int, int] | None = None) -> str:
+def _resolve_op(
+    cfg: ModelConfig, op: str, device: torch.device, dtype: torch.dtype, canon_shape: tuple[int, int] | None = None
+) -> str:
     """Concrete backend of one op on (device, dtype) (see :func:`resolve_backends`); for Canon, of a layer of
     ``canon_shape`` = (C, K) when given (see :func:`resolve_canon_layers`). Raises ConfigError."""
     name, key = _request(cfg, op)
@@ -109,15 +110,23 @@ def _resolve_op(cfg: ModelConfig, op: str, device: torch.device, dtype: torch.dt
                 return canon_ops.resolve_backend(name, device, dtype, C, K)
             got = canon_ops.resolve_backend("auto", device, dtype, C, K)
             if got in ("torch", "reference"):
-                raise ConfigError(key, name, f"auto | reference (no fused Canon kernel for {device.type}/"
-                                             f"{dtype}: {canon_ops.available_backends(device, dtype, C, K)})")
+                raise ConfigError(
+                    key,
+                    name,
+                    f"auto | reference (no fused Canon kernel for {device.type}/"
+                    f"{dtype}: {canon_ops.available_backends(device, dtype, C, K)})",
+                )
             return got
         mod = _LINEAR_OPS[op]
         got = mod.resolve_backend("auto" if name == "fused" else name, device, dtype)
         if name == "fused" and got == "reference":
             fast = [b for b in mod.BACKENDS if b not in ("auto", "reference")]
-            raise ConfigError(key, name, f"auto | reference (no fused {op} kernel for {device.type}/{dtype}: "
-                                         f"{' / '.join(fast)} need a CUDA device and the library)")
+            raise ConfigError(
+                key,
+                name,
+                f"auto | reference (no fused {op} kernel for {device.type}/{dtype}: "
+                f"{' / '.join(fast)} need a CUDA device and the library)",
+            )
         reason = _fast_shape_reason(cfg, op, got)
         if reason is not None:
             if name != "auto":
@@ -126,8 +135,16 @@ def _resolve_op(cfg: ModelConfig, op: str, device: torch.device, dtype: torch.dt
             got = "reference"
         if op == "ssd" and got == "mamba_ssm":  # the fully fused conv + scan: a pin must be able to fuse, auto warns
             di = cfg.mamba_expand * cfg.d_model
-            ssd_ops.check_fused_split(name, device, dtype, cfg.conv_kernel, d_inner=di,
-                                      conv_dim=di + 2 * cfg.n_groups * cfg.ssm_state, nheads=cfg.n_heads, key=key)
+            ssd_ops.check_fused_split(
+                name,
+                device,
+                dtype,
+                cfg.conv_kernel,
+                d_inner=di,
+                conv_dim=di + 2 * cfg.n_groups * cfg.ssm_state,
+                nheads=cfg.n_heads,
+                key=key,
+            )
         return got
     except ConfigError as e:
         raise ConfigError(key, name, e.allowed) from None
@@ -161,8 +178,9 @@ def resolve_backends(cfg: ModelConfig, device: torch.device | str, dtype: torch.
     return {op: _resolve_op(cfg, op, device, dtype) for op in _ops_of(cfg)}
 
 
-def resolve_canon_layers(cfg: ModelConfig, shapes: dict[str, tuple[int, int]], device: torch.device | str,
-                         dtype: torch.dtype) -> dict[str, str]:
+def resolve_canon_layers(
+    cfg: ModelConfig, shapes: dict[str, tuple[int, int]], device: torch.device | str, dtype: torch.dtype
+) -> dict[str, str]:
     """Concrete backend of every Canon layer (Canon-A/B/C/D and the linear mixers' short convs ``b``) on ``device``
     with compute ``dtype``, by its shape: ``shapes`` maps a layer's module name to ``(C, K)`` (channels, taps).
 
@@ -193,9 +211,15 @@ _FAST = {"gla": "fla", "gdn": "fla", "ssd": "mamba_ssm"}
 _said: set = set()
 
 
-def placement_notes(cfg: ModelConfig, backends: dict[str, str], canon_layers: dict[str, str],
-                    canon_shapes: dict[str, tuple[int, int]], device: torch.device, dtype: torch.dtype,
-                    compile_friendly: bool = False) -> tuple[dict[str, str], dict[str, str]]:
+def placement_notes(
+    cfg: ModelConfig,
+    backends: dict[str, str],
+    canon_layers: dict[str, str],
+    canon_shapes: dict[str, tuple[int, int]],
+    device: torch.device,
+    dtype: torch.dtype,
+    compile_friendly: bool = False,
+) -> tuple[dict[str, str], dict[str, str]]:
     """``(fallbacks, notes)`` of a placement (:meth:`CanonLM.place`), each ``{op: one sentence}``.
 
     ``fallbacks``: on a CUDA device, every op whose ``auto`` request resolved to a pure-PyTorch path, with the reason
@@ -217,31 +241,48 @@ def placement_notes(cfg: ModelConfig, backends: dict[str, str], canon_layers: di
         elif slow:
             C, K = canon_shapes[slow[0]]
             why = canon_ops.available_backends(device, dtype, C, K)
-            fallbacks["canon"] = (f"{len(slow)} Canon layer(s) on the torch path ({slow[0]}: C={C}, K={K}): dao "
-                                  f"{why['dao']}; fla {why['fla']}")
+            fallbacks["canon"] = (
+                f"{len(slow)} Canon layer(s) on the torch path ({slow[0]}: C={C}, K={K}): dao "
+                f"{why['dao']}; fla {why['fla']}"
+            )
     op = MIXER_OP[cfg.arch]
     got = backends.get(op)
     if op in _FAST and cuda and _request(cfg, op)[0] == "auto" and got == "reference":
-        why = _LINEAR_OPS[op].available_backends(device, dtype).get(_FAST[op]) or \
-            _fast_shape_reason(cfg, op, _FAST[op])
+        why = _LINEAR_OPS[op].available_backends(device, dtype).get(_FAST[op]) or _fast_shape_reason(cfg, op, _FAST[op])
         fallbacks[op] = f"{_FAST[op]}: {why or 'cannot run here'}"
     if op == "ssd" and got == "mamba_ssm":
         from canonlm.ops.ssd import _mamba
 
         di = cfg.mamba_expand * cfg.d_model
-        why = ssd_ops.fused_split_reason(device, dtype, cfg.conv_kernel, d_inner=di,
-                                         conv_dim=di + 2 * cfg.n_groups * cfg.ssm_state, nheads=cfg.n_heads)
-        parts = ["training runs the fused conv + scan (mamba_split_conv1d_scan_combined; not with document masking)"
-                 if why is None else f"conv and scan run separately (mamba_split_conv1d_scan_combined: {why})"]
+        why = ssd_ops.fused_split_reason(
+            device,
+            dtype,
+            cfg.conv_kernel,
+            d_inner=di,
+            conv_dim=di + 2 * cfg.n_groups * cfg.ssm_state,
+            nheads=cfg.n_heads,
+        )
+        parts = [
+            "training runs the fused conv + scan (mamba_split_conv1d_scan_combined; not with document masking)"
+            if why is None
+            else f"conv and scan run separately (mamba_split_conv1d_scan_combined: {why})"
+        ]
         if _mamba.package_problem():
-            parts.append(f"mamba-ssm's Triton SSD imported without the mamba_ssm package __init__, which fails here "
-                         f"({_mamba.package_problem()})")
+            parts.append(
+                f"mamba-ssm's Triton SSD imported without the mamba_ssm package __init__, which fails here "
+                f"({_mamba.package_problem()})"
+            )
         notes["ssd"] = "; ".join(parts)
     for op_, why in fallbacks.items():
         if (op_, why) not in _said:
             _said.add((op_, why))
-            log.warning("%s: auto fell back to the %s path on %s: %s", op_,
-                        "torch" if op_ == "canon" else "reference", device, why)
+            log.warning(
+                "%s: auto fell back to the %s path on %s: %s",
+                op_,
+                "torch" if op_ == "canon" else "reference",
+                device,
+                why,
+            )
     return fallbacks, notes
 
 
@@ -313,14 +354,26 @@ class Block(nn.Module):
         else:
             self.mlp_norm = self.canon_c = self.mlp = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
-                cache: dict | None = None, docs: DocMask | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor | None,
+        sin: torch.Tensor | None,
+        cache: dict | None = None,
+        docs: DocMask | None = None,
+    ) -> torch.Tensor:
         if self.checkpointed and cache is None and torch.is_grad_enabled():
             return checkpoint(self._body, x, cos, sin, None, docs, use_reentrant=False)
         return self._body(x, cos, sin, cache, docs)
 
-    def _body(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
-              cache: dict | None = None, docs: DocMask | None = None) -> torch.Tensor:
+    def _body(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor | None,
+        sin: torch.Tensor | None,
+        cache: dict | None = None,
+        docs: DocMask | None = None,
+    ) -> torch.Tensor:
         if docs is not None:
             return self._forward_docs(x, cos, sin, docs)
         h = self.attn_norm(x)
@@ -334,8 +387,9 @@ class Block(nn.Module):
             h = self.canon_c(h, cache)
         return x + self.mlp(h, cache)
 
-    def _forward_docs(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
-                      docs: DocMask) -> torch.Tensor:
+    def _forward_docs(
+        self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, docs: DocMask
+    ) -> torch.Tensor:
         """The forward with document masking (no cache): every Canon layer and the mixer get ``docs``."""
         h = self.attn_norm(x)
         if self.canon_a is not None:
@@ -409,8 +463,8 @@ class CanonLM(nn.Module):
         self.compile_friendly = False  # place(compiled=True) on CUDA with an auto Canon request: Canon on `torch`
         self.init_weights()
         self.canon_backends: dict[str, str] = {}
-        self.fallbacks: dict[str, str] = {}       # set by place(): auto requests that fell back on CUDA, and why
-        self.backend_notes: dict[str, str] = {}   # set by place(): see placement_notes
+        self.fallbacks: dict[str, str] = {}  # set by place(): auto requests that fell back on CUDA, and why
+        self.backend_notes: dict[str, str] = {}  # set by place(): see placement_notes
         if device.type != "meta":
             if "canon" not in self.pending:
                 try:
@@ -420,9 +474,16 @@ class CanonLM(nn.Module):
                     self.pending["canon"] = (e.key, e.value, e.allowed)
             self._set_placement(device, dtype)
 
-    def forward(self, input_ids: torch.Tensor | None = None, cache: DecodeCache | None = None, *,
-                inputs_embeds: torch.Tensor | None = None, hidden_states: list | None = None,
-                checkpoint_fn: Callable | None = None, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        cache: DecodeCache | None = None,
+        *,
+        inputs_embeds: torch.Tensor | None = None,
+        hidden_states: list | None = None,
+        checkpoint_fn: Callable | None = None,
+        doc_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """``input_ids`` LongTensor (B, T) -> logits (B, T, V) in the compute dtype (fp32, or the autocast dtype).
 
         With ``cache`` (from :meth:`new_cache`), the T tokens continue the sequences the cache has seen: positions
@@ -452,8 +513,9 @@ class CanonLM(nn.Module):
             raise ValueError("CanonLM.forward: give exactly one of input_ids (B, T) and inputs_embeds (B, T, d_model)")
         if inputs_embeds is not None:
             if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != self.cfg.d_model:
-                raise ValueError(f"inputs_embeds: shape {tuple(inputs_embeds.shape)}, expected (B, T, "
-                                 f"d_model={self.cfg.d_model})")
+                raise ValueError(
+                    f"inputs_embeds: shape {tuple(inputs_embeds.shape)}, expected (B, T, d_model={self.cfg.d_model})"
+                )
             lead = inputs_embeds
         else:
             if input_ids.dim() != 2:
@@ -473,22 +535,29 @@ class CanonLM(nn.Module):
             raise ValueError(f"input_ids: positions up to {t0 + T} exceed model.max_seq_len={limit}")
         if doc_ids is not None:
             if cache is not None:
-                raise ValueError("CanonLM.forward: doc_ids (document masking) is not supported with a decode cache; "
-                                 "generate one sequence per row without doc_ids")
+                raise ValueError(
+                    "CanonLM.forward: doc_ids (document masking) is not supported with a decode cache; "
+                    "generate one sequence per row without doc_ids"
+                )
             problem = doc_mask_problem(self.cfg)
             if problem is not None:
                 raise ValueError(f"CanonLM.forward: doc_ids: {problem}")
             check_doc_ids(doc_ids, lead)
         cos = sin = None
         if self.rope_cos is not None:
-            cos, sin = self.rope_cos[t0:t0 + T], self.rope_sin[t0:t0 + T]
+            cos, sin = self.rope_cos[t0 : t0 + T], self.rope_sin[t0 : t0 + T]
         x = self.tok_emb(input_ids) if inputs_embeds is None else inputs_embeds
         docs = None
         if doc_ids is not None:  # once per forward, shared by every layer; the mask in the dtype q will have
             dev = x.device.type
             dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-            docs = build_doc_mask(doc_ids, self.cfg.arch, self.backends.get("attention"),
-                                  cu_seqlens="fla" in self.canon_backends.values(), dtype=dtype)
+            docs = build_doc_mask(
+                doc_ids,
+                self.cfg.arch,
+                self.backends.get("attention"),
+                cu_seqlens="fla" in self.canon_backends.values(),
+                dtype=dtype,
+            )
         for i, block in enumerate(self.blocks):
             if hidden_states is not None:
                 hidden_states.append(x)
@@ -571,7 +640,7 @@ class CanonLM(nn.Module):
                     nn.init.trunc_normal_(m.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
                 else:
                     r = getattr(m, "split_init", None)
-                    std = cfg.init_std ** 0.5 / r ** 0.25 if (r and cfg.init == "linear_0.02_split") else cfg.init_std
+                    std = cfg.init_std**0.5 / r**0.25 if (r and cfg.init == "linear_0.02_split") else cfg.init_std
                     nn.init.normal_(m.weight, mean=0.0, std=std)
                 if getattr(m, "bias", None) is not None:
                     m.bias.zero_()
@@ -582,8 +651,9 @@ class CanonLM(nn.Module):
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
-    def place(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-              compiled: bool = False) -> dict[str, str]:
+    def place(
+        self, device: torch.device | str | None = None, dtype: torch.dtype | None = None, compiled: bool = False
+    ) -> dict[str, str]:
         """Resolve every op's backend for the device and compute dtype the model runs on, and set it on every Canon
         layer (Canon-A/B/C/D and the mixers' short convs) and token-mixer module. Call it after moving the model
         (it moves nothing), with the dtype the kernels will see: ``torch.bfloat16`` under bf16 autocast or FSDP2
@@ -626,8 +696,9 @@ class CanonLM(nn.Module):
             backends["canon"] = "torch"
         backends["canon"] = _canon_report(layers, backends["canon"])
         self.backends, self.canon_backends, self.pending = backends, layers, {}
-        self.fallbacks, self.backend_notes = placement_notes(self.cfg, backends, layers, self._canon_shapes(), device,
-                                                             dtype, self.compile_friendly)
+        self.fallbacks, self.backend_notes = placement_notes(
+            self.cfg, backends, layers, self._canon_shapes(), device, dtype, self.compile_friendly
+        )
         self._set_placement(device, dtype)
         return dict(self.backends)
 
@@ -685,14 +756,22 @@ class CanonLM(nn.Module):
         if self.pending:
             key, name, allowed = next(iter(self.pending.values()))
             dev = "meta" if self.placement is None else self.placement[0]
-            raise ConfigError(key, name, f"{allowed} [not placed: the model was resolved for {dev}; call "
-                                         f"CanonLM.place(device, dtype) where it runs, before the first forward]")
+            raise ConfigError(
+                key,
+                name,
+                f"{allowed} [not placed: the model was resolved for {dev}; call "
+                f"CanonLM.place(device, dtype) where it runs, before the first forward]",
+            )
         if self._bound_type is not None and input_ids.device.type != self._bound_type:
             op = next(o for o, n in _module_backends(self.cfg, self.backends).items() if n not in _PORTABLE)
             name, key = _request(self.cfg, op)
-            raise ConfigError(key, name, f"backends resolved for {self._bound_type} ({op}: {self.backends[op]!r}), "
-                                         f"but the input is on {input_ids.device.type}; call CanonLM.place(device, "
-                                         f"dtype) after moving the model")
+            raise ConfigError(
+                key,
+                name,
+                f"backends resolved for {self._bound_type} ({op}: {self.backends[op]!r}), "
+                f"but the input is on {input_ids.device.type}; call CanonLM.place(device, "
+                f"dtype) after moving the model",
+            )
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Number of parameters (shared/tied tensors counted once; DTensors by global size). ``non_embedding``

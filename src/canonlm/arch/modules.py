@@ -83,8 +83,15 @@ class MLP(nn.Module):
     Forward: ``x (B, T, d)`` -> ``(B, T, d)`` (compute dtype). Raises ConfigError on a bad kind/act.
     """
 
-    def __init__(self, d_model: int, d_ff: int, kind: str = "gated", act: str = "silu",
-                 canon: CanonConfig | None = None, canon_backend: str = "auto"):
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        kind: str = "gated",
+        act: str = "silu",
+        canon: CanonConfig | None = None,
+        canon_backend: str = "auto",
+    ):
         super().__init__()
         if kind not in ("gated", "standard"):
             raise ConfigError("model.mlp", kind, "gated | standard")
@@ -93,8 +100,9 @@ class MLP(nn.Module):
         self.kind, self.act, self.d_ff = kind, act, d_ff
         up = 2 * d_ff if kind == "gated" else d_ff
         self.w13 = nn.Linear(d_model, up, bias=False)  # gated: [W1 ; W3]; standard: W1
-        self.canon_d = (Canon(up, canon, canon_backend, cache_key="canon_d")
-                        if canon is not None and canon.has("D") else None)
+        self.canon_d = (
+            Canon(up, canon, canon_backend, cache_key="canon_d") if canon is not None and canon.has("D") else None
+        )
         self.w2 = nn.Linear(d_ff, d_model, bias=False)
 
     def forward(self, x: torch.Tensor, cache: dict | None = None, docs=None) -> torch.Tensor:

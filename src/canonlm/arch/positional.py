@@ -19,8 +19,9 @@ import torch
 PAIRINGS = ("half", "interleaved")
 
 
-def rope_angles(rope_dim: int, seq_len: int, theta: float = 10000.0, *,
-                device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_angles(
+    rope_dim: int, seq_len: int, theta: float = 10000.0, *, device: torch.device | str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables of the rotation angles ``p * theta**(-2i/rope_dim)``.
 
     Args:
@@ -63,8 +64,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairing: s
     half = cos.shape[-1]
     r = 2 * half
     if cos.shape != (T, half) or sin.shape != (T, half) or r > D:
-        raise ValueError(f"cos/sin shape {tuple(cos.shape)}/{tuple(sin.shape)}: expected (T={T}, r/2) with r <= "
-                         f"head_dim={D}")
+        raise ValueError(
+            f"cos/sin shape {tuple(cos.shape)}/{tuple(sin.shape)}: expected (T={T}, r/2) with r <= head_dim={D}"
+        )
     cos = cos.to(x.dtype)[:, None, :]  # (T, 1, r/2), broadcasts over heads
     sin = sin.to(x.dtype)[:, None, :]
     if pairing == "half":

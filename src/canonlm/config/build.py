@@ -34,8 +34,11 @@ def build_configs(cfg: DictConfig) -> tuple[Any, ModelConfig]:
     for split in ("train", "val", "test"):
         need = task.max_instance_len(split)
         if int(task_cfg["context"]) < need:
-            raise ConfigError("task.context", task_cfg["context"],
-                              f"a window of at least {need} tokens (the longest {split} instance of {task.name})")
+            raise ConfigError(
+                "task.context",
+                task_cfg["context"],
+                f"a window of at least {need} tokens (the longest {split} instance of {task.name})",
+            )
     model = dict(plain(cfg.model))
     model["ops"] = cfg.get("ops", "auto")
     model["kernels"] = {k: v for k, v in (plain(cfg.get("kernels")) or {}).items() if v is not None}
@@ -43,8 +46,9 @@ def build_configs(cfg: DictConfig) -> tuple[Any, ModelConfig]:
         if key in model and model[key] != val:
             log.info("task %s sets model.%s=%r (the config had %r)", task.name, key, val, model[key])
         model[key] = val
-    mcfg = build_model_config(model, plain(cfg.canon), plain(cfg.pos),
-                              vocab_size=task.vocab_size, max_seq_len=int(task_cfg["context"]))
+    mcfg = build_model_config(
+        model, plain(cfg.canon), plain(cfg.pos), vocab_size=task.vocab_size, max_seq_len=int(task_cfg["context"])
+    )
     return task, mcfg
 
 

@@ -37,8 +37,11 @@ def plain(v: Any) -> Any:
 
 
 def _betas(v: Any) -> bool:
-    return isinstance(v, list) and len(v) == 2 and all(
-        isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in v)
+    return (
+        isinstance(v, list)
+        and len(v) == 2
+        and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in v)
+    )
 
 
 def _existing_or_auto(v: Any) -> bool:
@@ -166,10 +169,20 @@ def _tags(v: Any) -> bool:
 #: refused (:func:`canonlm.config.strict.check_keys`), and tests/test_refusals.py checks that every key of every
 #: ``conf/`` file is one of them.
 TRAINING_RULES: tuple[Rule | KnownKeys, ...] = (
-    Rule("seed", f"an integer in [0, {MAX_SEED}] (model init and torch's RNG; the data has task.seed)", int, min=0,
-         test=lambda v: v <= MAX_SEED),
-    Rule("canon.set", "each letter at most once (the release's 'AbbCD' / 'bb' may double the b); which letters an "
-         "architecture takes is the model's check", null=True, test=_canon_letters_once),
+    Rule(
+        "seed",
+        f"an integer in [0, {MAX_SEED}] (model init and torch's RNG; the data has task.seed)",
+        int,
+        min=0,
+        test=lambda v: v <= MAX_SEED,
+    ),
+    Rule(
+        "canon.set",
+        "each letter at most once (the release's 'AbbCD' / 'bb' may double the b); which letters an "
+        "architecture takes is the model's check",
+        null=True,
+        test=_canon_letters_once,
+    ),
     Rule("train", BOOL, bool, optional=True),
     Rule("test", BOOL, bool, optional=True),
     Rule("compile", BOOL, bool, optional=True),
@@ -178,10 +191,17 @@ TRAINING_RULES: tuple[Rule | KnownKeys, ...] = (
     Rule("run_name", "a folder name (logs/<task_name>/runs/<run_name>)", test=_folder_name),
     Rule("tags", "a list of tags, e.g. [baseline,lr_sweep]", optional=True, test=_tags),
     Rule("ops", "auto | reference | fused", choices=("auto", "reference", "fused"), optional=True),
-    *(Rule(f"kernels.{op}", _BACKEND, str, null=True, optional=True) for op in ("canon", "attention", "gla", "gdn",
-                                                                             "ssd")),
-    Rule("init_from", "null or a canonlm checkpoint, run directory or Hugging Face directory", str, null=True,
-         optional=True),
+    *(
+        Rule(f"kernels.{op}", _BACKEND, str, null=True, optional=True)
+        for op in ("canon", "attention", "gla", "gdn", "ssd")
+    ),
+    Rule(
+        "init_from",
+        "null or a canonlm checkpoint, run directory or Hugging Face directory",
+        str,
+        null=True,
+        optional=True,
+    ),
     Rule("paths.root_dir", "a directory path", str),
     Rule("paths.log_dir", "a directory path", str),
     Rule("paths.output_dir", "a directory path", str),
@@ -196,50 +216,105 @@ TRAINING_RULES: tuple[Rule | KnownKeys, ...] = (
     Rule("callbacks.checkpoint.save_last", BOOL, bool, optional=True),
     Rule("callbacks.progress.force", "null | bar | lines", choices=("bar", "lines"), null=True, optional=True),
     Rule("logger.wandb.offline", BOOL, bool, optional=True),
-    Rule("logger.wandb.log_model", "true | false | all", optional=True,
-         test=lambda v: isinstance(v, bool) or v == "all"),
-    Rule("trainer.deterministic", "true | false | warn", null=True, optional=True,
-         test=lambda v: isinstance(v, bool) or v == "warn"),
+    Rule(
+        "logger.wandb.log_model", "true | false | all", optional=True, test=lambda v: isinstance(v, bool) or v == "all"
+    ),
+    Rule(
+        "trainer.deterministic",
+        "true | false | warn",
+        null=True,
+        optional=True,
+        test=lambda v: isinstance(v, bool) or v == "warn",
+    ),
     Rule("loss.z_loss", "none | lingua | palm", choices=("none", "lingua", "palm"), optional=True),
     Rule("loss.z_coef", "a number >= 0", float, min=0),
-    Rule("optim._partial_", "true (the optimizer is built later, on the model's parameter groups)", bool,
-         test=lambda v: v is True),
+    Rule(
+        "optim._partial_",
+        "true (the optimizer is built later, on the model's parameter groups)",
+        bool,
+        test=lambda v: v is True,
+    ),
     Rule("optim.betas", "two numbers in [0, 1), e.g. [0.9, 0.98]", null=True, optional=True, test=_betas),
     Rule("optim.eps", "a positive number", float, above=0, null=True, optional=True),
     Rule("optim.weight_decay", "a number >= 0", float, min=0, null=True, optional=True),
     Rule("strategy.name", " | ".join(STRATEGIES), choices=STRATEGIES),
     Rule("trainer.precision", " | ".join(PRECISIONS), choices=PRECISIONS),
-    Rule("trainer.max_steps", "a positive integer (training is step-based), or null with data.max_tokens", int, min=1,
-         null=True),
-    Rule("data.max_tokens", "null or a number >= 1: the run's length in tokens (trainer.max_steps = ceil(max_tokens / "
-         "(data.batch_size x task.context)); give exactly one of trainer.max_steps and data.max_tokens)", float, min=1,
-         null=True, optional=True),
+    Rule(
+        "trainer.max_steps",
+        "a positive integer (training is step-based), or null with data.max_tokens",
+        int,
+        min=1,
+        null=True,
+    ),
+    Rule(
+        "data.max_tokens",
+        "null or a number >= 1: the run's length in tokens (trainer.max_steps = ceil(max_tokens / "
+        "(data.batch_size x task.context)); give exactly one of trainer.max_steps and data.max_tokens)",
+        float,
+        min=1,
+        null=True,
+        optional=True,
+    ),
     Rule("optim.lr", "a positive float", float, above=0),
     Rule("sched.name", " | ".join(SCHEDULES), choices=SCHEDULES),
-    Rule("sched.warmup_steps", "an integer >= 0 (optimizer steps of linear warm-up)", int, min=0, null=True,
-         optional=True),
-    Rule("sched.min_lr_ratio", "a number in [0, 1] (the final lr as a fraction of optim.lr)", float, min=0,
-         optional=True, test=lambda v: v <= 1),
-    Rule("sched.decay_fraction", "a number in (0, 1] (wsd: the last fraction of steps that decays)", float,
-         above=0, optional=True, test=lambda v: v <= 1, when=("sched.name", ("wsd",))),
+    Rule(
+        "sched.warmup_steps",
+        "an integer >= 0 (optimizer steps of linear warm-up)",
+        int,
+        min=0,
+        null=True,
+        optional=True,
+    ),
+    Rule(
+        "sched.min_lr_ratio",
+        "a number in [0, 1] (the final lr as a fraction of optim.lr)",
+        float,
+        min=0,
+        optional=True,
+        test=lambda v: v <= 1,
+    ),
+    Rule(
+        "sched.decay_fraction",
+        "a number in (0, 1] (wsd: the last fraction of steps that decays)",
+        float,
+        above=0,
+        optional=True,
+        test=lambda v: v <= 1,
+        when=("sched.name", ("wsd",)),
+    ),
     Rule("ckpt_path", "null | auto | an existing checkpoint path", null=True, optional=True, test=_existing_or_auto),
     Rule("data.batch_size", _POSITIVE, int, min=1),
     Rule("trainer.accumulate_grad_batches", _POSITIVE, int, min=1, optional=True),
-    Rule("trainer.val_check_interval", "null, a positive integer (optimizer steps) or a fraction of an epoch in (0, 1]",
-         null=True, optional=True, test=_steps_or_fraction),
+    Rule(
+        "trainer.val_check_interval",
+        "null, a positive integer (optimizer steps) or a fraction of an epoch in (0, 1]",
+        null=True,
+        optional=True,
+        test=_steps_or_fraction,
+    ),
     Rule("data.val_windows", _POSITIVE, int, min=1),
     Rule("data.test_windows", _POSITIVE, int, min=1),
-    Rule("callbacks.checkpoint.keep_last", "null (keep all) or a positive integer", int, min=1, null=True,
-         optional=True),
+    Rule(
+        "callbacks.checkpoint.keep_last", "null (keep all) or a positive integer", int, min=1, null=True, optional=True
+    ),
     Rule("callbacks.checkpoint.every_n_train_steps", _POSITIVE, int, min=1, optional=True),
-    Rule("callbacks.preemption.signal_name", "a catchable signal name other than SIGTERM, e.g. SIGUSR2 or SIGUSR1",
-         str, optional=True, test=_catchable_signal),
-    Rule("max_nonfinite_steps", "a positive integer (consecutive skipped steps before the run stops)", int, min=1,
-         optional=True),
+    Rule(
+        "callbacks.preemption.signal_name",
+        "a catchable signal name other than SIGTERM, e.g. SIGUSR2 or SIGUSR1",
+        str,
+        optional=True,
+        test=_catchable_signal,
+    ),
+    Rule(
+        "max_nonfinite_steps",
+        "a positive integer (consecutive skipped steps before the run stops)",
+        int,
+        min=1,
+        optional=True,
+    ),
     Rule("data.num_workers", "an integer >= 0", int, min=0),
     KnownKeys("data.gen_eval", ("samples", "batch_size", "on_val")),
-    Rule("data.gen_eval.samples", "null (the task's default) or an integer >= 0", int, min=0, null=True,
-         optional=True),
+    Rule("data.gen_eval.samples", "null (the task's default) or an integer >= 0", int, min=0, null=True, optional=True),
     Rule("data.gen_eval.batch_size", _POSITIVE, int, min=1, optional=True),
     Rule("data.gen_eval.on_val", BOOL, bool, optional=True),
 )
@@ -282,10 +357,26 @@ def micro_batch(batch_size: int, world_size: int, accumulate: int) -> int:
     ConfigError("data.batch_size", ...) unless it divides evenly."""
     parts = world_size * accumulate
     if batch_size < 1 or parts < 1 or batch_size % parts:
-        raise ConfigError("data.batch_size", batch_size,
-                          f"a positive multiple of world_size x accumulate_grad_batches = {world_size} x {accumulate}")
+        raise ConfigError(
+            "data.batch_size",
+            batch_size,
+            f"a positive multiple of world_size x accumulate_grad_batches = {world_size} x {accumulate}",
+        )
     return batch_size // parts
 
 
-__all__ = ["BOOL", "MAX_SEED", "PRECISIONS", "SCHEDULES", "STRATEGIES", "KnownKeys", "Rule", "TRAINING_RULES",
-           "check_training", "check_value", "declared_keys", "micro_batch", "plain"]
+__all__ = [
+    "BOOL",
+    "MAX_SEED",
+    "PRECISIONS",
+    "SCHEDULES",
+    "STRATEGIES",
+    "KnownKeys",
+    "Rule",
+    "TRAINING_RULES",
+    "check_training",
+    "check_value",
+    "declared_keys",
+    "micro_batch",
+    "plain",
+]

@@ -69,13 +69,16 @@ def resolve_run(run: str | Path, ckpt: str | Path | None = None) -> tuple[Path, 
     if not hydra and not ck.exists():
         raise FileNotFoundError(no_cfg)
     if ck.is_dir() and not is_distributed_checkpoint(ck):
-        raise FileNotFoundError(f"checkpoint {ck} is a directory without .metadata (neither a checkpoint file nor a "
-                                "distributed FSDP2 checkpoint)")
+        raise FileNotFoundError(
+            f"checkpoint {ck} is a directory without .metadata (neither a checkpoint file nor a "
+            "distributed FSDP2 checkpoint)"
+        )
     if not ck.exists():
         raise FileNotFoundError(f"checkpoint {ck} does not exist")
     if not hydra and recorded_meta(ck) is None:
-        raise FileNotFoundError(f"{no_cfg}, and checkpoint {ck} records no model config "
-                                "(checkpoint['canonlm']['model'])")
+        raise FileNotFoundError(
+            f"{no_cfg}, and checkpoint {ck} records no model config (checkpoint['canonlm']['model'])"
+        )
     return run_dir.resolve(), ck.resolve()
 
 
@@ -126,7 +129,7 @@ def _data_dir_nodes(task: Any) -> list[tuple[Any, str]]:
         items = []
     elif hasattr(src, "keys"):  # dict / DictConfig
         items = list(src.values())
-    else:                       # list / ListConfig
+    else:  # list / ListConfig
         items = list(src)
     for v in items:
         if hasattr(v, "get") and v.get("data_dir"):
@@ -171,8 +174,9 @@ def read_distributed_checkpoint(ck: str | Path, model_only: bool = True) -> dict
         load(template, storage_reader=reader)
     except Exception as e:  # noqa: BLE001 -- DCP raises its own error types
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-        raise ValueError(f"distributed checkpoint {ck} cannot be read with torch.distributed.checkpoint: "
-                         f"{first}") from None
+        raise ValueError(
+            f"distributed checkpoint {ck} cannot be read with torch.distributed.checkpoint: {first}"
+        ) from None
     meta = {}
     if (ck / FABRIC_META).is_file():
         meta = read_checkpoint(ck / FABRIC_META)
@@ -203,8 +207,10 @@ def read_checkpoint(ck: str | Path, mmap: bool = False) -> dict[str, Any]:
         return torch.load(ck, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 -- reported with the reader's first line
         first = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". ")[0]
-        raise ValueError(f"checkpoint {ck} cannot be read with torch.load(weights_only=True): {first[:300]}; "
-                         "canonlm never unpickles code from a checkpoint") from None
+        raise ValueError(
+            f"checkpoint {ck} cannot be read with torch.load(weights_only=True): {first[:300]}; "
+            "canonlm never unpickles code from a checkpoint"
+        ) from None
 
 
 def tokenizer_record(task_cfg: dict[str, Any]) -> dict[str, Any]:
@@ -234,5 +240,16 @@ def run_tokenizer(task_cfg: dict[str, Any]) -> tuple[str | None, str | None]:
     return t.get("path"), t.get("eos_token")
 
 
-__all__ = ["CHECKPOINT", "has_run_config", "is_distributed_checkpoint", "read_distributed_checkpoint", "load_run_config", "read_checkpoint", "recorded_meta", "resolve_run",
-           "run_tokenizer", "task_config", "tokenizer_record"]
+__all__ = [
+    "CHECKPOINT",
+    "has_run_config",
+    "is_distributed_checkpoint",
+    "read_distributed_checkpoint",
+    "load_run_config",
+    "read_checkpoint",
+    "recorded_meta",
+    "resolve_run",
+    "run_tokenizer",
+    "task_config",
+    "tokenizer_record",
+]

@@ -72,8 +72,20 @@ TRAINER_OWN = ("strategy", "callbacks", "logger", "plugins")
 #: ``ops`` / ``kernels`` set those, ``canon`` / ``pos`` are their own groups.
 MODEL_SET_ELSEWHERE = ("vocab_size", "max_seq_len", "ops", "kernels", "canon", "pos")
 #: ModelConfig fields only the linear mixers (GLA, GDN, Mamba2) read; ``arch=llama`` refuses them.
-LINEAR_ONLY = ("expand_k", "expand_v", "gate_low_rank_dim", "gate_logit_normalizer", "output_gate_rank",
-               "key_head_dim", "conv_kernel", "no_conv_act", "chunk_size", "ssm_state", "mamba_expand", "n_groups")
+LINEAR_ONLY = (
+    "expand_k",
+    "expand_v",
+    "gate_low_rank_dim",
+    "gate_logit_normalizer",
+    "output_gate_rank",
+    "key_head_dim",
+    "conv_kernel",
+    "no_conv_act",
+    "chunk_size",
+    "ssm_state",
+    "mamba_expand",
+    "n_groups",
+)
 #: Nodes whose second-level keys are declared by the code they configure (module docstring).
 OPEN_NODES = ("model", "canon", "pos", "task", "trainer", "optim", *EXTENSION_POINTS)
 
@@ -83,7 +95,7 @@ _BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
 
 def _one_line(text: str, limit: int = 400) -> str:
     line = " ".join(str(text).split())
-    return line if len(line) <= limit else line[:limit - 3] + "..."
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 # ------------------------------------------------------------------------------------------- what canonlm reads
@@ -118,16 +130,28 @@ def source_arguments(target: str) -> dict[str, str] | None:
                         if f.args.kwarg is not None:
                             return None
                         args = [*f.args.posonlyargs, *f.args.args, *f.args.kwonlyargs]
-                        return {a.arg: (ast.unparse(a.annotation) if a.annotation is not None else "")
-                                for a in args if a.arg != "self"}
+                        return {
+                            a.arg: (ast.unparse(a.annotation) if a.annotation is not None else "")
+                            for a in args
+                            if a.arg != "self"
+                        }
                 return None
-        origin = next((n for n in body if isinstance(n, ast.ImportFrom) and n.module is not None
-                       and any(a.name == name and a.asname in (None, name) for a in n.names)), None)
+        origin = next(
+            (
+                n
+                for n in body
+                if isinstance(n, ast.ImportFrom)
+                and n.module is not None
+                and any(a.name == name and a.asname in (None, name) for a in n.names)
+            ),
+            None,
+        )
         if origin is None:
             return None
         package = parts if path.name == "__init__.py" else parts[:-1]
-        module = ".".join([*package[:len(package) - (origin.level - 1)], origin.module] if origin.level
-                          else [origin.module])
+        module = ".".join(
+            [*package[: len(package) - (origin.level - 1)], origin.module] if origin.level else [origin.module]
+        )
     return None
 
 
@@ -299,8 +323,9 @@ def check_keys(cfg: DictConfig, light: bool = False) -> None:
             if top == "optim":  # its class's arguments from the source (no import); else optimizer_problem's check
                 if top not in node_cache:
                     src = source_arguments(str(OmegaConf.select(cfg, "optim._target_", default="")))
-                    node_cache[top] = None if src is None else ("_target_", "_partial_", *(n for n in src
-                                                                                          if n != "params"))
+                    node_cache[top] = (
+                        None if src is None else ("_target_", "_partial_", *(n for n in src if n != "params"))
+                    )
             elif light and top in HEAVY_NODES:
                 continue
             if top not in node_cache:
@@ -312,24 +337,36 @@ def check_keys(cfg: DictConfig, light: bool = False) -> None:
             if second in names:
                 continue
             if top == "trainer" and second in TRAINER_OWN:
-                raise ConfigError(f"trainer.{second}", _value(raw, f"trainer.{second}"),
-                                  "set by the strategy / callbacks / logger config groups, not trainer.*")
+                raise ConfigError(
+                    f"trainer.{second}",
+                    _value(raw, f"trainer.{second}"),
+                    "set by the strategy / callbacks / logger config groups, not trainer.*",
+                )
             if top == "optim":
-                raise unknown_key_error(f"optim.{second}", _value(raw, f"optim.{second}"),
-                                        [f"optim.{n}" for n in names])
+                raise unknown_key_error(
+                    f"optim.{second}", _value(raw, f"optim.{second}"), [f"optim.{n}" for n in names]
+                )
             if top == "model" and second in LINEAR_ONLY:
                 arch = OmegaConf.select(cfg, "model.arch", default=None)
-                raise ConfigError(f"model.{second}", _value(raw, f"model.{second}"), f"a key canonlm reads (model."
-                                  f"{second} is read only by the linear mixers, model.arch gla | gdn | mamba2; here "
-                                  f"{arch})")
+                raise ConfigError(
+                    f"model.{second}",
+                    _value(raw, f"model.{second}"),
+                    f"a key canonlm reads (model."
+                    f"{second} is read only by the linear mixers, model.arch gla | gdn | mamba2; here "
+                    f"{arch})",
+                )
             raise _unknown(cfg, f"{top}.{second}", _value(raw, f"{top}.{second}"), light)
         if key in declared or any(key.startswith(d + ".") for d in declared):
             continue
         rule = next((r for r in TRAINING_RULES if getattr(r, "key", None) == key and r.when), None)
         if rule is not None:  # a key of another option of its group
             now = plain(OmegaConf.select(cfg, rule.when[0], default=None))
-            raise ConfigError(key, value, f"a key canonlm reads ({key} is read only when {rule.when[0]} is "
-                              f"{' | '.join(rule.when[1])}; here {now})")
+            raise ConfigError(
+                key,
+                value,
+                f"a key canonlm reads ({key} is read only when {rule.when[0]} is "
+                f"{' | '.join(rule.when[1])}; here {now})",
+            )
         raise _unknown(cfg, key, value, light)
     optim = OmegaConf.select(cfg, "optim._target_", default=None)
     for top, args in (("trainer", trainer_arguments()), ("optim", source_arguments(str(optim)) if optim else None)):
@@ -378,8 +415,7 @@ def _check_light(job: "Job") -> None:
         check_output_dir(target, job.dir_key, str(target))
     check_keys(cfg, light=True)
     auto = OmegaConf.select(cfg, "trainer.max_steps", default=None) == "auto"
-    check_training(cfg, tuple(r for r in TRAINING_RULES
-                              if not (auto and getattr(r, "key", "") == "trainer.max_steps")))
+    check_training(cfg, tuple(r for r in TRAINING_RULES if not (auto and getattr(r, "key", "") == "trainer.max_steps")))
 
 
 def _value(raw: dict[str, Any], key: str) -> Any:
@@ -422,8 +458,11 @@ def optimizer_problem(cfg: DictConfig) -> ConfigError | None:
         if isinstance(p.default, bool) or ann in ("bool", "<class'bool'>"):
             if not isinstance(value, bool):
                 return ConfigError(f"optim.{key}", value, BOOL)
-        elif ann in ("Optional[bool]", "bool|None", "Union[bool,NoneType]") and value is not None \
-                and not isinstance(value, bool):
+        elif (
+            ann in ("Optional[bool]", "bool|None", "Union[bool,NoneType]")
+            and value is not None
+            and not isinstance(value, bool)
+        ):
             return ConfigError(f"optim.{key}", value, f"{BOOL} (or null)")
     try:
         cls([torch.nn.Parameter(torch.zeros(1))], **kwargs)
@@ -465,14 +504,18 @@ def check_output_dir(path: str | os.PathLike, key: str, value: Any) -> None:
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
-        raise ConfigError(key, value, f"a folder this user can create and write ({existing} is a file, so {p} cannot"
-                                      " be created)")
+        raise ConfigError(
+            key, value, f"a folder this user can create and write ({existing} is a file, so {p} cannot be created)"
+        )
     try:
         probe = tempfile.mkdtemp(prefix=".canonlm-probe-", dir=existing)
         os.rmdir(probe)
     except OSError as e:
-        raise ConfigError(key, value, f"a folder this user can create and write ({p} cannot be created: "
-                                      f"{e.strerror or e} in {existing})") from None
+        raise ConfigError(
+            key,
+            value,
+            f"a folder this user can create and write ({p} cannot be created: {e.strerror or e} in {existing})",
+        ) from None
 
 
 # -------------------------------------------------------------------------------------------- Hydra's command line
@@ -516,8 +559,12 @@ def _args(argv: list[str]):
     parser = get_args_parser()
 
     def error(message: str):
-        raise ConfigError("command line", " ".join(argv), "python train.py [--multirun] [key=value ...]: options "
-                          f"such as -m come before the overrides ({_one_line(message, 200)})")
+        raise ConfigError(
+            "command line",
+            " ".join(argv),
+            "python train.py [--multirun] [key=value ...]: options "
+            f"such as -m come before the overrides ({_one_line(message, 200)})",
+        )
 
     parser.error = error  # type: ignore[method-assign]
     return parser.parse_args(argv)
@@ -530,8 +577,9 @@ def runs_jobs(argv: list[str]) -> bool:
     return not (a.help or a.hydra_help or a.cfg or a.info or a.shell_completion)
 
 
-def compose_jobs(argv: list[str], config_dir: str | os.PathLike, config_name: str = "train",
-                 task_name: str = "train") -> list[Job]:
+def compose_jobs(
+    argv: list[str], config_dir: str | os.PathLike, config_name: str = "train", task_name: str = "train"
+) -> list[Job]:
     """Every job ``python train.py <argv>`` would run, composed as ``@hydra.main(config_path=<config_dir>,
     config_name=<config_name>)`` composes it (module docstring), without running any, creating any directory or
     configuring logging. ``--config-path`` / ``--config-name`` / ``--config-dir`` are honoured. A multirun (``-m``
@@ -554,8 +602,11 @@ def compose_jobs(argv: list[str], config_dir: str | os.PathLike, config_name: st
     config_name = a.config_name or config_name
     config_path = os.path.abspath(str(config_dir))
     if a.config_path:  # as @hydra.main: relative to the script's folder (the one holding config_dir)
-        config_path = a.config_path if os.path.isabs(a.config_path) or a.config_path.startswith("pkg://") else \
-            os.path.normpath(os.path.join(os.path.dirname(config_path), a.config_path))
+        config_path = (
+            a.config_path
+            if os.path.isabs(a.config_path) or a.config_path.startswith("pkg://")
+            else os.path.normpath(os.path.join(os.path.dirname(config_path), a.config_path))
+        )
     overrides = list(a.overrides)
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
@@ -571,8 +622,11 @@ def compose_jobs(argv: list[str], config_dir: str | os.PathLike, config_name: st
         if a.config_dir is not None:
             from hydra.core.config_search_path import SearchPathQuery
 
-            search_path.prepend(provider="command-line", path=f"file://{os.path.abspath(a.config_dir)}",
-                                anchor=SearchPathQuery(provider="schema"))
+            search_path.prepend(
+                provider="command-line",
+                path=f"file://{os.path.abspath(a.config_dir)}",
+                anchor=SearchPathQuery(provider="schema"),
+            )
         try:
             hydra = Hydra.create_main_hydra2(task_name=task_name, config_search_path=search_path)
             # hydra/_internal/utils.py _run_app: the mode the config asks for, else the command line's
@@ -583,12 +637,18 @@ def compose_jobs(argv: list[str], config_dir: str | os.PathLike, config_name: st
             elif a.multirun and mode == RunMode.RUN:
                 mode, extra = RunMode.MULTIRUN, ["hydra.mode=MULTIRUN"]
             if mode == RunMode.RUN:
-                cfg = hydra.compose_config(config_name, [*overrides, *extra], run_mode=RunMode.RUN,
-                                           from_shell=True, with_log_configuration=False)
+                cfg = hydra.compose_config(
+                    config_name,
+                    [*overrides, *extra],
+                    run_mode=RunMode.RUN,
+                    from_shell=True,
+                    with_log_configuration=False,
+                )
                 return [_job(cfg, "hydra.run.dir", None, True, overrides)]
             master_overrides = [*overrides, *extra]
-            master = hydra.compose_config(config_name, master_overrides, run_mode=RunMode.MULTIRUN, from_shell=True,
-                                          with_log_configuration=False)
+            master = hydra.compose_config(
+                config_name, master_overrides, run_mode=RunMode.MULTIRUN, from_shell=True, with_log_configuration=False
+            )
             local = OmegaConf.select(master, "hydra.launcher._target_", default=None) == _BASIC_LAUNCHER
             task_overrides = list(OmegaConf.to_container(master.hydra.overrides.task))
             if OmegaConf.select(master, "hydra.sweeper._target_", default=None) == _BASIC_SWEEPER:
@@ -596,7 +656,8 @@ def compose_jobs(argv: list[str], config_dir: str | os.PathLike, config_name: st
 
                 params = [f"{k}={v}" for k, v in (OmegaConf.select(master, "hydra.sweeper.params") or {}).items()]
                 parsed = OverridesParser.create(config_loader=hydra.config_loader).parse_overrides(
-                    [*params, *task_overrides])
+                    [*params, *task_overrides]
+                )
                 batches = BasicSweeper.split_arguments(parsed, None)[0]
             else:  # another sweeper picks its own values: check the fixed part of the command line
                 parsed = parser.parse_overrides(task_overrides)
@@ -610,8 +671,7 @@ def compose_jobs(argv: list[str], config_dir: str | os.PathLike, config_name: st
                 jobs.append(_job(cfg, "hydra.sweep.dir", "hydra.sweep.subdir", local, list(job_overrides)))
             return jobs
         except (HydraException, OmegaConfBaseException) as e:
-            raise hydra_error(e, overrides, lambda bad: _candidates(config_path, config_name, overrides, bad)) \
-                from None
+            raise hydra_error(e, overrides, lambda bad: _candidates(config_path, config_name, overrides, bad)) from None
     finally:
         GlobalHydra.instance().clear()
 
@@ -637,8 +697,11 @@ def _job(cfg: DictConfig, dir_key: str, subdir_key: str | None, local: bool, ove
                 out = os.path.join(out, str(OmegaConf.select(cfg, subdir_key)))
         except Exception as e:  # noqa: BLE001 -- an interpolation in the directory keys that does not resolve
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ConfigError(dir_key, _value(OmegaConf.to_container(cfg, resolve=False), dir_key),
-                              f"a directory whose interpolations resolve ({_one_line(first, 200)})") from None
+            raise ConfigError(
+                dir_key,
+                _value(OmegaConf.to_container(cfg, resolve=False), dir_key),
+                f"a directory whose interpolations resolve ({_one_line(first, 200)})",
+            ) from None
         with _open(cfg.hydra.runtime):
             cfg.hydra.runtime.output_dir = os.path.abspath(out)
     finally:
@@ -646,8 +709,14 @@ def _job(cfg: DictConfig, dir_key: str, subdir_key: str | None, local: bool, ove
     task_cfg = cfg.copy()
     with _open(task_cfg):
         del task_cfg["hydra"]
-    return Job(cfg=task_cfg, hydra=cfg, output_dir=Path(os.path.abspath(out)), dir_key=dir_key, local=local,
-               overrides=overrides)
+    return Job(
+        cfg=task_cfg,
+        hydra=cfg,
+        output_dir=Path(os.path.abspath(out)),
+        dir_key=dir_key,
+        local=local,
+        overrides=overrides,
+    )
 
 
 def _override_parts(line: str) -> tuple[str, Any]:
@@ -681,17 +750,20 @@ def hydra_error(e: BaseException, overrides: list[str], candidates=None) -> Conf
         options = sorted(o for o in (e.options or []) if not o.startswith("_"))
         close = difflib.get_close_matches(option, options, n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]}?" if close else ""
-        return ConfigError(group, option, (" | ".join(options) if options else f"an option of the {group} group")
-                           + hint)
+        return ConfigError(
+            group, option, (" | ".join(options) if options else f"an option of the {group} group") + hint
+        )
     if isinstance(e, MissingConfigException):
         return ConfigError("--config-name", e.missing_cfg_file, f"a primary config on the search path ({first})")
     if isinstance(e, OverrideParseException):
         key, value = _override_parts(e.override or "")
         lines = [ln.strip() for ln in text.splitlines()[1:] if ln.strip() and not ln.startswith("See ")]
         why = _one_line(lines[0] if lines else first, 200)
-        return ConfigError(key or "override", value or e.override,
-                           f"an override in Hydra's grammar, key=value ({why}); quote a value with special "
-                           "characters: key='...'")
+        return ConfigError(
+            key or "override",
+            value or e.override,
+            f"an override in Hydra's grammar, key=value ({why}); quote a value with special characters: key='...'",
+        )
     m = re.search(r"Could not override '([^']+)'", text)
     if m:
         key = m.group(1)
@@ -699,8 +771,9 @@ def hydra_error(e: BaseException, overrides: list[str], candidates=None) -> Conf
         value = _override_parts(line)[1]
         did = re.search(r"Did you mean to override (.+)\?", text)
         if did:
-            return ConfigError(key, value,
-                               f"an override of a group in the defaults list (did you mean {did.group(1)}?)")
+            return ConfigError(
+                key, value, f"an override of a group in the defaults list (did you mean {did.group(1)}?)"
+            )
         return unknown_key_error(key, value, candidates(line) if candidates else [])
     m = re.search(r"An item is already at '([^']+)'", text)
     if m:
@@ -710,14 +783,20 @@ def hydra_error(e: BaseException, overrides: list[str], candidates=None) -> Conf
     m = re.search(r"Ambiguous value for argument '([^']+)'", text)
     if m:
         key, value = _override_parts(m.group(1))
-        return ConfigError(key, value, "one value; to sweep over several, add --multirun (-m); a list is key=[a,b]; "
-                                       "a string with commas is key='a,b'")
+        return ConfigError(
+            key,
+            value,
+            "one value; to sweep over several, add --multirun (-m); a list is key=[a,b]; "
+            "a string with commas is key='a,b'",
+        )
     m = re.search(r"looks like a config group override, but config group '([^']+)' does not exist", text)
     if m:
-        return ConfigError(m.group(1), next((_override_parts(o)[1] for o in overrides
-                                             if _override_parts(o)[0] == m.group(1)), None),
-                           "a config group (arch, canon, pos, task, optim, sched, trainer, strategy, logger, "
-                           "callbacks, paths, experiment, debug, hydra/launcher, ...)")
+        return ConfigError(
+            m.group(1),
+            next((_override_parts(o)[1] for o in overrides if _override_parts(o)[0] == m.group(1)), None),
+            "a config group (arch, canon, pos, task, optim, sched, trainer, strategy, logger, "
+            "callbacks, paths, experiment, debug, hydra/launcher, ...)",
+        )
     cause = e.__cause__ or e.__context__
     full_key = getattr(cause, "full_key", None) or getattr(e, "full_key", None)
     m = re.search(r"Error merging override (\S+)", text)
@@ -754,8 +833,28 @@ def _candidates(config_path: str, config_name: str, overrides: list[str], bad: s
         GlobalHydra.instance().clear()
 
 
-__all__ = ["EXTENSION_POINTS", "HEAVY_NODES", "Job", "LINEAR_ONLY", "OPEN_NODES", "TRAINER_OWN", "check_keys",
-           "check_light", "check_output_dir", "interpolation_errors",
-           "compose_jobs", "hydra_error", "known_keys", "leaves", "model_keys", "optimizer_arguments",
-           "optimizer_problem", "runs_jobs", "source_arguments", "suggest", "task_keys", "trainer_arguments",
-           "unknown_key_error"]
+__all__ = [
+    "EXTENSION_POINTS",
+    "HEAVY_NODES",
+    "Job",
+    "LINEAR_ONLY",
+    "OPEN_NODES",
+    "TRAINER_OWN",
+    "check_keys",
+    "check_light",
+    "check_output_dir",
+    "interpolation_errors",
+    "compose_jobs",
+    "hydra_error",
+    "known_keys",
+    "leaves",
+    "model_keys",
+    "optimizer_arguments",
+    "optimizer_problem",
+    "runs_jobs",
+    "source_arguments",
+    "suggest",
+    "task_keys",
+    "trainer_arguments",
+    "unknown_key_error",
+]

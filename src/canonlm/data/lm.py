@@ -50,10 +50,17 @@ class LanguageModel:
     Raises ValueError for batch_size < 1 or vocab_size < 1, or an impossible ``use_cache``.
     """
 
-    def __init__(self, forward: Callable[[torch.Tensor], torch.Tensor], vocab_size: int,
-                 device: str | torch.device = "cpu", batch_size: int = 32, max_len: int | None = None,
-                 context: Callable[[], Any] | None = None, sync: Callable[[bool], bool] | None = None,
-                 use_cache: bool | None = None):
+    def __init__(
+        self,
+        forward: Callable[[torch.Tensor], torch.Tensor],
+        vocab_size: int,
+        device: str | torch.device = "cpu",
+        batch_size: int = 32,
+        max_len: int | None = None,
+        context: Callable[[], Any] | None = None,
+        sync: Callable[[bool], bool] | None = None,
+        use_cache: bool | None = None,
+    ):
         if int(batch_size) < 1:
             raise ValueError(f"batch_size={batch_size!r} is not allowed; allowed: an integer >= 1")
         if int(vocab_size) < 1:
@@ -67,8 +74,10 @@ class LanguageModel:
         self.sync = sync
         can = callable(getattr(forward, "new_cache", None))
         if use_cache and (not can or sync is not None):
-            raise ValueError("use_cache=True: the forward object has no new_cache() or generation is synced across "
-                             "ranks (sharded models decode without caches); allowed: None | False")
+            raise ValueError(
+                "use_cache=True: the forward object has no new_cache() or generation is synced across "
+                "ranks (sharded models decode without caches); allowed: None | False"
+            )
         self.use_cache = can and sync is None if use_cache is None else bool(use_cache)
 
     # ------------------------------------------------------------------ log-probabilities
@@ -81,21 +90,27 @@ class LanguageModel:
         """
         out: list[np.ndarray] = []
         for b0 in range(0, len(sequences), self.batch_size):
-            chunk = [np.asarray(s, dtype=np.int64) for s in sequences[b0:b0 + self.batch_size]]
+            chunk = [np.asarray(s, dtype=np.int64) for s in sequences[b0 : b0 + self.batch_size]]
             T = max(len(s) for s in chunk)
             x = torch.zeros(len(chunk), T, dtype=torch.long)
             for r, s in enumerate(chunk):
-                x[r, :len(s)] = torch.from_numpy(s)
+                x[r, : len(s)] = torch.from_numpy(s)
             with self.context():
                 logits = self.forward(x.to(self.device))
             lp = torch.log_softmax(logits.float(), dim=-1).cpu().numpy()
-            out.extend(lp[r, :len(s)] for r, s in enumerate(chunk))
+            out.extend(lp[r, : len(s)] for r, s in enumerate(chunk))
         return out
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
-    def generate(self, prompts: Sequence[np.ndarray], max_new_tokens: int, stop_ids: Sequence[int] = (),
-                 temperature: float = 0.0, keys: np.ndarray | None = None) -> list[np.ndarray]:
+    def generate(
+        self,
+        prompts: Sequence[np.ndarray],
+        max_new_tokens: int,
+        stop_ids: Sequence[int] = (),
+        temperature: float = 0.0,
+        keys: np.ndarray | None = None,
+    ) -> list[np.ndarray]:
         """Continue every prompt by up to ``max_new_tokens`` tokens.
 
         Args:
@@ -122,18 +137,24 @@ class LanguageModel:
         # sort by prompt length so a batch wastes little padding (results do not depend on the order)
         order = np.argsort([len(p) for p in prompts], kind="stable")
         for b0 in range(0, n, self.batch_size):
-            rows = order[b0:b0 + self.batch_size]
-            gen = self._generate_batch([np.asarray(prompts[r], dtype=np.int64) for r in rows], int(max_new_tokens),
-                                       set(int(s) for s in stop_ids), float(temperature),
-                                       None if keys is None else keys[rows])
+            rows = order[b0 : b0 + self.batch_size]
+            gen = self._generate_batch(
+                [np.asarray(prompts[r], dtype=np.int64) for r in rows],
+                int(max_new_tokens),
+                set(int(s) for s in stop_ids),
+                float(temperature),
+                None if keys is None else keys[rows],
+            )
             for r, g in zip(rows, gen):
                 out[int(r)] = g
         return out
 
-    def _pick(self, last: torch.Tensor, n_gen: torch.Tensor, temperature: float, keys: np.ndarray | None) -> torch.Tensor:
+    def _pick(
+        self, last: torch.Tensor, n_gen: torch.Tensor, temperature: float, keys: np.ndarray | None
+    ) -> torch.Tensor:
         """Next tokens (A,) from the last logits (A, V) of A rows; ``n_gen`` (A,) = tokens each row generated so far
         (the sampling noise of a row's j-th token is keyed by (key, j), so it does not depend on the batch)."""
-        last = last.float().cpu()[:, :self.vocab_size]
+        last = last.float().cpu()[:, : self.vocab_size]
         if temperature > 0:
             j = n_gen.numpy()[:, None].astype(np.int64) * self.vocab_size + np.arange(self.vocab_size, dtype=np.int64)
             u = to_unit(words(keys[:, None], _P_GUMBEL, j))
@@ -148,18 +169,21 @@ class LanguageModel:
         if (lens < 1).any():
             raise ValueError("prompts must be non-empty")
         if self.max_len is not None and int(lens.max()) >= int(self.max_len):
-            raise ValueError(f"a prompt of {int(lens.max())} tokens leaves no room to generate within the model's "
-                             f"max_len={self.max_len}")
+            raise ValueError(
+                f"a prompt of {int(lens.max())} tokens leaves no room to generate within the model's "
+                f"max_len={self.max_len}"
+            )
         total = int(lens.max()) + max_new
         if self.max_len is not None:
             total = min(total, int(self.max_len))
         buf = torch.zeros(len(prompts), total, dtype=torch.long)
         for r, p in enumerate(prompts):
-            buf[r, :len(p)] = torch.from_numpy(p)
+            buf[r, : len(p)] = torch.from_numpy(p)
         return lens, total, buf
 
-    def _generate_batch(self, prompts: list[np.ndarray], max_new: int, stops: set[int], temperature: float,
-                        keys: np.ndarray | None) -> list[np.ndarray]:
+    def _generate_batch(
+        self, prompts: list[np.ndarray], max_new: int, stops: set[int], temperature: float, keys: np.ndarray | None
+    ) -> list[np.ndarray]:
         if self.use_cache:
             return self._generate_batch_cached(prompts, max_new, stops, temperature, keys)
         B = len(prompts)
@@ -194,10 +218,11 @@ class LanguageModel:
                 hit = torch.tensor([int(t) in stops for t in nxt.tolist()], dtype=torch.bool)
                 done[idx] |= hit
             done |= n_gen >= max_new
-        return [buf[r, int(lens[r]):int(lens[r]) + int(n_gen[r])].numpy().copy() for r in range(B)]
+        return [buf[r, int(lens[r]) : int(lens[r]) + int(n_gen[r])].numpy().copy() for r in range(B)]
 
-    def _generate_batch_cached(self, prompts: list[np.ndarray], max_new: int, stops: set[int], temperature: float,
-                               keys: np.ndarray | None) -> list[np.ndarray]:
+    def _generate_batch_cached(
+        self, prompts: list[np.ndarray], max_new: int, stops: set[int], temperature: float, keys: np.ndarray | None
+    ) -> list[np.ndarray]:
         """Decode-cache generation (module docstring): prefill the shortest prompt's length for all rows, then one
         position per forward call; finished rows are dropped from the batch and the cache."""
         B = len(prompts)
@@ -216,7 +241,9 @@ class LanguageModel:
             if bool(gen.any()):
                 g = torch.nonzero(gen).flatten()
                 r = rows[g]
-                nxt = self._pick(last[g.to(last.device)], n_gen[r], temperature, None if keys is None else keys[r.numpy()])
+                nxt = self._pick(
+                    last[g.to(last.device)], n_gen[r], temperature, None if keys is None else keys[r.numpy()]
+                )
                 buf[r, pos] = nxt
                 n_gen[r] += 1
                 stop = n_gen[r] >= max_new
@@ -232,10 +259,10 @@ class LanguageModel:
                 rows = rows[keep]
                 cache.select(keep.to(self.device))
             with self.context():
-                logits = self.forward(buf[rows, pos:pos + 1].to(self.device), cache)
+                logits = self.forward(buf[rows, pos : pos + 1].to(self.device), cache)
             last = logits[:, -1]
             pos += 1
-        return [buf[r, int(lens[r]):int(lens[r]) + int(n_gen[r])].numpy().copy() for r in range(B)]
+        return [buf[r, int(lens[r]) : int(lens[r]) + int(n_gen[r])].numpy().copy() for r in range(B)]
 
 
 __all__ = ["LanguageModel"]

@@ -12,8 +12,9 @@ from typing import Mapping
 import torch
 
 
-def score_answers(pred: torch.Tensor, batch: Mapping[str, torch.Tensor], num_groups: int,
-                  nll: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def score_answers(
+    pred: torch.Tensor, batch: Mapping[str, torch.Tensor], num_groups: int, nll: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
     """Count correct answers and answer tokens per group (vectorised; any device; no Python loop over answers).
 
     Args:
@@ -33,8 +34,10 @@ def score_answers(pred: torch.Tensor, batch: Mapping[str, torch.Tensor], num_gro
     """
     tokens, aid, grp = batch["tokens"], batch["answer_id"], batch["group"]
     if pred.dim() != 2 or pred.shape != tokens.shape or aid.shape != tokens.shape or grp.shape != tokens.shape:
-        raise ValueError(f"pred {tuple(pred.shape)}, tokens {tuple(tokens.shape)}, answer_id {tuple(aid.shape)}, "
-                         f"group {tuple(grp.shape)}: all must be the same (B, T)")
+        raise ValueError(
+            f"pred {tuple(pred.shape)}, tokens {tuple(tokens.shape)}, answer_id {tuple(aid.shape)}, "
+            f"group {tuple(grp.shape)}: all must be the same (B, T)"
+        )
     if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1:
         raise ValueError(f"num_groups={num_groups!r} is not allowed; allowed: an integer >= 1")
     dev = pred.device

@@ -45,9 +45,12 @@ def check_window(task: Any, split: str, window: Any) -> int:
     check_split(split)
     need = task.max_instance_len(split)
     if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < need:
-        raise ConfigError("task.context", window,
-                          f"an integer >= {need}, the longest {split} instance of {task.name} in tokens "
-                          "(left-aligned packing never truncates a window's first instance)")
+        raise ConfigError(
+            "task.context",
+            window,
+            f"an integer >= {need}, the longest {split} instance of {task.name} in tokens "
+            "(left-aligned packing never truncates a window's first instance)",
+        )
     return int(window)
 
 
@@ -125,8 +128,13 @@ def _fill_rows(task: Any, split: str, rows: np.ndarray, length: int, seed: int):
     a_pos = a_ipos + a_start
     inside = a_pos < length
     a_order = np.lexsort((a_pos[inside], a_row[inside]))
-    answers = {"row": a_row[inside][a_order], "pos": a_pos[inside][a_order], "len": a_len[inside][a_order],
-               "group": a_grp[inside][a_order], "inst_pos": a_ipos[inside][a_order]}
+    answers = {
+        "row": a_row[inside][a_order],
+        "pos": a_pos[inside][a_order],
+        "len": a_len[inside][a_order],
+        "group": a_grp[inside][a_order],
+        "inst_pos": a_ipos[inside][a_order],
+    }
     return tokens, loss, answers
 
 
@@ -162,8 +170,9 @@ def _finish(tokens: np.ndarray, loss: np.ndarray, ans: dict[str, np.ndarray], wi
     }
 
 
-def pack_windows(task: Any, split: str, window_indices: Any, window: int, seed: int, tail: str = "drop",
-                 carry_group: int = 8) -> dict[str, np.ndarray]:
+def pack_windows(
+    task: Any, split: str, window_indices: Any, window: int, seed: int, tail: str = "drop", carry_group: int = 8
+) -> dict[str, np.ndarray]:
     """Pack several windows at once (vectorised); same result as stacking :func:`pack_window` for each index.
 
     Args: window_indices: non-negative ints (W,). Others as :func:`pack_window`.
@@ -178,8 +187,12 @@ def pack_windows(task: Any, split: str, window_indices: Any, window: int, seed: 
     if w.size and w.min() < 0:
         raise ValueError(f"window indices must be >= 0, got {int(w.min())}")
     if w.size == 0:
-        return {"tokens": np.zeros((0, window), np.int64), "loss_mask": np.zeros((0, window), bool),
-                "answer_id": np.zeros((0, window), np.int32), "group": np.zeros((0, window), np.int32)}
+        return {
+            "tokens": np.zeros((0, window), np.int64),
+            "loss_mask": np.zeros((0, window), bool),
+            "answer_id": np.zeros((0, window), np.int32),
+            "group": np.zeros((0, window), np.int32),
+        }
     if tail == "drop":
         return _finish(*_fill_rows(task, split, w, window, seed), window=window)
     if isinstance(carry_group, bool) or not isinstance(carry_group, (int, np.integer)) or carry_group < 1:
@@ -191,8 +204,9 @@ def pack_windows(task: Any, split: str, window_indices: Any, window: int, seed: 
     return {k: v[sel] for k, v in out.items()}
 
 
-def pack_window(task: Any, split: str, window_index: int, window: int, seed: int, tail: str = "drop",
-                carry_group: int = 8) -> dict[str, np.ndarray]:
+def pack_window(
+    task: Any, split: str, window_index: int, window: int, seed: int, tail: str = "drop", carry_group: int = 8
+) -> dict[str, np.ndarray]:
     """Window ``window_index`` of ``split``: a pure function of (seed, task.name, task params, split, index).
 
     Args:

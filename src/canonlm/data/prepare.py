@@ -88,8 +88,15 @@ import numpy as np
 from canonlm.data.seeding import instance_keys, stable_hash64, to_unit
 from canonlm.data.text import FORMAT, META, SPLITS, TextTokenizer, dtype_for_vocab
 
-SUFFIXES = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl",
-            ".parquet": "parquet"}
+SUFFIXES = {
+    ".txt": "text",
+    ".text": "text",
+    ".md": "text",
+    ".jsonl": "jsonl",
+    ".ndjson": "jsonl",
+    ".json": "jsonl",
+    ".parquet": "parquet",
+}
 TEXT_UNITS = ("line", "paragraph", "file")
 WORK = ".prepare"  # the work folder inside --out while a preparation is unfinished
 PLAN_FORMAT = "canonlm-prepare-plan-v1"
@@ -121,15 +128,23 @@ def resolve_inputs(spec: str, fmt: str = "auto") -> list[Path]:
         return [p]
     if p.is_dir():
         try:
-            files = sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith(".") and (
-                fmt != "auto" or (f.suffixes[-2] if f.suffix == ".gz" and len(f.suffixes) >= 2 else f.suffix).lower()
-                in SUFFIXES))
+            files = sorted(
+                f
+                for f in p.rglob("*")
+                if f.is_file()
+                and not f.name.startswith(".")
+                and (
+                    fmt != "auto"
+                    or (f.suffixes[-2] if f.suffix == ".gz" and len(f.suffixes) >= 2 else f.suffix).lower() in SUFFIXES
+                )
+            )
         except OSError as e:
-            raise PrepareError(f"input directory {spec}: cannot list {e.filename or spec}: "
-                               f"{e.strerror or e}") from None
+            raise PrepareError(f"input directory {spec}: cannot list {e.filename or spec}: {e.strerror or e}") from None
         if not files:
-            raise PrepareError(f"input directory {spec} holds no file with a known suffix "
-                               f"({', '.join(sorted(SUFFIXES))}, optionally .gz)")
+            raise PrepareError(
+                f"input directory {spec} holds no file with a known suffix "
+                f"({', '.join(sorted(SUFFIXES))}, optionally .gz)"
+            )
         return files
     files = sorted(Path(f) for f in glob.glob(str(p), recursive=True) if Path(f).is_file())
     if not files:
@@ -163,7 +178,7 @@ def decode_error_position(path: Path) -> tuple[int, int] | None:
             except UnicodeDecodeError as e:
                 # e.object = the bytes held back from the previous chunk (an unfinished sequence, no line end) + chunk
                 pending = len(e.object) - len(chunk)
-                return line + _lines_in(chunk[:max(e.start - pending, 0)], prev_cr), consumed - pending + e.start
+                return line + _lines_in(chunk[: max(e.start - pending, 0)], prev_cr), consumed - pending + e.start
             if not chunk:
                 return None
             line += _lines_in(chunk, prev_cr)
@@ -196,8 +211,9 @@ def iter_documents(path: Path, kind: str, text_key: str = "text", text_unit: str
                 where = None
         loc = f"{path}:{where[0]}" if where else str(path)
         at = f" at byte {where[1]}" if where else ""
-        raise PrepareError(f"{loc}: not valid UTF-8 ({e.reason}{at}); re-encode the file as UTF-8, e.g. "
-                           "iconv -f latin1 -t utf-8") from None
+        raise PrepareError(
+            f"{loc}: not valid UTF-8 ({e.reason}{at}); re-encode the file as UTF-8, e.g. iconv -f latin1 -t utf-8"
+        ) from None
     except (OSError, EOFError, zlib.error) as e:  # permissions, I/O, corrupt or truncated .gz
         why = getattr(e, "strerror", None) or " ".join(str(e).split()) or type(e).__name__
         raise PrepareError(f"input {path}: cannot read: {why}") from None
@@ -260,8 +276,9 @@ def _iter_documents(path: Path, kind: str, text_key: str, text_unit: str) -> Ite
         except (OSError, ValueError) as e:  # pyarrow.ArrowInvalid is a ValueError
             raise PrepareError(f"input {path}: cannot read as parquet: {' '.join(str(e).split())}") from None
         if text_key not in pf.schema_arrow.names:
-            raise PrepareError(f"{path}: no column {text_key!r} (columns: {', '.join(pf.schema_arrow.names)}); "
-                               "set --text-key")
+            raise PrepareError(
+                f"{path}: no column {text_key!r} (columns: {', '.join(pf.schema_arrow.names)}); set --text-key"
+            )
         for batch in pf.iter_batches(columns=[text_key], batch_size=1024):
             for doc in batch.column(0).to_pylist():
                 if doc is None:
@@ -355,8 +372,11 @@ class _ShardWriter:
         self._f = None
         idx = np.array(self._docs, dtype=np.int64).reshape(-1, 2)
         np.save(self.root / f"{self._name}.idx.npy", idx)
-        self.shards.append(dict(file=f"{self._name}.bin", index=f"{self._name}.idx.npy", tokens=self._tokens,
-                                documents=len(self._docs)))
+        self.shards.append(
+            dict(
+                file=f"{self._name}.bin", index=f"{self._name}.idx.npy", tokens=self._tokens, documents=len(self._docs)
+            )
+        )
 
     def finish(self) -> dict[str, Any]:
         self._close()
@@ -402,8 +422,10 @@ def check_out_dir(out: Path, force: bool) -> bool:
     if not out.exists() and not out.is_symlink():
         return False
     if not out.is_dir():
-        raise PrepareError(f"--out {out} exists and is not a directory; choose another --out "
-                           "(--force only replaces a prepared corpus directory)")
+        raise PrepareError(
+            f"--out {out} exists and is not a directory; choose another --out "
+            "(--force only replaces a prepared corpus directory)"
+        )
     try:
         empty = not any(out.iterdir())
     except OSError as e:
@@ -418,17 +440,26 @@ def check_out_dir(out: Path, force: bool) -> bool:
     except (OSError, ValueError, AttributeError):
         tag = None
     if not _format_tag_ok(tag):
-        why = (f"its {META} has no canonlm format tag (found {tag!r})" if meta.is_file()
-               else f"it holds no {META}")
-        raise PrepareError(f"--out {out} is a non-empty directory that is not a canonlm prepared corpus ({why}); "
-                           "refusing to delete it even with --force -- choose another --out or empty it yourself")
+        why = f"its {META} has no canonlm format tag (found {tag!r})" if meta.is_file() else f"it holds no {META}"
+        raise PrepareError(
+            f"--out {out} is a non-empty directory that is not a canonlm prepared corpus ({why}); "
+            "refusing to delete it even with --force -- choose another --out or empty it yourself"
+        )
     return True
 
 
 # ============================================================================================== plan
-_FLAGS = dict(fmt="--format", text_key="--text-key", text_unit="--text-unit", val_fraction="--val-fraction",
-              test_fraction="--test-fraction", seed="--seed", shard_tokens="--shard-tokens", append_eos="--append-eos",
-              eos_token="--eos-token")
+_FLAGS = dict(
+    fmt="--format",
+    text_key="--text-key",
+    text_unit="--text-unit",
+    val_fraction="--val-fraction",
+    test_fraction="--test-fraction",
+    seed="--seed",
+    shard_tokens="--shard-tokens",
+    append_eos="--append-eos",
+    eos_token="--eos-token",
+)
 
 
 def assign_units(sizes: Sequence[int], num_tasks: int) -> list[int]:
@@ -453,8 +484,10 @@ def _plan_diff(old: dict[str, Any], new: dict[str, Any]) -> str | None:
             return f"{flag} {a!r} there, {b!r} now"
     a, b = old.get("tokenizer", {}), new["tokenizer"]
     if (a.get("sha256"), a.get("eos_id")) != (b["sha256"], b["eos_id"]):
-        return f"--tokenizer {a.get('path')} (sha256 {str(a.get('sha256'))[:12]}) there, {b['path']} " \
-               f"(sha256 {b['sha256'][:12]}) now"
+        return (
+            f"--tokenizer {a.get('path')} (sha256 {str(a.get('sha256'))[:12]}) there, {b['path']} "
+            f"(sha256 {b['sha256'][:12]}) now"
+        )
     ia, ib = old.get("inputs", []), new["inputs"]
     if len(ia) != len(ib):
         return f"--input: {len(ia)} files there, {len(ib)} now"
@@ -489,9 +522,11 @@ def _claim(out: Path, plan: dict[str, Any], force: bool, single: bool) -> tuple[
             if diff is None:
                 return work, False
             if not (force and single):
-                raise PrepareError(f"--out {out} holds an unfinished preparation made with other inputs or options "
-                                   f"({diff}); rerun with the same ones to resume, or pass --force (with "
-                                   "--num-tasks 1) to start over")
+                raise PrepareError(
+                    f"--out {out} holds an unfinished preparation made with other inputs or options "
+                    f"({diff}); rerun with the same ones to resume, or pass --force (with "
+                    "--num-tasks 1) to start over"
+                )
             shutil.rmtree(work)
     try:
         for d in (out, work, work / "units", work / "counts", work / "done"):
@@ -499,10 +534,12 @@ def _claim(out: Path, plan: dict[str, Any], force: bool, single: bool) -> tuple[
     except OSError as e:
         blocker = next((a for a in (out, *out.parents) if a.exists() or a.is_symlink()), None)
         if blocker is not None and not blocker.is_dir():
-            raise PrepareError(f"--out {out}: cannot create the output folder {out.parent}: {blocker} is a file, "
-                               "not a folder") from None
-        raise PrepareError(f"--out {out}: cannot create {e.filename or out} in the output folder {out.parent}: "
-                           f"{e.strerror or e}") from None
+            raise PrepareError(
+                f"--out {out}: cannot create the output folder {out.parent}: {blocker} is a file, not a folder"
+            ) from None
+        raise PrepareError(
+            f"--out {out}: cannot create {e.filename or out} in the output folder {out.parent}: {e.strerror or e}"
+        ) from None
     # the plan: first writer wins (os.link fails if it exists), later tasks compare
     tmp = work / f".plan.json.tmp-{os.getpid()}-{time.time_ns()}"
     tmp.write_text(json.dumps(plan, indent=1))
@@ -516,8 +553,9 @@ def _claim(out: Path, plan: dict[str, Any], force: bool, single: bool) -> tuple[
     if not fresh:
         diff = _plan_diff(_read_json(work / "plan.json") or {}, plan)
         if diff is not None:
-            raise PrepareError(f"--out {out}: another task started this preparation with other inputs or options "
-                               f"({diff})")
+            raise PrepareError(
+                f"--out {out}: another task started this preparation with other inputs or options ({diff})"
+            )
     return work, fresh
 
 
@@ -631,14 +669,24 @@ def _run_unit(u: int) -> dict[str, Any]:
     counted = _read_json(work / "counts" / f"{name}.json")
     if counted is not None and counted.get("documents") != n:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise PrepareError(f"input {inp['path']} changed while it was being prepared ({counted.get('documents')} "
-                           f"documents counted, {n} tokenized); rerun with --force")
+        raise PrepareError(
+            f"input {inp['path']} changed while it was being prepared ({counted.get('documents')} "
+            f"documents counted, {n} tokenized); rerun with --force"
+        )
     os.rename(tmp, units / name)
     if counted is None:
         _atomic_write(work / "counts" / f"{name}.json", json.dumps(dict(documents=n, characters=chars)), fsync=False)
-    m = dict(unit=u, input=inp["path"], first_document=first, documents=n, characters=chars,
-             tokens=sum(s["tokens"] for s in splits.values()), splits=splits, lowest_train=low,
-             seconds=round(time.perf_counter() - t0, 3))
+    m = dict(
+        unit=u,
+        input=inp["path"],
+        first_document=first,
+        documents=n,
+        characters=chars,
+        tokens=sum(s["tokens"] for s in splits.values()),
+        splits=splits,
+        lowest_train=low,
+        seconds=round(time.perf_counter() - t0, 3),
+    )
     _atomic_write(done, json.dumps(m))
     return dict(m, skipped=False)
 
@@ -649,8 +697,11 @@ def _pieces(work: Path, mans: list[dict[str, Any]], split: str) -> list[dict[str
     for m in mans:
         ud = work / "units" / _unit_name(m["unit"])
         for sh in m["splits"][split]["shards"]:
-            out.append(dict(bin=ud / sh["file"], idx=ud / sh["index"], tokens=sh["tokens"], documents=sh["documents"],
-                            keep=None))
+            out.append(
+                dict(
+                    bin=ud / sh["file"], idx=ud / sh["index"], tokens=sh["tokens"], documents=sh["documents"], keep=None
+                )
+            )
     return out
 
 
@@ -724,8 +775,12 @@ def _write_group(out: Path, name: str, group: list[dict[str, Any]], dtype: np.dt
     is copied into a temporary file. The index is always written anew. Idempotent: a shard in place is kept, and a
     ``.part`` file left by a killed finalize is cut back to its first piece and completed."""
     dbin, didx = out / f"{name}.bin", out / f"{name}.idx.npy"
-    info = dict(file=dbin.name, index=didx.name, tokens=sum(p["tokens"] for p in group),
-                documents=sum(p["documents"] for p in group))
+    info = dict(
+        file=dbin.name,
+        index=didx.name,
+        tokens=sum(p["tokens"] for p in group),
+        documents=sum(p["documents"] for p in group),
+    )
     if dbin.exists() and didx.exists():
         return info
     head = group[0]
@@ -769,8 +824,10 @@ def _finalize(out: Path, work: Path, plan: dict[str, Any], *, explicit: bool) ->
     if missing:
         if explicit:
             u = missing[0]
-            raise PrepareError(f"--finalize: {len(missing)} of {n_units} work units are not done (first: "
-                               f"{plan['inputs'][u]['path']}); run the preparation (or its array tasks) again first")
+            raise PrepareError(
+                f"--finalize: {len(missing)} of {n_units} work units are not done (first: "
+                f"{plan['inputs'][u]['path']}); run the preparation (or its array tasks) again first"
+            )
         return None
     try:
         os.close(os.open(work / "finalize.lock", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
@@ -806,29 +863,42 @@ def _merge(out: Path, work: Path, plan: dict[str, Any], mans: list[dict[str, Any
             pieces["train"][src] = _select(p, rows, dtype)
     for s, frac in (("train", 1.0), ("val", o["val_fraction"]), ("test", o["test_fraction"])):
         if frac > 0 and sum(p["documents"] for p in pieces[s]) == 0:
-            raise PrepareError(f"only {n_docs} document(s): split {s!r} would be empty; give more documents "
-                               "(or set its fraction to 0)")
+            raise PrepareError(
+                f"only {n_docs} document(s): split {s!r} would be empty; give more documents (or set its fraction to 0)"
+            )
     merge_below = min(int(o["shard_tokens"]), MERGE_BELOW)
     splits = {}
     for s in SPLITS:
         shards = [_write_group(out, f"{s}_{k:05d}", g, dtype) for k, g in enumerate(_groups(pieces[s], merge_below))]
-        splits[s] = dict(tokens=sum(x["tokens"] for x in shards), documents=sum(x["documents"] for x in shards),
-                         shards=shards)
-    rule = ("val: u < val_fraction; test: val_fraction <= u < val_fraction + test_fraction; train: else; u = "
-            "to_unit(instance_keys(stable_hash64('canonlm-text-split', seed), 0, doc_index)); an empty val/test "
-            "takes the train document with the smallest u")
+        splits[s] = dict(
+            tokens=sum(x["tokens"] for x in shards), documents=sum(x["documents"] for x in shards), shards=shards
+        )
+    rule = (
+        "val: u < val_fraction; test: val_fraction <= u < val_fraction + test_fraction; train: else; u = "
+        "to_unit(instance_keys(stable_hash64('canonlm-text-split', seed), 0, doc_index)); an empty val/test "
+        "takes the train document with the smallest u"
+    )
     t = plan["tokenizer"]
-    meta = dict(documents=n_docs, characters=sum(m["characters"] for m in mans),
-                tokens=sum(v["tokens"] for v in splits.values()),
-                split_rule=dict(seed=o["seed"], val_fraction=o["val_fraction"], test_fraction=o["test_fraction"],
-                                rule=rule),
-                shard_tokens=o["shard_tokens"], splits=splits, format=FORMAT,
-                created=time.strftime("%Y-%m-%dT%H:%M:%S%z"), inputs=[i["path"] for i in plan["inputs"]],
-                input_formats=sorted({i["kind"] for i in plan["inputs"]}), text_key=o["text_key"],
-                text_unit=o["text_unit"], tokenizer={k: t[k] for k in ("path", "kind", "sha256", "vocab_size",
-                                                                        "eos_id", "eos_token")},
-                vocab_size=t["vocab_size"], eos_id=t["eos_id"], append_eos=o["append_eos"], dtype=dtype.name,
-                prepare=dict(plan_hash=stable_hash64(plan), units=n_units, merge_below=merge_below))
+    meta = dict(
+        documents=n_docs,
+        characters=sum(m["characters"] for m in mans),
+        tokens=sum(v["tokens"] for v in splits.values()),
+        split_rule=dict(seed=o["seed"], val_fraction=o["val_fraction"], test_fraction=o["test_fraction"], rule=rule),
+        shard_tokens=o["shard_tokens"],
+        splits=splits,
+        format=FORMAT,
+        created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        inputs=[i["path"] for i in plan["inputs"]],
+        input_formats=sorted({i["kind"] for i in plan["inputs"]}),
+        text_key=o["text_key"],
+        text_unit=o["text_unit"],
+        tokenizer={k: t[k] for k in ("path", "kind", "sha256", "vocab_size", "eos_id", "eos_token")},
+        vocab_size=t["vocab_size"],
+        eos_id=t["eos_id"],
+        append_eos=o["append_eos"],
+        dtype=dtype.name,
+        prepare=dict(plan_hash=stable_hash64(plan), units=n_units, merge_below=merge_below),
+    )
     _atomic_write(out / META, json.dumps(meta, indent=1))
     shutil.rmtree(work, ignore_errors=True)
     return meta
@@ -840,28 +910,48 @@ def _task_from_env(num_tasks: int, task_index: int | None) -> int:
     if task_index is None:
         if num_tasks == 1:
             if int(env.get("SLURM_ARRAY_TASK_COUNT", "1") or 1) > 1:
-                raise PrepareError(f"running in a SLURM array of {env['SLURM_ARRAY_TASK_COUNT']} tasks with "
-                                   "--num-tasks 1: every task would prepare everything; pass --num-tasks "
-                                   f"{env['SLURM_ARRAY_TASK_COUNT']}")
+                raise PrepareError(
+                    f"running in a SLURM array of {env['SLURM_ARRAY_TASK_COUNT']} tasks with "
+                    "--num-tasks 1: every task would prepare everything; pass --num-tasks "
+                    f"{env['SLURM_ARRAY_TASK_COUNT']}"
+                )
             return 0
         if "SLURM_ARRAY_TASK_ID" not in env:
-            raise PrepareError(f"--num-tasks {num_tasks} needs --task-index (or SLURM_ARRAY_TASK_ID, set by "
-                               "sbatch --array)")
+            raise PrepareError(
+                f"--num-tasks {num_tasks} needs --task-index (or SLURM_ARRAY_TASK_ID, set by sbatch --array)"
+            )
         try:
             task_index = int(env["SLURM_ARRAY_TASK_ID"]) - int(env.get("SLURM_ARRAY_TASK_MIN", "0") or 0)
         except ValueError:
             raise PrepareError(f"SLURM_ARRAY_TASK_ID {env['SLURM_ARRAY_TASK_ID']!r} is not an integer") from None
     if not 0 <= task_index < num_tasks:
-        raise PrepareError(f"--task-index {task_index!r} is not allowed; allowed: 0 .. {num_tasks - 1} (--num-tasks "
-                           f"{num_tasks}; from SLURM: SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN)")
+        raise PrepareError(
+            f"--task-index {task_index!r} is not allowed; allowed: 0 .. {num_tasks - 1} (--num-tasks "
+            f"{num_tasks}; from SLURM: SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN)"
+        )
     return task_index
 
 
-def prepare(inputs: str | os.PathLike | Sequence[str | os.PathLike], tokenizer: str | os.PathLike,
-            out: str | os.PathLike, *, fmt: str = "auto", text_key: str = "text", text_unit: str = "line",
-            val_fraction: float = 0.005, test_fraction: float = 0.005, seed: int = 0, shard_tokens: int = 1 << 28,
-            append_eos: bool = False, eos_token: str | None = None, force: bool = False, progress: bool = True,
-            workers: int = 1, num_tasks: int = 1, task_index: int | None = None) -> dict[str, Any] | None:
+def prepare(
+    inputs: str | os.PathLike | Sequence[str | os.PathLike],
+    tokenizer: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    fmt: str = "auto",
+    text_key: str = "text",
+    text_unit: str = "line",
+    val_fraction: float = 0.005,
+    test_fraction: float = 0.005,
+    seed: int = 0,
+    shard_tokens: int = 1 << 28,
+    append_eos: bool = False,
+    eos_token: str | None = None,
+    force: bool = False,
+    progress: bool = True,
+    workers: int = 1,
+    num_tasks: int = 1,
+    task_index: int | None = None,
+) -> dict[str, Any] | None:
     """Tokenize ``inputs`` into a prepared directory ``out`` (rules in the module docstring).
 
     Args: as the CLI flags. ``inputs``: one ``--input`` spec (file, directory or glob) or a list of them.
@@ -888,8 +978,10 @@ def prepare(inputs: str | os.PathLike | Sequence[str | os.PathLike], tokenizer: 
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise PrepareError(f"{name} {v!r} is not allowed; allowed: an integer >= 1")
     if force and num_tasks > 1:
-        raise PrepareError("--force is allowed only with --num-tasks 1 (array tasks start at different times and "
-                           "would delete each other's work); remove --out or run once without --num-tasks")
+        raise PrepareError(
+            "--force is allowed only with --num-tasks 1 (array tasks start at different times and "
+            "would delete each other's work); remove --out or run once without --num-tasks"
+        )
     task_index = _task_from_env(num_tasks, task_index)
     out = Path(out).expanduser().resolve()
     specs = [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs)
@@ -912,31 +1004,44 @@ def prepare(inputs: str | os.PathLike | Sequence[str | os.PathLike], tokenizer: 
     except (ValueError, ImportError) as e:
         raise PrepareError(str(e)) from None
     except OSError as e:  # FileNotFoundError (its message names the path), PermissionError, I/O errors
-        raise PrepareError(str(e) if isinstance(e, FileNotFoundError) and not e.filename else
-                           f"tokenizer {e.filename or tokenizer}: cannot read: {e.strerror or e}") from None
+        raise PrepareError(
+            str(e)
+            if isinstance(e, FileNotFoundError) and not e.filename
+            else f"tokenizer {e.filename or tokenizer}: cannot read: {e.strerror or e}"
+        ) from None
     if append_eos and tok.eos_id is None:
         raise PrepareError(f"--append-eos: tokenizer {tokenizer} has no EOS token; name one with --eos-token")
     ins = []
     for f, k in zip(files, kinds):
         st = f.stat()
         ins.append(dict(path=os.path.abspath(f), kind=k, size=st.st_size, mtime_ns=st.st_mtime_ns))
-    opts = dict(fmt=fmt, text_key=text_key, text_unit=text_unit, val_fraction=float(val_fraction),
-                test_fraction=float(test_fraction), seed=int(seed), shard_tokens=int(shard_tokens),
-                append_eos=bool(append_eos), eos_token=eos_token)
+    opts = dict(
+        fmt=fmt,
+        text_key=text_key,
+        text_unit=text_unit,
+        val_fraction=float(val_fraction),
+        test_fraction=float(test_fraction),
+        seed=int(seed),
+        shard_tokens=int(shard_tokens),
+        append_eos=bool(append_eos),
+        eos_token=eos_token,
+    )
     plan = dict(format=PLAN_FORMAT, options=opts, tokenizer=tok.describe(), inputs=ins)
     single = num_tasks == 1
     if not single:  # an array task started again after the corpus was finished (e.g. requeued): nothing to do
         done = _read_json(out / META)
         if isinstance(done, dict) and (done.get("prepare") or {}).get("plan_hash") == stable_hash64(plan):
             if progress:
-                print(f"[prepare] task {task_index}/{num_tasks}: {out} is already complete (same inputs and options)",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[prepare] task {task_index}/{num_tasks}: {out} is already complete (same inputs and options)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             return done
     existed = out.is_dir()
     work, fresh = _claim(out, plan, force, single)
     try:
-        return _work(out, work, plan, workers=workers, num_tasks=num_tasks, task_index=task_index,
-                     progress=progress)
+        return _work(out, work, plan, workers=workers, num_tasks=num_tasks, task_index=task_index, progress=progress)
     except BaseException as e:
         if single and fresh and isinstance(e, (PrepareError, OSError)):
             shutil.rmtree(work if existed else out, ignore_errors=True)
@@ -945,8 +1050,9 @@ def prepare(inputs: str | os.PathLike | Sequence[str | os.PathLike], tokenizer: 
         raise
 
 
-def _work(out: Path, work: Path, plan: dict[str, Any], *, workers: int, num_tasks: int, task_index: int,
-          progress: bool) -> dict[str, Any] | None:
+def _work(
+    out: Path, work: Path, plan: dict[str, Any], *, workers: int, num_tasks: int, task_index: int, progress: bool
+) -> dict[str, Any] | None:
     """Run this task's work units (skipping done ones) with ``workers`` processes, then try to finalize."""
     owner = assign_units([i["size"] for i in plan["inputs"]], num_tasks)
     mine = [u for u, t in enumerate(owner) if t == task_index]
@@ -955,9 +1061,12 @@ def _work(out: Path, work: Path, plan: dict[str, Any], *, workers: int, num_task
     n_units = len(plan["inputs"])
     tag = f"[prepare] task {task_index}/{num_tasks}: " if num_tasks > 1 else "[prepare] "
     if progress:
-        print(f"{tag}{len(mine)} of {n_units} units are this task's; {len(done)} of them already done (kept), "
-              f"{len(todo)} to prepare with {min(workers, max(len(todo), 1))} process(es)", file=sys.stderr,
-              flush=True)
+        print(
+            f"{tag}{len(mine)} of {n_units} units are this task's; {len(done)} of them already done (kept), "
+            f"{len(todo)} to prepare with {min(workers, max(len(todo), 1))} process(es)",
+            file=sys.stderr,
+            flush=True,
+        )
     t0 = last = time.perf_counter()
     stats = dict(units=0, documents=0, tokens=0, characters=0)
 
@@ -970,9 +1079,13 @@ def _work(out: Path, work: Path, plan: dict[str, Any], *, workers: int, num_task
         now = time.perf_counter()
         if progress and (now - last > 2.0 or stats["units"] == len(todo)):
             last = now
-            print(f"{tag}{stats['units']}/{len(todo)} units done (last: {Path(m['input']).name}); "
-                  f"{stats['documents']:,} docs, {stats['tokens']:,} tokens, "
-                  f"{stats['tokens'] / max(now - t0, 1e-9) / 1e6:.2f}M tokens/s", file=sys.stderr, flush=True)
+            print(
+                f"{tag}{stats['units']}/{len(todo)} units done (last: {Path(m['input']).name}); "
+                f"{stats['documents']:,} docs, {stats['tokens']:,} tokens, "
+                f"{stats['tokens'] / max(now - t0, 1e-9) / 1e6:.2f}M tokens/s",
+                file=sys.stderr,
+                flush=True,
+            )
 
     if workers == 1 or len(todo) <= 1:
         _init_process(str(work), plan, single_threaded=False)
@@ -983,8 +1096,12 @@ def _work(out: Path, work: Path, plan: dict[str, Any], *, workers: int, num_task
         from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 
         ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-        with ProcessPoolExecutor(max_workers=min(workers, len(todo)), mp_context=ctx, initializer=_init_process,
-                                 initargs=(str(work), plan, True)) as ex:
+        with ProcessPoolExecutor(
+            max_workers=min(workers, len(todo)),
+            mp_context=ctx,
+            initializer=_init_process,
+            initargs=(str(work), plan, True),
+        ) as ex:
             pending = {ex.submit(_run_unit, u) for u in todo}
             while pending:
                 finished, pending = wait(pending, return_when=FIRST_EXCEPTION)
@@ -996,9 +1113,13 @@ def _work(out: Path, work: Path, plan: dict[str, Any], *, workers: int, num_task
                     note(f.result())
     if progress:
         dt = max(time.perf_counter() - t0, 1e-9)
-        print(f"{tag}{stats['units']} units prepared, {len(done)} already done: {stats['documents']:,} docs, "
-              f"{stats['tokens']:,} tokens, {stats['characters'] / 1e6:,.1f}M chars in {dt:.1f} s, "
-              f"{stats['tokens'] / dt / 1e6:.2f}M tokens/s (done)", file=sys.stderr, flush=True)
+        print(
+            f"{tag}{stats['units']} units prepared, {len(done)} already done: {stats['documents']:,} docs, "
+            f"{stats['tokens']:,} tokens, {stats['characters'] / 1e6:,.1f}M chars in {dt:.1f} s, "
+            f"{stats['tokens'] / dt / 1e6:.2f}M tokens/s (done)",
+            file=sys.stderr,
+            flush=True,
+        )
     return _finalize(out, work, plan, explicit=num_tasks == 1)
 
 
@@ -1030,13 +1151,19 @@ def main(argv: list[str] | None = None) -> int:
         ...) reported as one line ``canonlm.data.prepare: error: <message>`` on stderr, nothing written by a fresh
         single-task run. argparse itself exits with status 2 (usage on stderr) for unknown or missing flags.
     """
-    ap = argparse.ArgumentParser(prog="python -m canonlm.data.prepare",
-                                 description="Tokenize local text into token shards for task=text.",
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m canonlm.data.prepare",
+        description="Tokenize local text into token shards for task=text.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     ap.add_argument("--input", action="append", help="a file, a directory (recursive) or a glob; repeat for more")
     ap.add_argument("--tokenizer", help="tokenizer.json or a local Hugging Face tokenizer directory")
-    ap.add_argument("--out", required=True, help="output directory (must not exist unless --force, or an unfinished "
-                                                 "preparation of the same inputs and options: resumed)")
+    ap.add_argument(
+        "--out",
+        required=True,
+        help="output directory (must not exist unless --force, or an unfinished "
+        "preparation of the same inputs and options: resumed)",
+    )
     ap.add_argument("--format", default="auto", choices=("auto", "text", "jsonl", "parquet"))
     ap.add_argument("--text-key", default="text", help="JSONL field / parquet column holding the text")
     ap.add_argument("--text-unit", default="line", choices=TEXT_UNITS, help="document unit of text files")
@@ -1048,13 +1175,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eos-token", default=None, help="EOS token string (default: the tokenizer's)")
     ap.add_argument("--workers", type=int, default=1, help="worker processes of this task")
     ap.add_argument("--num-tasks", type=int, default=1, help="split the input files over this many tasks (nodes)")
-    ap.add_argument("--task-index", type=int, default=None,
-                    help="this task, 0..num-tasks-1 (default: $SLURM_ARRAY_TASK_ID - $SLURM_ARRAY_TASK_MIN)")
-    ap.add_argument("--finalize", action="store_true",
-                    help="only merge the done units of --out into meta.json + shards (after an array run)")
-    ap.add_argument("--force", action="store_true",
-                    help="replace an existing --out, only if it is a prepared corpus (meta.json with a canonlm format "
-                         "tag); any other non-empty directory is never deleted")
+    ap.add_argument(
+        "--task-index",
+        type=int,
+        default=None,
+        help="this task, 0..num-tasks-1 (default: $SLURM_ARRAY_TASK_ID - $SLURM_ARRAY_TASK_MIN)",
+    )
+    ap.add_argument(
+        "--finalize",
+        action="store_true",
+        help="only merge the done units of --out into meta.json + shards (after an array run)",
+    )
+    ap.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an existing --out, only if it is a prepared corpus (meta.json with a canonlm format "
+        "tag); any other non-empty directory is never deleted",
+    )
     ap.add_argument("--quiet", action="store_true", help="no progress lines")
     a = ap.parse_args(argv)
     if not a.finalize:
@@ -1065,22 +1202,40 @@ def main(argv: list[str] | None = None) -> int:
         if a.finalize:
             meta = finalize(a.out)
         else:
-            meta = prepare(a.input, a.tokenizer, a.out, fmt=a.format, text_key=a.text_key, text_unit=a.text_unit,
-                           val_fraction=a.val_fraction, test_fraction=a.test_fraction, seed=a.seed,
-                           shard_tokens=a.shard_tokens, append_eos=a.append_eos, eos_token=a.eos_token,
-                           force=a.force, progress=not a.quiet, workers=a.workers, num_tasks=a.num_tasks,
-                           task_index=a.task_index)
+            meta = prepare(
+                a.input,
+                a.tokenizer,
+                a.out,
+                fmt=a.format,
+                text_key=a.text_key,
+                text_unit=a.text_unit,
+                val_fraction=a.val_fraction,
+                test_fraction=a.test_fraction,
+                seed=a.seed,
+                shard_tokens=a.shard_tokens,
+                append_eos=a.append_eos,
+                eos_token=a.eos_token,
+                force=a.force,
+                progress=not a.quiet,
+                workers=a.workers,
+                num_tasks=a.num_tasks,
+                task_index=a.task_index,
+            )
     except (PrepareError, OSError) as e:  # OSError: a last resort, PrepareError covers the known cases
         print("canonlm.data.prepare: error: " + " ".join(str(e).split()), file=sys.stderr)
         return 2
     if meta is None:
-        print(f"task done: {a.out} waits for the other tasks' units (the last task to finish finalizes; or run "
-              f"python -m canonlm.data.prepare --finalize --out {a.out})")
+        print(
+            f"task done: {a.out} waits for the other tasks' units (the last task to finish finalizes; or run "
+            f"python -m canonlm.data.prepare --finalize --out {a.out})"
+        )
         return 0
     s = meta["splits"]
-    print(f"wrote {a.out}: {meta['documents']:,} documents, {meta['tokens']:,} tokens ({meta['dtype']}, vocab "
-          f"{meta['vocab_size']:,}); train {s['train']['tokens']:,} / val {s['val']['tokens']:,} / test "
-          f"{s['test']['tokens']:,} tokens")
+    print(
+        f"wrote {a.out}: {meta['documents']:,} documents, {meta['tokens']:,} tokens ({meta['dtype']}, vocab "
+        f"{meta['vocab_size']:,}); train {s['train']['tokens']:,} / val {s['val']['tokens']:,} / test "
+        f"{s['test']['tokens']:,} tokens"
+    )
     return 0
 
 

@@ -54,6 +54,7 @@ def load_task_config(name: str, overrides: dict[str, Any] | None = None) -> dict
     conf = _conf_dir()
     path = conf / "task" / f"{name}.yaml" if conf else None
     if path is not None and path.is_file():
+
         def load(p: Path) -> Any:
             node = OmegaConf.load(p)
             defaults = node.pop("defaults", []) if "defaults" in node else []
@@ -121,8 +122,14 @@ def _jsonable(x: Any) -> Any:
     return x
 
 
-def render(task: Any, tokens: np.ndarray, loss_mask: np.ndarray, answer_id: np.ndarray, group: np.ndarray,
-           meta: dict[str, Any] | None = None) -> dict[str, Any]:
+def render(
+    task: Any,
+    tokens: np.ndarray,
+    loss_mask: np.ndarray,
+    answer_id: np.ndarray,
+    group: np.ndarray,
+    meta: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """One sample as printable strings and a JSON-able record.
 
     Args: tokens int (L,), loss_mask bool (L,), answer_id int (L,) (-1 = not scored), group int (L,), meta: dict.
@@ -141,8 +148,14 @@ def render(task: Any, tokens: np.ndarray, loss_mask: np.ndarray, answer_id: np.n
         pos = np.nonzero(aid == a)[0]
         answers.append((int(group[pos[0]]), task.decode(np.asarray(tok)[pos])))
     text = task.decode(tok)
-    record = {"tokens": tok, "loss_mask": [bool(x) for x in loss_mask], "answer_id": [int(x) for x in answer_id],
-              "group": [int(x) for x in group], "text": text, "meta": _jsonable(meta or {})}
+    record = {
+        "tokens": tok,
+        "loss_mask": [bool(x) for x in loss_mask],
+        "answer_id": [int(x) for x in answer_id],
+        "group": [int(x) for x in group],
+        "text": text,
+        "meta": _jsonable(meta or {}),
+    }
     return {"text": text, "loss": loss, "answers": answers, "record": record}
 
 
@@ -154,8 +167,13 @@ def preview(task: Any, n: int, split: str = "train", seed: int | None = None, pa
     if packed or not hasattr(task, "instance"):
         from canonlm.data.stream import SyntheticStream
 
-        kw = dict(window=int(task.context), batch_size=n, seed=int(task.seed if seed is None else seed), num_steps=1,
-                  tail=getattr(task, "tail", "drop"))
+        kw = dict(
+            window=int(task.context),
+            batch_size=n,
+            seed=int(task.seed if seed is None else seed),
+            num_steps=1,
+            tail=getattr(task, "tail", "drop"),
+        )
         ds = task.make_stream(split, **kw) if hasattr(task, "make_stream") else SyntheticStream(task, split, **kw)
         b = next(iter(ds))
         for r in range(min(n, b["tokens"].shape[0])):
@@ -187,8 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     gname = getattr(task, "group_name", "group")
     print(f"# {task!r}  vocab_size={task.vocab_size}  split={args['split']}  (* = loss target)")
     for j, it in enumerate(items):
-        print(f"\n[{j}] {it['index']}, {len(it['record']['tokens'])} tokens, "
-              f"{sum(it['record']['loss_mask'])} loss targets")
+        print(
+            f"\n[{j}] {it['index']}, {len(it['record']['tokens'])} tokens, "
+            f"{sum(it['record']['loss_mask'])} loss targets"
+        )
         print(f"text:    {it['text']}")
         print(f"loss:    {it['loss']}")
         for g, a in it["answers"]:
@@ -196,8 +216,10 @@ def main(argv: list[str] | None = None) -> int:
         if it["record"]["meta"]:
             print(f"meta:    {json.dumps(it['record']['meta'])[:400]}")
     if args["jsonl"]:
-        path = atomic_write_text(args["jsonl"], "".join(
-            json.dumps({"index": it["index"], "split": args["split"], **it["record"]}) + "\n" for it in items))
+        path = atomic_write_text(
+            args["jsonl"],
+            "".join(json.dumps({"index": it["index"], "split": args["split"], **it["record"]}) + "\n" for it in items),
+        )
         print(f"\nwrote {len(items)} samples to {path}")
     return 0
 

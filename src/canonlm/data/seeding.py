@@ -84,8 +84,9 @@ def words(keys: np.ndarray, purpose: int | np.ndarray, j: np.ndarray | int) -> n
         return words(keys.reshape(1), purpose, j).reshape(np.broadcast_shapes((), np.shape(purpose), np.shape(j)))
     if isinstance(purpose, int) and isinstance(j, int):
         return mix64(keys + np.uint64(((purpose * _PURPOSE_SHIFT + j + 1) * _GOLDEN_INT) % 2**64))
-    ctr = (np.asarray(j, dtype=np.uint64) + np.asarray(purpose, dtype=np.uint64) * np.uint64(_PURPOSE_SHIFT)
-           + np.uint64(1))
+    ctr = (
+        np.asarray(j, dtype=np.uint64) + np.asarray(purpose, dtype=np.uint64) * np.uint64(_PURPOSE_SHIFT) + np.uint64(1)
+    )
     return mix64(keys + ctr * GOLDEN)
 
 

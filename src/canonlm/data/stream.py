@@ -53,8 +53,18 @@ class StepStream(IterableDataset):
     Raises ValueError (:func:`check_arg_int` wording) for a bad size, rank, seed or step.
     """
 
-    def __init__(self, task: Any, split: str, *, batch_size: int, seed: int, rank: int = 0, world_size: int = 1,
-                 start_step: int = 0, num_steps: int | None = None):
+    def __init__(
+        self,
+        task: Any,
+        split: str,
+        *,
+        batch_size: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        start_step: int = 0,
+        num_steps: int | None = None,
+    ):
         super().__init__()
         self.task = task
         self.split = split
@@ -149,12 +159,32 @@ class SyntheticStream(StepStream):
         ValueError for bad sizes/ranks/steps or split.
     """
 
-    def __init__(self, task: Any, split: str, *, window: int, batch_size: int, seed: int, rank: int = 0,
-                 world_size: int = 1, start_step: int = 0, num_steps: int | None = None, tail: str = "drop",
-                 carry_group: int = 8):
+    def __init__(
+        self,
+        task: Any,
+        split: str,
+        *,
+        window: int,
+        batch_size: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        start_step: int = 0,
+        num_steps: int | None = None,
+        tail: str = "drop",
+        carry_group: int = 8,
+    ):
         self.window = check_window(task, split, window)
-        super().__init__(task, split, batch_size=batch_size, seed=seed, rank=rank, world_size=world_size,
-                         start_step=start_step, num_steps=num_steps)
+        super().__init__(
+            task,
+            split,
+            batch_size=batch_size,
+            seed=seed,
+            rank=rank,
+            world_size=world_size,
+            start_step=start_step,
+            num_steps=num_steps,
+        )
         if tail not in TAILS:
             raise ConfigError("task.tail", tail, " | ".join(TAILS))
         self.tail = tail
@@ -162,8 +192,15 @@ class SyntheticStream(StepStream):
 
     def batch(self, step: int) -> dict[str, torch.Tensor]:
         """This rank's batch at global step ``step`` (pure function of the step); shapes as in the class doc."""
-        out = pack_windows(self.task, self.split, self._step_windows(step), self.window,
-                           self.seed, tail=self.tail, carry_group=self.carry_group)
+        out = pack_windows(
+            self.task,
+            self.split,
+            self._step_windows(step),
+            self.window,
+            self.seed,
+            tail=self.tail,
+            carry_group=self.carry_group,
+        )
         return {k: torch.from_numpy(v) for k, v in out.items()}
 
     def _steps_per_call(self) -> int:
@@ -172,10 +209,11 @@ class SyntheticStream(StepStream):
     def _batches(self, steps: list[int]) -> Iterator[dict[str, torch.Tensor]]:
         B = self.batch_size
         idx = np.concatenate([self.window_indices(st) for st in steps])
-        out = pack_windows(self.task, self.split, idx, self.window, self.seed, tail=self.tail,
-                           carry_group=self.carry_group)
+        out = pack_windows(
+            self.task, self.split, idx, self.window, self.seed, tail=self.tail, carry_group=self.carry_group
+        )
         for j in range(len(steps)):
-            yield {k: torch.from_numpy(v[j * B:(j + 1) * B].copy()) for k, v in out.items()}
+            yield {k: torch.from_numpy(v[j * B : (j + 1) * B].copy()) for k, v in out.items()}
 
 
 __all__ = ["StepStream", "SyntheticStream", "check_arg_int"]

@@ -51,8 +51,17 @@ FORMAT = "canonlm-text-v1"
 META = "meta.json"
 SPLITS = ("train", "val", "test")
 EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<eos>", "<|end_of_text|>", "<|eos|>", "[SEP]")
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                    "spiece.model", "vocab.json", "vocab.txt", "merges.txt", "added_tokens.json")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "spiece.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "added_tokens.json",
+)
 
 
 # ============================================================================================== tokenizers
@@ -95,8 +104,10 @@ class TextTokenizer:
     def __init__(self, path: str | os.PathLike, eos_token: str | None = None):
         p = Path(path).expanduser()
         if not p.exists():
-            raise FileNotFoundError(f"tokenizer: {path} does not exist (expected a tokenizer.json file or a local "
-                                    "Hugging Face tokenizer directory)")
+            raise FileNotFoundError(
+                f"tokenizer: {path} does not exist (expected a tokenizer.json file or a local "
+                "Hugging Face tokenizer directory)"
+            )
         self.path = str(p.resolve())
         self._hf = None
         self._tk = None
@@ -112,8 +123,9 @@ class TextTokenizer:
             try:
                 self._hf = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
             except Exception as e:  # noqa: BLE001 -- report any loader failure with the path
-                raise ValueError(f"tokenizer: cannot load {path} with transformers.AutoTokenizer "
-                                 f"(local_files_only=True): {e}") from None
+                raise ValueError(
+                    f"tokenizer: cannot load {path} with transformers.AutoTokenizer (local_files_only=True): {e}"
+                ) from None
             self.kind = "transformers"
             vocab = self._hf.get_vocab()
             self.vocab_size = max(len(self._hf), max(vocab.values()) + 1 if vocab else 0)
@@ -135,8 +147,9 @@ class TextTokenizer:
                 raise ValueError(f"tokenizer: cannot load {f} with tokenizers.Tokenizer.from_file: {e}") from None
             self.kind = "tokenizers"
             vocab = self._tk.get_vocab(with_added_tokens=True)
-            self.vocab_size = max(self._tk.get_vocab_size(with_added_tokens=True),
-                                  max(vocab.values()) + 1 if vocab else 0)
+            self.vocab_size = max(
+                self._tk.get_vocab_size(with_added_tokens=True), max(vocab.values()) + 1 if vocab else 0
+            )
             if eos_token is None:
                 self.eos_id = next((vocab[t] for t in EOS_CANDIDATES if t in vocab), None)
             else:
@@ -188,8 +201,14 @@ class TextTokenizer:
 
     def describe(self) -> dict[str, Any]:
         """JSON-able identity: path, kind, sha256, vocab_size, eos_id, eos_token."""
-        return dict(path=self.path, kind=self.kind, sha256=self.sha256, vocab_size=self.vocab_size,
-                    eos_id=self.eos_id, eos_token=self.eos_token)
+        return dict(
+            path=self.path,
+            kind=self.kind,
+            sha256=self.sha256,
+            vocab_size=self.vocab_size,
+            eos_id=self.eos_id,
+            eos_token=self.eos_token,
+        )
 
 
 def load_tokenizer(path: str | os.PathLike, eos_token: str | None = None) -> TextTokenizer:
@@ -234,8 +253,10 @@ def read_meta(data_dir: str | os.PathLike) -> dict[str, Any]:
             if not p.is_file():
                 raise ValueError(f"{data_dir}: shard {sh['file']} is missing")
             if p.stat().st_size != sh["tokens"] * item:
-                raise ValueError(f"{data_dir}: shard {sh['file']} has {p.stat().st_size} bytes, expected "
-                                 f"{sh['tokens']} tokens x {item} bytes")
+                raise ValueError(
+                    f"{data_dir}: shard {sh['file']} has {p.stat().st_size} bytes, expected "
+                    f"{sh['tokens']} tokens x {item} bytes"
+                )
     return meta
 
 
@@ -287,8 +308,19 @@ def feistel_permute(x: np.ndarray, n: int, keys: np.ndarray) -> np.ndarray:
 
 
 # ============================================================================================== task
-_DEFAULTS: dict[str, Any] = dict(name="text", data_dir=None, sources=None, mix="weighted", context=1024, seed=0,
-                                 tail="drop", vocab_multiple=1, doc_mask=False, vocab_size=None, tokenizer_name=None)
+_DEFAULTS: dict[str, Any] = dict(
+    name="text",
+    data_dir=None,
+    sources=None,
+    mix="weighted",
+    context=1024,
+    seed=0,
+    tail="drop",
+    vocab_multiple=1,
+    doc_mask=False,
+    vocab_size=None,
+    tokenizer_name=None,
+)
 KEYS = tuple(_DEFAULTS)
 #: Keys added after the first text release, with their defaults: a checkpoint written before them (its task config
 #: lacks them) resumes when they hold these values (``canonlm.train.run``).
@@ -310,8 +342,12 @@ MIX_BLOCK = 1 << 16
 _SOURCE_KEYS = ("data_dir", "weight", "max_epochs")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _DD_ALLOWED = "a directory written by `python -m canonlm.data.prepare` (meta.json + token shards)"
-_SAME_TOKENIZER = (("tokenizer sha256", ("tokenizer", "sha256")), ("vocab_size", ("vocab_size",)),
-                   ("eos_id", ("eos_id",)), ("dtype", ("dtype",)))
+_SAME_TOKENIZER = (
+    ("tokenizer sha256", ("tokenizer", "sha256")),
+    ("vocab_size", ("vocab_size",)),
+    ("eos_id", ("eos_id",)),
+    ("dtype", ("dtype",)),
+)
 
 
 def round_vocab(vocab: int, multiple: int) -> int:
@@ -334,24 +370,41 @@ def _check_settings(task: Any, c: Mapping[str, Any]) -> None:
     task.tail = "drop"
     task.vocab_multiple = check_int("vocab_multiple", c["vocab_multiple"], 1)
     if not isinstance(c["doc_mask"], bool):
-        raise ConfigError("task.doc_mask", c["doc_mask"], "true or false (batches carry doc_ids: the document "
-                          "index of every token within its window)")
+        raise ConfigError(
+            "task.doc_mask",
+            c["doc_mask"],
+            "true or false (batches carry doc_ids: the document index of every token within its window)",
+        )
     task.doc_mask = c["doc_mask"]
     if c["mix"] not in MIX_MODES:
         raise ConfigError("task.mix", c["mix"], " | ".join(MIX_MODES))
     task.mix = c["mix"]
     v = c["vocab_size"]
-    task.declared_vocab_size = None if v is None else check_int(
-        "vocab_size", v, 2, allowed="null (the prepared corpus' meta.json gives the vocabulary) or an integer >= 2: "
-        "the vocabulary of the tokenizer the corpus is prepared with (Llama-2 32000, Llama-3 128256), which an "
-        "estimate uses before the corpus exists")
+    task.declared_vocab_size = (
+        None
+        if v is None
+        else check_int(
+            "vocab_size",
+            v,
+            2,
+            allowed="null (the prepared corpus' meta.json gives the vocabulary) or an integer >= 2: "
+            "the vocabulary of the tokenizer the corpus is prepared with (Llama-2 32000, Llama-3 128256), which an "
+            "estimate uses before the corpus exists",
+        )
+    )
     t = c["tokenizer_name"]
     if t is not None and not (isinstance(t, str) and t.strip()):
-        raise ConfigError("task.tokenizer_name", t, "null or a non-empty name of the tokenizer task.vocab_size "
-                          "describes, for printouts (e.g. Llama-2)")
+        raise ConfigError(
+            "task.tokenizer_name",
+            t,
+            "null or a non-empty name of the tokenizer task.vocab_size describes, for printouts (e.g. Llama-2)",
+        )
     if t is not None and v is None:
-        raise ConfigError("task.tokenizer_name", t, "null while task.vocab_size is null (it names the tokenizer "
-                          "whose vocabulary task.vocab_size declares)")
+        raise ConfigError(
+            "task.tokenizer_name",
+            t,
+            "null while task.vocab_size is null (it names the tokenizer whose vocabulary task.vocab_size declares)",
+        )
     task.tokenizer_name = None if t is None else t.strip()
 
 
@@ -363,8 +416,15 @@ class _Layout:
     each shard), total (slots of the split), src_start (int64 (sources+1,): first slot of each source), src_slots
     (int64 (sources,): slots of each source)."""
 
-    def __init__(self, files: list[Path], tokens: list[int], T: int, index_files: list[Path] | None = None,
-                 shard_source: list[int] | None = None, n_sources: int = 1):
+    def __init__(
+        self,
+        files: list[Path],
+        tokens: list[int],
+        T: int,
+        index_files: list[Path] | None = None,
+        shard_source: list[int] | None = None,
+        n_sources: int = 1,
+    ):
         self.files = files
         self.index_files = index_files or [f.with_name(f.name[:-4] + ".idx.npy") for f in files]
         self.T = T
@@ -390,7 +450,7 @@ def apportion(weights: Sequence[float], total: int) -> np.ndarray:
     q = w / w.sum() * total
     c = np.floor(q).astype(np.int64)
     order = np.argsort(-(q - c), kind="stable")
-    c[order[:total - int(c.sum())]] += 1
+    c[order[: total - int(c.sum())]] += 1
     return c
 
 
@@ -463,7 +523,6 @@ class TextTask(_TextMetrics):
         ``seed`` / ``vocab_multiple`` / ``mix`` / ``doc_mask`` / ``vocab_size`` / ``tokenizer_name``.
     """
 
-
     def __init__(self, name: str, cfg: Mapping[str, Any]):
         c = merge_config(name, cfg, {"text": _DEFAULTS}, KEYS, mismatch="text")
         self.name = name
@@ -491,28 +550,39 @@ class TextTask(_TextMetrics):
                 dd = src["data_dir_given"]
                 info = src["meta"]["splits"][split]
                 if info["tokens"] == 0:
-                    raise ConfigError(src["key"] + ".data_dir" if self.is_mixture or c["sources"] is not None
-                                      else "task.data_dir", str(dd),
-                                      f"{_DD_ALLOWED}; problem: split {split!r} is empty (prepare with a larger "
-                                      "--val-fraction / --test-fraction or more documents)")
+                    raise ConfigError(
+                        src["key"] + ".data_dir" if self.is_mixture or c["sources"] is not None else "task.data_dir",
+                        str(dd),
+                        f"{_DD_ALLOWED}; problem: split {split!r} is empty (prepare with a larger "
+                        "--val-fraction / --test-fraction or more documents)",
+                    )
                 longest = max(sh["tokens"] for sh in info["shards"])
-                raise ConfigError("task.context", self.context,
-                                  f"an integer <= {longest}, the longest {split} shard of {dd} in tokens "
-                                  "(a window must fit inside one shard)")
+                raise ConfigError(
+                    "task.context",
+                    self.context,
+                    f"an integer <= {longest}, the longest {split} shard of {dd} in tokens "
+                    "(a window must fit inside one shard)",
+                )
         self.mix_counts = None
         if self.is_mixture and self.mix == "weighted":
             self.mix_counts = apportion([s["weight"] for s in self.sources], MIX_BLOCK)
             for s, cnt in zip(self.sources, self.mix_counts):
                 if cnt == 0:
-                    raise ConfigError(s["key"] + ".weight", s["weight"],
-                                      f"a weight of at least 1/{MIX_BLOCK} of the total weight (each block of "
-                                      f"{MIX_BLOCK} windows holds a whole number of windows of every source)")
+                    raise ConfigError(
+                        s["key"] + ".weight",
+                        s["weight"],
+                        f"a weight of at least 1/{MIX_BLOCK} of the total weight (each block of "
+                        f"{MIX_BLOCK} windows holds a whole number of windows of every source)",
+                    )
         for i, s in enumerate(self.sources):
             if s["max_epochs"] is not None and self.capacity(i) == 0:
-                raise ConfigError(s["key"] + ".max_epochs", s["max_epochs"],
-                                  f"null or a number >= {1 / self.layout('train', self.context).src_slots[i]:.3g} "
-                                  f"(it must give at least one of the source's "
-                                  f"{self.layout('train', self.context).src_slots[i]} training windows)")
+                raise ConfigError(
+                    s["key"] + ".max_epochs",
+                    s["max_epochs"],
+                    f"null or a number >= {1 / self.layout('train', self.context).src_slots[i]:.3g} "
+                    f"(it must give at least one of the source's "
+                    f"{self.layout('train', self.context).src_slots[i]} training windows)",
+                )
 
     # ------------------------------------------------------------------ sources
     def _read_sources(self, c: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -525,10 +595,15 @@ class TextTask(_TextMetrics):
             items = [("task.data_dir", Path(str(dd)).name or "text", {"data_dir": dd})]
         else:
             if dd is not None and str(dd) != "???":
-                raise ConfigError("task.sources", src, "null when task.data_dir is set (one corpus as task.data_dir "
-                                  "or several as task.sources, not both)")
-            shape = ("a mapping {name: {data_dir, weight, max_epochs}} or a list of mappings {data_dir, weight, "
-                     "max_epochs, name}")
+                raise ConfigError(
+                    "task.sources",
+                    src,
+                    "null when task.data_dir is set (one corpus as task.data_dir or several as task.sources, not both)",
+                )
+            shape = (
+                "a mapping {name: {data_dir, weight, max_epochs}} or a list of mappings {data_dir, weight, "
+                "max_epochs, name}"
+            )
             if isinstance(src, Mapping):
                 items = [(f"task.sources.{k}", str(k), v) for k, v in src.items()]
             elif isinstance(src, (list, tuple)):
@@ -550,8 +625,12 @@ class TextTask(_TextMetrics):
             if not isinstance(v, Mapping):
                 raise ConfigError(key, v, "a mapping of data_dir, weight, max_epochs")
             if src is not None and not _NAME_RE.match(name):
-                raise ConfigError(key, name, "a source name of letters, digits, '_', '.', '-' (it names the "
-                                  "source's metrics: train/tokens/<name>, val/<name>/loss)")
+                raise ConfigError(
+                    key,
+                    name,
+                    "a source name of letters, digits, '_', '.', '-' (it names the "
+                    "source's metrics: train/tokens/<name>, val/<name>/loss)",
+                )
             if name in (s["name"] for s in out):
                 raise ConfigError(key, name, "a name no other source has")
             unknown = sorted(set(v) - set(_SOURCE_KEYS), key=str)
@@ -565,17 +644,29 @@ class TextTask(_TextMetrics):
             if concat and len(items) > 1:
                 for k2, x in (("weight", weight), ("max_epochs", cap)):
                     if x is not None:
-                        raise ConfigError(f"{key}.{k2}", x, "null with task.mix=concat (the sources are concatenated "
-                                          "in order: each gives its share of the slots, epochs run over all of them)")
+                        raise ConfigError(
+                            f"{key}.{k2}",
+                            x,
+                            "null with task.mix=concat (the sources are concatenated "
+                            "in order: each gives its share of the slots, epochs run over all of them)",
+                        )
             elif weight is None and len(items) > 1:
-                raise ConfigError(f"{key}.weight", weight, "a number > 0 (the source's share is its weight / the "
-                                  "sum of the weights), or task.mix=concat for shares by size")
+                raise ConfigError(
+                    f"{key}.weight",
+                    weight,
+                    "a number > 0 (the source's share is its weight / the "
+                    "sum of the weights), or task.mix=concat for shares by size",
+                )
             elif weight is not None and not (_number(weight) and weight > 0):
-                raise ConfigError(f"{key}.weight", weight, "a number > 0 (the source's share is its weight / the "
-                                  "sum of the weights)")
+                raise ConfigError(
+                    f"{key}.weight", weight, "a number > 0 (the source's share is its weight / the sum of the weights)"
+                )
             if cap is not None and not (_number(cap) and cap > 0):
-                raise ConfigError(f"{key}.max_epochs", cap, "null (no cap) or a number > 0: the most passes over "
-                                  "the source's training windows")
+                raise ConfigError(
+                    f"{key}.max_epochs",
+                    cap,
+                    "null (no cap) or a number > 0: the most passes over the source's training windows",
+                )
             try:
                 meta = read_meta(sdd)
             except ValueError as e:
@@ -591,11 +682,18 @@ class TextTask(_TextMetrics):
                     for p in path:
                         a, b = (a or {}).get(p), (b or {}).get(p)
                     if a != b:
-                        raise ConfigError(dkey, str(sdd), f"a corpus prepared like source {ref['name']} "
-                                          f"({ref['data_dir_given']}): the same tokenizer, vocab_size, eos_id and "
-                                          f"dtype; {what} is {b!r} here, {a!r} there")
-            out.append(dict(key=key, name=name, data_dir=real, data_dir_given=str(sdd), meta=meta,
-                            weight=weight, max_epochs=cap))
+                        raise ConfigError(
+                            dkey,
+                            str(sdd),
+                            f"a corpus prepared like source {ref['name']} "
+                            f"({ref['data_dir_given']}): the same tokenizer, vocab_size, eos_id and "
+                            f"dtype; {what} is {b!r} here, {a!r} there",
+                        )
+            out.append(
+                dict(
+                    key=key, name=name, data_dir=real, data_dir_given=str(sdd), meta=meta, weight=weight, max_epochs=cap
+                )
+            )
         if len(out) == 1 and out[0]["weight"] is None:
             out[0]["weight"] = 1.0
         return out
@@ -619,9 +717,11 @@ class TextTask(_TextMetrics):
         Llama-2 tokenizer)"``)."""
         if self.declared_vocab_size is None or self.declared_vocab_size == self.corpus_vocab_size:
             return None
-        return (f"the corpus {self.sources[0]['data_dir_given']} has a vocabulary of {self.corpus_vocab_size:,} (its "
-                f"meta.json); task.vocab_size declares {self.declared_vocab_size:,} "
-                f"({_tokenizer_label(self.tokenizer_name)})")
+        return (
+            f"the corpus {self.sources[0]['data_dir_given']} has a vocabulary of {self.corpus_vocab_size:,} (its "
+            f"meta.json); task.vocab_size declares {self.declared_vocab_size:,} "
+            f"({_tokenizer_label(self.tokenizer_name)})"
+        )
 
     def capacity(self, source: int, window: int | None = None) -> int | None:
         """Training windows source ``source`` (index) can give under its cap: ``floor(max_epochs * S)`` with S its
@@ -645,9 +745,14 @@ class TextTask(_TextMetrics):
                 share = float(self.mix_counts[i] / MIX_BLOCK)
             else:
                 share = float(lay.src_slots[i] / max(lay.total, 1))
-            out[s["name"]] = dict(data_dir=str(s["data_dir"]), weight=s["weight"], share=share,
-                                  train_windows=int(lay.src_slots[i]), max_epochs=s["max_epochs"],
-                                  capacity=self.capacity(i, T))
+            out[s["name"]] = dict(
+                data_dir=str(s["data_dir"]),
+                weight=s["weight"],
+                share=share,
+                train_windows=int(lay.src_slots[i]),
+                max_epochs=s["max_epochs"],
+                capacity=self.capacity(i, T),
+            )
         return out
 
     # ------------------------------------------------------------------ pickling (DataLoader workers)
@@ -674,8 +779,9 @@ class TextTask(_TextMetrics):
                     f = src["data_dir"] / sh["file"]
                     files.append(f)
                     tokens.append(int(sh["tokens"]))
-                    index.append(src["data_dir"] / sh["index"] if sh.get("index")
-                                 else f.with_name(f.name[:-4] + ".idx.npy"))
+                    index.append(
+                        src["data_dir"] / sh["index"] if sh.get("index") else f.with_name(f.name[:-4] + ".idx.npy")
+                    )
                     owner.append(i)
             lays[key] = _Layout(files, tokens, int(window), index, owner, len(self.sources))
         return lays[key]
@@ -713,8 +819,10 @@ class TextTask(_TextMetrics):
         if key not in cache:
             K = MIX_BLOCK
             cumc = excl_cumsum(self.mix_counts)
-            k = mix64(np.array([stable_hash64("text-mix", int(seed))], dtype=np.uint64)
-                      + np.array([int(b) + 1], dtype=np.uint64) * GOLDEN)
+            k = mix64(
+                np.array([stable_hash64("text-mix", int(seed))], dtype=np.uint64)
+                + np.array([int(b) + 1], dtype=np.uint64) * GOLDEN
+            )
             j = feistel_permute(np.arange(K, dtype=np.int64), K, k)
             src = np.searchsorted(cumc, j, side="right") - 1
             rank = np.empty(K, dtype=np.int64)
@@ -738,8 +846,9 @@ class TextTask(_TextMetrics):
             k[sel] = int(blk) * self.mix_counts[src[sel]] + br[p[sel]]
         return src, k
 
-    def locate(self, split: str, w: Sequence[int] | np.ndarray, window: int | None = None,
-               seed: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def locate(
+        self, split: str, w: Sequence[int] | np.ndarray, window: int | None = None, seed: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Where windows ``w`` (int64 (n,), >= 0) come from: (source int64 (n,), the source's own window index int64
         (n,) -- for ``mix=concat`` training windows the slot within the source --, slot int64 (n,) in
         :meth:`layout`'s numbering). Rules: class docstring. Raises ValueError for negative indices and for a window
@@ -768,18 +877,26 @@ class TextTask(_TextMetrics):
             for s in np.unique(src):
                 cap = self.capacity(int(s), T)
                 if cap is not None and int(k[src == s].max()) >= cap:
-                    raise ValueError(f"training window {int(w[src == s][k[src == s] >= cap][0])} needs window "
-                                     f"{int(k[src == s].max())} of source {self.source_names[s]}, beyond its cap of "
-                                     f"{cap} windows (max_epochs={self.sources[s]['max_epochs']}); the run is longer "
-                                     "than the cap supplies (TextTask.check_run)")
+                    raise ValueError(
+                        f"training window {int(w[src == s][k[src == s] >= cap][0])} needs window "
+                        f"{int(k[src == s].max())} of source {self.source_names[s]}, beyond its cap of "
+                        f"{cap} windows (max_epochs={self.sources[s]['max_epochs']}); the run is longer "
+                        "than the cap supplies (TextTask.check_run)"
+                    )
         return src, k, slot
 
     def slots(self, split: str, w: np.ndarray, window: int, seed: int) -> np.ndarray:
         """int64 (n,): the slot of windows ``w`` in :meth:`layout`'s numbering (one corpus: its slot 0..S-1)."""
         return self.locate(split, w, window, seed)[2]
 
-    def gather(self, split: str, w: Sequence[int] | np.ndarray, window: int | None = None, seed: int | None = None,
-               doc_ids: bool = False) -> dict[str, np.ndarray]:
+    def gather(
+        self,
+        split: str,
+        w: Sequence[int] | np.ndarray,
+        window: int | None = None,
+        seed: int | None = None,
+        doc_ids: bool = False,
+    ) -> dict[str, np.ndarray]:
         """Windows ``w`` read from the shards: ``tokens`` int64 (n, T), ``source`` int64 (n,) (index into
         :attr:`sources`) and, with ``doc_ids``, ``doc_ids`` int32 (n, T): for each token the index of its document
         within the window row (0 for the first, +1 at each document start inside the row; starts from the shard's
@@ -793,10 +910,10 @@ class TextTask(_TextMetrics):
         docs = np.empty((slot.shape[0], T), dtype=np.int32) if doc_ids else None
         for r in range(slot.shape[0]):
             k, s0 = int(shard[r]), int(start[r])
-            out[r] = self._map(lay.files[k])[s0:s0 + T]
+            out[r] = self._map(lay.files[k])[s0 : s0 + T]
             if docs is not None:  # +1 at every document start in (s0, s0 + T)
                 offs = self._map(lay.index_files[k], index=True)
-                inside = offs[np.searchsorted(offs, s0, side="right"):np.searchsorted(offs, s0 + T, side="left")]
+                inside = offs[np.searchsorted(offs, s0, side="right") : np.searchsorted(offs, s0 + T, side="left")]
                 marks = np.zeros(T, dtype=np.int32)
                 marks[inside - s0] = 1
                 np.cumsum(marks, out=docs[r])
@@ -805,8 +922,9 @@ class TextTask(_TextMetrics):
             res["doc_ids"] = docs
         return res
 
-    def windows(self, split: str, w: Sequence[int] | np.ndarray, window: int | None = None,
-                seed: int | None = None) -> np.ndarray:
+    def windows(
+        self, split: str, w: Sequence[int] | np.ndarray, window: int | None = None, seed: int | None = None
+    ) -> np.ndarray:
         """Token windows: int64 (n, T) for window indices ``w`` (T = ``window`` or the context; seed default: the
         task's). Window w is a pure function of (seed, split, T, w) and the prepared data."""
         T = int(window or self.context)
@@ -863,18 +981,42 @@ class TextTask(_TextMetrics):
             cap = self.capacity(i, T)
             if cap is not None and need[i] > cap:
                 S = int(self.layout("train", T).src_slots[i])
-                raise ConfigError(s["key"] + ".max_epochs", s["max_epochs"],
-                                  f"a cap of at least {need[i] / S:.4g} epochs, or a shorter run: {train_windows} "
-                                  f"training windows{what} take {need[i]} windows of {T} tokens from source "
-                                  f"{s['name']}, which has {S} (cap: {cap}); weights are not renormalised when a "
-                                  "source runs out")
+                raise ConfigError(
+                    s["key"] + ".max_epochs",
+                    s["max_epochs"],
+                    f"a cap of at least {need[i] / S:.4g} epochs, or a shorter run: {train_windows} "
+                    f"training windows{what} take {need[i]} windows of {T} tokens from source "
+                    f"{s['name']}, which has {S} (cap: {cap}); weights are not renormalised when a "
+                    "source runs out",
+                )
 
-    def make_stream(self, split: str, *, window: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1,
-                    start_step: int = 0, num_steps: int | None = None, tail: str = "drop") -> "TextStream":
+    def make_stream(
+        self,
+        split: str,
+        *,
+        window: int,
+        batch_size: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        start_step: int = 0,
+        num_steps: int | None = None,
+        tail: str = "drop",
+    ) -> "TextStream":
         """The :class:`TextStream` of ``split`` (same arguments and contract as
         :class:`canonlm.data.stream.SyntheticStream`)."""
-        return TextStream(self, split, window=window, batch_size=batch_size, seed=seed, rank=rank,
-                          world_size=world_size, start_step=start_step, num_steps=num_steps, tail=tail)
+        return TextStream(
+            self,
+            split,
+            window=window,
+            batch_size=batch_size,
+            seed=seed,
+            rank=rank,
+            world_size=world_size,
+            start_step=start_step,
+            num_steps=num_steps,
+            tail=tail,
+        )
 
     # ------------------------------------------------------------------ task protocol
     def max_instance_len(self, split: str) -> int:
@@ -886,8 +1028,10 @@ class TextTask(_TextMetrics):
         return 1
 
     def _no_instances(self, *args: Any, **kwargs: Any):
-        raise NotImplementedError("the text task has no generated instances: windows come from prepared token "
-                                  "shards through make_stream() (TextStream), which the trainer must use")
+        raise NotImplementedError(
+            "the text task has no generated instances: windows come from prepared token "
+            "shards through make_stream() (TextStream), which the trainer must use"
+        )
 
     generate = estimate_lengths = instance = _no_instances
 
@@ -939,7 +1083,7 @@ def unset_corpora(task: Any) -> list[tuple[str, Any, str]]:
         return out
     src = task.get("sources", None)
     if isinstance(src, (DictConfig, ListConfig)):
-        for k in (list(src.keys()) if isinstance(src, DictConfig) else range(len(src))):
+        for k in list(src.keys()) if isinstance(src, DictConfig) else range(len(src)):
             item = src[k]
             if isinstance(item, DictConfig) and "data_dir" in item.keys():
                 unset(item, "data_dir", f"task.sources.{k}.data_dir")
@@ -970,17 +1114,22 @@ class TextPlan(_TextMetrics):
     def __init__(self, name: str, cfg: Mapping[str, Any], unset: Sequence[tuple[str, Any, str]]):
         if not unset:
             raise ValueError("TextPlan: no unset corpus key (build a TextTask)")
-        c = merge_config(name, {k: v for k, v in cfg.items() if k not in _CORPUS_KEYS}, {"text": _DEFAULTS}, KEYS,
-                         mismatch="text")
+        c = merge_config(
+            name, {k: v for k, v in cfg.items() if k not in _CORPUS_KEYS}, {"text": _DEFAULTS}, KEYS, mismatch="text"
+        )
         self.name = name
         self.unset = [tuple(u) for u in unset]
         _check_settings(self, c)
         if self.declared_vocab_size is None:
             key, raw, missing = self.unset[0]
             unset_key = f"{missing} is unset; " if missing != key else ""
-            raise ConfigError(key, raw, f"{_DD_ALLOWED} ({unset_key}its meta.json gives the vocabulary), or, to "
-                              "estimate the run before the corpus exists, task.vocab_size: the vocabulary of the "
-                              "tokenizer it will be prepared with (Llama-2 32000)")
+            raise ConfigError(
+                key,
+                raw,
+                f"{_DD_ALLOWED} ({unset_key}its meta.json gives the vocabulary), or, to "
+                "estimate the run before the corpus exists, task.vocab_size: the vocabulary of the "
+                "tokenizer it will be prepared with (Llama-2 32000)",
+            )
         self.vocab_size = round_vocab(self.declared_vocab_size, self.vocab_multiple)
 
     def max_instance_len(self, split: str) -> int:
@@ -997,7 +1146,8 @@ class TextPlan(_TextMetrics):
         keys = [u[2] for u in self.unset]
         named = f"the {self.tokenizer_name} tokenizer, " if self.tokenizer_name else ""
         where = f"{named}task.vocab_size; corpus not prepared yet: " + (
-            f"{keys[0]} is unset" if len(keys) == 1 else f"{', '.join(keys)} are unset")
+            f"{keys[0]} is unset" if len(keys) == 1 else f"{', '.join(keys)} are unset"
+        )
         if self.vocab_size != self.declared_vocab_size:
             where += f"; {self.declared_vocab_size:,} rounded up to task.vocab_multiple={self.vocab_multiple}"
         return where
@@ -1015,8 +1165,10 @@ def plan_text_task(task: Any) -> TextPlan | None:
     unset = unset_corpora(task)
     if not unset:
         return None
-    cfg = {k: OmegaConf.to_container(v, resolve=True) if isinstance(v, (DictConfig, ListConfig)) else v
-           for k, v in ((k, task[k]) for k in task.keys() if k not in _CORPUS_KEYS)}
+    cfg = {
+        k: OmegaConf.to_container(v, resolve=True) if isinstance(v, (DictConfig, ListConfig)) else v
+        for k, v in ((k, task[k]) for k in task.keys() if k not in _CORPUS_KEYS)
+    }
     return TextPlan(str(cfg.get("name", "text")), cfg, unset)
 
 
@@ -1041,30 +1193,58 @@ class TextStream(StepStream):
         window beyond a source's ``max_epochs`` cap.
     """
 
-    def __init__(self, task: TextTask, split: str, *, window: int, batch_size: int, seed: int, rank: int = 0,
-                 world_size: int = 1, start_step: int = 0, num_steps: int | None = None, tail: str = "drop"):
+    def __init__(
+        self,
+        task: TextTask,
+        split: str,
+        *,
+        window: int,
+        batch_size: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        start_step: int = 0,
+        num_steps: int | None = None,
+        tail: str = "drop",
+    ):
         if split not in SPLITS:
             raise ValueError(f"split={split!r} is not allowed; allowed: {' | '.join(SPLITS)}")
         self.window = check_arg_int("window", window, 2)
         lay = task.layout(split, self.window)
         if lay.total == 0 or (lay.src_slots == 0).any():
-            raise ConfigError("task.context", window, f"a window that fits in a {split} shard of {task.data_dir}"
-                              if not task.is_mixture else f"a window that fits in a {split} shard of every source")
-        super().__init__(task, split, batch_size=batch_size, seed=seed, rank=rank, world_size=world_size,
-                         start_step=start_step, num_steps=num_steps)
+            raise ConfigError(
+                "task.context",
+                window,
+                f"a window that fits in a {split} shard of {task.data_dir}"
+                if not task.is_mixture
+                else f"a window that fits in a {split} shard of every source",
+            )
+        super().__init__(
+            task,
+            split,
+            batch_size=batch_size,
+            seed=seed,
+            rank=rank,
+            world_size=world_size,
+            start_step=start_step,
+            num_steps=num_steps,
+        )
         if tail != "drop":
             raise ConfigError("task.tail", tail, "drop")
 
     def batch(self, step: int) -> dict[str, torch.Tensor]:
         """This rank's batch at global step ``step`` (a pure function of the step); shapes as in the class doc."""
-        g = self.task.gather(self.split, self._step_windows(step), self.window, self.seed,
-                             doc_ids=self.task.doc_mask)
+        g = self.task.gather(self.split, self._step_windows(step), self.window, self.seed, doc_ids=self.task.doc_mask)
         tok = g["tokens"]
         B, T = tok.shape
         loss = np.ones((B, T), dtype=bool)
         loss[:, 0] = False
-        out = {"tokens": torch.from_numpy(tok), "loss_mask": torch.from_numpy(loss),
-               "answer_id": torch.full((B, T), -1, dtype=torch.int32), "group": torch.zeros((B, T), dtype=torch.int32)}
+        out = {
+            "tokens": torch.from_numpy(tok),
+            "loss_mask": torch.from_numpy(loss),
+            "answer_id": torch.full((B, T), -1, dtype=torch.int32),
+            "group": torch.zeros((B, T), dtype=torch.int32),
+        }
         if self.task.is_mixture:
             out["source"] = torch.from_numpy(g["source"].astype(np.int64))
         if "doc_ids" in g:
@@ -1080,7 +1260,26 @@ def perplexity(loss_nats: float) -> float:
         return math.inf
 
 
-__all__ = ["TextTask", "TextPlan", "TextStream", "TextTokenizer", "plan_text_task", "unset_corpora", "round_vocab",
-           "PLAN_KEYS", "load_tokenizer", "tokenizer_sha256", "read_meta",
-           "dtype_for_vocab", "feistel_permute", "apportion", "perplexity", "FORMAT", "META", "SPLITS", "MIX_BLOCK",
-           "MIX_MODES", "ADDED_KEYS"]
+__all__ = [
+    "TextTask",
+    "TextPlan",
+    "TextStream",
+    "TextTokenizer",
+    "plan_text_task",
+    "unset_corpora",
+    "round_vocab",
+    "PLAN_KEYS",
+    "load_tokenizer",
+    "tokenizer_sha256",
+    "read_meta",
+    "dtype_for_vocab",
+    "feistel_permute",
+    "apportion",
+    "perplexity",
+    "FORMAT",
+    "META",
+    "SPLITS",
+    "MIX_BLOCK",
+    "MIX_MODES",
+    "ADDED_KEYS",
+]

@@ -44,11 +44,27 @@ from typing import Any
 
 #: ``generation_config`` fields (as ``GenerationConfig.to_diff_dict`` lists them) that leave greedy decoding as a
 #: plain argmax: token ids, bookkeeping, output flags, and ``max_length`` (lm-eval passes its own).
-_PLAIN_GENERATION_FIELDS = frozenset({
-    "bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "transformers_version",
-    "_from_model_config", "max_length", "do_sample", "num_beams", "use_cache", "output_attentions",
-    "output_hidden_states", "output_scores", "output_logits", "return_dict_in_generate", "_commit_hash",
-    "cache_implementation"})
+_PLAIN_GENERATION_FIELDS = frozenset(
+    {
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "decoder_start_token_id",
+        "transformers_version",
+        "_from_model_config",
+        "max_length",
+        "do_sample",
+        "num_beams",
+        "use_cache",
+        "output_attentions",
+        "output_hidden_states",
+        "output_scores",
+        "output_logits",
+        "return_dict_in_generate",
+        "_commit_hash",
+        "cache_implementation",
+    }
+)
 
 
 def resolve_device(device: str) -> str:
@@ -65,8 +81,10 @@ def resolve_device(device: str) -> str:
     if dev.type == "cuda":
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if n == 0 or (dev.index is not None and dev.index >= n):
-            raise ValueError(f"--device={device!r}: this machine has {n} CUDA device(s); allowed: auto | cpu"
-                             + (f" | cuda | cuda:0..{n - 1}" if n else ""))
+            raise ValueError(
+                f"--device={device!r}: this machine has {n} CUDA device(s); allowed: auto | cpu"
+                + (f" | cuda | cuda:0..{n - 1}" if n else "")
+            )
     elif dev.type != "cpu":
         raise ValueError(f"--device={device!r}; allowed: auto | cpu | cuda | cuda:N")
     return device
@@ -153,8 +171,9 @@ def harness_lm_class():
                 rows = _prompt_rows(context, mask, int(core.cfg.vocab_size))
                 limit = getattr(core, "max_positions", None)
                 max_new = int(max_length) - int(context.shape[1])
-                if rows is not None and (max_new < 1 or (limit is not None
-                                                         and max(len(r) for r in rows) + max_new > int(limit))):
+                if rows is not None and (
+                    max_new < 1 or (limit is not None and max(len(r) for r in rows) + max_new > int(limit))
+                ):
                     rows = None  # transformers' generate refuses / handles it with its own message
             if rows is None:
                 self.hf_generate_calls += 1
@@ -189,8 +208,11 @@ def harness_lm_class():
             pad = self.tokenizer.pad_token_id
             pad = int(pad) if pad is not None else (eos[0] if eos else 0)
             criteria = stop_sequences_criteria(self.tokenizer, stop, W, B)
-            autocast = torch.autocast(device_type=device.type, dtype=self.mixed_precision_dtype) \
-                if self.mixed_precision_dtype is not None else contextlib.nullcontext()
+            autocast = (
+                torch.autocast(device_type=device.type, dtype=self.mixed_precision_dtype)
+                if self.mixed_precision_dtype is not None
+                else contextlib.nullcontext()
+            )
             groups: dict[int, list[int]] = {}  # prompt length -> rows, in cache order
             for r, ids in enumerate(rows):
                 groups.setdefault(len(ids), []).append(r)
@@ -266,9 +288,17 @@ def task_manager(tasks: list[str], include_path: str | None = None):
     return TaskManager()
 
 
-def evaluate(run: str | Path, tasks: list[str], *, include_path: str | None = None, batch_size: int = 8,
-             limit: int | None = None, device: str = "auto", log_samples: bool = False,
-             lm: Any = None) -> dict[str, Any]:
+def evaluate(
+    run: str | Path,
+    tasks: list[str],
+    *,
+    include_path: str | None = None,
+    batch_size: int = 8,
+    limit: int | None = None,
+    device: str = "auto",
+    log_samples: bool = False,
+    lm: Any = None,
+) -> dict[str, Any]:
     """``lm_eval.simple_evaluate`` of ``tasks`` on the run (module docstring); returns its result dict. ``lm``: an
     instance of :func:`harness_lm_class` to reuse (default: one built for ``run``, ``batch_size`` and ``device``).
     Raises InteropError / ValueError (bad run, device) and lm-eval's errors for unknown tasks."""
@@ -277,8 +307,9 @@ def evaluate(run: str | Path, tasks: list[str], *, include_path: str | None = No
     if lm is None:
         model, tok = harness_model(run, device)
         lm = harness_lm_class()(pretrained=model, tokenizer=tok, batch_size=batch_size, device=str(model.device))
-    return lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=task_manager(tasks, include_path),
-                                   limit=limit, log_samples=log_samples)
+    return lm_eval.simple_evaluate(
+        model=lm, tasks=tasks, task_manager=task_manager(tasks, include_path), limit=limit, log_samples=log_samples
+    )
 
 
 #: Named task lists for ``--tasks``, expanded in place (``--tasks reallife,mmlu``). ``reallife``: the lm-eval tasks of
@@ -287,8 +318,17 @@ def evaluate(run: str | Path, tasks: list[str], *, include_path: str | None = No
 #: (``lm_eval/tasks/<folder>/*.yaml``): SIQA is ``social_iqa``; LAMBADA is ``lambada_openai``, the OpenAI version
 #: that the release's evaluation list names.
 TASK_PRESETS = {
-    "reallife": ("piqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "social_iqa", "boolq", "wikitext",
-                 "lambada_openai"),
+    "reallife": (
+        "piqa",
+        "hellaswag",
+        "winogrande",
+        "arc_easy",
+        "arc_challenge",
+        "social_iqa",
+        "boolq",
+        "wikitext",
+        "lambada_openai",
+    ),
 }
 
 
@@ -305,11 +345,17 @@ def expand_tasks(text: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI (module docstring)."""
-    ap = argparse.ArgumentParser(prog="python -m canonlm.eval.harness",
-                                 description="lm-evaluation-harness tasks on a canonlm run (no export needed).")
+    ap = argparse.ArgumentParser(
+        prog="python -m canonlm.eval.harness",
+        description="lm-evaluation-harness tasks on a canonlm run (no export needed).",
+    )
     ap.add_argument("run", help="run directory or checkpoint")
-    ap.add_argument("--tasks", required=True, help="comma-separated lm-eval task names, or a preset: "
-                    + "; ".join(f"{k} = {','.join(v)}" for k, v in TASK_PRESETS.items()))
+    ap.add_argument(
+        "--tasks",
+        required=True,
+        help="comma-separated lm-eval task names, or a preset: "
+        + "; ".join(f"{k} = {','.join(v)}" for k, v in TASK_PRESETS.items()),
+    )
     ap.add_argument("--include-path", default=None, help="folder of extra task YAMLs")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--limit", type=int, default=None, help="documents per task (default: all)")
@@ -330,14 +376,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import lm_eval  # noqa: F401
     except ImportError:
-        print("canonlm.eval.harness: error: lm-evaluation-harness is not installed (pip install -e .[eval])",
-              file=sys.stderr)
+        print(
+            "canonlm.eval.harness: error: lm-evaluation-harness is not installed (pip install -e .[eval])",
+            file=sys.stderr,
+        )
         return 2
     from canonlm.hf import InteropError
 
     try:
-        res = evaluate(a.run, expand_tasks(a.tasks), include_path=a.include_path,
-                       batch_size=a.batch_size, limit=a.limit, device=a.device)
+        res = evaluate(
+            a.run,
+            expand_tasks(a.tasks),
+            include_path=a.include_path,
+            batch_size=a.batch_size,
+            limit=a.limit,
+            device=a.device,
+        )
     except (InteropError, KeyError, ValueError) as e:
         print(f"canonlm.eval.harness: error: {e}", file=sys.stderr)
         return 2

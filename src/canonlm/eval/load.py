@@ -74,11 +74,13 @@ class EvalPrecision:
 
     def describe(self) -> dict[str, str | None]:
         """JSON-able summary: name, param_dtype, autocast (dtype names such as ``bfloat16``), source."""
+
         def short(d: torch.dtype | None) -> str | None:
             return None if d is None else str(d).removeprefix("torch.")
 
-        return dict(name=self.name, param_dtype=short(self.param_dtype), autocast=short(self.autocast),
-                    source=self.source)
+        return dict(
+            name=self.name, param_dtype=short(self.param_dtype), autocast=short(self.autocast), source=self.source
+        )
 
 
 def check_precision(precision: str, key: str = "precision") -> str:
@@ -91,8 +93,9 @@ def check_precision(precision: str, key: str = "precision") -> str:
     return PRECISION_ALIASES.get(precision, precision)
 
 
-def eval_precision(precision: str, device: torch.device | str, cfg: Any = None,
-                   state_dict: Mapping[str, torch.Tensor] | None = None) -> EvalPrecision:
+def eval_precision(
+    precision: str, device: torch.device | str, cfg: Any = None, state_dict: Mapping[str, torch.Tensor] | None = None
+) -> EvalPrecision:
     """The precision a model runs in on ``device`` for evaluation and generation: its training run's, unless
     overridden.
 
@@ -138,8 +141,11 @@ def eval_precision(precision: str, device: torch.device | str, cfg: Any = None,
     if name == "16-mixed" and dev.type != "cuda":
         name = "bf16-mixed"
         source += " (16-mixed runs as bf16-mixed off CUDA, as in Lightning)"
-    param = torch.bfloat16 if fsdp == "bf16" else {"bf16-true": torch.bfloat16,
-                                                   "64-true": torch.float64}.get(name, torch.float32)
+    param = (
+        torch.bfloat16
+        if fsdp == "bf16"
+        else {"bf16-true": torch.bfloat16, "64-true": torch.float64}.get(name, torch.float32)
+    )
     autocast = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(name)
     return EvalPrecision(name, param, autocast, dev.type, source)
 
@@ -173,11 +179,22 @@ class LoadedModel:
     def describe(self) -> dict[str, Any]:
         """JSON-able summary (paths, step, architecture, precision)."""
         m = self.model_cfg
-        return dict(run_dir=str(self.run_dir), ckpt=str(self.ckpt), step=self.step, arch=m.arch,
-                    size=f"{m.n_layers}L{m.d_model}D", n_heads=m.n_heads, canon=m.canon.set, pos=m.pos.type,
-                    vocab_size=m.vocab_size, trained_context=self.trained_context, max_seq_len=m.max_seq_len,
-                    params=int(self.model.num_params()), task=self.task_cfg.get("name"),
-                    precision=self.precision.describe())
+        return dict(
+            run_dir=str(self.run_dir),
+            ckpt=str(self.ckpt),
+            step=self.step,
+            arch=m.arch,
+            size=f"{m.n_layers}L{m.d_model}D",
+            n_heads=m.n_heads,
+            canon=m.canon.set,
+            pos=m.pos.type,
+            vocab_size=m.vocab_size,
+            trained_context=self.trained_context,
+            max_seq_len=m.max_seq_len,
+            params=int(self.model.num_params()),
+            task=self.task_cfg.get("name"),
+            precision=self.precision.describe(),
+        )
 
 
 def _kernel_cache(cfg) -> None:
@@ -197,8 +214,15 @@ def _kernel_cache(cfg) -> None:
         configure(None)
 
 
-def load_model(run: str | Path, *, ckpt: str | Path | None = None, device: str = "auto",
-               max_seq_len: int | None = None, batch_size: int = 8, precision: str = "auto") -> LoadedModel:
+def load_model(
+    run: str | Path,
+    *,
+    ckpt: str | Path | None = None,
+    device: str = "auto",
+    max_seq_len: int | None = None,
+    batch_size: int = 8,
+    precision: str = "auto",
+) -> LoadedModel:
     """Rebuild and load a trained model.
 
     Args:
@@ -253,24 +277,35 @@ def load_model(run: str | Path, *, ckpt: str | Path | None = None, device: str =
         except RuntimeError:
             raise ValueError(f"device={device!r} is not allowed; allowed: auto | cpu | cuda | cuda:N") from None
     sd = state.get("state_dict", state)
-    sd = {k[len("model."):]: v for k, v in sd.items() if k.startswith("model.")} or dict(sd)
+    sd = {k[len("model.") :]: v for k, v in sd.items() if k.startswith("model.")} or dict(sd)
     prec = eval_precision(precision, dev, cfg, sd)
     model = CanonLM(mcfg)  # backends are resolved below, for the device and dtype it runs in
     missing, unexpected = model.load_state_dict(sd, strict=False)
     if missing or unexpected:
-        raise ValueError(f"checkpoint {ck} does not fit the run's model: missing {sorted(missing)[:5]}, "
-                         f"unexpected {sorted(unexpected)[:5]}")
+        raise ValueError(
+            f"checkpoint {ck} does not fit the run's model: missing {sorted(missing)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]}"
+        )
     model.eval().to(dev, dtype=prec.param_dtype)
     _kernel_cache(cfg)
     model.place(dev, prec.compute_dtype)  # ConfigError when a pinned kernel / ops=fused cannot run there
 
     forward = ModelForward(model, context=prec.context)
-    lm = LanguageModel(forward, vocab_size=mcfg.vocab_size, device=dev, batch_size=batch_size,
-                       max_len=mcfg.max_seq_len)
+    lm = LanguageModel(forward, vocab_size=mcfg.vocab_size, device=dev, batch_size=batch_size, max_len=mcfg.max_seq_len)
     step = state.get("global_step") if isinstance(state, dict) else None
-    return LoadedModel(model=model, lm=lm, cfg=cfg, task_cfg=task_cfg, model_cfg=mcfg, run_dir=run_dir, ckpt=ck,
-                       device=dev, step=None if step is None else int(step), trained_context=trained,
-                       precision=prec)
+    return LoadedModel(
+        model=model,
+        lm=lm,
+        cfg=cfg,
+        task_cfg=task_cfg,
+        model_cfg=mcfg,
+        run_dir=run_dir,
+        ckpt=ck,
+        device=dev,
+        step=None if step is None else int(step),
+        trained_context=trained,
+        precision=prec,
+    )
 
 
 class ModelForward:
@@ -294,5 +329,12 @@ class ModelForward:
             return self.model(ids) if cache is None else self.model(ids, cache)
 
 
-__all__ = ["EvalPrecision", "LoadedModel", "ModelForward", "check_precision", "eval_precision", "load_model",
-           "PRECISION_ALIASES"]
+__all__ = [
+    "EvalPrecision",
+    "LoadedModel",
+    "ModelForward",
+    "check_precision",
+    "eval_precision",
+    "load_model",
+    "PRECISION_ALIASES",
+]

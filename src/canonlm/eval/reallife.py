@@ -72,8 +72,11 @@ def format_multihop_table(res: dict[str, Any], num_prompts: int) -> str:
     acc = res["accuracy"]
     hops = list(acc)
     Ls = sorted({int(L) for h in hops for L in acc[h]})
-    lines = [f"multi-hop birth-year accuracy (greedy, exact 4-digit year; {num_prompts} prompts per cell; "
-             "2-hop chance ~33%)", f"  {'L':>6} " + " ".join(f"{h:>7}" for h in hops)]
+    lines = [
+        f"multi-hop birth-year accuracy (greedy, exact 4-digit year; {num_prompts} prompts per cell; "
+        "2-hop chance ~33%)",
+        f"  {'L':>6} " + " ".join(f"{h:>7}" for h in hops),
+    ]
     for L in Ls:
         cells = [f"{100 * acc[h][str(L)]:6.1f}%" if str(L) in acc[h] else f"{'-':>7}" for h in hops]
         lines.append(f"  {L:>6} " + " ".join(cells))
@@ -88,11 +91,14 @@ def format_babilong_table(res: dict[str, Any], num_prompts: int | None) -> str:
         for ln in acc[qa]:
             if ln not in lens:
                 lens.append(ln)
-    lines = [f"babilong accuracy (greedy; target must be the only task label; up to {num_prompts} samples per cell)",
-             f"  {'task':>5} " + " ".join(f"{ln:>7}" for ln in lens)]
+    lines = [
+        f"babilong accuracy (greedy; target must be the only task label; up to {num_prompts} samples per cell)",
+        f"  {'task':>5} " + " ".join(f"{ln:>7}" for ln in lens),
+    ]
     for qa in acc:
-        lines.append(f"  {qa:>5} " + " ".join(f"{100 * acc[qa][ln]:6.1f}%" if ln in acc[qa] else f"{'-':>7}"
-                                             for ln in lens))
+        lines.append(
+            f"  {qa:>5} " + " ".join(f"{100 * acc[qa][ln]:6.1f}%" if ln in acc[qa] else f"{'-':>7}" for ln in lens)
+        )
     return "\n".join(lines)
 
 
@@ -130,22 +136,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         reported as one line ``canonlm.eval.reallife: error: <message>`` on stderr, nothing written. argparse
         itself exits with status 2 (usage on stderr) for unknown or missing flags.
     """
-    ap = argparse.ArgumentParser(prog="python -m canonlm.eval.reallife",
-                                 description="Multi-hop birth-year / Babilong accuracy of a trained run.",
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--run", required=True, help="run directory (logs/<task_name>/runs/<run_name>) or a .ckpt file "
-                                                 "(also one imported with python -m canonlm.export --from-hf)")
+    ap = argparse.ArgumentParser(
+        prog="python -m canonlm.eval.reallife",
+        description="Multi-hop birth-year / Babilong accuracy of a trained run.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    ap.add_argument(
+        "--run",
+        required=True,
+        help="run directory (logs/<task_name>/runs/<run_name>) or a .ckpt file "
+        "(also one imported with python -m canonlm.export --from-hf)",
+    )
     ap.add_argument("--task", required=True, choices=("multihop", "babilong"))
     ap.add_argument("--ckpt", default=None, help="checkpoint file (default <run>/checkpoints/last.ckpt)")
-    ap.add_argument("--tokenizer", default=None, help="tokenizer.json / local HF tokenizer dir (default: the run's; "
-                                                      "required for imported models)")
+    ap.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer.json / local HF tokenizer dir (default: the run's; required for imported models)",
+    )
     ap.add_argument("--eos-token", default=None, help="EOS token string (stops generation)")
     ap.add_argument("--background", default=None, help="multihop: local background text / JSONL file")
-    ap.add_argument("--names-dir", default=None, help="multihop: folder with first/middle/last_names.txt "
-                                                      "(default: canonlm's Capo lists)")
+    ap.add_argument(
+        "--names-dir",
+        default=None,
+        help="multihop: folder with first/middle/last_names.txt (default: canonlm's Capo lists)",
+    )
     ap.add_argument("--babilong-dir", default=None, help="babilong: local data root")
-    ap.add_argument("--lengths", default=None, help="multihop: L in tokens (default 0,1000,...,6000); babilong: "
-                                                    "0k,1k,... or token counts (default 0k,1k,2k,4k)")
+    ap.add_argument(
+        "--lengths",
+        default=None,
+        help="multihop: L in tokens (default 0,1000,...,6000); babilong: "
+        "0k,1k,... or token counts (default 0k,1k,2k,4k)",
+    )
     ap.add_argument("--hops", default="1,2", help="multihop: hops to evaluate")
     ap.add_argument("--qa", default="qa1,qa2,qa3,qa4,qa5", help="babilong: tasks")
     ap.add_argument("--num-prompts", type=int, default=100, help="prompts per cell")
@@ -155,21 +177,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--length-count", default="per_sentence", choices=("per_sentence", "joined"))
     ap.add_argument("--ensure-full-background", type=_bool, default=True, metavar="true|false")
     ap.add_argument("--splitter", default="regex", choices=("regex", "nltk"), help="multihop sentence splitter")
-    ap.add_argument("--newline", default="boundary", choices=("boundary", "space"),
-                    help="multihop background: a line break ends a sentence (boundary) or is a space (space)")
-    ap.add_argument("--question-cut", default="verbatim", choices=("verbatim", "any_case"),
-                    help="babilong scorer: verbatim = Babilong's compare_answers (its 'Question' cut never fires); "
-                         "any_case = also cut the output at 'question' in any case")
-    ap.add_argument("--prompts", default=None, metavar="FILE.json",
-                    help="babilong: your own prompt set {qa: {instruction, examples, post_prompt}} (default: "
-                         "canonlm's own texts)")
+    ap.add_argument(
+        "--newline",
+        default="boundary",
+        choices=("boundary", "space"),
+        help="multihop background: a line break ends a sentence (boundary) or is a space (space)",
+    )
+    ap.add_argument(
+        "--question-cut",
+        default="verbatim",
+        choices=("verbatim", "any_case"),
+        help="babilong scorer: verbatim = Babilong's compare_answers (its 'Question' cut never fires); "
+        "any_case = also cut the output at 'question' in any case",
+    )
+    ap.add_argument(
+        "--prompts",
+        default=None,
+        metavar="FILE.json",
+        help="babilong: your own prompt set {qa: {instruction, examples, post_prompt}} (default: canonlm's own texts)",
+    )
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--precision", default="auto",
-                    help="auto = the run's training precision (trainer.precision); or 32-true | bf16-mixed | "
-                         "bf16-true | 16-mixed | 64-true | fp32 (= 32-true) | bf16 (= bf16-mixed)")
+    ap.add_argument(
+        "--precision",
+        default="auto",
+        help="auto = the run's training precision (trainer.precision); or 32-true | bf16-mixed | "
+        "bf16-true | 16-mixed | 64-true | fp32 (= 32-true) | bf16 (= bf16-mixed)",
+    )
     ap.add_argument("--batch-size", type=int, default=8, help="prompts per forward pass")
-    ap.add_argument("--max-seq-len", type=int, default=None, help="positions of the rebuilt model (default: enough "
-                                                                  "for the longest prompt)")
+    ap.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=None,
+        help="positions of the rebuilt model (default: enough for the longest prompt)",
+    )
     ap.add_argument("--out", default=None, help="results JSON (default <run dir>/reallife_<task>.json)")
     ap.add_argument("--force", action="store_true", help="replace an existing --out")
     ap.add_argument("--quiet", action="store_true")
@@ -207,10 +247,15 @@ def _main(a: argparse.Namespace) -> int:
         if tok_path is None:
             if task_cfg.get("name") == "hf_import":
                 src = task_cfg.get("source")
-                hint = (f" (e.g. {Path(src) / 'tokenizer.json'})"
-                        if src and (Path(src) / "tokenizer.json").is_file() else "")
-                raise EvalError(f"--tokenizer is required: {ck} is a model imported from Hugging Face "
-                                f"({src}) and records no tokenizer; pass --tokenizer PATH{hint}")
+                hint = (
+                    f" (e.g. {Path(src) / 'tokenizer.json'})"
+                    if src and (Path(src) / "tokenizer.json").is_file()
+                    else ""
+                )
+                raise EvalError(
+                    f"--tokenizer is required: {ck} is a model imported from Hugging Face "
+                    f"({src}) and records no tokenizer; pass --tokenizer PATH{hint}"
+                )
             raise EvalError(f"--tokenizer is required: the run's task {task_cfg.get('name')!r} records no tokenizer")
     tok = load_tokenizer(tok_path, eos_token=eos_tok)
     encode, decode = _memo(as_encoder(tok)), as_decoder(tok)
@@ -227,19 +272,41 @@ def _main(a: argparse.Namespace) -> int:
         hops = _ints(a.hops, "hops")
         if not set(hops) <= {1, 2}:
             raise EvalError(f"--hops {a.hops!r}: allowed 1, 2")
-        builder = MultiHopBuilder(encode, a.background, names_dir=a.names_dir, seed=a.seed,
-                                  length_count=a.length_count, ensure_full_background=a.ensure_full_background,
-                                  query=a.query, splitter=a.splitter, newline=a.newline)
+        builder = MultiHopBuilder(
+            encode,
+            a.background,
+            names_dir=a.names_dir,
+            seed=a.seed,
+            length_count=a.length_count,
+            ensure_full_background=a.ensure_full_background,
+            query=a.query,
+            splitter=a.splitter,
+            newline=a.newline,
+        )
         longest = 0
         for hop in hops:
             for L in lengths:
                 longest = max(longest, max(len(p.ids) for p in builder.build_many(hop, L, a.num_prompts)))
-        settings = dict(builder.settings(), hops=hops, lengths=lengths, background=str(Path(a.background).resolve()),
-                        names_dir=a.names_dir, max_new_tokens=max_new, decoding="greedy",
-                        metric="first 4-digit number of the continuation == target year")
+        settings = dict(
+            builder.settings(),
+            hops=hops,
+            lengths=lengths,
+            background=str(Path(a.background).resolve()),
+            names_dir=a.names_dir,
+            max_new_tokens=max_new,
+            decoding="greedy",
+            metric="first 4-digit number of the continuation == target year",
+        )
     else:
-        from canonlm.data.reallife.babilong import (LENGTHS, TASKS, build_prompt, evaluate_babilong, length_name,
-                                                    load_babilong, load_prompts)
+        from canonlm.data.reallife.babilong import (
+            LENGTHS,
+            TASKS,
+            build_prompt,
+            evaluate_babilong,
+            length_name,
+            load_babilong,
+            load_prompts,
+        )
 
         if not a.babilong_dir:
             raise EvalError("--babilong-dir is required for --task babilong (local Babilong data)")
@@ -257,36 +324,76 @@ def _main(a: argparse.Namespace) -> int:
             for ln in lengths:
                 for s in load_babilong(a.babilong_dir, qa, ln, limit=a.num_prompts):
                     longest = max(longest, len(encode(build_prompt(s, prompts=prompts))))
-        settings = dict(qas=qas, lengths=lengths, babilong_dir=str(Path(a.babilong_dir).resolve()),
-                        max_new_tokens=max_new, decoding="greedy", question_cut=a.question_cut, prompts=prompts_info,
-                        metric="babilong compare_answers: target is the only task label in the first sentence")
+        settings = dict(
+            qas=qas,
+            lengths=lengths,
+            babilong_dir=str(Path(a.babilong_dir).resolve()),
+            max_new_tokens=max_new,
+            decoding="greedy",
+            question_cut=a.question_cut,
+            prompts=prompts_info,
+            metric="babilong compare_answers: target is the only task label in the first sentence",
+        )
 
     need = longest + max_new
     msl = a.max_seq_len or max(int(task_cfg.get("context") or 0), need)
-    lm_run = load_model(run_dir, ckpt=ck, device=a.device, batch_size=a.batch_size, precision=a.precision,
-                        max_seq_len=msl)
+    lm_run = load_model(
+        run_dir, ckpt=ck, device=a.device, batch_size=a.batch_size, precision=a.precision, max_seq_len=msl
+    )
     if tok.vocab_size > lm_run.model_cfg.vocab_size:
-        raise EvalError(f"tokenizer {tok_path} has {tok.vocab_size} ids but the model only "
-                        f"{lm_run.model_cfg.vocab_size}")
+        raise EvalError(
+            f"tokenizer {tok_path} has {tok.vocab_size} ids but the model only {lm_run.model_cfg.vocab_size}"
+        )
     if need > lm_run.model_cfg.max_seq_len:
-        log(f"warning: prompts need {need} positions, the model accepts {lm_run.model_cfg.max_seq_len}; "
-            "longer prompts are truncated")
+        log(
+            f"warning: prompts need {need} positions, the model accepts {lm_run.model_cfg.max_seq_len}; "
+            "longer prompts are truncated"
+        )
     if need > lm_run.trained_context:
-        log(f"note: prompts up to {longest} tokens exceed the trained context {lm_run.trained_context} "
-            "(length generalisation)")
+        log(
+            f"note: prompts up to {longest} tokens exceed the trained context {lm_run.trained_context} "
+            "(length generalisation)"
+        )
 
     if a.task == "multihop":
-        res = evaluate_multihop(lm_run.lm, builder, decode, hops=hops, lengths=lengths, num_prompts=a.num_prompts,
-                                max_new_tokens=max_new, stop_ids=stop, log=log)
+        res = evaluate_multihop(
+            lm_run.lm,
+            builder,
+            decode,
+            hops=hops,
+            lengths=lengths,
+            num_prompts=a.num_prompts,
+            max_new_tokens=max_new,
+            stop_ids=stop,
+            log=log,
+        )
         table = format_multihop_table(res, a.num_prompts)
     else:
-        res = evaluate_babilong(lm_run.lm, encode, decode, a.babilong_dir, qas=qas, lengths=lengths,
-                                num_prompts=a.num_prompts, max_new_tokens=max_new, stop_ids=stop,
-                                question_cut=a.question_cut, prompts=prompts, log=log)
+        res = evaluate_babilong(
+            lm_run.lm,
+            encode,
+            decode,
+            a.babilong_dir,
+            qas=qas,
+            lengths=lengths,
+            num_prompts=a.num_prompts,
+            max_new_tokens=max_new,
+            stop_ids=stop,
+            question_cut=a.question_cut,
+            prompts=prompts,
+            log=log,
+        )
         table = format_babilong_table(res, a.num_prompts)
-    result = dict(task=a.task, model=lm_run.describe(), tokenizer=tok.describe(), settings=settings,
-                  num_prompts=a.num_prompts, longest_prompt=longest, time_s=round(time.perf_counter() - t0, 2),
-                  **res)
+    result = dict(
+        task=a.task,
+        model=lm_run.describe(),
+        tokenizer=tok.describe(),
+        settings=settings,
+        num_prompts=a.num_prompts,
+        longest_prompt=longest,
+        time_s=round(time.perf_counter() - t0, 2),
+        **res,
+    )
     write_json_atomic(out, result, force=a.force)
     print(table, flush=True)
     print(f"results: {out}", flush=True)

@@ -14,12 +14,46 @@ config.json + safetensors and in the lingua layout of the released checkpoints. 
   :func:`load_init_weights` for training's ``init_from``.
 """
 
-from canonlm.hf.io import (checkpoint_dict, export_model, hf_to_canonlm, import_hf, load_canonlm_checkpoint,
-                           load_init_weights, read_canonlm, read_hf_dir, read_weights)
-from canonlm.hf.mapping import (InteropError, expected_hf_shapes, from_hf_config, from_hf_state_dict, hf_format,
-                                model_config_from_dict, structural_differences, to_hf_config, to_hf_state_dict)
+from canonlm.hf.io import (
+    checkpoint_dict,
+    export_model,
+    hf_to_canonlm,
+    import_hf,
+    load_canonlm_checkpoint,
+    load_init_weights,
+    read_canonlm,
+    read_hf_dir,
+    read_weights,
+)
+from canonlm.hf.mapping import (
+    InteropError,
+    expected_hf_shapes,
+    from_hf_config,
+    from_hf_state_dict,
+    hf_format,
+    model_config_from_dict,
+    structural_differences,
+    to_hf_config,
+    to_hf_state_dict,
+)
 
-__all__ = ["InteropError", "export_model", "import_hf", "load_init_weights", "load_canonlm_checkpoint",
-           "read_canonlm", "read_hf_dir", "read_weights", "hf_to_canonlm", "checkpoint_dict", "hf_format",
-           "to_hf_config", "to_hf_state_dict", "from_hf_config", "from_hf_state_dict", "expected_hf_shapes",
-           "model_config_from_dict", "structural_differences"]
+__all__ = [
+    "InteropError",
+    "export_model",
+    "import_hf",
+    "load_init_weights",
+    "load_canonlm_checkpoint",
+    "read_canonlm",
+    "read_hf_dir",
+    "read_weights",
+    "hf_to_canonlm",
+    "checkpoint_dict",
+    "hf_format",
+    "to_hf_config",
+    "to_hf_state_dict",
+    "from_hf_config",
+    "from_hf_state_dict",
+    "expected_hf_shapes",
+    "model_config_from_dict",
+    "structural_differences",
+]

@@ -20,14 +20,28 @@ import torch
 
 from canonlm.arch.config import ModelConfig
 from canonlm.config.build import build_configs
-from canonlm.config.rundir import (CHECKPOINT, has_run_config, is_distributed_checkpoint, load_run_config,
-                                   read_distributed_checkpoint, task_config)
+from canonlm.config.rundir import (
+    CHECKPOINT,
+    has_run_config,
+    is_distributed_checkpoint,
+    load_run_config,
+    read_distributed_checkpoint,
+    task_config,
+)
 from canonlm.hf import lingua
 from canonlm.hf.card import generation_config, model_card
 from canonlm.hf.remote.bundle import BundleError, bundle_sources
 from canonlm.hf.tokenizer import TOKENIZER_CLASS, export_tokenizer, save_tokenizer
-from canonlm.hf.mapping import (InteropError, from_hf_config, from_hf_state_dict, hf_format, model_config_from_dict,
-                                structural_differences, to_hf_config, to_hf_state_dict)
+from canonlm.hf.mapping import (
+    InteropError,
+    from_hf_config,
+    from_hf_state_dict,
+    hf_format,
+    model_config_from_dict,
+    structural_differences,
+    to_hf_config,
+    to_hf_state_dict,
+)
 
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -65,9 +79,15 @@ def read_hf_dir(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torc
         files = {SAFETENSORS: None}  # type: ignore[dict-item]
     else:
         pickled = sorted(p.name for p in d.glob("*.bin")) + sorted(p.name for p in d.glob("*.pth"))
-        raise InteropError(f"{d} has no {SAFETENSORS} or {SAFETENSORS_INDEX}"
-                           + (f" (only pickled weights: {', '.join(pickled[:3])}; canonlm reads safetensors only -- "
-                              "convert with transformers' save_pretrained(safe_serialization=True))" if pickled else ""))
+        raise InteropError(
+            f"{d} has no {SAFETENSORS} or {SAFETENSORS_INDEX}"
+            + (
+                f" (only pickled weights: {', '.join(pickled[:3])}; canonlm reads safetensors only -- "
+                "convert with transformers' save_pretrained(safe_serialization=True))"
+                if pickled
+                else ""
+            )
+        )
     sd: dict[str, torch.Tensor] = {}
     for shard, names in files.items():
         f = d / shard
@@ -76,7 +96,7 @@ def read_hf_dir(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torc
         try:
             with safe_open(str(f), framework="pt", device="cpu") as fh:
                 keys = set(fh.keys())
-                for name in (sorted(keys) if names is None else names):
+                for name in sorted(keys) if names is None else names:
                     if name not in keys:
                         raise InteropError(f"{f}: tensor {name} named by {SAFETENSORS_INDEX} is not in the shard")
                     sd[name] = fh.get_tensor(name)
@@ -122,13 +142,17 @@ def read_canonlm(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.
     else:
         raise InteropError(f"{p}: no such run directory or checkpoint file")
     if ck.is_dir() and not is_distributed_checkpoint(ck):
-        raise InteropError(f"{ck} is a directory without .metadata (neither a checkpoint file nor a distributed "
-                           "FSDP2 checkpoint)")
+        raise InteropError(
+            f"{ck} is a directory without .metadata (neither a checkpoint file nor a distributed FSDP2 checkpoint)"
+        )
     state = _load_ckpt(ck)
     meta = state.get("canonlm") or {}
     sd = state.get("state_dict", state)
-    sd = {k[len("model."):]: v for k, v in sd.items() if isinstance(k, str) and k.startswith("model.")
-          and isinstance(v, torch.Tensor)}
+    sd = {
+        k[len("model.") :]: v
+        for k, v in sd.items()
+        if isinstance(k, str) and k.startswith("model.") and isinstance(v, torch.Tensor)
+    }
     if not sd:
         raise InteropError(f"checkpoint {ck} holds no model tensors (state_dict keys 'model.<name>')")
     if isinstance(meta.get("model"), Mapping):
@@ -140,16 +164,20 @@ def read_canonlm(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.
             raise InteropError(f"{run_dir}: the run's config does not build: {e}") from None
         meta = {"task": task_config(run_dir, ck)}
     else:
-        raise InteropError(f"checkpoint {ck} records no model config (checkpoint['canonlm']['model']) and has no run "
-                           "directory with .hydra/config.yaml beside it")
+        raise InteropError(
+            f"checkpoint {ck} records no model config (checkpoint['canonlm']['model']) and has no run "
+            "directory with .hydra/config.yaml beside it"
+        )
     return cfg, sd, dict(meta)
 
 
 # ============================================================================================ writing
 def _check_out_dir(out: Path) -> None:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise InteropError(f"{out} exists and is not an empty directory; refusing to write into it (nothing is "
-                           "overwritten) -- choose a new path")
+        raise InteropError(
+            f"{out} exists and is not an empty directory; refusing to write into it (nothing is "
+            "overwritten) -- choose a new path"
+        )
     if not out.parent.is_dir():
         raise InteropError(f"{out.parent} does not exist (the parent of the output directory must exist)")
 
@@ -159,8 +187,7 @@ def _commit_dir(tmp: Path, out: Path) -> None:
     try:
         os.replace(tmp, out)
     except OSError as e:
-        raise InteropError(f"cannot move the output into {out}: {e} (was something written there meanwhile?)") \
-            from None
+        raise InteropError(f"cannot move the output into {out}: {e} (was something written there meanwhile?)") from None
 
 
 def _pid_alive(pid: int) -> bool:
@@ -200,8 +227,10 @@ def _tmp_dir(out: Path) -> Path:
 
 
 EXPORT_FORMATS = ("auto", "canonlm", "official", "llamacanon")
-REMOTE_AUTO_MAP = {"AutoConfig": "configuration_canonlm.CanonLMConfig",
-                   "AutoModelForCausalLM": "modeling_canonlm.CanonLMForCausalLM"}
+REMOTE_AUTO_MAP = {
+    "AutoConfig": "configuration_canonlm.CanonLMConfig",
+    "AutoModelForCausalLM": "modeling_canonlm.CanonLMForCausalLM",
+}
 
 
 def remote_config(cfg: ModelConfig) -> dict[str, Any]:
@@ -211,11 +240,22 @@ def remote_config(cfg: ModelConfig) -> dict[str, Any]:
     again where the export is loaded); ``tie_word_embeddings`` says whether canonlm ties the LM head to the
     embedding (transformers then saves and resizes them as one)."""
     portable = dataclasses.replace(cfg, ops="auto", kernels={})
-    return {"architectures": ["CanonLMForCausalLM"], "model_type": "canonlm", "auto_map": dict(REMOTE_AUTO_MAP),
-            "canonlm": dataclasses.asdict(portable), "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
-            "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
-            "max_position_embeddings": cfg.max_seq_len, "tie_word_embeddings": bool(cfg.tie_embeddings),
-            "torch_dtype": "float32", "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+    return {
+        "architectures": ["CanonLMForCausalLM"],
+        "model_type": "canonlm",
+        "auto_map": dict(REMOTE_AUTO_MAP),
+        "canonlm": dataclasses.asdict(portable),
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "max_position_embeddings": cfg.max_seq_len,
+        "tie_word_embeddings": bool(cfg.tie_embeddings),
+        "torch_dtype": "float32",
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+    }
 
 
 def _choose_format(cfg: ModelConfig, fmt: str) -> str:
@@ -280,8 +320,9 @@ def export_model(src: str | os.PathLike, out: str | os.PathLike, *, fmt: str = "
             hcfg = to_hf_config(cfg, official=shown == "llamacanon")
             tensors = to_hf_state_dict(cfg, sd, official=shown == "llamacanon")
     except InteropError as e:
-        raise InteropError(f"--format {shown}: {e} (--format canonlm, the default for such a model, exports every "
-                           "canonlm model)") from None
+        raise InteropError(
+            f"--format {shown}: {e} (--format canonlm, the default for such a model, exports every canonlm model)"
+        ) from None
     hcfg.update(ids)
     code: dict[str, str] = {}
     if shown == "canonlm":
@@ -309,16 +350,21 @@ def export_model(src: str | os.PathLike, out: str | os.PathLike, *, fmt: str = "
             (tmp / name).write_text(text, encoding="utf-8")
         if tok is not None:
             save_tokenizer(tok, tmp)
-        (tmp / "generation_config.json").write_text(
-            json.dumps(generation_config(ids), indent=2, sort_keys=True) + "\n")
+        (tmp / "generation_config.json").write_text(json.dumps(generation_config(ids), indent=2, sort_keys=True) + "\n")
         (tmp / "README.md").write_text(card)
         _commit_dir(tmp, out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return {"out": str(out), "format": shown, "class": hcfg["architectures"][0], "model_type": hcfg["model_type"],
-            "tensors": n_tensors, "tokenizer": TOKENIZER_CLASS if tok is not None else None,
-            **{k: v for k, v in ids.items() if v is not None}}
+    return {
+        "out": str(out),
+        "format": shown,
+        "class": hcfg["architectures"][0],
+        "model_type": hcfg["model_type"],
+        "tensors": n_tensors,
+        "tokenizer": TOKENIZER_CLASS if tok is not None else None,
+        **{k: v for k, v in ids.items() if v is not None},
+    }
 
 
 def _run_dir_of(src: str | os.PathLike) -> Path | None:
@@ -331,8 +377,9 @@ def _run_dir_of(src: str | os.PathLike) -> Path | None:
     return None
 
 
-def hf_to_canonlm(src: str | os.PathLike, variant: str | None = None
-                  ) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
+def hf_to_canonlm(
+    src: str | os.PathLike, variant: str | None = None
+) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
     """``(ModelConfig, CanonLM state dict (float32), hf config dict)`` of a Hugging Face directory (official
     LlamaCanon or native Llama, safetensors) or of the official lingua layout (``<src>/<variant>/params.json`` +
     ``consolidated.pth``, :mod:`canonlm.hf.lingua`). The lingua layout is read when ``variant`` is given or when
@@ -350,7 +397,7 @@ def hf_to_canonlm(src: str | os.PathLike, variant: str | None = None
         if not isinstance(hcfg.get("canonlm"), Mapping):
             raise InteropError(f"{src}/config.json: model_type 'canonlm' without its 'canonlm' model config")
         cfg = model_config_from_dict(hcfg["canonlm"])
-        sd = {k[len("model."):]: v.to(torch.float32) for k, v in hsd.items() if k.startswith("model.")}
+        sd = {k[len("model.") :]: v.to(torch.float32) for k, v in hsd.items() if k.startswith("model.")}
         if cfg.tie_embeddings and "lm_head.weight" not in sd and "tok_emb.weight" in sd:
             sd["lm_head.weight"] = sd["tok_emb.weight"]  # transformers' save_pretrained drops the tied copy
         _compare_keys(f"{src}", cfg, sd, other=sorted(k for k in hsd if not k.startswith("model.")))
@@ -376,10 +423,19 @@ def checkpoint_dict(cfg: ModelConfig, sd: Mapping[str, torch.Tensor], source: Ma
     state = {f"model.{k}": v for k, v in sd.items()}
     if cfg.tie_embeddings:
         state["model.lm_head.weight"] = state["model.tok_emb.weight"]
-    return {"state_dict": state, "global_step": 0, "epoch": 0,
-            "canonlm": {"format": 1, "model": dataclasses.asdict(cfg),
-                        "task": {"name": IMPORTED_TASK, "context": int(cfg.max_seq_len), **dict(source)},
-                        "train_time_s": 0.0, "attempts": 0, "nonfinite_steps": 0}}
+    return {
+        "state_dict": state,
+        "global_step": 0,
+        "epoch": 0,
+        "canonlm": {
+            "format": 1,
+            "model": dataclasses.asdict(cfg),
+            "task": {"name": IMPORTED_TASK, "context": int(cfg.max_seq_len), **dict(source)},
+            "train_time_s": 0.0,
+            "attempts": 0,
+            "nonfinite_steps": 0,
+        },
+    }
 
 
 def import_hf(src: str | os.PathLike, out: str | os.PathLike, *, variant: str | None = None) -> dict[str, Any]:
@@ -427,10 +483,14 @@ def import_hf(src: str | os.PathLike, out: str | os.PathLike, *, variant: str | 
                 shutil.rmtree(tmp, ignore_errors=True)
         path = out / CHECKPOINT
     c = cfg
-    return {"out": str(path), "model_type": hcfg.get("model_type"), "tensors": len(sd),
-            **({"layout": "lingua", "variant": li["variant"], "skipped": li["skipped"]} if li else {}),
-            "model": f"{c.n_layers}L{c.d_model}D heads {c.n_heads}/{c.kv_heads} canon={c.canon.set or 'none'} "
-                     f"pos={c.pos.type}({c.pos.pairing}, rope_dim {c.rope_dim}) qk_norm={c.qk_norm}"}
+    return {
+        "out": str(path),
+        "model_type": hcfg.get("model_type"),
+        "tensors": len(sd),
+        **({"layout": "lingua", "variant": li["variant"], "skipped": li["skipped"]} if li else {}),
+        "model": f"{c.n_layers}L{c.d_model}D heads {c.n_heads}/{c.kv_heads} canon={c.canon.set or 'none'} "
+        f"pos={c.pos.type}({c.pos.pairing}, rope_dim {c.rope_dim}) qk_norm={c.qk_norm}",
+    }
 
 
 # ============================================================================================ training / eval
@@ -461,15 +521,19 @@ def load_init_weights(path: str | os.PathLike, model: torch.nn.Module) -> None:
     if mine is not None:
         diff = structural_differences(cfg, mine)
         if diff:
-            raise InteropError(f"init_from={path}: its model differs from the configured one (value there vs "
-                               f"here): {'; '.join(diff[:6])}")
+            raise InteropError(
+                f"init_from={path}: its model differs from the configured one (value there vs "
+                f"here): {'; '.join(diff[:6])}"
+            )
     own = model.state_dict()
     missing, unexpected = sorted(set(own) - set(sd)), sorted(set(sd) - set(own))
     bad = [k for k in sorted(set(own) & set(sd)) if tuple(own[k].shape) != tuple(sd[k].shape)]
     if missing or unexpected or bad:
-        raise InteropError(f"init_from={path} does not fit the model: missing {missing[:5]}, unexpected "
-                           f"{unexpected[:5]}, shape mismatches "
-                           f"{[(k, tuple(sd[k].shape), tuple(own[k].shape)) for k in bad[:3]]}")
+        raise InteropError(
+            f"init_from={path} does not fit the model: missing {missing[:5]}, unexpected "
+            f"{unexpected[:5]}, shape mismatches "
+            f"{[(k, tuple(sd[k].shape), tuple(own[k].shape)) for k in bad[:3]]}"
+        )
     with torch.no_grad():
         for k, t in own.items():
             t.copy_(sd[k].to(dtype=t.dtype, device=t.device))

@@ -84,43 +84,73 @@ def lingua_to_hf_config(params: Mapping[str, Any], *, source: str = PARAMS) -> d
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise InteropError(f"{source}: model.{key}={v!r}; a positive integer is required")
     if "hidden_dim" not in m:
-        raise InteropError(f"{source}: model.hidden_dim is missing (the official loader requires the key; null "
-                           f"means 256 * ceil(8 * dim / 3 / 256) = {lingua_hidden_dim(m['dim'])})")
+        raise InteropError(
+            f"{source}: model.hidden_dim is missing (the official loader requires the key; null "
+            f"means 256 * ceil(8 * dim / 3 / 256) = {lingua_hidden_dim(m['dim'])})"
+        )
     for key in ("norm_eps", "rope_theta"):
         if not isinstance(m.get(key), (int, float)) or isinstance(m.get(key), bool):
-            raise InteropError(f"{source}: model.{key}={m.get(key)!r}; a number is required (the official loader "
-                               "passes it on as it is)")
+            raise InteropError(
+                f"{source}: model.{key}={m.get(key)!r}; a number is required (the official loader "
+                "passes it on as it is)"
+            )
     seq_len = data.get("seq_len") if isinstance(data, Mapping) else None
     if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
-        raise InteropError(f"{source}: data.seq_len={seq_len!r}; a positive integer is required (the official "
-                           "loader's max_position_embeddings)")
+        raise InteropError(
+            f"{source}: data.seq_len={seq_len!r}; a positive integer is required (the official "
+            "loader's max_position_embeddings)"
+        )
     for key, default in OFFICIAL_CANON_DEFAULTS.items():
         if key in m and m[key] != default:
-            raise InteropError(f"{source}: model.{key}={m[key]!r} differs from {default!r}, the value the official "
-                               "LlamaCanonForCausalLM.from_pretrained uses (it reads only canon_set of the Canon "
-                               "options); canonlm refuses a file the released classes would read differently")
+            raise InteropError(
+                f"{source}: model.{key}={m[key]!r} differs from {default!r}, the value the official "
+                "LlamaCanonForCausalLM.from_pretrained uses (it reads only canon_set of the Canon "
+                "options); canonlm refuses a file the released classes would read differently"
+            )
     hidden = m["hidden_dim"] if m["hidden_dim"] is not None else lingua_hidden_dim(m["dim"])
     head_dim = m["dim"] // m["n_heads"]
     rope_dim = m.get("rope_dim")
     if isinstance(rope_dim, int) and not isinstance(rope_dim, bool) and rope_dim >= head_dim:
         rope_dim = None  # the official loader rotates the whole head then
     return {
-        "model_type": OFFICIAL_MODEL_TYPE, "vocab_size": m["vocab_size"], "hidden_size": m["dim"],
-        "intermediate_size": hidden, "num_hidden_layers": m["n_layers"], "num_attention_heads": m["n_heads"],
-        "num_key_value_heads": m.get("n_kv_heads") or m["n_heads"], "qk_norm": m.get("qk_norm", False),
-        "rope_dim": rope_dim, "canon_set": m.get("canon_set", "") or "", "rope_theta": float(m["rope_theta"]),
-        "rms_norm_eps": float(m["norm_eps"]), "max_position_embeddings": seq_len, "rope_version": "lingua",
-        "hidden_act": "silu", "tie_word_embeddings": False, **OFFICIAL_CANON_DEFAULTS,
+        "model_type": OFFICIAL_MODEL_TYPE,
+        "vocab_size": m["vocab_size"],
+        "hidden_size": m["dim"],
+        "intermediate_size": hidden,
+        "num_hidden_layers": m["n_layers"],
+        "num_attention_heads": m["n_heads"],
+        "num_key_value_heads": m.get("n_kv_heads") or m["n_heads"],
+        "qk_norm": m.get("qk_norm", False),
+        "rope_dim": rope_dim,
+        "canon_set": m.get("canon_set", "") or "",
+        "rope_theta": float(m["rope_theta"]),
+        "rms_norm_eps": float(m["norm_eps"]),
+        "max_position_embeddings": seq_len,
+        "rope_version": "lingua",
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        **OFFICIAL_CANON_DEFAULTS,
     }
 
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-_ATTN = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj", "q_norm": "q_norm", "k_norm": "k_norm",
-         "canonB": "canonB"}
+_ATTN = {
+    "wq": "q_proj",
+    "wk": "k_proj",
+    "wv": "v_proj",
+    "wo": "o_proj",
+    "q_norm": "q_norm",
+    "k_norm": "k_norm",
+    "canonB": "canonB",
+}
 _FFN = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj", "canonD": "canonD"}
 _TOP = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "output": "lm_head"}
-_BLOCK = {"canonA": "canonA", "canonC": "canonC", "attention_norm": "input_layernorm",
-          "ffn_norm": "post_attention_layernorm"}
+_BLOCK = {
+    "canonA": "canonA",
+    "canonC": "canonC",
+    "attention_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
 _ATTN_BACK, _FFN_BACK, _TOP_BACK, _BLOCK_BACK = ({v: k for k, v in m.items()} for m in (_ATTN, _FFN, _TOP, _BLOCK))
 
 
@@ -155,8 +185,9 @@ def lingua_to_hf_state_dict(sd: Mapping[str, torch.Tensor]) -> tuple[dict[str, t
     return out, skipped
 
 
-def read_lingua_dir(path: str | os.PathLike, variant: str = DEFAULT_VARIANT
-                    ) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
+def read_lingua_dir(
+    path: str | os.PathLike, variant: str = DEFAULT_VARIANT
+) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
     """``(config.json-style dict, {Hugging Face name: tensor}, info)`` of ``<path>/<variant>/`` in the lingua layout;
     ``info`` holds ``variant``, ``params`` (the file's ``model`` section) and ``skipped`` (lingua keys the official
     loader skips). ``consolidated.pth`` is read with ``torch.load(weights_only=True)`` and must be
@@ -166,8 +197,10 @@ def read_lingua_dir(path: str | os.PathLike, variant: str = DEFAULT_VARIANT
     files = lingua_files(root, variant)
     if files is None:
         present = sorted(p.parent.name for p in root.glob(f"*/{PARAMS}")) if root.is_dir() else []
-        raise InteropError(f"{root}: no {variant}/{PARAMS} (the lingua layout is <dir>/<variant>/{PARAMS} + "
-                           f"<variant>/{WEIGHTS}; variants here: {', '.join(present) or 'none'})")
+        raise InteropError(
+            f"{root}: no {variant}/{PARAMS} (the lingua layout is <dir>/<variant>/{PARAMS} + "
+            f"<variant>/{WEIGHTS}; variants here: {', '.join(present) or 'none'})"
+        )
     params_path, weights_path = files
     try:
         params = json.loads(params_path.read_text())
@@ -184,8 +217,10 @@ def read_lingua_dir(path: str | os.PathLike, variant: str = DEFAULT_VARIANT
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         raise InteropError(f"{weights_path} cannot be read with torch.load(weights_only=True): {first}") from None
     if not isinstance(state, dict) or not isinstance(state.get("model"), Mapping):
-        raise InteropError(f"{weights_path}: expected {{'model': state_dict}} (the lingua consolidated layout), found "
-                           f"{type(state).__name__} with keys {sorted(state)[:5] if isinstance(state, dict) else []}")
+        raise InteropError(
+            f"{weights_path}: expected {{'model': state_dict}} (the lingua consolidated layout), found "
+            f"{type(state).__name__} with keys {sorted(state)[:5] if isinstance(state, dict) else []}"
+        )
     tensors = {k: v for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
     hsd, skipped = lingua_to_hf_state_dict(tensors)
     return hcfg, hsd, {"variant": variant, "params": dict(params["model"]), "skipped": skipped}
@@ -196,10 +231,15 @@ def _official_refusals(cfg: ModelConfig) -> list[str]:
     """What the official lingua loader cannot express for ``cfg`` (it ignores these config options)."""
     c, out = cfg.canon, []
     if c.set:
-        for key, ours in (("canon_kernel", c.kernel), ("canon_residual", c.residual),
-                          ("canon_activation", c.activation)):
+        for key, ours in (
+            ("canon_kernel", c.kernel),
+            ("canon_residual", c.residual),
+            ("canon_activation", c.activation),
+        ):
             if ours != OFFICIAL_CANON_DEFAULTS[key]:
-                out.append(f"canon.{key.removeprefix('canon_')}={ours!r} (it always uses {OFFICIAL_CANON_DEFAULTS[key]!r})")
+                out.append(
+                    f"canon.{key.removeprefix('canon_')}={ours!r} (it always uses {OFFICIAL_CANON_DEFAULTS[key]!r})"
+                )
     if cfg.mlp_act != "silu":
         out.append(f"model.mlp_act={cfg.mlp_act!r} (it always uses silu)")
     return out
@@ -236,8 +276,9 @@ def to_interleaved(cfg: ModelConfig, sd: Mapping[str, torch.Tensor]) -> dict[str
     return out
 
 
-def to_lingua(cfg: ModelConfig, sd: Mapping[str, torch.Tensor], *, name: str = "canonlm"
-              ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def to_lingua(
+    cfg: ModelConfig, sd: Mapping[str, torch.Tensor], *, name: str = "canonlm"
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """``(params.json dict, lingua state dict)`` for a canonlm Llama, in the layout the official
     ``LlamaCanonForCausalLM.from_pretrained`` reads (save the state as ``{"model": state}``).
 
@@ -248,8 +289,10 @@ def to_lingua(cfg: ModelConfig, sd: Mapping[str, torch.Tensor], *, name: str = "
     hf_format(cfg)
     bad = _official_refusals(cfg)
     if bad:
-        raise InteropError("the lingua layout cannot hold this model: the official LlamaCanonForCausalLM."
-                           f"from_pretrained ignores {'; '.join(bad)}; export the default format instead")
+        raise InteropError(
+            "the lingua layout cannot hold this model: the official LlamaCanonForCausalLM."
+            f"from_pretrained ignores {'; '.join(bad)}; export the default format instead"
+        )
     icfg = dataclasses.replace(cfg, pos=dataclasses.replace(cfg.pos, pairing="interleaved"))
     hsd = to_hf_state_dict(icfg, to_interleaved(cfg, sd), official=True)
     if "lm_head.weight" not in hsd:
@@ -270,10 +313,19 @@ def to_lingua(cfg: ModelConfig, sd: Mapping[str, torch.Tensor], *, name: str = "
             state[f"layers.{i}.feed_forward.{_FFN_BACK[sub]}.{suffix}"] = v
         else:
             state[f"layers.{i}.{_BLOCK_BACK[owner]}.{tail}"] = v
-    model = {"dim": cfg.d_model, "n_layers": cfg.n_layers, "n_heads": cfg.n_heads, "n_kv_heads": cfg.kv_heads,
-             "vocab_size": cfg.vocab_size, "hidden_dim": cfg.ffn_dim, "norm_eps": cfg.norm_eps,
-             "rope_theta": float(cfg.pos.theta), "rope_dim": None if cfg.rope_dim == cfg.head_dim else cfg.rope_dim,
-             "qk_norm": cfg.qk_norm == "whole", "canon_set": cfg.canon.set}
+    model = {
+        "dim": cfg.d_model,
+        "n_layers": cfg.n_layers,
+        "n_heads": cfg.n_heads,
+        "n_kv_heads": cfg.kv_heads,
+        "vocab_size": cfg.vocab_size,
+        "hidden_dim": cfg.ffn_dim,
+        "norm_eps": cfg.norm_eps,
+        "rope_theta": float(cfg.pos.theta),
+        "rope_dim": None if cfg.rope_dim == cfg.head_dim else cfg.rope_dim,
+        "qk_norm": cfg.qk_norm == "whole",
+        "canon_set": cfg.canon.set,
+    }
     if not math.isfinite(model["rope_theta"]):
         raise InteropError(f"pos.theta={cfg.pos.theta!r} is not finite")
     return {"name": name, "model": model, "data": {"seq_len": int(cfg.max_seq_len)}}, state

@@ -73,19 +73,28 @@ def hf_format(cfg: ModelConfig) -> str:
         raise InteropError(
             f"model.arch={cfg.arch!r} cannot be exported: only arch=llama maps to a Hugging Face class "
             "(transformers LlamaForCausalLM or the official LlamaCanonForCausalLM, both softmax attention); the "
-            "GLA / Gated DeltaNet / Mamba2 token mixers have no counterpart there")
+            "GLA / Gated DeltaNet / Mamba2 token mixers have no counterpart there"
+        )
     if cfg.pos.type == "nope":
-        raise InteropError("pos.type='nope' cannot be exported: LlamaForCausalLM and LlamaCanonForCausalLM always "
-                           "apply RoPE (LlamaCanon's rope_dim=0 falls back to full RoPE)")
+        raise InteropError(
+            "pos.type='nope' cannot be exported: LlamaForCausalLM and LlamaCanonForCausalLM always "
+            "apply RoPE (LlamaCanon's rope_dim=0 falls back to full RoPE)"
+        )
     if cfg.mlp != "gated":
-        raise InteropError(f"model.mlp={cfg.mlp!r} cannot be exported: the Hugging Face Llama MLP is gated "
-                           "(gate_proj / up_proj / down_proj)")
+        raise InteropError(
+            f"model.mlp={cfg.mlp!r} cannot be exported: the Hugging Face Llama MLP is gated "
+            "(gate_proj / up_proj / down_proj)"
+        )
     if cfg.qk_norm == "per_head":
-        raise InteropError("model.qk_norm='per_head' cannot be exported: LlamaCanon's qk_norm is one RMSNorm over "
-                           "all projected q / k channels (canonlm qk_norm=whole)")
+        raise InteropError(
+            "model.qk_norm='per_head' cannot be exported: LlamaCanon's qk_norm is one RMSNorm over "
+            "all projected q / k channels (canonlm qk_norm=whole)"
+        )
     if cfg.canon.set and cfg.canon.bias:
-        raise InteropError("canon.bias=true cannot be exported: the official canon_helper.create_canon refuses "
-                           "canon_bias=True (assert), so LlamaCanonForCausalLM cannot load Canon biases")
+        raise InteropError(
+            "canon.bias=true cannot be exported: the official canon_helper.create_canon refuses "
+            "canon_bias=True (assert), so LlamaCanonForCausalLM cannot load Canon biases"
+        )
     if cfg.mlp_act not in _ACT_TO_HF:
         raise InteropError(f"model.mlp_act={cfg.mlp_act!r} has no transformers ACT2FN name")
     if not cfg.canon.set and cfg.qk_norm == "none" and cfg.rope_dim == cfg.head_dim:
@@ -106,23 +115,45 @@ def to_hf_config(cfg: ModelConfig, *, official: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM" if fmt == "native" else "LlamaCanonForCausalLM"],
         "model_type": NATIVE_MODEL_TYPE if fmt == "native" else OFFICIAL_MODEL_TYPE,
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_dim,
-        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads,
-        "head_dim": cfg.head_dim, "hidden_act": _ACT_TO_HF[cfg.mlp_act], "max_position_embeddings": cfg.max_seq_len,
-        "initializer_range": cfg.init_std, "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
-        "rope_theta": theta, "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
-        "pretraining_tp": 1, "use_cache": True, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": _ACT_TO_HF[cfg.mlp_act],
+        "max_position_embeddings": cfg.max_seq_len,
+        "initializer_range": cfg.init_std,
+        "rms_norm_eps": cfg.norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "rope_theta": theta,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "pretraining_tp": 1,
+        "use_cache": True,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
         "torch_dtype": "float32",
     }
     if fmt == "native":
         out["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
         return out
     c = cfg.canon
-    out.update(rope_scaling=None, canon_set=c.set, canon_kernel=c.kernel, canon_residual=c.residual,
-               canon_activation=c.activation, canon_bias=bool(c.bias and c.set), qk_norm=cfg.qk_norm == "whole",
-               rope_dim=None if cfg.rope_dim == cfg.head_dim else cfg.rope_dim,
-               rope_version="huggingface" if cfg.pos.pairing == "half" else "lingua",
-               auto_map=dict(OFFICIAL_AUTO_MAP))
+    out.update(
+        rope_scaling=None,
+        canon_set=c.set,
+        canon_kernel=c.kernel,
+        canon_residual=c.residual,
+        canon_activation=c.activation,
+        canon_bias=bool(c.bias and c.set),
+        qk_norm=cfg.qk_norm == "whole",
+        rope_dim=None if cfg.rope_dim == cfg.head_dim else cfg.rope_dim,
+        rope_version="huggingface" if cfg.pos.pairing == "half" else "lingua",
+        auto_map=dict(OFFICIAL_AUTO_MAP),
+    )
     return out
 
 
@@ -130,8 +161,9 @@ def _canon_to_hf(w: torch.Tensor) -> torch.Tensor:
     return w.unsqueeze(1)  # (C, K) -> (C, 1, K)
 
 
-def to_hf_state_dict(cfg: ModelConfig, sd: Mapping[str, torch.Tensor], *, official: bool = False
-                     ) -> dict[str, torch.Tensor]:
+def to_hf_state_dict(
+    cfg: ModelConfig, sd: Mapping[str, torch.Tensor], *, official: bool = False
+) -> dict[str, torch.Tensor]:
     """canonlm ``CanonLM.state_dict()`` keys -> Hugging Face keys (module table), as fresh contiguous float tensors.
 
     Native format (:func:`hf_format`, unless ``official``) with ``pos.pairing=interleaved``: the rows of every q / k
@@ -142,10 +174,11 @@ def to_hf_state_dict(cfg: ModelConfig, sd: Mapping[str, torch.Tensor], *, offici
     fmt = "official" if official and hf_format(cfg) else hf_format(cfg)
     _check_canonlm_tensors(cfg, sd)
     H, Hkv, dh, L = cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.n_layers
-    perm = (interleaved_to_half_permutation(dh, dh)
-            if fmt == "native" and cfg.pos.pairing == "interleaved" else None)
-    out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": sd["tok_emb.weight"],
-                                    "model.norm.weight": sd["norm.weight"]}
+    perm = interleaved_to_half_permutation(dh, dh) if fmt == "native" and cfg.pos.pairing == "interleaved" else None
+    out: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": sd["tok_emb.weight"],
+        "model.norm.weight": sd["norm.weight"],
+    }
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = sd["lm_head.weight"]
     for i in range(L):
@@ -165,8 +198,11 @@ def to_hf_state_dict(cfg: ModelConfig, sd: Mapping[str, torch.Tensor], *, offici
         if cfg.qk_norm == "whole":
             out[h + "self_attn.q_norm.weight"] = sd[b + "attn.q_norm.weight"]
             out[h + "self_attn.k_norm.weight"] = sd[b + "attn.k_norm.weight"]
-        for letter, (ours, theirs) in {**_CANON_SITES, "B": ("attn.canon_b", "self_attn.canonB"),
-                                       "D": ("mlp.canon_d", "mlp.canonD")}.items():
+        for letter, (ours, theirs) in {
+            **_CANON_SITES,
+            "B": ("attn.canon_b", "self_attn.canonB"),
+            "D": ("mlp.canon_d", "mlp.canonD"),
+        }.items():
             if cfg.canon.has(letter):
                 out[h + theirs + ".weight"] = _canon_to_hf(sd[b + ours + ".weight"])
                 if cfg.canon.bias:
@@ -198,15 +234,21 @@ def compare_shapes(what: str, got: Mapping[str, tuple], expected: Mapping[str, t
     if missing or unexpected:
         parts = []
         if missing:
-            parts.append(f"missing {len(missing)} tensor(s): {', '.join(missing[:6])}" + (" ..." if len(missing) > 6 else ""))
+            parts.append(
+                f"missing {len(missing)} tensor(s): {', '.join(missing[:6])}" + (" ..." if len(missing) > 6 else "")
+            )
         if unexpected:
-            parts.append(f"unexpected {len(unexpected)} tensor(s): {', '.join(unexpected[:6])}"
-                         + (" ..." if len(unexpected) > 6 else ""))
+            parts.append(
+                f"unexpected {len(unexpected)} tensor(s): {', '.join(unexpected[:6])}"
+                + (" ..." if len(unexpected) > 6 else "")
+            )
         raise InteropError(f"{what} does not match its config: " + "; ".join(parts))
     bad = [(k, got[k], expected[k]) for k in sorted(expected) if tuple(got[k]) != tuple(expected[k])]
     if bad:
-        raise InteropError(f"{what} does not match its config: " + "; ".join(
-            f"{k} has shape {tuple(g)}, expected {tuple(e)}" for k, g, e in bad[:4]))
+        raise InteropError(
+            f"{what} does not match its config: "
+            + "; ".join(f"{k} has shape {tuple(g)}, expected {tuple(e)}" for k, g, e in bad[:4])
+        )
 
 
 # ============================================================================================ HF -> canonlm
@@ -227,9 +269,11 @@ def from_hf_config(c: Mapping[str, Any]) -> ModelConfig:
     ``partial_rotary_factor`` != 1, sliding windows, bad Canon / RoPE fields."""
     mt = c.get("model_type")
     if mt not in (NATIVE_MODEL_TYPE, OFFICIAL_MODEL_TYPE):
-        raise InteropError(f"config.json: model_type={mt!r} cannot be imported; canonlm maps only "
-                           f"{NATIVE_MODEL_TYPE!r} (transformers LlamaForCausalLM) and {OFFICIAL_MODEL_TYPE!r} "
-                           "(the official LlamaCanonForCausalLM)")
+        raise InteropError(
+            f"config.json: model_type={mt!r} cannot be imported; canonlm maps only "
+            f"{NATIVE_MODEL_TYPE!r} (transformers LlamaForCausalLM) and {OFFICIAL_MODEL_TYPE!r} "
+            "(the official LlamaCanonForCausalLM)"
+        )
     official = mt == OFFICIAL_MODEL_TYPE
 
     def refuse(key: str, value: Any, why: str) -> InteropError:
@@ -255,8 +299,12 @@ def from_hf_config(c: Mapping[str, Any]) -> ModelConfig:
             raise refuse(key, node, "expected a mapping or null")
         rtype = node.get("rope_type", node.get("type", "default"))
         if rtype != "default" or set(node) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"}:
-            raise refuse(key, dict(node), "RoPE scaling (linear / dynamic / yarn / llama3 ...) has no canonlm "
-                                          "counterpart; only rope_type 'default' maps")
+            raise refuse(
+                key,
+                dict(node),
+                "RoPE scaling (linear / dynamic / yarn / llama3 ...) has no canonlm "
+                "counterpart; only rope_type 'default' maps",
+            )
     theta = (rp or {}).get("rope_theta", c.get("rope_theta", 10000.0))
     for key in ("attention_bias", "mlp_bias"):
         if c.get(key):
@@ -290,27 +338,43 @@ def from_hf_config(c: Mapping[str, Any]) -> ModelConfig:
         cs = c.get("canon_set") or ""
         if not isinstance(cs, str) or set(cs) - set("ABCD"):
             raise refuse("canon_set", cs, "a string of letters from 'ABCD' is required")
-        canon = {"set": "".join(dict.fromkeys(cs)), "kernel": c.get("canon_kernel", 4),
-                 "residual": c.get("canon_residual", True), "activation": c.get("canon_activation", False),
-                 "bias": bool(c.get("canon_bias", False))}
+        canon = {
+            "set": "".join(dict.fromkeys(cs)),
+            "kernel": c.get("canon_kernel", 4),
+            "residual": c.get("canon_residual", True),
+            "activation": c.get("canon_activation", False),
+            "bias": bool(c.get("canon_bias", False)),
+        }
         qn = c.get("qk_norm", False)
         if qn not in (True, False):
             raise refuse("qk_norm", qn, "true | false")
         qk_norm = "whole" if qn else "none"
     elif prf not in (None, 1, 1.0):
-        raise refuse("partial_rotary_factor", prf, "LlamaForCausalLM's rotary code rotates the whole head; "
-                                                   "only 1.0 maps")
-    model = dict(arch="llama", vocab_size=c["vocab_size"], n_layers=c["num_hidden_layers"], d_model=d, n_heads=H,
-                 n_kv_heads=None if Hkv == H else Hkv, d_ff=inter, mlp="gated", mlp_act=_ACT_FROM_HF[act],
-                 norm_eps=float(_get(c, "rms_norm_eps", 1e-6)), qk_norm=qk_norm,
-                 init_std=float(_get(c, "initializer_range", 0.02)),
-                 tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-                 max_seq_len=int(_get(c, "max_position_embeddings", 2048)))
+        raise refuse(
+            "partial_rotary_factor", prf, "LlamaForCausalLM's rotary code rotates the whole head; only 1.0 maps"
+        )
+    model = dict(
+        arch="llama",
+        vocab_size=c["vocab_size"],
+        n_layers=c["num_hidden_layers"],
+        d_model=d,
+        n_heads=H,
+        n_kv_heads=None if Hkv == H else Hkv,
+        d_ff=inter,
+        mlp="gated",
+        mlp_act=_ACT_FROM_HF[act],
+        norm_eps=float(_get(c, "rms_norm_eps", 1e-6)),
+        qk_norm=qk_norm,
+        init_std=float(_get(c, "initializer_range", 0.02)),
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        max_seq_len=int(_get(c, "max_position_embeddings", 2048)),
+    )
     try:
         return build_model_config(model, canon, pos)
     except ConfigError as e:
-        raise InteropError(f"config.json cannot be imported: it maps to a canonlm config that is not valid: {e}") \
-            from None
+        raise InteropError(
+            f"config.json cannot be imported: it maps to a canonlm config that is not valid: {e}"
+        ) from None
 
 
 def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -320,15 +384,27 @@ def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     out = {"model.embed_tokens.weight": (cfg.vocab_size, d), "model.norm.weight": (d,)}
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = (cfg.vocab_size, d)
-    widths = {"A": ("canonA", d), "B": ("self_attn.canonB", (H + 2 * Hkv) * dh), "C": ("canonC", d),
-              "D": ("mlp.canonD", 2 * F_)}
+    widths = {
+        "A": ("canonA", d),
+        "B": ("self_attn.canonB", (H + 2 * Hkv) * dh),
+        "C": ("canonC", d),
+        "D": ("mlp.canonD", 2 * F_),
+    }
     for i in range(cfg.n_layers):
         h = f"model.layers.{i}."
-        out.update({h + "input_layernorm.weight": (d,), h + "post_attention_layernorm.weight": (d,),
-                    h + "self_attn.q_proj.weight": (H * dh, d), h + "self_attn.k_proj.weight": (Hkv * dh, d),
-                    h + "self_attn.v_proj.weight": (Hkv * dh, d), h + "self_attn.o_proj.weight": (d, H * dh),
-                    h + "mlp.gate_proj.weight": (F_, d), h + "mlp.up_proj.weight": (F_, d),
-                    h + "mlp.down_proj.weight": (d, F_)})
+        out.update(
+            {
+                h + "input_layernorm.weight": (d,),
+                h + "post_attention_layernorm.weight": (d,),
+                h + "self_attn.q_proj.weight": (H * dh, d),
+                h + "self_attn.k_proj.weight": (Hkv * dh, d),
+                h + "self_attn.v_proj.weight": (Hkv * dh, d),
+                h + "self_attn.o_proj.weight": (d, H * dh),
+                h + "mlp.gate_proj.weight": (F_, d),
+                h + "mlp.up_proj.weight": (F_, d),
+                h + "mlp.down_proj.weight": (d, F_),
+            }
+        )
         if cfg.qk_norm == "whole":
             out[h + "self_attn.q_norm.weight"] = (H * dh,)
             out[h + "self_attn.k_norm.weight"] = (Hkv * dh,)
@@ -343,8 +419,9 @@ def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 _IGNORED_HF = re.compile(r"(^|\.)rotary_emb\.inv_freq$")  # non-persistent buffers some old checkpoints saved
 
 
-def from_hf_state_dict(cfg: ModelConfig, sd: Mapping[str, torch.Tensor], *,
-                       source: str = "the Hugging Face directory") -> dict[str, torch.Tensor]:
+def from_hf_state_dict(
+    cfg: ModelConfig, sd: Mapping[str, torch.Tensor], *, source: str = "the Hugging Face directory"
+) -> dict[str, torch.Tensor]:
     """Hugging Face keys -> canonlm ``CanonLM.state_dict()`` keys (float32 CPU tensors; ``cfg`` from
     :func:`from_hf_config`). Tied embeddings: ``lm_head.weight`` is the embedding (an ``lm_head.weight`` in the file
     is ignored, as transformers does). Raises InteropError naming missing / unexpected / mis-shaped tensors."""
@@ -353,7 +430,10 @@ def from_hf_state_dict(cfg: ModelConfig, sd: Mapping[str, torch.Tensor], *,
         got.pop("lm_head.weight", None)
     compare_shapes(source, got, expected_hf_shapes(cfg))
     f = {k: v.detach().to("cpu", torch.float32) for k, v in sd.items() if k in got}
-    out: dict[str, torch.Tensor] = {"tok_emb.weight": f["model.embed_tokens.weight"], "norm.weight": f["model.norm.weight"]}
+    out: dict[str, torch.Tensor] = {
+        "tok_emb.weight": f["model.embed_tokens.weight"],
+        "norm.weight": f["model.norm.weight"],
+    }
     out["lm_head.weight"] = out["tok_emb.weight"] if cfg.tie_embeddings else f["lm_head.weight"]
     for i in range(cfg.n_layers):
         b, h = f"blocks.{i}.", f"model.layers.{i}."
@@ -366,8 +446,11 @@ def from_hf_state_dict(cfg: ModelConfig, sd: Mapping[str, torch.Tensor], *,
         if cfg.qk_norm == "whole":
             out[b + "attn.q_norm.weight"] = f[h + "self_attn.q_norm.weight"]
             out[b + "attn.k_norm.weight"] = f[h + "self_attn.k_norm.weight"]
-        for letter, (ours, theirs) in {**_CANON_SITES, "B": ("attn.canon_b", "self_attn.canonB"),
-                                       "D": ("mlp.canon_d", "mlp.canonD")}.items():
+        for letter, (ours, theirs) in {
+            **_CANON_SITES,
+            "B": ("attn.canon_b", "self_attn.canonB"),
+            "D": ("mlp.canon_d", "mlp.canonD"),
+        }.items():
             if cfg.canon.has(letter):
                 out[b + ours + ".weight"] = f[h + theirs + ".weight"].squeeze(1)
                 if cfg.canon.bias:
@@ -389,8 +472,21 @@ def model_config_from_dict(d: Mapping[str, Any]) -> ModelConfig:
 def structural_differences(a: ModelConfig, b: ModelConfig) -> list[str]:
     """Fields where two configs compute different functions from the same tensors (backend choices, ``max_seq_len``
     and inits are ignored): ``["pos.pairing: 'half' vs 'interleaved'", ...]``."""
-    keys = ("arch", "vocab_size", "n_layers", "d_model", "n_heads", "kv_heads", "ffn_dim", "mlp", "mlp_act",
-            "norm_eps", "qk_norm", "tie_embeddings", "rope_dim")
+    keys = (
+        "arch",
+        "vocab_size",
+        "n_layers",
+        "d_model",
+        "n_heads",
+        "kv_heads",
+        "ffn_dim",
+        "mlp",
+        "mlp_act",
+        "norm_eps",
+        "qk_norm",
+        "tie_embeddings",
+        "rope_dim",
+    )
     out = [f"model.{k}: {getattr(a, k)!r} vs {getattr(b, k)!r}" for k in keys if getattr(a, k) != getattr(b, k)]
     for k in ("set", "kernel", "residual", "activation", "bias"):
         va, vb = getattr(a.canon, k), getattr(b.canon, k)

@@ -73,8 +73,9 @@ def _meta_tokenizer(task_cfg: Mapping[str, Any]) -> dict[str, Any]:
         from canonlm.config.rundir import text_data_dirs
 
         f = Path((text_data_dirs(dict(task_cfg)) or [""])[0]) / "meta.json"
-        raise InteropError(f"the run's prepared data {f} cannot be read ({e}); its tokenizer is needed for the "
-                           "export") from None
+        raise InteropError(
+            f"the run's prepared data {f} cannot be read ({e}); its tokenizer is needed for the export"
+        ) from None
 
 
 def _context(hf: Any, max_seq_len: int | None) -> Any:
@@ -100,20 +101,27 @@ def text_tokenizer(task_cfg: Mapping[str, Any], vocab_size: int, max_seq_len: in
     try:
         got = tokenizer_sha256(path)
     except FileNotFoundError:
-        raise InteropError(f"the run's tokenizer {path} (recorded by prepare in meta.json) no longer exists; put it "
-                           "back, or the export would carry no tokenizer or the wrong one") from None
+        raise InteropError(
+            f"the run's tokenizer {path} (recorded by prepare in meta.json) no longer exists; put it "
+            "back, or the export would carry no tokenizer or the wrong one"
+        ) from None
     if want and got != want:
-        raise InteropError(f"the run's tokenizer {path} changed since prepare (sha256 {got[:12]}..., recorded "
-                           f"{want[:12]}...); the model was trained with the recorded one -- restore it")
+        raise InteropError(
+            f"the run's tokenizer {path} changed since prepare (sha256 {got[:12]}..., recorded "
+            f"{want[:12]}...); the model was trained with the recorded one -- restore it"
+        )
     tok = TextTokenizer(path, eos_token=rec.get("eos_token"))
     if tok.vocab_size > vocab_size:
-        raise InteropError(f"the tokenizer {path} has ids up to {tok.vocab_size - 1}, past the model's vocabulary "
-                           f"({vocab_size})")
+        raise InteropError(
+            f"the tokenizer {path} has ids up to {tok.vocab_size - 1}, past the model's vocabulary ({vocab_size})"
+        )
     hf = tok.as_transformers()  # a transformers tokenizer directory keeps its settings (its pipeline is written)
     if getattr(hf, "backend_tokenizer", None) is None:
-        raise InteropError(f"the tokenizer {path} loads as {type(hf).__name__}, which has no `tokenizers` pipeline "
-                           "(tokenizer.json); only such a tokenizer is written in the form transformers 4 and 5 both "
-                           "read -- prepare the data with its tokenizer.json")
+        raise InteropError(
+            f"the tokenizer {path} loads as {type(hf).__name__}, which has no `tokenizers` pipeline "
+            "(tokenizer.json); only such a tokenizer is written in the form transformers 4 and 5 both "
+            "read -- prepare the data with its tokenizer.json"
+        )
     if tok.eos_token is not None and hf.eos_token != tok.eos_token:
         hf.eos_token = tok.eos_token
     if hf.pad_token is None and hf.eos_token is not None:
@@ -135,9 +143,11 @@ def capo_tokenizer(task: Any, vocab_size: int, max_seq_len: int | None = None):
     from canonlm.data.tasks.capo.tokenizer import EOS_TEXT
 
     if int(task.vocab_size) != int(vocab_size):
-        raise InteropError(f"the Capo task rebuilt from the run's config has a vocabulary of {task.vocab_size} ids, "
-                           f"the model was trained with {vocab_size}: the task's tokenizer (task.tokenizer, or the "
-                           "BPE in its cache_dir) changed since training -- restore it")
+        raise InteropError(
+            f"the Capo task rebuilt from the run's config has a vocabulary of {task.vocab_size} ids, "
+            f"the model was trained with {vocab_size}: the task's tokenizer (task.tokenizer, or the "
+            "BPE in its cache_dir) changed since training -- restore it"
+        )
     spec = json.loads(task.tokenizer.to_str())
     model = spec["model"]
     if model.get("type") != "BPE":
@@ -161,10 +171,13 @@ def capo_tokenizer(task: Any, vocab_size: int, max_seq_len: int | None = None):
     model["vocab"] = vocab
     special = dict(single_word=False, lstrip=False, rstrip=False, normalized=False, special=True)
     spec["post_processor"] = None  # a template (<s> ... </s>) would insert ids of the old numbering
-    spec["added_tokens"] = [dict(id=0, content="<pad>", **special),
-                            dict(id=int(task.eos_id), content=EOS_TEXT, **special)]
-    hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)), pad_token="<pad>",
-                                 eos_token=EOS_TEXT)
+    spec["added_tokens"] = [
+        dict(id=0, content="<pad>", **special),
+        dict(id=int(task.eos_id), content=EOS_TEXT, **special),
+    ]
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(json.dumps(spec)), pad_token="<pad>", eos_token=EOS_TEXT
+    )
     return _context(hf, max_seq_len), _ids(hf, vocab_size)
 
 
@@ -177,14 +190,18 @@ def _name_structure(task: Any, names: Sequence[str]) -> tuple[set[int], set[int]
     V = len(names)
     sep = getattr(task, "bos_id", None)
     if not isinstance(sep, int) or not 0 <= sep < V or task.decode([sep]) != names[sep]:
-        raise InteropError(f"task {getattr(task, 'name', '?')!r} has no BOS token printed as its name; its printed "
-                           "text cannot be checked for multi-token names")
+        raise InteropError(
+            f"task {getattr(task, 'name', '?')!r} has no BOS token printed as its name; its printed "
+            "text cannot be checked for multi-token names"
+        )
     S = names[sep]
 
     def bad(ids: list[int], got: str) -> InteropError:
-        return InteropError(f"task {getattr(task, 'name', '?')!r} prints ids {ids} as {got!r}, which a word-level "
-                            "tokenizer (tokens separated by spaces, a multi-token name joined with '.') cannot "
-                            "reproduce")
+        return InteropError(
+            f"task {getattr(task, 'name', '?')!r} prints ids {ids} as {got!r}, which a word-level "
+            "tokenizer (tokens separated by spaces, a multi-token name joined with '.') cannot "
+            "reproduce"
+        )
 
     words = task.decode([t for i in range(V) for t in (i, sep)]).split(" ")
     if len(words) != 2 * V:
@@ -203,13 +220,13 @@ def _name_structure(task: Any, names: Sequence[str]) -> tuple[set[int], set[int]
     name_ids, p = set(), 0
     for j in range(V):
         w = words[p] if p < len(words) else ""
-        if w in (f"{names[nf]}.{names[j]}", f"{names[nf]}.{names[j]}?") and words[p + 1:p + 2] == [S]:
+        if w in (f"{names[nf]}.{names[j]}", f"{names[nf]}.{names[j]}?") and words[p + 1 : p + 2] == [S]:
             name_ids.add(j)
             p += 2
-        elif w == names[nf] + "?" and words[p + 1:p + 3] == [names[j], S]:
+        elif w == names[nf] + "?" and words[p + 1 : p + 3] == [names[j], S]:
             p += 3
         else:
-            raise bad([nf, j, sep], " ".join(words[p:p + 3]))
+            raise bad([nf, j, sep], " ".join(words[p : p + 3]))
     if not non_final <= name_ids:
         raise bad([nf, min(non_final - name_ids)], "a name token that cannot continue a name")
     return non_final, name_ids
@@ -233,13 +250,17 @@ def task_tokenizer(task: Any, vocab_size: int, max_seq_len: int | None = None):
     names = [str(n) for n in names[:vocab_size]]
     for i, n in enumerate(names):
         if not n or any(c.isspace() for c in n):
-            raise InteropError(f"task {getattr(task, 'name', '?')!r} names id {i} {n!r}: a token name needs at least "
-                               "one character and no whitespace, else its printed text cannot be split back")
+            raise InteropError(
+                f"task {getattr(task, 'name', '?')!r} names id {i} {n!r}: a token name needs at least "
+                "one character and no whitespace, else its printed text cannot be split back"
+            )
     non_final, name_ids = _name_structure(task, names)
     if non_final and any("." in n or "?" in n for n in names):
         bad = next(n for n in names if "." in n or "?" in n)
-        raise InteropError(f"task {getattr(task, 'name', '?')!r} joins multi-token names with '.' (unfinished: "
-                           f"'?') but has a token named {bad!r}: its printed text is ambiguous")
+        raise InteropError(
+            f"task {getattr(task, 'name', '?')!r} joins multi-token names with '.' (unfinished: "
+            f"'?') but has a token named {bad!r}: its printed text is ambiguous"
+        )
     strings: list[str] = []
     seen: set[str] = set()
     for i, n in enumerate(names):
@@ -250,16 +271,21 @@ def task_tokenizer(task: Any, vocab_size: int, max_seq_len: int | None = None):
     tk = Tokenizer(models.WordLevel(vocab={s: i for i, s in enumerate(strings)}, unk_token=None))
     if non_final:
         tk.normalizer = normalizers.Replace("?", ".")  # an unfinished name (p3?) is read as its tokens
-        tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
-                                                    pre_tokenizers.Split(".", behavior="merged_with_previous")])
-        cont = "|".join(re.escape(strings[j]) + ("" if j in non_final else " ")
-                        for j in sorted(name_ids, key=lambda j: -len(strings[j])))
-        tk.decoder = decoders.Sequence([
-            decoders.Replace(Regex(r"(?<!\.)\z"), " "),          # every token but a non-final one ends in a space
-            decoders.Fuse(),
-            decoders.Replace(Regex(rf"\.(?!(?:{cont}))"), "? "),  # a name no name token continues is unfinished
-            decoders.Replace(Regex(r" \z"), ""),
-        ])
+        tk.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Split(".", behavior="merged_with_previous")]
+        )
+        cont = "|".join(
+            re.escape(strings[j]) + ("" if j in non_final else " ")
+            for j in sorted(name_ids, key=lambda j: -len(strings[j]))
+        )
+        tk.decoder = decoders.Sequence(
+            [
+                decoders.Replace(Regex(r"(?<!\.)\z"), " "),  # every token but a non-final one ends in a space
+                decoders.Fuse(),
+                decoders.Replace(Regex(rf"\.(?!(?:{cont}))"), "? "),  # a name no name token continues is unfinished
+                decoders.Replace(Regex(r" \z"), ""),
+            ]
+        )
     else:
         tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # decoding joins the tokens with spaces
     specials = {"pad_token": strings[0]}
@@ -277,8 +303,9 @@ def task_tokenizer(task: Any, vocab_size: int, max_seq_len: int | None = None):
     tk.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in dict.fromkeys(specials.values())])
     hf = PreTrainedTokenizerFast(tokenizer_object=tk, **specials)
     if len(hf) > vocab_size:
-        raise InteropError(f"the task's tokenizer has {len(hf)} tokens, more than the model's vocabulary "
-                           f"({vocab_size})")
+        raise InteropError(
+            f"the task's tokenizer has {len(hf)} tokens, more than the model's vocabulary ({vocab_size})"
+        )
     ids = _ids(hf, vocab_size)
     if not has_eos:
         ids["eos_token_id"] = None
@@ -293,8 +320,9 @@ def _ids(hf: Any, vocab_size: int) -> dict[str, int | None]:
     return out
 
 
-def export_tokenizer(task_cfg: Mapping[str, Any] | None, vocab_size: int, max_seq_len: int | None = None
-                     ) -> tuple[Any, dict[str, int | None], str]:
+def export_tokenizer(
+    task_cfg: Mapping[str, Any] | None, vocab_size: int, max_seq_len: int | None = None
+) -> tuple[Any, dict[str, int | None], str]:
     """``(tokenizer or None, token ids for config.json / generation_config.json, note for the model card)`` of the
     run whose ``checkpoint["canonlm"]["task"]`` is ``task_cfg``; ``max_seq_len`` (the model's context) becomes the
     tokenizer's ``model_max_length``. Write it with :func:`save_tokenizer`. The ids are
@@ -316,24 +344,44 @@ def export_tokenizer(task_cfg: Mapping[str, Any] | None, vocab_size: int, max_se
     try:
         task = build_task(name, dict(task_cfg))
     except Exception as e:  # noqa: BLE001 -- any failure to rebuild the task: the export would lack its tokenizer
-        raise InteropError(f"the run's task {name!r} cannot be rebuilt here for its tokenizer ({type(e).__name__}: "
-                           f"{e}); restore what it reads (e.g. task.tokenizer, task.cache_dir, data files)") from None
+        raise InteropError(
+            f"the run's task {name!r} cannot be rebuilt here for its tokenizer ({type(e).__name__}: "
+            f"{e}); restore what it reads (e.g. task.tokenizer, task.cache_dir, data files)"
+        ) from None
     hf, ids = task_tokenizer(task, vocab_size, max_seq_len)
     if hf is None:
         return None, {}, f"no tokenizer: task {name!r} has no token names (pass token ids)"
     if name == "capo":
-        return hf, ids, ("the task's byte-level BPE renumbered to its compact ids: the text of its biographies "
-                         "encodes exactly as in training; tokens that never occur in them get ids past the model's "
-                         f"vocabulary ({vocab_size}), so other text cannot be fed to the model")
-    return hf, ids, (f"a word-level tokenizer over task {name!r}'s vocabulary: it reads and writes the text as the "
-                     "task prints it (tokens separated by spaces, a multi-token name joined with '.', e.g. p3.e8)")
+        return (
+            hf,
+            ids,
+            (
+                "the task's byte-level BPE renumbered to its compact ids: the text of its biographies "
+                "encodes exactly as in training; tokens that never occur in them get ids past the model's "
+                f"vocabulary ({vocab_size}), so other text cannot be fed to the model"
+            ),
+        )
+    return (
+        hf,
+        ids,
+        (
+            f"a word-level tokenizer over task {name!r}'s vocabulary: it reads and writes the text as the "
+            "task prints it (tokens separated by spaces, a multi-token name joined with '.', e.g. p3.e8)"
+        ),
+    )
 
 
 def _added(tok: Any) -> dict[str, dict[str, Any]]:
     out = {}
     for i, a in sorted(tok.backend_tokenizer.get_added_tokens_decoder().items()):
-        out[str(int(i))] = dict(content=a.content, lstrip=bool(a.lstrip), normalized=bool(a.normalized),
-                                rstrip=bool(a.rstrip), single_word=bool(a.single_word), special=bool(a.special))
+        out[str(int(i))] = dict(
+            content=a.content,
+            lstrip=bool(a.lstrip),
+            normalized=bool(a.normalized),
+            rstrip=bool(a.rstrip),
+            single_word=bool(a.single_word),
+            special=bool(a.special),
+        )
     return out
 
 
@@ -346,8 +394,10 @@ def tokenizer_files(tok: Any) -> dict[str, str]:
     ``special_tokens_map.json``. Raises InteropError for a tokenizer without a ``tokenizers`` backend."""
     backend = getattr(tok, "backend_tokenizer", None)
     if backend is None:
-        raise InteropError(f"the tokenizer ({type(tok).__name__}) has no `tokenizers` backend; only fast tokenizers "
-                           "are written in the form transformers 4 and 5 both read")
+        raise InteropError(
+            f"the tokenizer ({type(tok).__name__}) has no `tokenizers` backend; only fast tokenizers "
+            "are written in the form transformers 4 and 5 both read"
+        )
     spec = json.loads(backend.to_str())
     spec["truncation"] = None
     spec["padding"] = None
@@ -357,28 +407,37 @@ def tokenizer_files(tok: Any) -> dict[str, str]:
     for key in SPECIALS:
         t = getattr(tok, key, None)
         if t is not None:
-            a = by_content.get(str(t), dict(content=str(t), lstrip=False, normalized=False, rstrip=False,
-                                            single_word=False))
+            a = by_content.get(
+                str(t), dict(content=str(t), lstrip=False, normalized=False, rstrip=False, single_word=False)
+            )
             smap[key] = {k: v for k, v in a.items() if k != "special"}
-    extra = [str(t) for t in (getattr(tok, "additional_special_tokens", None) or []) if str(t) not in
-             {s["content"] for s in smap.values()}]
+    extra = [
+        str(t)
+        for t in (getattr(tok, "additional_special_tokens", None) or [])
+        if str(t) not in {s["content"] for s in smap.values()}
+    ]
     if extra:
         smap["additional_special_tokens"] = extra
     mml = getattr(tok, "model_max_length", None)
-    cfg: dict[str, Any] = {"tokenizer_class": TOKENIZER_CLASS, "added_tokens_decoder": added,
-                           **{k: (v["content"] if isinstance(v, dict) else v) for k, v in smap.items()},
-                           "model_max_length": int(mml) if isinstance(mml, int) and mml < 2 ** 62 else None,
-                           "clean_up_tokenization_spaces": bool(getattr(tok, "clean_up_tokenization_spaces", False)),
-                           "padding_side": getattr(tok, "padding_side", "right") or "right",
-                           "model_input_names": list(getattr(tok, "model_input_names", None)
-                                                     or ["input_ids", "attention_mask"])}
+    cfg: dict[str, Any] = {
+        "tokenizer_class": TOKENIZER_CLASS,
+        "added_tokens_decoder": added,
+        **{k: (v["content"] if isinstance(v, dict) else v) for k, v in smap.items()},
+        "model_max_length": int(mml) if isinstance(mml, int) and mml < 2**62 else None,
+        "clean_up_tokenization_spaces": bool(getattr(tok, "clean_up_tokenization_spaces", False)),
+        "padding_side": getattr(tok, "padding_side", "right") or "right",
+        "model_input_names": list(getattr(tok, "model_input_names", None) or ["input_ids", "attention_mask"]),
+    }
     if cfg["model_max_length"] is None:
         del cfg["model_max_length"]
     if isinstance(getattr(tok, "chat_template", None), str):
         cfg["chat_template"] = tok.chat_template
     dump = lambda d: json.dumps(d, indent=2, ensure_ascii=False) + "\n"  # noqa: E731
-    return {"tokenizer.json": json.dumps(spec, ensure_ascii=False), "tokenizer_config.json": dump(cfg),
-            "special_tokens_map.json": dump(smap)}
+    return {
+        "tokenizer.json": json.dumps(spec, ensure_ascii=False),
+        "tokenizer_config.json": dump(cfg),
+        "special_tokens_map.json": dump(smap),
+    }
 
 
 def save_tokenizer(tok: Any, out_dir: str | os.PathLike) -> list[str]:
@@ -392,5 +451,13 @@ def save_tokenizer(tok: Any, out_dir: str | os.PathLike) -> list[str]:
     return list(files)
 
 
-__all__ = ["SPECIALS", "TOKENIZER_CLASS", "capo_tokenizer", "export_tokenizer", "save_tokenizer",
-           "task_tokenizer", "text_tokenizer", "tokenizer_files"]
+__all__ = [
+    "SPECIALS",
+    "TOKENIZER_CLASS",
+    "capo_tokenizer",
+    "export_tokenizer",
+    "save_tokenizer",
+    "task_tokenizer",
+    "text_tokenizer",
+    "tokenizer_files",
+]

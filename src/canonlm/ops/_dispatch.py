@@ -45,8 +45,9 @@ def forget_backend_choices() -> None:
         table.clear()
 
 
-def make_selector(resolve: Callable[[str, torch.device, torch.dtype], str],
-                  meta_auto: Optional[str] = None) -> Callable[[str, str, torch.dtype], str]:
+def make_selector(
+    resolve: Callable[[str, torch.device, torch.dtype], str], meta_auto: Optional[str] = None
+) -> Callable[[str, str, torch.dtype], str]:
     """``select(backend, device_str, dtype) -> concrete backend``: ``resolve`` memoised per (backend, device, dtype)
     and treated as a constant by torch.compile (no tracing into import probes). ``meta_auto``: what an ``auto``
     that ``resolve`` leaves unresolved (the ``meta`` device) becomes. The memo is ``select.cache``
@@ -110,9 +111,16 @@ def probe(name: str, loader: Callable[[], object]) -> tuple[Optional[object], Op
     return _probes[name]
 
 
-def resolve_fast_or_reference(name: str, device, dtype: torch.dtype, *, key: str, fast: str,
-                              reason: Callable[[torch.device, torch.dtype], Optional[str]],
-                              hint: str = "") -> str:
+def resolve_fast_or_reference(
+    name: str,
+    device,
+    dtype: torch.dtype,
+    *,
+    key: str,
+    fast: str,
+    reason: Callable[[torch.device, torch.dtype], Optional[str]],
+    hint: str = "",
+) -> str:
     """Backend choice of an op with one fast kernel beside its reference (GLA: fla, GDN: fla, SSD: mamba_ssm).
 
     Args:

@@ -58,9 +58,11 @@ def _resolve_entry(module: str, attr: str, op: str, backend: str):
         return None
     fn = getattr(mod, attr, None)
     if not callable(fn):
-        raise RuntimeError(f"canonlm.ops.backend_calls: {module}.{attr} (the entry point of {op} backend "
-                           f"{backend!r}) does not exist; without it nobody can tell whether that backend ran "
-                           f"(renamed? update canonlm.ops.calls.ENTRY_POINTS)")
+        raise RuntimeError(
+            f"canonlm.ops.backend_calls: {module}.{attr} (the entry point of {op} backend "
+            f"{backend!r}) does not exist; without it nobody can tell whether that backend ran "
+            f"(renamed? update canonlm.ops.calls.ENTRY_POINTS)"
+        )
     return mod, fn
 
 
@@ -109,6 +111,7 @@ def backend_calls(ops: Iterable[str]) -> Iterator[dict[str, dict[str, int]]]:
             finally:
                 depth[0] -= 1
                 add(op, backend)
+
         return wrapper
 
     entries = [(op, be, m, a, False) for (op, be), points in ENTRY_POINTS.items() for m, a in points]

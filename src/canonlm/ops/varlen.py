@@ -32,8 +32,20 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-__all__ = ["Documents", "block_causal_bias", "block_causal_mask", "check_varlen_call", "cu_seqlens_from_pos",
-           "cu_seqlens_of", "document_starts", "documents", "pack", "position_in_document", "segment_ids", "unpack"]
+__all__ = [
+    "Documents",
+    "block_causal_bias",
+    "block_causal_mask",
+    "check_varlen_call",
+    "cu_seqlens_from_pos",
+    "cu_seqlens_of",
+    "document_starts",
+    "documents",
+    "pack",
+    "position_in_document",
+    "segment_ids",
+    "unpack",
+]
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,8 +80,13 @@ def documents(doc_ids: Tensor, cu_seqlens: bool = False) -> Documents:
     cu = cu_cpu = None
     if cu_seqlens:
         cu, cu_cpu = cu_seqlens_of(doc_ids)
-    return Documents(pos=position_in_document(doc_ids), seq_idx=segment_ids(doc_ids).to(torch.int32).contiguous(),
-                     cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, max_seqlen=int(doc_ids.shape[1]))
+    return Documents(
+        pos=position_in_document(doc_ids),
+        seq_idx=segment_ids(doc_ids).to(torch.int32).contiguous(),
+        cu_seqlens=cu,
+        cu_seqlens_cpu=cu_cpu,
+        max_seqlen=int(doc_ids.shape[1]),
+    )
 
 
 def cu_seqlens_from_pos(pos: Tensor) -> tuple[Tensor, Tensor]:
@@ -140,10 +157,10 @@ def pack(x: Tensor, cu_seqlens_cpu: Tensor) -> tuple[Tensor, Tensor]:
     lens = cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]
     L = int(lens.max())
     ar = torch.arange(L)
-    valid = ar.unsqueeze(0) < lens.unsqueeze(1)                                       # (N, L)
+    valid = ar.unsqueeze(0) < lens.unsqueeze(1)  # (N, L)
     idx = torch.where(valid, cu_seqlens_cpu[:-1].unsqueeze(1) + ar.unsqueeze(0), 0)  # (N, L) flat token index
     valid, idx = valid.to(x.device), idx.to(x.device)
-    g = x[0][idx]                                                                      # (N, L, ...)
+    g = x[0][idx]  # (N, L, ...)
     v = valid.view(*valid.shape, *([1] * (g.dim() - 2)))
     return torch.where(v, g, torch.zeros((), dtype=g.dtype, device=g.device)), valid
 
@@ -153,20 +170,39 @@ def unpack(y: Tensor, valid: Tensor) -> Tensor:
     return y[valid].unsqueeze(0)
 
 
-def check_varlen_call(where: str, q: Tensor, cu_seqlens: Tensor, cu_seqlens_cpu: Tensor | None,
-                      initial_state: Tensor | None, output_final_state: bool) -> None:
+def check_varlen_call(
+    where: str,
+    q: Tensor,
+    cu_seqlens: Tensor,
+    cu_seqlens_cpu: Tensor | None,
+    initial_state: Tensor | None,
+    output_final_state: bool,
+) -> None:
     """Check the arguments of a varlen op call (``where``: the op's name): ValueError unless q (B, T, ...) has B == 1,
     ``cu_seqlens`` and its CPU copy ``cu_seqlens_cpu`` are (N + 1,) from 0 to T, and there is no initial state and no
     final state requested (document masking starts every sequence from zero and keeps no state)."""
     T = q.shape[1]
-    ok = (q.shape[0] == 1 and cu_seqlens_cpu is not None and cu_seqlens.dim() == 1 and cu_seqlens.numel() >= 2
-          and tuple(cu_seqlens_cpu.shape) == tuple(cu_seqlens.shape) and int(cu_seqlens_cpu[0]) == 0
-          and int(cu_seqlens_cpu[-1]) == T and initial_state is None and not output_final_state)
+    ok = (
+        q.shape[0] == 1
+        and cu_seqlens_cpu is not None
+        and cu_seqlens.dim() == 1
+        and cu_seqlens.numel() >= 2
+        and tuple(cu_seqlens_cpu.shape) == tuple(cu_seqlens.shape)
+        and int(cu_seqlens_cpu[0]) == 0
+        and int(cu_seqlens_cpu[-1]) == T
+        and initial_state is None
+        and not output_final_state
+    )
     if not ok:
-        ends = None if cu_seqlens_cpu is None or cu_seqlens_cpu.numel() == 0 else \
-            (int(cu_seqlens_cpu[0]), int(cu_seqlens_cpu[-1]))
-        raise ValueError(f"{where}: cu_seqlens {tuple(cu_seqlens.shape)} (cpu copy first/last {ends}) with q "
-                         f"{tuple(q.shape)}, "
-                         f"initial_state {'given' if initial_state is not None else 'None'}, output_final_state="
-                         f"{output_final_state}; allowed: batch 1, cu_seqlens and cu_seqlens_cpu (N + 1,) from 0 to "
-                         f"T={T}, no initial_state, output_final_state=False")
+        ends = (
+            None
+            if cu_seqlens_cpu is None or cu_seqlens_cpu.numel() == 0
+            else (int(cu_seqlens_cpu[0]), int(cu_seqlens_cpu[-1]))
+        )
+        raise ValueError(
+            f"{where}: cu_seqlens {tuple(cu_seqlens.shape)} (cpu copy first/last {ends}) with q "
+            f"{tuple(q.shape)}, "
+            f"initial_state {'given' if initial_state is not None else 'None'}, output_final_state="
+            f"{output_final_state}; allowed: batch 1, cu_seqlens and cu_seqlens_cpu (N + 1,) from 0 to "
+            f"T={T}, no initial_state, output_final_state=False"
+        )

@@ -41,27 +41,52 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m canonlm.selfcheck", description=package.__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="report path (default: selfcheck-<date>.md in the current directory)")
     ap.add_argument("--force", action="store_true", help="overwrite an existing --out")
-    ap.add_argument("--quick", action="store_true",
-                    help="fewer lines: bf16 kernels, the decode model lines, training llama and gla only (4L256D, "
-                         "10 steps), FSDP2 llama only, the CPU lines without bf16 and with llama training only; "
-                         "budget 120 s")
-    ap.add_argument("--budget-s", type=float, default=None,
-                    help="wall-time budget in seconds (default 300; 120 with --quick): lines not finished by then "
-                         "are SKIP with the reason")
-    ap.add_argument("--jobs", type=int, default=None,
-                    help=f"worker processes at once (default: half the CPU cores, 2 to 8; here {default_jobs()})")
-    ap.add_argument("--autotune", choices=AUTOTUNE_MODES, default="first",
-                    help="first: Triton autotuners take the first config that runs (default; a config changes "
-                         "speed, not results); full: benchmark every config, as training does (many more compiles)")
-    ap.add_argument("--size", default=None,
-                    help=f"model size of the GPU training lines (default {TRAIN_DEFAULTS[False][0]}; "
-                         f"{TRAIN_DEFAULTS[True][0]} with --quick)")
-    ap.add_argument("--steps", type=int, default=None,
-                    help=f"optimizer steps of each GPU training line (default {TRAIN_DEFAULTS[False][1]}; "
-                         f"{TRAIN_DEFAULTS[True][1]} with --quick)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer lines: bf16 kernels, the decode model lines, training llama and gla only (4L256D, "
+        "10 steps), FSDP2 llama only, the CPU lines without bf16 and with llama training only; "
+        "budget 120 s",
+    )
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="wall-time budget in seconds (default 300; 120 with --quick): lines not finished by then "
+        "are SKIP with the reason",
+    )
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help=f"worker processes at once (default: half the CPU cores, 2 to 8; here {default_jobs()})",
+    )
+    ap.add_argument(
+        "--autotune",
+        choices=AUTOTUNE_MODES,
+        default="first",
+        help="first: Triton autotuners take the first config that runs (default; a config changes "
+        "speed, not results); full: benchmark every config, as training does (many more compiles)",
+    )
+    ap.add_argument(
+        "--size",
+        default=None,
+        help=f"model size of the GPU training lines (default {TRAIN_DEFAULTS[False][0]}; "
+        f"{TRAIN_DEFAULTS[True][0]} with --quick)",
+    )
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help=f"optimizer steps of each GPU training line (default {TRAIN_DEFAULTS[False][1]}; "
+        f"{TRAIN_DEFAULTS[True][1]} with --quick)",
+    )
     ap.add_argument("--batch", type=int, default=8, help="windows of 2048 tokens per GPU per step (default 8)")
-    ap.add_argument("--keep", action="store_true", help="keep the run directory (training runs, worker logs; "
-                    "default: removed unless a line failed)")
+    ap.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep the run directory (training runs, worker logs; default: removed unless a line failed)",
+    )
     ap.add_argument("--list", action="store_true", help="print the lines this command would run, then exit")
     return ap
 
@@ -90,13 +115,13 @@ def _bad(args) -> Optional[str]:
 def _cache_dirs() -> dict[str, Path]:
     """Where Triton and inductor keep their compiled kernels in this process's environment."""
     triton = os.environ.get("TRITON_CACHE_DIR") or os.path.join(
-        os.environ.get("TRITON_HOME") or os.path.expanduser("~"), ".triton", "cache")
+        os.environ.get("TRITON_HOME") or os.path.expanduser("~"), ".triton", "cache"
+    )
     try:
         user = getpass.getuser()
     except Exception:  # noqa: BLE001 -- no user name (container without a passwd entry)
         user = "unknown"
-    inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(tempfile.gettempdir(),
-                                                                          f"torchinductor_{user}")
+    inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
     return {"Triton": Path(triton), "inductor": Path(inductor)}
 
 
@@ -118,8 +143,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     t0 = time.time()
     out = Path(args.out) if args.out else Path.cwd() / f"selfcheck-{started:%Y-%m-%d}.md"
     if not args.list and out.exists() and not args.force:
-        print(f"selfcheck: error: {out} exists; pass --force to overwrite it or --out to choose another file",
-              file=sys.stderr)
+        print(
+            f"selfcheck: error: {out} exists; pass --force to overwrite it or --out to choose another file",
+            file=sys.stderr,
+        )
         return 2
     budget = args.budget_s if args.budget_s is not None else BUDGET_S[args.quick]
     jobs = args.jobs or default_jobs()
@@ -132,12 +159,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     plan = build_plan(opts, cuda, n_gpu)
     if args.list:
         for s in plan:
-            what = [f"group {s.group}"] + ([f"~{s.est_compiles} Triton kernels to compile cold"]
-                                           if s.est_compiles else [])
+            what = [f"group {s.group}"] + (
+                [f"~{s.est_compiles} Triton kernels to compile cold"] if s.est_compiles else []
+            )
             what += [f"here: {s.static[0]} ({s.static[1]})"] if s.static else []
             print(f"{s.name}  [{'; '.join(what)}]")
-        print(f"selfcheck: {len(plan)} lines ({sum(s.static is None for s in plan)} to run), budget {budget:.0f} s, "
-              f"{jobs} workers at once", file=sys.stderr)
+        print(
+            f"selfcheck: {len(plan)} lines ({sum(s.static is None for s in plan)} to run), budget {budget:.0f} s, "
+            f"{jobs} workers at once",
+            file=sys.stderr,
+        )
         return 0
     _setup_process()  # the kernel cache (after --list, which writes nothing)
     if not cuda:
@@ -150,8 +181,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     before = {k: _entries(d) for k, d in caches.items()}
     workdir = Path(tempfile.mkdtemp(prefix="canonlm-selfcheck-"))
     n_run = sum(s.static is None for s in plan)
-    print(f"selfcheck: {n_run} of {len(plan)} lines to run in {len({s.group for s in plan if s.static is None})} "
-          f"groups, up to {jobs} worker processes at once, budget {budget:.0f} s", file=sys.stderr, flush=True)
+    print(
+        f"selfcheck: {n_run} of {len(plan)} lines to run in {len({s.group for s in plan if s.static is None})} "
+        f"groups, up to {jobs} worker processes at once, budget {budget:.0f} s",
+        file=sys.stderr,
+        flush=True,
+    )
     notes: list[str] = []
 
     def emit(r: Result) -> None:
@@ -169,9 +204,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, terminated) if main_thread else None
     try:
-        results, stats = run_plan(with_workdir(plan, str(workdir)), workdir=workdir, budget_s=budget, jobs=jobs,
-                                  heavy_slots=heavy, quick=args.quick, autotune=args.autotune, cuda=cuda, emit=emit,
-                                  note=note, t0=t0)
+        results, stats = run_plan(
+            with_workdir(plan, str(workdir)),
+            workdir=workdir,
+            budget_s=budget,
+            jobs=jobs,
+            heavy_slots=heavy,
+            quick=args.quick,
+            autotune=args.autotune,
+            cuda=cuda,
+            emit=emit,
+            note=note,
+            t0=t0,
+        )
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
@@ -184,25 +229,36 @@ def main(argv: Optional[list[str]] = None) -> int:
     after = {k: _entries(d) for k, d in caches.items()}
     left_out = stats["not_run"] + stats["stopped"]
     header = {
-        "date": started.strftime("%Y-%m-%d %H:%M:%S"), "host": platform.node() or "unknown",
+        "date": started.strftime("%Y-%m-%d %H:%M:%S"),
+        "host": platform.node() or "unknown",
         "command": "python -m canonlm.selfcheck " + " ".join(sys.argv[1:] if argv is None else argv),
         "mode": (f"CUDA, {n_gpu} GPU(s) visible" if cuda else NO_CUDA_MESSAGE + "; CPU lines only")
         + (", --quick" if args.quick else ""),
         "wall time": f"{wall:.0f} s; summed over the lines that ran: compile {sum(r.compile_s for r in ran):.0f} s, "
-                     f"check {sum(r.check_s for r in ran):.0f} s (groups of lines run in parallel)",
+        f"check {sum(r.check_s for r in ran):.0f} s (groups of lines run in parallel)",
         "time budget": f"{budget:.0f} s (--budget-s): "
-                       + (f"{stats['not_run']} lines not run and {stats['stopped']} stopped by it (SKIP)"
-                          if left_out else "every line finished within it"),
+        + (
+            f"{stats['not_run']} lines not run and {stats['stopped']} stopped by it (SKIP)"
+            if left_out
+            else "every line finished within it"
+        ),
         "workers": f"{stats['workers']} processes, up to {jobs} at once (--jobs), at most {heavy} GPU training "
-                   f"run(s) at once"
-                   + (f"; start-up {stats['startup_s']:.1f} s each (median; not in the lines' times)"
-                      if stats.get("startup_s") is not None else ""),
-        "autotune": ("first config that runs (--autotune first: a config changes speed, not results; training "
-                     "lines' throughput is not a benchmark)" if args.autotune == "first"
-                     else "full (--autotune full: every config compiled and benchmarked, as training does)"),
-        "kernel cache": "; ".join(f"{k} {d} ({before[k]:,} entries before this run, {after[k]:,} after)"
-                                  for k, d in caches.items())
-                        + ": a second run loads the kernels this one compiled instead of compiling them",
+        f"run(s) at once"
+        + (
+            f"; start-up {stats['startup_s']:.1f} s each (median; not in the lines' times)"
+            if stats.get("startup_s") is not None
+            else ""
+        ),
+        "autotune": (
+            "first config that runs (--autotune first: a config changes speed, not results; training "
+            "lines' throughput is not a benchmark)"
+            if args.autotune == "first"
+            else "full (--autotune full: every config compiled and benchmarked, as training does)"
+        ),
+        "kernel cache": "; ".join(
+            f"{k} {d} ({before[k]:,} entries before this run, {after[k]:,} after)" for k, d in caches.items()
+        )
+        + ": a second run loads the kernels this one compiled instead of compiling them",
         "fp32 precision of Triton tl.dot": precision_note(),
     }
     if notes:
@@ -212,8 +268,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         write_report(out, text, args.force)
     except FileExistsError:
-        print(f"selfcheck: error: {out} appeared while the checks ran; not overwritten (use --force)",
-              file=sys.stderr)
+        print(f"selfcheck: error: {out} appeared while the checks ran; not overwritten (use --force)", file=sys.stderr)
         return 2
     print(f"selfcheck: report written to {out} ({wall:.0f} s)", file=sys.stderr)
     return 1 if any(r.status == FAIL for r in results) else 0

@@ -24,9 +24,14 @@ NO_CUDA_MESSAGE = "no CUDA device: GPU kernels and GPU training cannot be checke
 ROOT = Path(__file__).resolve().parents[3]  # the checkout (train.py, conf/) for an editable install
 
 #: Distributions whose versions the report lists (first installed name wins for each row).
-LIBRARIES = (("lightning", ("lightning",)), ("triton", ("triton", "pytorch-triton")),
-             ("fla-core", ("fla-core", "flash-linear-attention")), ("flash-attn", ("flash-attn",)),
-             ("causal-conv1d", ("causal-conv1d",)), ("mamba-ssm", ("mamba-ssm",)))
+LIBRARIES = (
+    ("lightning", ("lightning",)),
+    ("triton", ("triton", "pytorch-triton")),
+    ("fla-core", ("fla-core", "flash-linear-attention")),
+    ("flash-attn", ("flash-attn",)),
+    ("causal-conv1d", ("causal-conv1d",)),
+    ("mamba-ssm", ("mamba-ssm",)),
+)
 
 _FLA = ("fla-core", "flash-linear-attention")
 
@@ -38,12 +43,18 @@ _FLA = ("fla-core", "flash-linear-attention")
 #: flash_attn_gpu``. fla-core has none (Triton only). A ``ModuleNotFoundError`` naming one of these, with no such
 #: module on the path, is an install built without its CUDA op (``*_SKIP_CUDA_BUILD=TRUE``, as
 #: ``scripts/wheelhouse.sh`` and ``scripts/setup.sh`` build them where no nvcc or prebuilt wheel is at hand).
-CUDA_EXTENSIONS = {"causal-conv1d": ("causal_conv1d_cuda",), "mamba-ssm": ("selective_scan_cuda",),
-                   "flash-attn": ("flash_attn_2_cuda",)}
+CUDA_EXTENSIONS = {
+    "causal-conv1d": ("causal_conv1d_cuda",),
+    "mamba-ssm": ("selective_scan_cuda",),
+    "flash-attn": ("flash_attn_2_cuda",),
+}
 #: The variable that makes each distribution's ``setup.py`` compile its CUDA op with nvcc instead of downloading a
 #: prebuilt wheel (docs/gpu.md, "No prebuilt wheel: compiling").
-FORCE_BUILD = {"causal-conv1d": "CAUSAL_CONV1D_FORCE_BUILD", "mamba-ssm": "MAMBA_FORCE_BUILD",
-               "flash-attn": "FLASH_ATTENTION_FORCE_BUILD"}
+FORCE_BUILD = {
+    "causal-conv1d": "CAUSAL_CONV1D_FORCE_BUILD",
+    "mamba-ssm": "MAMBA_FORCE_BUILD",
+    "flash-attn": "FLASH_ATTENTION_FORCE_BUILD",
+}
 #: ``ModuleNotFoundError``'s own message (``No module named 'x'``), as the ops' probes keep it: ``<type>: <message>``.
 _NOT_FOUND = re.compile(r"ModuleNotFoundError: No module named '([A-Za-z0-9_.]+)'")
 
@@ -121,8 +132,12 @@ def versions() -> list[tuple[str, str]]:
     """``[(component, version or "not installed")]``: Python, torch, CUDA, GPUs, canonlm and the optional kernels."""
     import torch
 
-    rows = [("python", platform.python_version()), ("platform", platform.platform()), ("torch", torch.__version__),
-            ("CUDA (torch build)", str(torch.version.cuda) if torch.version.cuda else "none (CPU build)")]
+    rows = [
+        ("python", platform.python_version()),
+        ("platform", platform.platform()),
+        ("torch", torch.__version__),
+        ("CUDA (torch build)", str(torch.version.cuda) if torch.version.cuda else "none (CPU build)"),
+    ]
     if torch.cuda.is_available():
         n = torch.cuda.device_count()
         for i in range(n):
@@ -142,11 +157,16 @@ def _git_rev() -> str:
     if not (ROOT / ".git").exists() or shutil.which("git") is None:
         return "unknown"
     try:
-        p = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                           timeout=10)
+        p = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        )
         rev = p.stdout.strip() or "unknown"
-        d = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True, timeout=10)
+        d = subprocess.run(
+            ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         return rev + ("+modified" if d.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -191,9 +211,11 @@ def cuda_op_hint(dist: str, ext: str) -> str:
     (docs/gpu.md: the prebuilt wheel through ``scripts/setup.sh cuda``, or an nvcc build)."""
     version = dist_version([dist])
     pin = f"=={version}" if version else ""
-    return (f"{dist} installed without its CUDA op ({ext}): install its CUDA build for this torch (`bash "
-            f"scripts/setup.sh cuda` where GitHub is reachable, or with nvcc `{FORCE_BUILD[dist]}=TRUE pip install "
-            f"--no-build-isolation --no-cache-dir --no-deps {dist}{pin}`; docs/gpu.md)")
+    return (
+        f"{dist} installed without its CUDA op ({ext}): install its CUDA build for this torch (`bash "
+        f"scripts/setup.sh cuda` where GitHub is reachable, or with nvcc `{FORCE_BUILD[dist]}=TRUE pip install "
+        f"--no-build-isolation --no-cache-dir --no-deps {dist}{pin}`; docs/gpu.md)"
+    )
 
 
 def classify_import_failure(dist: str, error) -> tuple[str, str]:

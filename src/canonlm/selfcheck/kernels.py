@@ -39,6 +39,7 @@ def kernel_prelude(op: str, fast: str, dtype, device: str) -> str:
 # inputs
 # ----------------------------------------------------------------------------------------------------------------
 
+
 def canon_case(dtype, dev, seed=0, B=2, T=200, C=64, K=4):
     """``[x (B, T, C), w (C, K), b (C,), h0 (B, C, K-1)]`` in ``dtype`` on ``dev``."""
     import torch
@@ -93,8 +94,16 @@ def ssd_case(dtype, dev, seed=0, B=2, T=300, H=4, P=64, G=1, N=64):
     D = torch.randn(H, generator=g)
     dt_bias = torch.randn(H, generator=g) * 0.5
     h0 = torch.randn(B, H, P, N, generator=g)
-    return [x.to(dtype).to(dev), dt.to(dev), A.to(dev), Bm.to(dtype).to(dev), Cm.to(dtype).to(dev),
-            D.to(dev), dt_bias.to(dev), h0.to(dev)]
+    return [
+        x.to(dtype).to(dev),
+        dt.to(dev),
+        A.to(dev),
+        Bm.to(dtype).to(dev),
+        Cm.to(dtype).to(dev),
+        D.to(dev),
+        dt_bias.to(dev),
+        h0.to(dev),
+    ]
 
 
 #: The two Canon-op uses checked: the Canon layer (residual, no activation) and a mixer's short conv (SiLU).
@@ -140,6 +149,7 @@ def _canon_fwd_bwd(fast_fn, x, w, b, h0, errors: dict) -> dict:
 # fast kernels vs references (CUDA by default)
 # ----------------------------------------------------------------------------------------------------------------
 
+
 def check_canon_kernel(fast: str, dt: str, mode: str, device: str = "cuda") -> Verdict:
     """Canon ``dao`` / ``fla`` vs ``causal_conv1d_reference``: the Canon layer (residual) and the short conv (SiLU,
     no residual), with bias and an initial state; ``mode`` ``fwd+bwd`` or ``decode`` (``causal_conv1d_step`` for
@@ -161,8 +171,7 @@ def check_canon_kernel(fast: str, dt: str, mode: str, device: str = "cuda") -> V
             state, ys = torch.zeros(x.shape[0], x.shape[2], w.shape[1], device=device, dtype=dtype), []
             for t in range(x.shape[1]):
                 with compiling() if t == 0 else contextlib.nullcontext():
-                    y, state = causal_conv1d_step(x[:, t], state, w, b, residual=residual, activation=act,
-                                                  backend=fast)
+                    y, state = causal_conv1d_step(x[:, t], state, w, b, residual=residual, activation=act, backend=fast)
                 ys.append(y)
             return torch.stack(ys, 1), state
 
@@ -300,16 +309,19 @@ def check_ssd_kernel(dt: str, mode: str, device: str = "cuda") -> Verdict:
         with backend_calls(["ssd"]) as ran:
             y, S = _segments(fast_fn, [x, dtv, Bm, Cm], h0, [(0, 20)] + [(t, t + 1) for t in range(20, T)])
         with torch.no_grad():
-            ey, eS = ref_fn(*[t[:, :T].double() for t in (x, dtv, Bm, Cm)], h0.double(), A.double(), D.double(),
-                            db.double())
+            ey, eS = ref_fn(
+                *[t[:, :T].double() for t in (x, dtv, Bm, Cm)], h0.double(), A.double(), D.double(), db.double()
+            )
         errors["y"], errors["S"] = rel_err(y, ey), rel_err(S, eS)
-    return judge_kernel("ssd", "mamba_ssm", resolved, ran, errors, kernel_tol("ssd", "mamba_ssm", dt),
-                        tol_note("ssd", "mamba_ssm", dt))
+    return judge_kernel(
+        "ssd", "mamba_ssm", resolved, ran, errors, kernel_tol("ssd", "mamba_ssm", dt), tol_note("ssd", "mamba_ssm", dt)
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # document masking: the varlen kernels against each document run alone
 # ----------------------------------------------------------------------------------------------------------------
+
 
 def doc_lengths(T: int, row: int) -> list[int]:
     """Document lengths (tokens) of row ``row`` of a document-masking line's (B, T) window, T >= 12: even rows
@@ -403,10 +415,28 @@ def check_doc_mask_kernel(op: str, dt: str, device: str = "cuda") -> Verdict:
             return (ssd_scan(x, d, A, Bm, Cm, D=D, dt_bias=db, seq_idx=seq_idx, backend=fast, **kw)[0],)
 
         def ref_fn(x, d, Bm, Cm, A, D, db):
-            rows = [torch.cat([ssd_scan_reference(x[b:b + 1, a:e], d[b:b + 1, a:e], A, Bm[b:b + 1, a:e],
-                                                  Cm[b:b + 1, a:e], D=D, dt_bias=db, **kw)[0]
-                               for r, a, e in doc_spans(B, T) if r == b], 1) for b in range(B)]
+            rows = [
+                torch.cat(
+                    [
+                        ssd_scan_reference(
+                            x[b : b + 1, a:e],
+                            d[b : b + 1, a:e],
+                            A,
+                            Bm[b : b + 1, a:e],
+                            Cm[b : b + 1, a:e],
+                            D=D,
+                            dt_bias=db,
+                            **kw,
+                        )[0]
+                        for r, a, e in doc_spans(B, T)
+                        if r == b
+                    ],
+                    1,
+                )
+                for b in range(B)
+            ]
             return (torch.cat(rows, 0),)
+
     with backend_calls([op]) as ran, compiling():
         got = fwd_bwd(fast_fn, flat)
     ref = fwd_bwd(ref_fn, [t.double() for t in flat])
@@ -450,15 +480,18 @@ def check_ssd_split_kernel(dt: str, device: str = "cuda") -> Verdict:
     kw = dict(chunk_size=64, activation="silu", rmsnorm_eps=1e-5, headdim=P, ngroups=G)
 
     def run(fn):
-        return lambda zx, cw, cb, db, A, D, nw, ow: (fn(zx, cw, cb, db, A, D, rmsnorm_weight=nw, outproj_weight=ow,
-                                                        **kw),)
+        return lambda zx, cw, cb, db, A, D, nw, ow: (
+            fn(zx, cw, cb, db, A, D, rmsnorm_weight=nw, outproj_weight=ow, **kw),
+        )
+
     with backend_calls(["ssd"]) as ran, compiling():
         got = fwd_bwd(run(ssd.split_conv1d_scan_combined), [t.to(device) for t in leaves])
     ref = fwd_bwd(run(ssd.split_conv1d_scan_reference), [t.double().to(device) for t in leaves])
     errors: dict[str, float] = {}
     compare(["out"], ["zxbcdt", "conv_w", "conv_b", "dt_bias", "A", "D", "norm_w", "out_w"], got, ref, errors)
-    return judge_kernel("ssd", "split", resolved, ran, errors, kernel_tol("ssd", "split", dt),
-                        tol_note("ssd", "split", dt))
+    return judge_kernel(
+        "ssd", "split", resolved, ran, errors, kernel_tol("ssd", "split", dt), tol_note("ssd", "split", dt)
+    )
 
 
 def check_canon_compiled(dt: str, device: str = "cuda") -> Verdict:
@@ -493,23 +526,28 @@ def check_canon_compiled(dt: str, device: str = "cuda") -> Verdict:
         return compile_fx(gm, example_inputs)
 
     def both(conv, **kw):
-        return lambda x, w, b, h: tuple(conv(x, w, b, residual=r, activation=a, initial_state=h, **kw)
-                                        for r, a in CANON_KINDS.values())
+        return lambda x, w, b, h: tuple(
+            conv(x, w, b, residual=r, activation=a, initial_state=h, **kw) for r, a in CANON_KINDS.values()
+        )
 
     import torch._inductor.config as inductor_config
 
     with backend_calls(["canon"]) as ran, compiling(), inductor_config.patch(compile_threads=1):
         torch._dynamo.reset()
-        compiled = torch.compile(both(canon.causal_conv1d, backend="torch"), backend=inductor, fullgraph=True,
-                                 dynamic=False)
+        compiled = torch.compile(
+            both(canon.causal_conv1d, backend="torch"), backend=inductor, fullgraph=True, dynamic=False
+        )
         got = fwd_bwd(compiled, [x, w, b, h0])
     ref = fwd_bwd(both(causal_conv1d_reference), [t.double() for t in (x, w, b, h0)])
     errors: dict[str, float] = {}
     compare([k + "y" for k in CANON_KINDS], ["x", "w", "b", "init"], got, ref, errors)
     v = judge_kernel("canon", "torch", resolved, ran, errors, kernel_tol("canon", "torch", dt))
     if len(graphs) != 1:
-        return Verdict(FAIL, f"inductor compiled {len(graphs)} graphs, want 1 ({v.detail})", **{
-            k: getattr(v, k) for k in ("op", "backend", "ran", "errors", "tol")})
+        return Verdict(
+            FAIL,
+            f"inductor compiled {len(graphs)} graphs, want 1 ({v.detail})",
+            **{k: getattr(v, k) for k in ("op", "backend", "ran", "errors", "tol")},
+        )
     v.detail += "; inductor: 1 graph (fullgraph, both Canon uses)"
     return v
 
@@ -517,19 +555,35 @@ def check_canon_compiled(dt: str, device: str = "cuda") -> Verdict:
 #: The kernel lines of one dtype: ``(name pattern, op, fast backend, check function of this module, its arguments
 #: before ``device``)``; ``{dt}`` in the name is the dtype.
 KERNEL_LINES = (
-    [(f"kernel canon/{fast} {{dt}} {mode}", "canon", fast, "check_canon_kernel", (fast, "{dt}", mode))
-     for fast in ("dao", "fla") for mode in ("fwd+bwd", "decode")]
+    [
+        (f"kernel canon/{fast} {{dt}} {mode}", "canon", fast, "check_canon_kernel", (fast, "{dt}", mode))
+        for fast in ("dao", "fla")
+        for mode in ("fwd+bwd", "decode")
+    ]
     + [("kernel canon/torch compiled {dt} fwd+bwd", "canon", "torch", "check_canon_compiled", ("{dt}",))]
-    + [(f"kernel attention/{fast} {{dt}} {mode}", "attention", fast, "check_attention_kernel", (fast, "{dt}", mode))
-       for fast in ("sdpa", "flash") for mode in ("fwd+bwd", "decode")]
-    + [(f"kernel {op}/{fast} {{dt}} {mode}", op, fast, fn, ("{dt}", mode))
-       for op, fast, fn in (("gla", "fla", "check_gla_kernel"), ("gdn", "fla", "check_gdn_kernel"),
-                            ("ssd", "mamba_ssm", "check_ssd_kernel"))
-       for mode in ("fwd+bwd", "decode")]
+    + [
+        (f"kernel attention/{fast} {{dt}} {mode}", "attention", fast, "check_attention_kernel", (fast, "{dt}", mode))
+        for fast in ("sdpa", "flash")
+        for mode in ("fwd+bwd", "decode")
+    ]
+    + [
+        (f"kernel {op}/{fast} {{dt}} {mode}", op, fast, fn, ("{dt}", mode))
+        for op, fast, fn in (
+            ("gla", "fla", "check_gla_kernel"),
+            ("gdn", "fla", "check_gdn_kernel"),
+            ("ssd", "mamba_ssm", "check_ssd_kernel"),
+        )
+        for mode in ("fwd+bwd", "decode")
+    ]
     + [("kernel ssd/mamba_ssm fused split {dt} fwd+bwd", "ssd", "split", "check_ssd_split_kernel", ("{dt}",))]
-    + [(f"kernel {op}/{fast} {{dt}} doc-mask ({how}) fwd+bwd", op, fast, "check_doc_mask_kernel", (op, "{dt}"))
-       for op, fast, how in (("gla", "fla", "cu_seqlens"), ("gdn", "fla", "cu_seqlens"),
-                             ("ssd", "mamba_ssm", "seq_idx"))]
+    + [
+        (f"kernel {op}/{fast} {{dt}} doc-mask ({how}) fwd+bwd", op, fast, "check_doc_mask_kernel", (op, "{dt}"))
+        for op, fast, how in (
+            ("gla", "fla", "cu_seqlens"),
+            ("gdn", "fla", "cu_seqlens"),
+            ("ssd", "mamba_ssm", "seq_idx"),
+        )
+    ]
 )
 
 
@@ -547,16 +601,23 @@ def kernel_lines(dtypes: Iterable[str] = ("fp32", "bf16")) -> list[tuple[str, st
     return out
 
 
-def kernel_checks(device: str = "cuda", dtypes: Iterable[str] = ("fp32", "bf16")
-                  ) -> list[tuple[str, str, str, Callable[[], Verdict]]]:
+def kernel_checks(
+    device: str = "cuda", dtypes: Iterable[str] = ("fp32", "bf16")
+) -> list[tuple[str, str, str, Callable[[], Verdict]]]:
     """Every kernel line as ``(name, op, fast backend, fn)`` for ``device`` (names are known without running)."""
-    return [(name, op, fast, functools.partial(globals()[fn], *args, device=device))
-            for name, op, fast, fn, args, _, _ in kernel_lines(dtypes)]
+    return [
+        (name, op, fast, functools.partial(globals()[fn], *args, device=device))
+        for name, op, fast, fn, args, _, _ in kernel_lines(dtypes)
+    ]
 
 
-def run_kernel_checks(device: str = "cuda", dtypes: Iterable[str] = ("fp32", "bf16"),
-                      ops: Optional[Iterable[str]] = None, backends: Optional[Iterable[str]] = None,
-                      autotune: str = "first") -> list[Result]:
+def run_kernel_checks(
+    device: str = "cuda",
+    dtypes: Iterable[str] = ("fp32", "bf16"),
+    ops: Optional[Iterable[str]] = None,
+    backends: Optional[Iterable[str]] = None,
+    autotune: str = "first",
+) -> list[Result]:
     """Run the kernel lines (fast kernel vs float64 reference) on ``device`` in this process, one after the other.
 
     Args:
@@ -583,8 +644,11 @@ def run_kernel_checks(device: str = "cuda", dtypes: Iterable[str] = ("fp32", "bf
     keep = None if ops is None else set(ops)
     keep_b = None if backends is None else set(backends)
     results = []
-    lines = [(n, op, fast, fn) for n, op, fast, fn in kernel_checks(device, dtypes)
-             if (keep is None or op in keep) and (keep_b is None or fast in keep_b)]
+    lines = [
+        (n, op, fast, fn)
+        for n, op, fast, fn in kernel_checks(device, dtypes)
+        if (keep is None or op in keep) and (keep_b is None or fast in keep_b)
+    ]
     with first_config_autotune() if autotune == "first" and lines else contextlib.nullcontext():
         for name, op, fast, fn in lines:
             r = run_check(name, fn)
@@ -595,6 +659,7 @@ def run_kernel_checks(device: str = "cuda", dtypes: Iterable[str] = ("fp32", "bf
 # ----------------------------------------------------------------------------------------------------------------
 # the CPU's fast paths
 # ----------------------------------------------------------------------------------------------------------------
+
 
 def check_cpu_canon_native(dt: str) -> Verdict:
     """The native CPU Canon kernel (``auto`` on CPU must pick ``cpu``, and it must be the one called) vs

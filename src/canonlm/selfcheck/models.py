@@ -9,8 +9,17 @@ from typing import Optional
 from canonlm.ops import backend_calls
 from canonlm.selfcheck import environment as env
 from canonlm.selfcheck.numerics import BF16_TOL, TL_DOT_BACKENDS, fp32_tol, gen, rel_err, triton_fp32_precision
-from canonlm.selfcheck.verdict import (FAIL, Fail, Skip, Verdict, compiling, fmt_backends, fmt_ran, judge_errors,
-                                       judge_ran)
+from canonlm.selfcheck.verdict import (
+    FAIL,
+    Fail,
+    Skip,
+    Verdict,
+    compiling,
+    fmt_backends,
+    fmt_ran,
+    judge_errors,
+    judge_ran,
+)
 
 #: Model presets of the small model-level checks (the ``conf/arch`` values that differ from the defaults).
 PRESETS = {
@@ -35,8 +44,11 @@ def _build(arch: str, canon: str, size: str, ops: str = "auto", vocab: int = 64,
         kw["ops"] = ops
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return CanonLM(build_model_config(kw, canon={"set": "" if canon == "none" else canon}, vocab_size=vocab,
-                                          max_seq_len=max_len))
+        return CanonLM(
+            build_model_config(
+                kw, canon={"set": "" if canon == "none" else canon}, vocab_size=vocab, max_seq_len=max_len
+            )
+        )
 
 
 def _place(model, device, dtype) -> dict:
@@ -85,8 +97,9 @@ def fused_split_reason(model, device, dtype) -> Optional[str]:
     mixer = model.blocks[0].attn
     if not isinstance(mixer, Mamba2Mixer):
         return "not a Mamba2 model"
-    return ssd.fused_split_reason(device, dtype, mixer.conv_kernel, d_inner=mixer.d_inner, conv_dim=mixer.conv_dim,
-                                  nheads=mixer.n_heads)
+    return ssd.fused_split_reason(
+        device, dtype, mixer.conv_kernel, d_inner=mixer.d_inner, conv_dim=mixer.conv_dim, nheads=mixer.n_heads
+    )
 
 
 def with_split(want: dict, split_reason: Optional[str]) -> dict:
@@ -110,8 +123,9 @@ def _judge_model(phases: dict, required, errors: dict, tol: float, placed: dict)
     bad = [f"{label}: {b}" for label, (w, ran) in phases.items() if (b := judge_ran(w, ran, required))]
     facts = dict(ran={label: ran for label, (_, ran) in phases.items()}, errors=errors, tol=tol)
     if bad:
-        return Verdict(FAIL, f"{'; '.join(bad)}: the fast path did not run ({runs}; placed {fmt_backends(placed)})",
-                       **facts)
+        return Verdict(
+            FAIL, f"{'; '.join(bad)}: the fast path did not run ({runs}; placed {fmt_backends(placed)})", **facts
+        )
     status, detail = judge_errors(errors, tol)
     return Verdict(status, f"{runs}; {detail}", **facts)
 
@@ -147,8 +161,13 @@ def check_model_fast_vs_reference(arch: str, device: str = "cuda", size: str = "
         lf, gf = fwd_bwd(fast)
     lr, gr = fwd_bwd(ref)
     gerr = ((gf - gr).norm() / gr.norm().clamp_min(1e-30)).item()
-    return _judge_model({"fwd+bwd": (want, ran)}, required_ops(arch, canon),
-                        {"logits": rel_err(lf, lr), "grads(L2)": gerr}, BF16_TOL, placed)
+    return _judge_model(
+        {"fwd+bwd": (want, ran)},
+        required_ops(arch, canon),
+        {"logits": rel_err(lf, lr), "grads(L2)": gerr},
+        BF16_TOL,
+        placed,
+    )
 
 
 def _fp32_model(arch: str, device: str, size: str, fast: bool):
@@ -189,20 +208,21 @@ def check_model_decode(arch: str, device: str = "cuda", size: str = "2L256D", fa
         with backend_calls(ops) as ran_cached:
             with compiling():  # the prefill and the first one-token step: the decode kernels
                 parts = [m(ids[:, :17], cache), m(ids[:, 17:18], cache)]
-            parts += [m(ids[:, t:t + 1], cache) for t in range(18, 40)]
+            parts += [m(ids[:, t : t + 1], cache) for t in range(18, 40)]
     tl_dot = (MIXER_OP[arch], want.get(MIXER_OP[arch])) in TL_DOT_BACKENDS
     tol = (fp32_tol(1e-3, 1e-2) if tl_dot else 1e-3) if want else 1e-4
-    phases = {"full": (with_split(want, fused_split_reason(m, device, dtype)), ran_full),
-              "cached": (want, ran_cached)}
-    v = _judge_model(phases, required_ops(arch, canon) if want else (),
-                     {"logits": rel_err(torch.cat(parts, 1), full)}, tol, placed)
+    phases = {"full": (with_split(want, fused_split_reason(m, device, dtype)), ran_full), "cached": (want, ran_cached)}
+    v = _judge_model(
+        phases, required_ops(arch, canon) if want else (), {"logits": rel_err(torch.cat(parts, 1), full)}, tol, placed
+    )
     if tl_dot:
         v.detail += f"; fp32 tl.dot: {triton_fp32_precision()}"
     return v
 
 
-def check_model_doc_mask(arch: str, device: str = "cuda", size: str = "2L256D", fast: bool = True,
-                         T: int = 256) -> Verdict:
+def check_model_doc_mask(
+    arch: str, device: str = "cuda", size: str = "2L256D", fast: bool = True, T: int = 256
+) -> Verdict:
     """Document masking at the model level: a ``size`` model of ``arch`` with its Canon set (llama Canon-ABCD; gla,
     gdn, mamba2 AbCD), two rows of ``T`` tokens packing the documents of
     :func:`canonlm.selfcheck.kernels.doc_lengths` (``CanonLM.forward(ids, doc_ids=...)``), fp32, no autocast, against
@@ -239,8 +259,8 @@ def check_model_doc_mask(arch: str, device: str = "cuda", size: str = "2L256D", 
         (packed.double() * cot).sum().backward()
     alone = torch.zeros(B, T, V, dtype=torch.float64, device=device)
     for b, a, e in doc_spans(B, T):
-        out = ref(ids[b:b + 1, a:e])
-        (out * cot[b:b + 1, a:e]).sum().backward()
+        out = ref(ids[b : b + 1, a:e])
+        (out * cot[b : b + 1, a:e]).sum().backward()
         alone[b, a:e] = out[0].detach()
     got = dict(m.named_parameters())
     names = [n for n, p in ref.named_parameters() if p.grad is not None and got[n].grad is not None]

@@ -50,10 +50,15 @@ def tol_note(op: str, fast: str, dt: str) -> str:
 def precision_note() -> str:
     """The report's statement of the fp32 precision in force and the fp32 tolerance it gives the Triton lines."""
     mode = triton_fp32_precision()
-    src = "TRITON_F32_DEFAULT=" + os.environ["TRITON_F32_DEFAULT"] if os.environ.get("TRITON_F32_DEFAULT") else \
-        "TRITON_F32_DEFAULT unset: Triton's default on TF32 GPUs"
-    return (f"{mode} ({src}); fp32 tolerance of the fla / mamba-ssm lines {fp32_tol():.0e} "
-            f"({FP32_TOL_IEEE:.0e} with TRITON_F32_DEFAULT=ieee, {FP32_TOL_TF32:.0e} otherwise)")
+    src = (
+        "TRITON_F32_DEFAULT=" + os.environ["TRITON_F32_DEFAULT"]
+        if os.environ.get("TRITON_F32_DEFAULT")
+        else "TRITON_F32_DEFAULT unset: Triton's default on TF32 GPUs"
+    )
+    return (
+        f"{mode} ({src}); fp32 tolerance of the fla / mamba-ssm lines {fp32_tol():.0e} "
+        f"({FP32_TOL_IEEE:.0e} with TRITON_F32_DEFAULT=ieee, {FP32_TOL_TF32:.0e} otherwise)"
+    )
 
 
 def rel_err(a, b) -> float:
@@ -116,4 +121,5 @@ def dtype_name(dtype) -> str:
     import torch
 
     return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float64: "fp64", torch.float16: "fp16"}.get(
-        dtype, str(dtype))
+        dtype, str(dtype)
+    )

@@ -19,8 +19,9 @@ def check_cpu_canon_reference_loop() -> tuple[str, str]:
 
     x, w, b, h0 = canon_case(torch.float64, "cpu", B=2, T=30, C=16, K=4)
     errors: dict[str, float] = {}
-    got = fwd_bwd(lambda x, w, b, h: (causal_conv1d_reference(x, w, b, activation=True, initial_state=h),),
-                  [x, w, b, h0])
+    got = fwd_bwd(
+        lambda x, w, b, h: (causal_conv1d_reference(x, w, b, activation=True, initial_state=h),), [x, w, b, h0]
+    )
     ref = fwd_bwd(lambda x, w, b, h: (canon_loop(x, w, b, True, True, h),), [x, w, b, h0])
     compare(["y"], ["x", "w", "b", "init"], got, ref, errors)
     state = torch.cat([torch.zeros(2, 16, 1, dtype=torch.float64), h0], -1)
@@ -48,12 +49,19 @@ def check_cpu_linear_reference(op: str) -> tuple[str, str]:
         from canonlm.ops.gla.naive import gla_loop
 
         K, V = 8, 6
-        ins = [torch.randn(B, T, H, K, generator=g, dtype=d), torch.randn(B, T, H, K, generator=g, dtype=d),
-               torch.randn(B, T, H, V, generator=g, dtype=d),
-               F.logsigmoid(torch.randn(B, T, H, K, generator=g, dtype=d)) / 4,
-               torch.randn(B, H, K, V, generator=g, dtype=d)]
-        got = fwd_bwd(lambda q, k, v, gg, h: chunk_gla_reference(q, k, v, gg, initial_state=h,
-                                                                  output_final_state=True, chunk_size=16), ins)
+        ins = [
+            torch.randn(B, T, H, K, generator=g, dtype=d),
+            torch.randn(B, T, H, K, generator=g, dtype=d),
+            torch.randn(B, T, H, V, generator=g, dtype=d),
+            F.logsigmoid(torch.randn(B, T, H, K, generator=g, dtype=d)) / 4,
+            torch.randn(B, H, K, V, generator=g, dtype=d),
+        ]
+        got = fwd_bwd(
+            lambda q, k, v, gg, h: chunk_gla_reference(
+                q, k, v, gg, initial_state=h, output_final_state=True, chunk_size=16
+            ),
+            ins,
+        )
         ref = fwd_bwd(lambda q, k, v, gg, h: gla_loop(q, k, v, gg, initial_state=h), ins)
         names = ["q", "k", "v", "g", "h0"]
     elif op == "gdn":
@@ -61,13 +69,20 @@ def check_cpu_linear_reference(op: str) -> tuple[str, str]:
         from canonlm.ops.gdn.naive import gdn_loop
 
         K, V = 8, 6
-        ins = [torch.randn(B, T, H, K, generator=g, dtype=d), torch.randn(B, T, H, K, generator=g, dtype=d),
-               torch.randn(B, T, H, V, generator=g, dtype=d),
-               F.logsigmoid(torch.randn(B, T, H, generator=g, dtype=d) + 2.0),
-               torch.sigmoid(torch.randn(B, T, H, generator=g, dtype=d)),
-               torch.randn(B, H, K, V, generator=g, dtype=d)]
-        got = fwd_bwd(lambda q, k, v, gg, b, h: chunk_gated_delta_rule_reference(
-            q, k, v, gg, b, initial_state=h, output_final_state=True, chunk_size=16), ins)
+        ins = [
+            torch.randn(B, T, H, K, generator=g, dtype=d),
+            torch.randn(B, T, H, K, generator=g, dtype=d),
+            torch.randn(B, T, H, V, generator=g, dtype=d),
+            F.logsigmoid(torch.randn(B, T, H, generator=g, dtype=d) + 2.0),
+            torch.sigmoid(torch.randn(B, T, H, generator=g, dtype=d)),
+            torch.randn(B, H, K, V, generator=g, dtype=d),
+        ]
+        got = fwd_bwd(
+            lambda q, k, v, gg, b, h: chunk_gated_delta_rule_reference(
+                q, k, v, gg, b, initial_state=h, output_final_state=True, chunk_size=16
+            ),
+            ins,
+        )
         ref = fwd_bwd(lambda q, k, v, gg, b, h: gdn_loop(q, k, v, gg, b, initial_state=h), ins)
         names = ["q", "k", "v", "g", "beta", "h0"]
     else:
@@ -75,12 +90,22 @@ def check_cpu_linear_reference(op: str) -> tuple[str, str]:
         from canonlm.ops.ssd.naive import ssd_loop
 
         P, G, N = 3, 1, 5
-        ins = [torch.randn(B, T, H, P, generator=g, dtype=d), torch.randn(B, T, H, generator=g, dtype=d),
-               -torch.exp(torch.rand(H, generator=g, dtype=d) * 2), torch.randn(B, T, G, N, generator=g, dtype=d),
-               torch.randn(B, T, G, N, generator=g, dtype=d), torch.randn(H, generator=g, dtype=d),
-               torch.randn(H, generator=g, dtype=d) * 0.5, torch.randn(B, H, P, N, generator=g, dtype=d)]
-        got = fwd_bwd(lambda x, dt, A, Bm, Cm, D, db, h: ssd_scan_reference(
-            x, dt, A, Bm, Cm, D=D, dt_bias=db, initial_state=h, output_final_state=True, chunk_size=16), ins)
+        ins = [
+            torch.randn(B, T, H, P, generator=g, dtype=d),
+            torch.randn(B, T, H, generator=g, dtype=d),
+            -torch.exp(torch.rand(H, generator=g, dtype=d) * 2),
+            torch.randn(B, T, G, N, generator=g, dtype=d),
+            torch.randn(B, T, G, N, generator=g, dtype=d),
+            torch.randn(H, generator=g, dtype=d),
+            torch.randn(H, generator=g, dtype=d) * 0.5,
+            torch.randn(B, H, P, N, generator=g, dtype=d),
+        ]
+        got = fwd_bwd(
+            lambda x, dt, A, Bm, Cm, D, db, h: ssd_scan_reference(
+                x, dt, A, Bm, Cm, D=D, dt_bias=db, initial_state=h, output_final_state=True, chunk_size=16
+            ),
+            ins,
+        )
         ref = fwd_bwd(lambda x, dt, A, Bm, Cm, D, db, h: ssd_loop(x, dt, A, Bm, Cm, D, db, initial_state=h), ins)
         names = ["x", "dt", "A", "B", "C", "D", "dt_bias", "h0"]
     compare(["o", "S"], names, got, ref, errors)

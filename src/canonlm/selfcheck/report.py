@@ -45,20 +45,29 @@ def render(results: list[Result], vers: list[tuple[str, str]], header: dict) -> 
     lines += [f"- result: **{'FAIL' if n[FAIL] else 'PASS'}** ({n[PASS]} PASS, {n[FAIL]} FAIL, {n[SKIP]} SKIP)", ""]
     lines += ["## Versions", "", "| component | version |", "|---|---|"]
     lines += [f"| {_cell(k)} | {_cell(v)} |" for k, v in vers]
-    lines += ["", "## Checks", "", "| status | line | compile s | check s | Triton kernels | detail |",
-              "|---|---|---:|---:|---|---|"]
+    lines += [
+        "",
+        "## Checks",
+        "",
+        "| status | line | compile s | check s | Triton kernels | detail |",
+        "|---|---|---:|---:|---|---|",
+    ]
     for r in results:
         if r.compile_s is None or (r.status == SKIP and r.seconds == 0):
             c = k = ""  # did not run, or stopped by the budget (its detail says after how long)
         else:
             c, k = f"{r.compile_s:.1f}", f"{r.check_s:.1f}"
         lines.append(f"| {r.status} | {_cell(r.name)} | {c} | {k} | {_cell(_kernels(r))} | {_cell(r.detail)} |")
-    lines += ["", "Errors are max |fast - ref| / max |ref| per tensor against a float64 reference of the same rounded "
-              "inputs (dX = gradient of a random projection w.r.t. X). \"ran op=backend:n\" counts the calls of each "
-              "backend's entry point during the check; a kernel, model or training line passes only if the fast "
-              "kernels were the ones called. Compile time is the first call of each fast-path variant in a line "
-              "(Triton compiles and autotuning, inductor, a training run's start-up up to its first optimizer step); "
-              "check time is the rest. Triton kernels: compiled in the line, or loaded from the kernel cache.", ""]
+    lines += [
+        "",
+        "Errors are max |fast - ref| / max |ref| per tensor against a float64 reference of the same rounded "
+        'inputs (dX = gradient of a random projection w.r.t. X). "ran op=backend:n" counts the calls of each '
+        "backend's entry point during the check; a kernel, model or training line passes only if the fast "
+        "kernels were the ones called. Compile time is the first call of each fast-path variant in a line "
+        "(Triton compiles and autotuning, inductor, a training run's start-up up to its first optimizer step); "
+        "check time is the rest. Triton kernels: compiled in the line, or loaded from the kernel cache.",
+        "",
+    ]
     return "\n".join(lines)
 
 

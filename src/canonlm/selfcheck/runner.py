@@ -101,6 +101,7 @@ def _call(spec: LineSpec) -> Callable:
 # worker
 # ----------------------------------------------------------------------------------------------------------------
 
+
 def worker_main(argv: list) -> int:
     """``python -m canonlm.selfcheck.runner PLAN GROUP``: run the lines of ``GROUP`` (those not yet reported, from
     ``--from NAME`` on when given) and write their events to stdout. Returns 0 (a failing line is a FAIL event, not
@@ -113,7 +114,7 @@ def worker_main(argv: list) -> int:
     specs = [LineSpec(**d) for d in plan["lines"] if d["group"] == group and d.get("static") is None]
     if start is not None:
         names = [s.name for s in specs]
-        specs = specs[names.index(start):] if start in names else []
+        specs = specs[names.index(start) :] if start in names else []
     # events on the original stdout; everything else the lines print goes to stderr (the worker's log)
     events = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
     os.dup2(2, 1)
@@ -155,8 +156,7 @@ def worker_main(argv: list) -> int:
     for spec in specs:
         left = verdict.remaining_s()
         if left is not None and left <= 0:
-            r = Result(SKIP, verdict.budget_reason(), op=spec.op, backend=spec.backend, name=spec.name,
-                       seconds=0.0)
+            r = Result(SKIP, verdict.budget_reason(), op=spec.op, backend=spec.backend, name=spec.name, seconds=0.0)
         else:
             send({"event": "start", "name": spec.name})
             r = run_check(spec.name, lambda spec=spec: _call(spec)())
@@ -192,6 +192,7 @@ def _setup_process() -> None:
 # orchestrator
 # ----------------------------------------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass
 class _Worker:
     group: str
@@ -199,17 +200,27 @@ class _Worker:
     log: Path
     heavy: bool
     started: float
-    pending: list                      # names not reported yet, in order
-    current: Optional[str] = None      # the line it is running
+    pending: list  # names not reported yet, in order
+    current: Optional[str] = None  # the line it is running
     current_since: float = 0.0
     first_event: Optional[float] = None
-    ran: int = 0                       # lines it started
+    ran: int = 0  # lines it started
 
 
-def run_plan(specs: list[LineSpec], *, workdir: Path, budget_s: float, jobs: int, heavy_slots: int = 1,
-             quick: bool = False, autotune: str = "first", cuda: bool = False,
-             emit: Optional[Callable[[Result], None]] = None, note: Optional[Callable[[str], None]] = None,
-             t0: Optional[float] = None) -> tuple[list[Result], dict]:
+def run_plan(
+    specs: list[LineSpec],
+    *,
+    workdir: Path,
+    budget_s: float,
+    jobs: int,
+    heavy_slots: int = 1,
+    quick: bool = False,
+    autotune: str = "first",
+    cuda: bool = False,
+    emit: Optional[Callable[[Result], None]] = None,
+    note: Optional[Callable[[str], None]] = None,
+    t0: Optional[float] = None,
+) -> tuple[list[Result], dict]:
     """Run the plan's lines in worker processes within ``budget_s`` seconds from ``t0`` (``time.time()``; default
     now); see the module docstring.
 
@@ -252,8 +263,18 @@ def run_plan(specs: list[LineSpec], *, workdir: Path, budget_s: float, jobs: int
         return [results[n] for n in names], {"workers": 0, "startup_s": None, "not_run": 0, "stopped": 0}
     workdir.mkdir(parents=True, exist_ok=True)
     plan_file = workdir / "selfcheck-plan.json"
-    plan_file.write_text(json.dumps({"lines": [dataclasses.asdict(s) for s in specs], "deadline": deadline,
-                                     "budget_s": budget_s, "quick": quick, "autotune": autotune, "cuda": cuda}))
+    plan_file.write_text(
+        json.dumps(
+            {
+                "lines": [dataclasses.asdict(s) for s in specs],
+                "deadline": deadline,
+                "budget_s": budget_s,
+                "quick": quick,
+                "autotune": autotune,
+                "cuda": cuda,
+            }
+        )
+    )
     # the costliest groups first (longest-processing-time first), keeping plan order among equals
     todo = collections.deque(sorted(groups, key=lambda g: -sum(s.est_s for s in groups[g])))
     start_from: dict[str, Optional[str]] = {g: None for g in groups}
@@ -302,15 +323,27 @@ def run_plan(specs: list[LineSpec], *, workdir: Path, budget_s: float, jobs: int
             rc = "still running"
         tail = short(" / ".join(_log_tail(w.log, 3)), 300) or "no output"
         if w.current is not None:
-            record(Result(FAIL, f"the worker process died (exit {rc}) while this line ran: {tail} (log {w.log})",
-                          name=w.current, seconds=time.time() - w.current_since))
+            record(
+                Result(
+                    FAIL,
+                    f"the worker process died (exit {rc}) while this line ran: {tail} (log {w.log})",
+                    name=w.current,
+                    seconds=time.time() - w.current_since,
+                )
+            )
             w.pending.remove(w.current)
         if not w.pending:
             return
         if w.ran == 0:  # it never got to a line: no second try (it would fail the same way)
             for n in w.pending:
-                record(Result(FAIL, f"the worker process exited (exit {rc}) before running its lines: {tail} "
-                                    f"(log {w.log})", name=n, seconds=0.0))
+                record(
+                    Result(
+                        FAIL,
+                        f"the worker process exited (exit {rc}) before running its lines: {tail} (log {w.log})",
+                        name=n,
+                        seconds=0.0,
+                    )
+                )
             return
         start_from[w.group] = w.pending[0]  # the rest of the group gets a fresh process
         todo.appendleft(w.group)
@@ -321,8 +354,9 @@ def run_plan(specs: list[LineSpec], *, workdir: Path, budget_s: float, jobs: int
             if now >= deadline:
                 break
             while todo and len(running) < jobs:
-                g = next((g for g in todo if not heavy[g]
-                          or sum(w.heavy for w in running.values()) < heavy_slots), None)
+                g = next(
+                    (g for g in todo if not heavy[g] or sum(w.heavy for w in running.values()) < heavy_slots), None
+                )
                 if g is None:
                     break
                 todo.remove(g)
@@ -359,8 +393,14 @@ def run_plan(specs: list[LineSpec], *, workdir: Path, budget_s: float, jobs: int
         for w in running.values():
             if w.current is not None and w.current not in results:
                 stats["stopped"] += 1
-                record(Result(SKIP, verdict.budget_reason(time.time() - w.current_since), name=w.current,
-                              seconds=time.time() - w.current_since))
+                record(
+                    Result(
+                        SKIP,
+                        verdict.budget_reason(time.time() - w.current_since),
+                        name=w.current,
+                        seconds=time.time() - w.current_since,
+                    )
+                )
     for s in specs:
         if s.name not in results:
             stats["not_run"] += 1
@@ -377,7 +417,7 @@ def _reader(proc: subprocess.Popen, events: queue.Queue) -> None:
             line = raw.decode("utf-8", "replace")
             if line.startswith(EVENT):
                 try:
-                    events.put((proc.pid, json.loads(line[len(EVENT):])))
+                    events.put((proc.pid, json.loads(line[len(EVENT) :])))
                 except ValueError:
                     continue
     finally:

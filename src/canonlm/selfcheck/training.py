@@ -21,8 +21,19 @@ from canonlm.selfcheck import models
 from canonlm.selfcheck.environment import ROOT
 from canonlm.selfcheck.models import MIXER_OP, required_ops, with_split
 from canonlm.selfcheck import triton_hooks
-from canonlm.selfcheck.verdict import (FAIL, PASS, Fail, Skip, add_compile_time, budget_reason, fmt_backends,
-                                       fmt_ran, judge_ran, remaining_s, short)
+from canonlm.selfcheck.verdict import (
+    FAIL,
+    PASS,
+    Fail,
+    Skip,
+    add_compile_time,
+    budget_reason,
+    fmt_backends,
+    fmt_ran,
+    judge_ran,
+    remaining_s,
+    short,
+)
 
 
 def train_probe(out: str, autotune: str = "full"):
@@ -87,11 +98,18 @@ def train_probe(out: str, autotune: str = "full"):
                 rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                 peak = rss / 2**30 if sys.platform == "darwin" else rss / 2**20
             placed = getattr(model, "placement", None)
-            info = {"steps": int(trainer.global_step), "world_size": int(trainer.world_size), "device": str(dev),
-                    "precision": str(trainer.precision), "peak_mem_gib": peak,
-                    "backends": dict(getattr(model, "backends", {}) or {}),
-                    "placed": None if placed is None else [str(placed[0]), str(placed[1])], "ran": self._ran,
-                    "first_step_wall": self._first_step_wall, "autotune": mode}
+            info = {
+                "steps": int(trainer.global_step),
+                "world_size": int(trainer.world_size),
+                "device": str(dev),
+                "precision": str(trainer.precision),
+                "peak_mem_gib": peak,
+                "backends": dict(getattr(model, "backends", {}) or {}),
+                "placed": None if placed is None else [str(placed[0]), str(placed[1])],
+                "ran": self._ran,
+                "first_step_wall": self._first_step_wall,
+                "autotune": mode,
+            }
             if dev.type == "cuda":
                 info["kernels"] = triton_hooks.kernel_counts()
             if model.cfg.arch == "mamba2" and placed is not None:
@@ -160,7 +178,7 @@ class TrainSpec:
     overrides: list
     steps: int
     world: int
-    device: str                      # "cuda" | "cpu"
+    device: str  # "cuda" | "cpu"
     timeout: float
     autotune: str = "full"
 
@@ -175,8 +193,9 @@ def training_line(spec: dict, workdir: str) -> tuple[str, str]:
     return run_training(s, Path(workdir))
 
 
-def fsdp2_line(label: str, arch: str, canon: str, size: str, steps: int, batch: int, autotune: str,
-               workdir: str) -> tuple[str, str]:
+def fsdp2_line(
+    label: str, arch: str, canon: str, size: str, steps: int, batch: int, autotune: str, workdir: str
+) -> tuple[str, str]:
     """``train.py`` with ``strategy=fsdp2`` across all visible GPUs (fp32 weights, ``trainer.precision=32-true``);
     Skip with fewer than two GPUs or without CUDA."""
     import torch
@@ -187,9 +206,16 @@ def fsdp2_line(label: str, arch: str, canon: str, size: str, steps: int, batch: 
     n = torch.cuda.device_count()
     if n < 2:
         raise Skip(f"needs >= 2 GPUs ({n} visible)")
-    over = [f"model.size={size}", "task=depo1", "trainer=gpu", f"trainer.devices={n}",
-            "trainer.precision=32-true", "strategy=fsdp2", "trainer.log_every_n_steps=5",
-            f"data.batch_size={batch * n}"]
+    over = [
+        f"model.size={size}",
+        "task=depo1",
+        "trainer=gpu",
+        f"trainer.devices={n}",
+        "trainer.precision=32-true",
+        "strategy=fsdp2",
+        "trainer.log_every_n_steps=5",
+        f"data.batch_size={batch * n}",
+    ]
     return run_training(TrainSpec(label, arch, canon, over, steps, n, "cuda", 1800, autotune), Path(workdir))
 
 
@@ -211,11 +237,23 @@ def run_training(spec: TrainSpec, workdir: Path) -> tuple[str, str]:
         raise Skip(f"no train.py / conf/ at {ROOT} (run from a source checkout: pip install -e .)")
     name = spec.label.replace(" ", "_").replace("=", "-").replace("/", "-")
     probe = workdir / f"{name}.probe.json"
-    cmd = [sys.executable, str(train_py), f"arch={spec.arch}", f"canon={spec.canon}", *spec.overrides,
-           f"trainer.max_steps={spec.steps}", "trainer.limit_val_batches=0", "test=false", "logger=none",
-           "callbacks=none", f"+callbacks.selfcheck._target_={__name__}.train_probe",
-           f"+callbacks.selfcheck.out={probe}", f"+callbacks.selfcheck.autotune={spec.autotune}",
-           f"paths.log_dir={workdir}", f"run_name={name}"]
+    cmd = [
+        sys.executable,
+        str(train_py),
+        f"arch={spec.arch}",
+        f"canon={spec.canon}",
+        *spec.overrides,
+        f"trainer.max_steps={spec.steps}",
+        "trainer.limit_val_batches=0",
+        "test=false",
+        "logger=none",
+        "callbacks=none",
+        f"+callbacks.selfcheck._target_={__name__}.train_probe",
+        f"+callbacks.selfcheck.out={probe}",
+        f"+callbacks.selfcheck.autotune={spec.autotune}",
+        f"paths.log_dir={workdir}",
+        f"run_name={name}",
+    ]
     env = {**os.environ, "WANDB_MODE": "disabled", "HYDRA_FULL_ERROR": "1"}
     left = remaining_s()
     timeout, by_budget = float(spec.timeout), False
@@ -234,8 +272,11 @@ def run_training(spec: TrainSpec, workdir: Path) -> tuple[str, str]:
     info = json.loads(probe.read_text()) if probe.is_file() else {}
     first = info.get("first_step_wall")
     kernels = info.get("kernels") or {}
-    add_compile_time((first - t_launch) if isinstance(first, (int, float)) and t_launch <= first <= t_end
-                     else t_end - t_launch, kernels.get("built", 0), kernels.get("loaded", 0))
+    add_compile_time(
+        (first - t_launch) if isinstance(first, (int, float)) and t_launch <= first <= t_end else t_end - t_launch,
+        kernels.get("built", 0),
+        kernels.get("loaded", 0),
+    )
     if p.returncode != 0:
         tail = [ln for ln in (p.stderr + "\n" + p.stdout).splitlines() if ln.strip()][-3:]
         raise Fail(f"train.py exit {p.returncode}: {short(' / '.join(tail), 400)} (run dir {run_dir})")
@@ -252,8 +293,9 @@ def run_training(spec: TrainSpec, workdir: Path) -> tuple[str, str]:
     if why is not None:
         detail += f" (no fast {MIXER_OP[spec.arch]} kernel: {why})"
     if spec.device == "cuda":
-        detail += (f"; autotune {info.get('autotune', spec.autotune)}"
-                   + (": throughput not a benchmark" if str(info.get("autotune", "")) == "first" else ""))
+        detail += f"; autotune {info.get('autotune', spec.autotune)}" + (
+            ": throughput not a benchmark" if str(info.get("autotune", "")) == "first" else ""
+        )
     if status == FAIL:
         detail += f" (run dir {run_dir})"
     return status, detail
@@ -290,12 +332,16 @@ def judge_training(spec: TrainSpec, rows: list[dict], info: dict, want: Optional
     tok_s = _median(tps[1:] or tps)
     backends = info.get("backends") or {}
     ran = info.get("ran")
-    parts = [f"tokens/s {tok_s:,.0f}" if tok_s else "tokens/s n/a (no perf/tokens_per_s rows)",
-             f"peak mem {max(mem):.2f} GiB" if mem else "peak mem n/a",
-             f"MFU {100 * _median(mfu[1:] or mfu):.1f}%" if mfu else
-             ("MFU n/a (GPU not in the peak-FLOPs table)" if spec.device == "cuda" else "MFU n/a (CPU)"),
-             f"loss {losses[0]:.3f} -> {losses[-1]:.3f}", f"ops {fmt_backends(backends)}" if backends else "ops ?",
-             f"ran {fmt_ran(ran)}" if ran is not None else "ran ? (not recorded)"]
+    parts = [
+        f"tokens/s {tok_s:,.0f}" if tok_s else "tokens/s n/a (no perf/tokens_per_s rows)",
+        f"peak mem {max(mem):.2f} GiB" if mem else "peak mem n/a",
+        f"MFU {100 * _median(mfu[1:] or mfu):.1f}%"
+        if mfu
+        else ("MFU n/a (GPU not in the peak-FLOPs table)" if spec.device == "cuda" else "MFU n/a (CPU)"),
+        f"loss {losses[0]:.3f} -> {losses[-1]:.3f}",
+        f"ops {fmt_backends(backends)}" if backends else "ops ?",
+        f"ran {fmt_ran(ran)}" if ran is not None else "ran ? (not recorded)",
+    ]
     detail = "; ".join(parts)
     if want:
         if ran is None:

@@ -43,8 +43,8 @@ from typing import Callable, Iterator, Optional
 AUTOTUNE_MODES = ("first", "full")
 
 _lock = threading.Lock()
-_active = [0]          # nesting depth of first_config_autotune contexts
-_saved: dict = {}      # the original Autotuner methods while patched
+_active = [0]  # nesting depth of first_config_autotune contexts
+_saved: dict = {}  # the original Autotuner methods while patched
 _INF = [math.inf, math.inf, math.inf]
 
 
@@ -191,6 +191,7 @@ def count_compiles() -> bool:
         return True
     try:
         import triton
+
         comp = triton.knobs.compilation
     except Exception:  # noqa: BLE001 -- no triton, or one without knobs
         return False

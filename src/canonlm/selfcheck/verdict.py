@@ -115,8 +115,11 @@ def budget_reason(stopped_after: Optional[float] = None) -> str:
     that was running when the budget ran out, ``stopped after 41 s: the 300 s budget was spent while it ran; ...``;
     both say how to give the run more time."""
     b = _budget["budget_s"] or 0.0
-    hint = f"rerun with --budget-s {int(2 * b)}" + (" or without --quick" if _budget["quick"] else "") + \
-        " (the kernel cache makes a second run faster)"
+    hint = (
+        f"rerun with --budget-s {int(2 * b)}"
+        + (" or without --quick" if _budget["quick"] else "")
+        + " (the kernel cache makes a second run faster)"
+    )
     if stopped_after is None:
         return f"not run: the {b:.0f} s budget was spent; {hint}"
     return f"stopped after {stopped_after:.0f} s: the {b:.0f} s budget was spent while it ran; {hint}"
@@ -152,8 +155,13 @@ def run_check(name: str, fn: Callable[[], Any]) -> Result:
     seconds = time.perf_counter() - t0
     after = triton_hooks.kernel_counts()
     kernels = {k: after[k] - before[k] + _clock[k] for k in ("built", "loaded")}
-    return Result(**dataclasses.asdict(v), name=name, seconds=seconds, compile_s=min(_clock["compile"], seconds),
-                  kernels={k: n for k, n in kernels.items() if n})
+    return Result(
+        **dataclasses.asdict(v),
+        name=name,
+        seconds=seconds,
+        compile_s=min(_clock["compile"], seconds),
+        kernels={k: n for k, n in kernels.items() if n},
+    )
 
 
 def fmt_ran(ran: dict) -> str:
@@ -196,13 +204,16 @@ def judge_errors(errors: dict[str, float], tol: float) -> tuple[str, str]:
     bad = {k: v for k, v in errors.items() if not (v <= tol)}  # NaN is bad
     worst = max(errors, key=lambda k: (not math.isfinite(errors[k]), errors[k]))
     if bad:
-        return FAIL, (f"max rel err {errors[worst]:.2e} ({worst}) > tol {tol:.0e}; over tol: "
-                      + ", ".join(f"{k} {v:.2e}" for k, v in bad.items()))
+        return FAIL, (
+            f"max rel err {errors[worst]:.2e} ({worst}) > tol {tol:.0e}; over tol: "
+            + ", ".join(f"{k} {v:.2e}" for k, v in bad.items())
+        )
     return PASS, f"max rel err {errors[worst]:.2e} ({worst}) <= tol {tol:.0e} ({len(errors)} tensors)"
 
 
-def judge_kernel(op: str, fast: str, resolved: Optional[str], ran: dict, errors: dict[str, float],
-                 tol: float, note: str = "") -> Verdict:
+def judge_kernel(
+    op: str, fast: str, resolved: Optional[str], ran: dict, errors: dict[str, float], tol: float, note: str = ""
+) -> Verdict:
     """Verdict of a fast-path-vs-reference comparison.
 
     Args:
@@ -218,8 +229,9 @@ def judge_kernel(op: str, fast: str, resolved: Optional[str], ran: dict, errors:
     """
     facts = dict(op=op, backend=fast, ran=ran, errors=errors, tol=tol)
     if resolved != fast:
-        return Verdict(FAIL, f"backend {resolved!r} was selected, not {fast!r} (fallback: the fast path did not run)",
-                       **facts)
+        return Verdict(
+            FAIL, f"backend {resolved!r} was selected, not {fast!r} (fallback: the fast path did not run)", **facts
+        )
     bad = judge_ran({op: fast}, ran, required=(op,))
     if bad:
         return Verdict(FAIL, f"{bad} (ran {fmt_ran(ran)})", **facts)

@@ -29,9 +29,13 @@ from canonlm.train.figures import ATLAS_COL_NAMES, ATLAS_COLS, ATLAS_ROW_NAMES, 
 #: skill -> (task, its mini preset), in the atlas's order (the paper's Fig. 7: depth, breadth, manipulation,
 #: structure, capacity; full copy, Fig. 5, last and optional).
 SKILLS: dict[str, tuple[str, str]] = {
-    "depth": ("Depo", "mini/depth"), "breadth": ("Brevo", "mini/breadth"),
-    "manipulation": ("Mano", "mini/manipulation"), "structure": ("Lano", "mini/structure"),
-    "capacity": ("Capo", "mini/capacity"), "copy": ("full copy", "mini/copy")}
+    "depth": ("Depo", "mini/depth"),
+    "breadth": ("Brevo", "mini/breadth"),
+    "manipulation": ("Mano", "mini/manipulation"),
+    "structure": ("Lano", "mini/structure"),
+    "capacity": ("Capo", "mini/capacity"),
+    "copy": ("full copy", "mini/copy"),
+}
 KEY = "canonlm-atlas"  # the PNG tEXt key of the embedded numbers
 
 
@@ -39,8 +43,9 @@ def parse_panel(spec: str) -> tuple[str, str | None, tuple[int, int] | None]:
     """``"skill=folder[:K1,K2]"`` or ``"skill=-"`` -> (skill, folder or None, (K1, K2) or None). ValueError."""
     skill, sep, rest = spec.partition("=")
     if not sep or skill not in SKILLS:
-        raise ValueError(f"panel {spec!r}: allowed: <skill>=<folder>[:K1,K2] or <skill>=-, skill one of "
-                         f"{', '.join(SKILLS)}")
+        raise ValueError(
+            f"panel {spec!r}: allowed: <skill>=<folder>[:K1,K2] or <skill>=-, skill one of {', '.join(SKILLS)}"
+        )
     if rest == "-":
         return skill, None, None
     folder, _, k = rest.partition(":")
@@ -61,8 +66,16 @@ def panel(skill: str, folder: Path | None, ks: tuple[int, int] | None = None) ->
     the cells are the best of; None without runs) and ``runs`` (finished runs). ValueError (see the module docstring)."""
     task, preset = SKILLS[skill]
     if folder is None:
-        return {"skill": skill, "task": task, "preset": preset, "metric": "not run yet", "bits": False,
-                "cells": None, "protocol": None, "runs": 0}
+        return {
+            "skill": skill,
+            "task": task,
+            "preset": preset,
+            "metric": "not run yet",
+            "bits": False,
+            "cells": None,
+            "protocol": None,
+            "runs": 0,
+        }
     runs = load_runs(folder)
     if ks is not None:
         for r in runs:
@@ -72,8 +85,10 @@ def panel(skill: str, folder: Path | None, ks: tuple[int, int] | None = None) ->
         raise ValueError(f"{skill}: no finished run below {folder}")
     if len(ts) > 1:
         titles = "; ".join(t["title"] for t in ts)
-        raise ValueError(f"{skill}: the runs below {folder} form {len(ts)} settings ({titles}), not one (Canon set x "
-                         "positions) table")
+        raise ValueError(
+            f"{skill}: the runs below {folder} form {len(ts)} settings ({titles}), not one (Canon set x "
+            "positions) table"
+        )
     t = ts[0]
     kinds = {e["kind"] for row in t["cells"].values() for e in row.values()}
     kind = kinds.pop() if len(kinds) == 1 else "mixed"
@@ -86,8 +101,16 @@ def panel(skill: str, folder: Path | None, ks: tuple[int, int] | None = None) ->
             v = None if e is None or e["acc"][0] != e["acc"][0] else float(e["acc"][0]) * (1 if bits else 100)
             cells.setdefault(r, {})[c] = None if v is None else round(v, 4 if bits else 1)
     n = sum(e["runs"] for row in t["cells"].values() for e in row.values())
-    return {"skill": skill, "task": task, "preset": preset, "metric": first, "bits": bits, "cells": cells,
-            "protocol": f"{skill}: {t['protocol']['text']}", "runs": n}
+    return {
+        "skill": skill,
+        "task": task,
+        "preset": preset,
+        "metric": first,
+        "bits": bits,
+        "cells": cells,
+        "protocol": f"{skill}: {t['protocol']['text']}",
+        "runs": n,
+    }
 
 
 def build(specs: list[str], root: Path) -> tuple[bytes, dict[str, Any], str, dict[str, Any]]:
@@ -100,24 +123,45 @@ def build(specs: list[str], root: Path) -> tuple[bytes, dict[str, Any], str, dic
         panels.append(panel(skill, None if folder is None else root / folder, ks))
     done = [p for p in panels if p["cells"] is not None]
     missing = [p["skill"] for p in panels if p["cells"] is None]
-    caption = ("Each cell: the best run of its (Canon set, positions) on the test split. " +
-               " ".join(p["protocol"] + "." for p in done) +
-               (f" Not run yet: {', '.join(missing)}." if missing else ""))
-    data = {"panels": [{k: p[k] for k in ("skill", "task", "preset", "metric", "bits", "cells", "runs")}
-                       for p in panels], "caption": caption}
-    png, info = draw_atlas(panels, title="canonlm atlas: what Canon-ABCD adds to each skill (CPU scale)",
-                        caption=caption, text={KEY: json.dumps(data, sort_keys=True)})
-    head = "| skill | task (preset) | metric | " + " | ".join(
-        f"{ATLAS_ROW_NAMES[r]}, {ATLAS_COL_NAMES[c]}" for c in ATLAS_COLS for r in ATLAS_ROWS) + " |"
+    caption = (
+        "Each cell: the best run of its (Canon set, positions) on the test split. "
+        + " ".join(p["protocol"] + "." for p in done)
+        + (f" Not run yet: {', '.join(missing)}." if missing else "")
+    )
+    data = {
+        "panels": [{k: p[k] for k in ("skill", "task", "preset", "metric", "bits", "cells", "runs")} for p in panels],
+        "caption": caption,
+    }
+    png, info = draw_atlas(
+        panels,
+        title="canonlm atlas: what Canon-ABCD adds to each skill (CPU scale)",
+        caption=caption,
+        text={KEY: json.dumps(data, sort_keys=True)},
+    )
+    head = (
+        "| skill | task (preset) | metric | "
+        + " | ".join(f"{ATLAS_ROW_NAMES[r]}, {ATLAS_COL_NAMES[c]}" for c in ATLAS_COLS for r in ATLAS_ROWS)
+        + " |"
+    )
     lines = ["![canonlm atlas]({png})", "", caption, "", head, "|" + "---|" * (3 + len(ATLAS_ROWS) * len(ATLAS_COLS))]
     for p in panels:
-        vals = ["-" if p["cells"] is None else
-                ("n/a" if p["cells"][r][c] is None else (f"{p['cells'][r][c]:.3g}" if p["bits"] else
-                                                         f"{p['cells'][r][c]:.1f}"))
-                for c in ATLAS_COLS for r in ATLAS_ROWS]
+        vals = [
+            "-"
+            if p["cells"] is None
+            else (
+                "n/a"
+                if p["cells"][r][c] is None
+                else (f"{p['cells'][r][c]:.3g}" if p["bits"] else f"{p['cells'][r][c]:.1f}")
+            )
+            for c in ATLAS_COLS
+            for r in ATLAS_ROWS
+        ]
         planned = ", planned" if p["cells"] is None else ""
-        lines.append(f"| {p['skill']} | {p['task']} (`experiment={p['preset']}`{planned}) | {p['metric']} | "
-                     + " | ".join(vals) + " |")
+        lines.append(
+            f"| {p['skill']} | {p['task']} (`experiment={p['preset']}`{planned}) | {p['metric']} | "
+            + " | ".join(vals)
+            + " |"
+        )
     return png, data, "\n".join(lines) + "\n", info
 
 
@@ -134,11 +178,13 @@ def embedded(path: Path) -> dict[str, Any] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m canonlm.train.atlas", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m canonlm.train.atlas", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("panels", nargs="+", metavar="skill=folder[:K1,K2]")
-    ap.add_argument("--out", type=Path, required=True, help="the PNG to write (an existing file is replaced only "
-                    "with --force)")
+    ap.add_argument(
+        "--out", type=Path, required=True, help="the PNG to write (an existing file is replaced only with --force)"
+    )
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args(argv)
     if args.out.exists() and not args.force:

@@ -105,8 +105,10 @@ class LineProgress(ProgressBar):
         elapsed = now - self._eval_t0
         if total != float("inf") and total > 0:
             eta = elapsed / done * (total - done)
-            self._print(f"[{split}] batch {done}/{int(total)} {100 * done / total:3.0f}% | "
-                        f"{_fmt_time(elapsed)} elapsed, eta {_fmt_time(eta)}")
+            self._print(
+                f"[{split}] batch {done}/{int(total)} {100 * done / total:3.0f}% | "
+                f"{_fmt_time(elapsed)} elapsed, eta {_fmt_time(eta)}"
+            )
         else:
             self._print(f"[{split}] batch {done} | {_fmt_time(elapsed)} elapsed")
 
@@ -181,7 +183,7 @@ class Preemption(Callback):
         self.sigterm = sigterm
         self._got = NONE
         self._previous: dict[int, object] = {}
-        self._group = None          # CPU (gloo) process group for the per-step flag reduction, when distributed
+        self._group = None  # CPU (gloo) process group for the per-step flag reduction, when distributed
         self.outcome = NONE
         self.saved: str | None = None
         self.step: int | None = None
@@ -239,7 +241,7 @@ class Preemption(Callback):
             return
         code = self._got
         if trainer.world_size > 1:
-            flag = torch.tensor([code], dtype=torch.int64)            # on the CPU: no wait for the GPU's queue
+            flag = torch.tensor([code], dtype=torch.int64)  # on the CPU: no wait for the GPU's queue
             if self._group is not None:
                 torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self._group)
             else:
@@ -256,8 +258,11 @@ class Preemption(Callback):
             array = os.environ.get("SLURM_ARRAY_JOB_ID")
             job = f"{array}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array else job
             r = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
-            what = f"requeued job {job}" if r.returncode == 0 else \
-                f"could not requeue job {job} (scontrol: {(r.stderr or r.stdout).strip()})"
+            what = (
+                f"requeued job {job}"
+                if r.returncode == 0
+                else f"could not requeue job {job} (scontrol: {(r.stderr or r.stdout).strip()})"
+            )
         else:
             what = "stopping (SIGTERM)" if code == TERMINATED else "stopping"
         if trainer.is_global_zero:
@@ -265,8 +270,11 @@ class Preemption(Callback):
         from canonlm.errors import RunStopped
 
         how = "requeued itself" if code == REQUEUED else "was terminated (SIGTERM)"
-        raise RunStopped(f"preempted: the job {how}; saved {path} at step {trainer.global_step}; the next start "
-                         "with ckpt_path=auto resumes from it", 0 if code == REQUEUED else 143)
+        raise RunStopped(
+            f"preempted: the job {how}; saved {path} at step {trainer.global_step}; the next start "
+            "with ckpt_path=auto resumes from it",
+            0 if code == REQUEUED else 143,
+        )
 
 
 def last_checkpoint_path(trainer) -> str:
@@ -279,8 +287,14 @@ def last_checkpoint_path(trainer) -> str:
     return os.path.join(ckpt_dir or os.path.join(trainer.default_root_dir, "checkpoints"), "last.ckpt")
 
 
-def StepCheckpoint(dirpath: str, every_n_train_steps: int = 500, keep_last: int | None = None,
-                   filename: str = "step{step:07d}", save_last: bool = True, **kwargs):
+def StepCheckpoint(
+    dirpath: str,
+    every_n_train_steps: int = 500,
+    keep_last: int | None = None,
+    filename: str = "step{step:07d}",
+    save_last: bool = True,
+    **kwargs,
+):
     """Lightning ``ModelCheckpoint`` every ``every_n_train_steps`` optimizer steps plus ``last.ckpt``.
 
     ``keep_last``: keep only the N newest step checkpoints (``save_top_k=N`` ranked by the step; ``last.ckpt`` is
@@ -294,6 +308,13 @@ def StepCheckpoint(dirpath: str, every_n_train_steps: int = 500, keep_last: int 
     top = {"save_top_k": -1} if keep_last is None else {"save_top_k": keep_last, "monitor": "step", "mode": "max"}
     # enable_version_counter=False: a name that exists (a resumed run's last.ckpt, a step redone after a requeue) is
     # replaced atomically, never turned into last-v1.ckpt beside it
-    return ModelCheckpoint(dirpath=dirpath, filename=filename, every_n_train_steps=every_n_train_steps,
-                           save_last=save_last, auto_insert_metric_name=False, enable_version_counter=False,
-                           **top, **kwargs)
+    return ModelCheckpoint(
+        dirpath=dirpath,
+        filename=filename,
+        every_n_train_steps=every_n_train_steps,
+        save_last=save_last,
+        auto_insert_metric_name=False,
+        enable_version_counter=False,
+        **top,
+        **kwargs,
+    )

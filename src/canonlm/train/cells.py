@@ -33,8 +33,7 @@ def natural_key(p: Path | str) -> list[Any]:
 
 
 #: Why a finished run is in no cell when neither of its settings files can be read (``find_unfinished``).
-NO_SETTINGS = ("no readable hparams.json or .hydra/config.yaml: its settings are unknown, so it is compared with no "
-               "run")
+NO_SETTINGS = "no readable hparams.json or .hydra/config.yaml: its settings are unknown, so it is compared with no run"
 
 
 def _hydra_settings(path: Path) -> dict[str, Any] | None:
@@ -66,8 +65,9 @@ def _hydra_settings(path: Path) -> dict[str, Any] | None:
                 continue
             try:
                 got = OmegaConf.select(cfg, key, throw_on_missing=True)
-                node[k] = OmegaConf.to_container(got, resolve=True) if isinstance(got, (DictConfig, ListConfig)) \
-                    else got
+                node[k] = (
+                    OmegaConf.to_container(got, resolve=True) if isinstance(got, (DictConfig, ListConfig)) else got
+                )
             except Exception:  # noqa: BLE001 -- an interpolation only the job could resolve: keep its text
                 pass
 
@@ -212,8 +212,20 @@ def cell_kind(run: dict[str, Any]) -> str:
 
 
 # The keys named first in a setting's title (the paper's axes); every other config key is compared too.
-IDENTITY = ("task.name", "model.arch", "canon.set", "pos.type", "pos.fraction", "model.qk_norm", "model.mlp",
-            "model.size", "task.N", "task.K", "task.L", "task.grammar")
+IDENTITY = (
+    "task.name",
+    "model.arch",
+    "canon.set",
+    "pos.type",
+    "pos.fraction",
+    "model.qk_norm",
+    "model.mlp",
+    "model.size",
+    "task.N",
+    "task.K",
+    "task.L",
+    "task.grammar",
+)
 # The keys a cell takes its best run over (``--best-of``): the learning rate and the seeds (training and data), the
 # paper's protocol (Part 4.1 Fig. 7: the best of several learning rates).
 BEST_OF = ("optim.lr", "seed", "task.seed")
@@ -224,11 +236,31 @@ BEST_OF = ("optim.lr", "seed", "task.seed")
 # ``kernels.*``, ``compile``, ``optim.fused``) stay compared: their numerics differ. ``resolved`` (what a run wrote
 # into hparams.json of its machine: the backends its requests resolved to, document masking on or off) is not a
 # setting: runs of one config share a cell on any machine, as they did before runs recorded it.
-NEUTRAL = ("run_name", "task_name", "tags", "paths", "logger", "callbacks.checkpoint", "callbacks.progress",
-           "callbacks.lr_monitor", "callbacks.preemption", "trainer.default_root_dir", "trainer.log_every_n_steps",
-           "trainer.enable_progress_bar", "trainer.enable_model_summary", "trainer.profiler",
-           "trainer.num_sanity_val_steps", "trainer.devices", "trainer.num_nodes", "data.num_workers",
-           "data.gen_eval.batch_size", "task.cache_dir", "activation_checkpointing", "model.chunk_size", "resolved")
+NEUTRAL = (
+    "run_name",
+    "task_name",
+    "tags",
+    "paths",
+    "logger",
+    "callbacks.checkpoint",
+    "callbacks.progress",
+    "callbacks.lr_monitor",
+    "callbacks.preemption",
+    "trainer.default_root_dir",
+    "trainer.log_every_n_steps",
+    "trainer.enable_progress_bar",
+    "trainer.enable_model_summary",
+    "trainer.profiler",
+    "trainer.num_sanity_val_steps",
+    "trainer.devices",
+    "trainer.num_nodes",
+    "data.num_workers",
+    "data.gen_eval.batch_size",
+    "task.cache_dir",
+    "activation_checkpointing",
+    "model.chunk_size",
+    "resolved",
+)
 # Keys that cannot change a result at these values only: a fresh start or a resume of the run's own checkpoints
 # (another path continues another run).
 NEUTRAL_VALUES = {"ckpt_path": (None, "auto")}
@@ -249,8 +281,7 @@ def _flat_keys(d: dict[str, Any], prefix: str = "") -> list[str]:
     return out
 
 
-def compared_keys(runs: list[dict[str, Any]], rows: str, cols: str,
-                  best_of: tuple[str, ...] = BEST_OF) -> list[str]:
+def compared_keys(runs: list[dict[str, Any]], rows: str, cols: str, best_of: tuple[str, ...] = BEST_OF) -> list[str]:
     """The keys whose values must be equal for runs to share a cell: every leaf key of the runs' resolved configs
     (``hparams.json``; :data:`IDENTITY` for runs without one; a node that is a mapping in one run and empty or null
     in another counts by its leaves) except ``rows`` / ``cols``, the ``best_of`` keys and the :data:`NEUTRAL` ones;
@@ -321,8 +352,13 @@ def axis_keys(runs: list[dict[str, Any]], keys: list[str], rows: str, cols: str)
 
 
 # Where results.json keeps an identity key, for runs without hparams.json.
-_FROM_RESULTS = {"task.name": ("task",), "model.arch": ("model", "arch"), "canon.set": ("model", "canon"),
-                 "pos.type": ("model", "pos"), "model.qk_norm": ("model", "qk_norm")}
+_FROM_RESULTS = {
+    "task.name": ("task",),
+    "model.arch": ("model", "arch"),
+    "canon.set": ("model", "canon"),
+    "pos.type": ("model", "pos"),
+    "model.qk_norm": ("model", "qk_norm"),
+}
 
 
 def value(run: dict[str, Any], key: str) -> Any:
@@ -343,7 +379,7 @@ def _raw_value(run: dict[str, Any], key: str) -> Any:
     if key in _FROM_RESULTS:
         return _get(run, ".".join(_FROM_RESULTS[key]))
     if key.startswith("task."):
-        return _get(run.get("task_config") or {}, key[len("task."):])
+        return _get(run.get("task_config") or {}, key[len("task.") :])
     return None
 
 
@@ -373,8 +409,9 @@ def _rank(c: tuple[float, float]) -> tuple[float, float]:
     return (float("-inf") if c[0] != c[0] else c[0], 0.0 if c[1] != c[1] else c[1])
 
 
-def table(runs: list[dict[str, Any]], rows: str, cols: str,
-          best_of: tuple[str, ...] = BEST_OF) -> dict[str, dict[str, dict[str, Any]]]:
+def table(
+    runs: list[dict[str, Any]], rows: str, cols: str, best_of: tuple[str, ...] = BEST_OF
+) -> dict[str, dict[str, dict[str, Any]]]:
     """{row label: {col label: {"acc": (hi, lo), "dir": best run dir, "runs": n, "best_of": {key: labels}}}} of runs
     of ONE setting: best by acc@K then acc@K/2 over the runs of a cell, which may differ only in the ``best_of`` keys
     (learning rate and seeds: the paper's best-of) and the keys that cannot change a result (:data:`NEUTRAL`); runs
@@ -391,8 +428,11 @@ def table(runs: list[dict[str, Any]], rows: str, cols: str,
         sig = tuple(compared_label(r, k) for k in keys)
         prev, first = ident.setdefault((rv, cv), (sig, r))
         if prev != sig:
-            diff = [f"{k}={label(k, value(first, k))} vs {label(k, value(r, k))}"
-                    for k, a, b in zip(keys, prev, sig) if a != b]
+            diff = [
+                f"{k}={label(k, value(first, k))} vs {label(k, value(r, k))}"
+                for k, a, b in zip(keys, prev, sig)
+                if a != b
+            ]
             raise ValueError(f"cell ({rows}={rv}, {cols}={cv}) mixes runs that differ in {', '.join(diff)}")
         best = out.setdefault(rv, {}).get(cv)
         n = 1 + (best["runs"] if best else 0)
@@ -406,8 +446,9 @@ def table(runs: list[dict[str, Any]], rows: str, cols: str,
     return out
 
 
-def tables(runs: list[dict[str, Any]], rows: str, cols: str,
-           best_of: tuple[str, ...] = BEST_OF) -> list[dict[str, Any]]:
+def tables(
+    runs: list[dict[str, Any]], rows: str, cols: str, best_of: tuple[str, ...] = BEST_OF
+) -> list[dict[str, Any]]:
     """One table per setting: the runs (with a test or val result) are split by the compared keys
     (:func:`compared_keys`) that take more than one value among them, except the keys that follow the rows or the
     columns (:func:`axis_keys`). Each item: ``{"setting": {key: label}, "title": "key=label key=label", "cells":
@@ -424,8 +465,14 @@ def tables(runs: list[dict[str, Any]], rows: str, cols: str,
     for g in sorted(groups, key=lambda t: tuple(label_order(x) for x in t)):
         setting = {k: label(k, value(groups[g][0], k)) for k in varying}
         cells = table(groups[g], rows, cols, best_of)
-        out.append({"setting": setting, "title": " ".join(f"{k}={v}" for k, v in setting.items()),
-                    "cells": cells, "protocol": protocol(groups[g], best_of, cells, rows, cols)})
+        out.append(
+            {
+                "setting": setting,
+                "title": " ".join(f"{k}={v}" for k, v in setting.items()),
+                "cells": cells,
+                "protocol": protocol(groups[g], best_of, cells, rows, cols),
+            }
+        )
     return out
 
 
@@ -440,8 +487,13 @@ def _values(labels: set[str] | list[str]) -> str:
     return "{" + ", ".join(sorted(labels, key=label_order)) + "}"
 
 
-def protocol(runs: list[dict[str, Any]], best_of: tuple[str, ...], cells: dict[str, dict[str, dict[str, Any]]],
-             rows: str = "", cols: str = "") -> dict[str, Any]:
+def protocol(
+    runs: list[dict[str, Any]],
+    best_of: tuple[str, ...],
+    cells: dict[str, dict[str, dict[str, Any]]],
+    rows: str = "",
+    cols: str = "",
+) -> dict[str, Any]:
     """What a table's cells are the best of, and its budget, from its finished runs (``cells``: :func:`table`'s):
     ``best_of`` {key: sorted labels over the table}, ``steps`` / ``tokens`` (sorted distinct ``results.json``
     ``steps`` / ``tokens_seen``), ``follows`` {key: {row or column value: label}} (:func:`axis_keys`),
@@ -449,8 +501,14 @@ def protocol(runs: list[dict[str, Any]], best_of: tuple[str, ...], cells: dict[s
     optim.lr in {0.001, 0.003} x seed in {1, 2} (4 runs per cell)``; a key whose values differ between cells is
     ``optim.lr in its own set per cell (...)``."""
     if not runs:
-        return {"best_of": {}, "steps": [], "tokens": [], "follows": {}, "runs_per_cell": [0, 0],
-                "text": "no finished run"}
+        return {
+            "best_of": {},
+            "steps": [],
+            "tokens": [],
+            "follows": {},
+            "runs_per_cell": [0, 0],
+            "text": "no finished run",
+        }
     vals = {k: sorted({label(k, value(r, k)) for r in runs}, key=label_order) for k in best_of}
     steps = sorted({int(r["steps"]) for r in runs if isinstance(r.get("steps"), int)})
     tokens = sorted({int(r["tokens_seen"]) for r in runs if isinstance(r.get("tokens_seen"), int)})
@@ -482,7 +540,16 @@ def protocol(runs: list[dict[str, Any]], best_of: tuple[str, ...], cells: dict[s
     for k, axis in axis_keys(runs, keys, rows, cols).items():
         ax = rows if axis == "rows" else cols
         follows[k] = {label(ax, value(r, ax)): label(k, value(r, k)) for r in runs}
-        what += f"; {k} follows {ax} (" + ", ".join(f"{a}: {b}" for a, b in sorted(
-            follows[k].items(), key=lambda t: label_order(t[0]))) + ")"
-    return {"best_of": vals, "steps": steps, "tokens": tokens, "follows": follows, "runs_per_cell": per,
-            "text": f"{budget} per run; {what}"}
+        what += (
+            f"; {k} follows {ax} ("
+            + ", ".join(f"{a}: {b}" for a, b in sorted(follows[k].items(), key=lambda t: label_order(t[0])))
+            + ")"
+        )
+    return {
+        "best_of": vals,
+        "steps": steps,
+        "tokens": tokens,
+        "follows": follows,
+        "runs_per_cell": per,
+        "text": f"{budget} per run; {what}",
+    }

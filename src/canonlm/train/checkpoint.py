@@ -88,8 +88,9 @@ def _classes() -> dict[str, type]:
         temp file that :func:`remove_stale_temps` deletes at the next start). Loads use ``weights_only=True`` unless
         the caller asks otherwise (no pickled code is executed)."""
 
-        def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike,
-                            storage_options: Any = None) -> None:
+        def save_checkpoint(
+            self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any = None
+        ) -> None:
             path = Path(path)
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = _tmp_name(path)
@@ -105,8 +106,9 @@ def _classes() -> dict[str, type]:
                     tmp.unlink()
 
         def load_checkpoint(self, path, map_location=lambda storage, loc: storage, weights_only: bool | None = True):
-            return super().load_checkpoint(path, map_location=map_location,
-                                           weights_only=True if weights_only is None else weights_only)
+            return super().load_checkpoint(
+                path, map_location=map_location, weights_only=True if weights_only is None else weights_only
+            )
 
     class AtomicModelParallelStrategy(ModelParallelStrategy):
         """Lightning's ``ModelParallelStrategy`` (FSDP2) whose distributed checkpoints are written atomically: all
@@ -200,7 +202,7 @@ class CheckpointInfo:
 def _strip(key: str) -> str:
     for prefix in ("state_dict.", "model."):
         if key.startswith(prefix):
-            key = key[len(prefix):]
+            key = key[len(prefix) :]
     return key
 
 
@@ -219,11 +221,15 @@ def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
             from torch.distributed.checkpoint import FileSystemReader
 
             if not (p / ".metadata").is_file():
-                raise CheckpointError(p, "is a directory without a distributed-checkpoint .metadata file "
-                                         "(an interrupted or foreign save)")
+                raise CheckpointError(
+                    p, "is a directory without a distributed-checkpoint .metadata file (an interrupted or foreign save)"
+                )
             md = FileSystemReader(str(p)).read_metadata()
-            shapes = {_strip(k): tuple(v.size) for k, v in md.state_dict_metadata.items()
-                      if k.startswith("state_dict.") and hasattr(v, "size")}
+            shapes = {
+                _strip(k): tuple(v.size)
+                for k, v in md.state_dict_metadata.items()
+                if k.startswith("state_dict.") and hasattr(v, "size")
+            }
             meta_file = p / "meta.pt"
             rest = torch.load(meta_file, map_location="cpu", weights_only=True) if meta_file.is_file() else {}
         else:
@@ -238,9 +244,12 @@ def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
     except Exception as e:  # noqa: BLE001 -- any reader failure is "unreadable", reported with its message
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
         msg = msg.split(". ")[0]  # the reader's first sentence (torch adds a paragraph of advice)
-        raise CheckpointError(p, f"cannot be read ({type(e).__name__}: {msg[:300]}); it is truncated or damaged"
-                                 if msg else f"cannot be read ({type(e).__name__}); it is truncated or damaged"
-                              ) from None
+        raise CheckpointError(
+            p,
+            f"cannot be read ({type(e).__name__}: {msg[:300]}); it is truncated or damaged"
+            if msg
+            else f"cannot be read ({type(e).__name__}); it is truncated or damaged",
+        ) from None
     step = rest.get("global_step")
     if not isinstance(step, int):
         raise CheckpointError(p, "has no 'global_step' (not a Lightning training checkpoint)")
@@ -265,12 +274,16 @@ def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
 
 def _diff(saved: Mapping[str, Any], now: Mapping[str, Any], what: str) -> list[str]:
     a, b = _flat(saved), _flat(now)
-    return [f"{what}.{k}: checkpoint {a.get(k)!r}, config {b.get(k)!r}"
-            for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    return [
+        f"{what}.{k}: checkpoint {a.get(k)!r}, config {b.get(k)!r}"
+        for k in sorted(set(a) | set(b))
+        if a.get(k) != b.get(k)
+    ]
 
 
-def check_compatible(info: CheckpointInfo, model_cfg: Any, task_cfg: Mapping[str, Any],
-                     expected_shapes: Mapping[str, tuple[int, ...]]) -> None:
+def check_compatible(
+    info: CheckpointInfo, model_cfg: Any, task_cfg: Mapping[str, Any], expected_shapes: Mapping[str, tuple[int, ...]]
+) -> None:
     """Raise :class:`CheckpointError` unless ``info`` was made by this model and task.
 
     Compares the stored model config (architecture, Canon set and kernel, widths, heads, positions, ...) and task
@@ -284,17 +297,21 @@ def check_compatible(info: CheckpointInfo, model_cfg: Any, task_cfg: Mapping[str
     if not problems:
         missing = sorted(set(expected_shapes) - set(info.shapes))
         extra = sorted(set(info.shapes) - set(expected_shapes))
-        wrong = sorted(k for k in set(expected_shapes) & set(info.shapes)
-                       if tuple(expected_shapes[k]) != tuple(info.shapes[k]))
+        wrong = sorted(
+            k for k in set(expected_shapes) & set(info.shapes) if tuple(expected_shapes[k]) != tuple(info.shapes[k])
+        )
         problems += [f"weight {k} missing from the checkpoint" for k in missing]
         problems += [f"weight {k} not in the model" for k in extra]
-        problems += [f"weight {k}: checkpoint shape {tuple(info.shapes[k])}, model {tuple(expected_shapes[k])}"
-                     for k in wrong]
+        problems += [
+            f"weight {k}: checkpoint shape {tuple(info.shapes[k])}, model {tuple(expected_shapes[k])}" for k in wrong
+        ]
     if problems:
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
-        raise CheckpointError(info.path, "was made by a different model or task: " + "; ".join(problems[:5]) + more,
-                              "resume it with the config it was trained with, or start a new run (a fresh "
-                              "run_name)")
+        raise CheckpointError(
+            info.path,
+            "was made by a different model or task: " + "; ".join(problems[:5]) + more,
+            "resume it with the config it was trained with, or start a new run (a fresh run_name)",
+        )
 
 
 def _candidates(run_dir: Path) -> list[Path]:
@@ -330,8 +347,11 @@ def find_resume_checkpoint(run_dir: str | os.PathLike, check=None) -> Checkpoint
     for msg in bad:
         log.warning("ckpt_path=auto skips %s", msg)
     if not good:
-        raise CheckpointError(Path(run_dir) / "checkpoints", "holds checkpoints but none can be read: "
-                              + " | ".join(bad), "delete the damaged files or start a new run (a fresh run_name)")
+        raise CheckpointError(
+            Path(run_dir) / "checkpoints",
+            "holds checkpoints but none can be read: " + " | ".join(bad),
+            "delete the damaged files or start a new run (a fresh run_name)",
+        )
     best = max(good, key=lambda i: (i.step, Path(i.path).name == "last.ckpt"))
     if check is not None:
         check(best)
@@ -356,15 +376,30 @@ def check_run_dir(run_dir: str | os.PathLike, need_bytes: int) -> None:
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        raise ConfigError("paths.output_dir", str(run_dir),
-                          f"a folder this user can write ({type(e).__name__}: {e.strerror or e})") from None
+        raise ConfigError(
+            "paths.output_dir", str(run_dir), f"a folder this user can write ({type(e).__name__}: {e.strerror or e})"
+        ) from None
     free = shutil.disk_usage(d).free
     if free < need_bytes:
-        raise ConfigError("paths.output_dir", str(run_dir),
-                          f"a file system with room for one checkpoint: {need_bytes / 2**20:.1f} MiB needed, "
-                          f"{free / 2**20:.1f} MiB free")
+        raise ConfigError(
+            "paths.output_dir",
+            str(run_dir),
+            f"a file system with room for one checkpoint: {need_bytes / 2**20:.1f} MiB needed, "
+            f"{free / 2**20:.1f} MiB free",
+        )
 
 
-__all__ = ["AtomicCheckpointIO", "AtomicModelParallelStrategy", "CheckpointError", "CheckpointInfo",
-           "check_compatible", "check_run_dir", "estimate_checkpoint_bytes", "find_resume_checkpoint",
-           "has_checkpoints", "inspect_checkpoint", "model_signature", "remove_stale_temps"]
+__all__ = [
+    "AtomicCheckpointIO",
+    "AtomicModelParallelStrategy",
+    "CheckpointError",
+    "CheckpointInfo",
+    "check_compatible",
+    "check_run_dir",
+    "estimate_checkpoint_bytes",
+    "find_resume_checkpoint",
+    "has_checkpoints",
+    "inspect_checkpoint",
+    "model_signature",
+    "remove_stale_temps",
+]

@@ -55,8 +55,15 @@ class SyntheticDataModule(L.LightningDataModule):
     Raises ConfigError (``data.batch_size``) when the batch does not split evenly over ranks x accumulation.
     """
 
-    def __init__(self, task: Any, task_cfg: Mapping[str, Any], batch_size: int, num_workers: int = 0,
-                 val_windows: int = 128, test_windows: int = 512):
+    def __init__(
+        self,
+        task: Any,
+        task_cfg: Mapping[str, Any],
+        batch_size: int,
+        num_workers: int = 0,
+        val_windows: int = 128,
+        test_windows: int = 512,
+    ):
         super().__init__()
         self.task = task
         self.window = int(task_cfg["context"])
@@ -72,16 +79,25 @@ class SyntheticDataModule(L.LightningDataModule):
         ``batch_size`` does not divide evenly."""
         return micro_batch(self.batch_size, world_size, accumulate)
 
-    def _loader(self, split: str, start_step: int = 0, num_windows: int | None = None,
-                num_steps: int | None = None) -> DataLoader:
+    def _loader(
+        self, split: str, start_step: int = 0, num_windows: int | None = None, num_steps: int | None = None
+    ) -> DataLoader:
         trainer = self.trainer
         world, rank = (trainer.world_size, trainer.global_rank) if trainer else (1, 0)
         accumulate = trainer.accumulate_grad_batches if trainer else 1
         micro = self.micro_batch(world, accumulate)
         if num_windows is not None:
             num_steps = max(1, math.ceil(num_windows / (micro * world)))
-        kw = dict(window=self.window, batch_size=micro, seed=self.seed, rank=rank, world_size=world,
-                  start_step=start_step, num_steps=num_steps, tail=self.tail)
+        kw = dict(
+            window=self.window,
+            batch_size=micro,
+            seed=self.seed,
+            rank=rank,
+            world_size=world,
+            start_step=start_step,
+            num_steps=num_steps,
+            tail=self.tail,
+        )
         if hasattr(self.task, "make_stream"):  # tasks with their own stream (text shards, Capo's exposure schedule)
             ds = self.task.make_stream(split, **kw)
         else:
@@ -89,8 +105,13 @@ class SyntheticDataModule(L.LightningDataModule):
         pin = trainer is not None and trainer.strategy.root_device.type == "cuda"
         # every validation pass iterates the same val loader again: keep its workers (the training stream is one
         # infinite pass, the test one pass)
-        return DataLoader(ds, batch_size=None, num_workers=self.num_workers, pin_memory=pin,
-                          persistent_workers=self.num_workers > 0 and split == "val")
+        return DataLoader(
+            ds,
+            batch_size=None,
+            num_workers=self.num_workers,
+            pin_memory=pin,
+            persistent_workers=self.num_workers > 0 and split == "val",
+        )
 
     def train_dataloader(self) -> StepGroups:
         """The training stream from micro-batch ``global_step * accumulate_grad_batches`` (exact resume), in

@@ -36,11 +36,11 @@ from canonlm.train.metrics_file import read_metrics
 
 CMAP = "viridis"
 DPI = 120
-NA_FACE = (0.86, 0.86, 0.86, 1.0)   # a cell without a number: light grey ...
+NA_FACE = (0.86, 0.86, 0.86, 1.0)  # a cell without a number: light grey ...
 NA_HATCH = (0.62, 0.62, 0.62, 1.0)  # ... hatched in a darker grey
 NA_HATCH_PATTERN = "//"
-CELL_W, CELL_H = 1.2, 0.6           # inches per heat-map cell
-PROBE = 0.14                        # probe pixel: this fraction of a cell below its top edge, centred
+CELL_W, CELL_H = 1.2, 0.6  # inches per heat-map cell
+PROBE = 0.14  # probe pixel: this fraction of a cell below its top edge, centred
 _LEGEND = "grey hatched: no finished run (n/a); *: another run of the cell is unfinished"
 
 
@@ -81,8 +81,15 @@ def _png(fig: Figure, text: dict[str, str] | None = None) -> bytes:
     return buf.getvalue()
 
 
-def heatmap(tables: list[dict[str, Any]], *, rows: str, cols: str, title: str,
-            unplaced: list[str] | None = None, ncols: int | None = None) -> tuple[bytes, dict[str, Any]]:
+def heatmap(
+    tables: list[dict[str, Any]],
+    *,
+    rows: str,
+    cols: str,
+    title: str,
+    unplaced: list[str] | None = None,
+    ncols: int | None = None,
+) -> tuple[bytes, dict[str, Any]]:
     """Fig. 7-style heat map(s) of one or several settings' tables (``canonlm.train.report.layout`` items), one
     panel each, side by side (``ncols`` per line, default up to 4) with one shared colour bar; the figure's title
     ``title``, each panel's title its setting, the caption each table's budget and best-of protocol (``protocol`` of
@@ -120,11 +127,28 @@ def heatmap(tables: list[dict[str, Any]], *, rows: str, cols: str, title: str,
                     ax.text(j, i, e["text"], ha="center", va="center", fontsize=9, color=_text_color(face))
                 else:
                     face = NA_FACE
-                    ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor=NA_FACE, edgecolor=NA_HATCH,
-                                           hatch=NA_HATCH_PATTERN, lw=0))
+                    ax.add_patch(
+                        Rectangle(
+                            (j - 0.5, i - 0.5),
+                            1,
+                            1,
+                            facecolor=NA_FACE,
+                            edgecolor=NA_HATCH,
+                            hatch=NA_HATCH_PATTERN,
+                            lw=0,
+                        )
+                    )
                     ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="white", lw=2))
-                    ax.text(j, i, _na_text(e), ha="center", va="center", fontsize=8, color="black",
-                            bbox={"facecolor": NA_FACE, "edgecolor": "none", "pad": 1.0})
+                    ax.text(
+                        j,
+                        i,
+                        _na_text(e),
+                        ha="center",
+                        va="center",
+                        fontsize=8,
+                        color="black",
+                        bbox={"facecolor": NA_FACE, "edgecolor": "none", "pad": 1.0},
+                    )
                 drawn.append((ax, k, i, j, e, r, c))
         ax.set_xticks(range(len(cv)), cv)
         ax.set_yticks(range(len(rv)), rv)
@@ -138,8 +162,9 @@ def heatmap(tables: list[dict[str, Any]], *, rows: str, cols: str, title: str,
     for k in range(n, nr * nc):
         axes[k // nc][k % nc].set_visible(False)
     used = [axes[k // nc][k % nc] for k in range(n)]
-    fig.colorbar(ScalarMappable(norm=norm, cmap=CMAP), ax=used, label=slabel, shrink=0.9,
-                 aspect=max(8, 12 * R * nr / 3))
+    fig.colorbar(
+        ScalarMappable(norm=norm, cmap=CMAP), ax=used, label=slabel, shrink=0.9, aspect=max(8, 12 * R * nr / 3)
+    )
     fig.suptitle(title, fontsize=11)
     kinds = {t["kind"] for t in tables}
     if len(kinds) == 1 and " / " in next(iter(kinds)):
@@ -153,12 +178,29 @@ def heatmap(tables: list[dict[str, Any]], *, rows: str, cols: str, title: str,
     cells = []
     for ax, k, i, j, e, r, c in drawn:
         x, y = ax.transData.transform((j, i - 0.5 + PROBE))
-        cells.append({"panel": k, "row": r, "col": c, "status": e["status"], "value": e["value"], "text": e["text"],
-                      "rgba": list(cell_color(e["value"], vmin, vmax)) if e["status"] == "ok" else list(NA_FACE),
-                      "probe_px": [int(round(x)), int(round(H - y))]})
+        cells.append(
+            {
+                "panel": k,
+                "row": r,
+                "col": c,
+                "status": e["status"],
+                "value": e["value"],
+                "text": e["text"],
+                "rgba": list(cell_color(e["value"], vmin, vmax)) if e["status"] == "ok" else list(NA_FACE),
+                "probe_px": [int(round(x)), int(round(H - y))],
+            }
+        )
     png = _png(fig)
-    info = {"size_px": [int(round(fig.bbox.width)), int(round(H))], "dpi": DPI, "cmap": CMAP, "vmin": vmin,
-            "vmax": vmax, "scale": slabel, "cells": cells, "caption": note}
+    info = {
+        "size_px": [int(round(fig.bbox.width)), int(round(H))],
+        "dpi": DPI,
+        "cmap": CMAP,
+        "vmin": vmin,
+        "vmax": vmax,
+        "scale": slabel,
+        "cells": cells,
+        "caption": note,
+    }
     return png, info
 
 
@@ -221,8 +263,16 @@ def curves(t: dict[str, Any], *, rows: str, cols: str, title: str) -> tuple[byte
             name, series = accuracy_series(run) if run else ("", {})
             data[r, c] = (name, series)
             groups |= set(series)
-            cells.append({"row": r, "col": c, "status": e["status"], "dir": run, "groups": sorted(series),
-                          "points": sum(len(s) for s, _ in series.values())})
+            cells.append(
+                {
+                    "row": r,
+                    "col": c,
+                    "status": e["status"],
+                    "dir": run,
+                    "groups": sorted(series),
+                    "points": sum(len(s) for s, _ in series.values()),
+                }
+            )
     colors = colormaps["tab10"]
     order = {g: i for i, g in enumerate(sorted(groups))}
     handles: dict[int, Any] = {}
@@ -232,8 +282,15 @@ def curves(t: dict[str, Any], *, rows: str, cols: str, title: str) -> tuple[byte
             e = t["cells"][r][c]
             name, series = data[r, c]
             for g, (steps, vals) in series.items():
-                (ln,) = ax.plot(steps, [100 * v for v in vals], marker="o", ms=2.5, lw=1.3,
-                                color=colors(order[g] % 10), label=f"{name}={g}" if name else "all")
+                (ln,) = ax.plot(
+                    steps,
+                    [100 * v for v in vals],
+                    marker="o",
+                    ms=2.5,
+                    lw=1.3,
+                    color=colors(order[g] % 10),
+                    label=f"{name}={g}" if name else "all",
+                )
                 handles.setdefault(g, ln)
             ax.set_ylim(-3, 103)
             ax.grid(alpha=0.3)
@@ -243,12 +300,29 @@ def curves(t: dict[str, Any], *, rows: str, cols: str, title: str) -> tuple[byte
                 ax.set_facecolor(NA_FACE)
                 head += "\n" + _na_text(e).replace("\n", ", ")
             if e["status"] == "missing":
-                ax.add_patch(Rectangle((0, 0), 1, 1, transform=ax.transAxes, facecolor=NA_FACE, edgecolor=NA_HATCH,
-                                       hatch=NA_HATCH_PATTERN, lw=0))
+                ax.add_patch(
+                    Rectangle(
+                        (0, 0),
+                        1,
+                        1,
+                        transform=ax.transAxes,
+                        facecolor=NA_FACE,
+                        edgecolor=NA_HATCH,
+                        hatch=NA_HATCH_PATTERN,
+                        lw=0,
+                    )
+                )
             if not series:
-                ax.text(0.5, 0.5, "missing" if e["status"] == "missing" else "no validation accuracy logged",
-                        transform=ax.transAxes, ha="center", va="center", fontsize=8,
-                        bbox={"facecolor": "white", "edgecolor": "none", "pad": 1.5})
+                ax.text(
+                    0.5,
+                    0.5,
+                    "missing" if e["status"] == "missing" else "no validation accuracy logged",
+                    transform=ax.transAxes,
+                    ha="center",
+                    va="center",
+                    fontsize=8,
+                    bbox={"facecolor": "white", "edgecolor": "none", "pad": 1.5},
+                )
                 ax.set_xticks([])
             ax.set_title(head, fontsize=8)
             if i == nr - 1:
@@ -256,8 +330,12 @@ def curves(t: dict[str, Any], *, rows: str, cols: str, title: str) -> tuple[byte
             if j == 0:
                 ax.set_ylabel("val accuracy (%)", fontsize=8)
     if handles:
-        fig.legend([handles[g] for g in sorted(handles)], [handles[g].get_label() for g in sorted(handles)],
-                   loc="outside right upper", fontsize=8)  # the caption (supxlabel) takes the bottom
+        fig.legend(
+            [handles[g] for g in sorted(handles)],
+            [handles[g].get_label() for g in sorted(handles)],
+            loc="outside right upper",
+            fontsize=8,
+        )  # the caption (supxlabel) takes the bottom
     # a narrow figure (one or two cells) gets the title over two lines instead of cutting it off
     sep = "\n" if nc < 3 else " -- "
     fig.suptitle(f"{title}{sep}learning curves (best run per cell)", fontsize=10)
@@ -266,8 +344,12 @@ def curves(t: dict[str, Any], *, rows: str, cols: str, title: str) -> tuple[byte
         fig.supxlabel(textwrap.fill(caption + ".", width=int(fig.get_figwidth() * 15)), fontsize=7)
     fig.canvas.draw()
     png = _png(fig)
-    return png, {"size_px": [int(round(fig.bbox.width)), int(round(fig.bbox.height))], "dpi": DPI, "cells": cells,
-                 "caption": caption}
+    return png, {
+        "size_px": [int(round(fig.bbox.width)), int(round(fig.bbox.height))],
+        "dpi": DPI,
+        "cells": cells,
+        "caption": caption,
+    }
 
 
 def _last(run_dir: str) -> int:
@@ -278,14 +360,15 @@ def _last(run_dir: str) -> int:
         return -1
 
 
-ATLAS_ROWS = ("none", "ABCD")   # canon.set labels: no Canon, Canon-ABCD
-ATLAS_COLS = ("nope", "rope")   # pos.type labels
+ATLAS_ROWS = ("none", "ABCD")  # canon.set labels: no Canon, Canon-ABCD
+ATLAS_COLS = ("nope", "rope")  # pos.type labels
 ATLAS_ROW_NAMES = {"none": "no Canon", "ABCD": "Canon-ABCD"}
 ATLAS_COL_NAMES = {"nope": "NoPE", "rope": "RoPE"}
 
 
-def atlas(panels: list[dict[str, Any]], *, title: str, caption: str,
-          text: dict[str, str] | None = None) -> tuple[bytes, dict[str, Any]]:
+def atlas(
+    panels: list[dict[str, Any]], *, title: str, caption: str, text: dict[str, str] | None = None
+) -> tuple[bytes, dict[str, Any]]:
     """The skills side by side (the paper's Fig. 7 read across tasks): one 2 x 2 panel per skill, rows no Canon /
     Canon-ABCD, columns NoPE / RoPE, each cell the number of :mod:`canonlm.train.atlas` (the best run of the cell)
     written in it and its colour on the panel's own scale (accuracy 0-100 %; bits per parameter from 0 to
@@ -318,21 +401,50 @@ def atlas(panels: list[dict[str, Any]], *, title: str, caption: str,
                 if v is not None:
                     face = cell_color(v, vmin, vmax)
                     ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor=face, edgecolor="white", lw=2))
-                    ax.text(j, i, f"{v:.3g}" if p["bits"] else f"{v:.1f}", ha="center", va="center", fontsize=10,
-                            color=_text_color(face))
+                    ax.text(
+                        j,
+                        i,
+                        f"{v:.3g}" if p["bits"] else f"{v:.1f}",
+                        ha="center",
+                        va="center",
+                        fontsize=10,
+                        color=_text_color(face),
+                    )
                 else:
                     face = NA_FACE
-                    ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor=NA_FACE, edgecolor=NA_HATCH,
-                                           hatch=NA_HATCH_PATTERN, lw=0))
+                    ax.add_patch(
+                        Rectangle(
+                            (j - 0.5, i - 0.5),
+                            1,
+                            1,
+                            facecolor=NA_FACE,
+                            edgecolor=NA_HATCH,
+                            hatch=NA_HATCH_PATTERN,
+                            lw=0,
+                        )
+                    )
                     ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="white", lw=2))
                     if p["cells"] is not None:
-                        ax.text(j, i, "n/a", ha="center", va="center", fontsize=8,
-                                bbox={"facecolor": NA_FACE, "edgecolor": "none", "pad": 1.0})
+                        ax.text(
+                            j,
+                            i,
+                            "n/a",
+                            ha="center",
+                            va="center",
+                            fontsize=8,
+                            bbox={"facecolor": NA_FACE, "edgecolor": "none", "pad": 1.0},
+                        )
                 drawn.append((ax, k, i, j, r, c, v, list(face)))
         if p["cells"] is None:
-            ax.text(0.5, 0.5, f"not run yet\n(planned: experiment=\n{p['preset']})", ha="center", va="center",
-                    fontsize=8,
-                    bbox={"facecolor": "white", "edgecolor": NA_HATCH, "pad": 3.0})
+            ax.text(
+                0.5,
+                0.5,
+                f"not run yet\n(planned: experiment=\n{p['preset']})",
+                ha="center",
+                va="center",
+                fontsize=8,
+                bbox={"facecolor": "white", "edgecolor": NA_HATCH, "pad": 3.0},
+            )
         ax.set_xticks(range(2), [ATLAS_COL_NAMES[c] for c in ATLAS_COLS])
         ax.set_yticks(range(2), [ATLAS_ROW_NAMES[r] for r in ATLAS_ROWS] if k == 0 else ["", ""])
         ax.tick_params(length=0, labelsize=9)
@@ -346,6 +458,7 @@ def atlas(panels: list[dict[str, Any]], *, title: str, caption: str,
     cells = []
     for ax, k, i, j, r, c, v, face in drawn:
         x, y = ax.transData.transform((j, i - 0.5 + PROBE))
-        cells.append({"panel": k, "row": r, "col": c, "value": v, "rgba": face,
-                      "probe_px": [int(round(x)), int(round(H - y))]})
+        cells.append(
+            {"panel": k, "row": r, "col": c, "value": v, "rgba": face, "probe_px": [int(round(x)), int(round(H - y))]}
+        )
     return _png(fig, text), {"size_px": [int(round(fig.bbox.width)), int(round(H))], "cells": cells}

@@ -39,14 +39,20 @@ log = logging.getLogger("canonlm")
 # matched exactly, never as substrings: "NVIDIA L40" is a prefix of "NVIDIA L40S" (twice the peak) and "NVIDIA H200"
 # of "NVIDIA H200 NVL" (835, not 989 TFLOP/s); a MIG slice ("... MIG 1g.10gb") or an unlisted part gets no MFU.
 PEAK_FLOPS = {
-    "NVIDIA A100-SXM4-40GB": 312e12, "NVIDIA A100-SXM4-80GB": 312e12,
-    "NVIDIA A100-PCIE-40GB": 312e12, "NVIDIA A100 80GB PCIe": 312e12,
+    "NVIDIA A100-SXM4-40GB": 312e12,
+    "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA A100-PCIE-40GB": 312e12,
+    "NVIDIA A100 80GB PCIe": 312e12,
     "NVIDIA H100 80GB HBM3": 989e12,  # H100 SXM5
-    "NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12,
+    "NVIDIA H100 PCIe": 756e12,
+    "NVIDIA H100 NVL": 835e12,
     "NVIDIA H200": 989e12,  # H200 SXM
-    "NVIDIA H200 NVL": 835e12, "NVIDIA GH200 480GB": 989e12,
+    "NVIDIA H200 NVL": 835e12,
+    "NVIDIA GH200 480GB": 989e12,
     "NVIDIA B200": 2.25e15,
-    "NVIDIA L40S": 362e12, "NVIDIA L40": 181e12, "NVIDIA A10": 125e12,
+    "NVIDIA L40S": 362e12,
+    "NVIDIA L40": 181e12,
+    "NVIDIA A10": 125e12,
     "NVIDIA GeForce RTX 4090": 165e12,  # with fp32 accumulation (what PyTorch's bf16 matmuls use)
 }
 
@@ -125,29 +131,40 @@ class LMModule(L.LightningModule):
     and ``/ppl`` (each source's own split), and ``train/tokens/<source>`` is logged at the logging steps.
     """
 
-    def __init__(self, model_cfg: ModelConfig, optimizer: Callable[..., torch.optim.Optimizer],
-                 sched: Mapping[str, Any], total_steps: int, loss: Mapping[str, Any], num_groups: int,
-                 group_name: str = "group", compile: bool = False, activation_checkpointing: bool = False,
-                 fsdp: Mapping[str, Any] | None = None, task: Any = None,
-                 gen_eval: Mapping[str, Any] | None = None, task_cfg: Mapping[str, Any] | None = None,
-                 max_nonfinite_steps: int = 5):
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        optimizer: Callable[..., torch.optim.Optimizer],
+        sched: Mapping[str, Any],
+        total_steps: int,
+        loss: Mapping[str, Any],
+        num_groups: int,
+        group_name: str = "group",
+        compile: bool = False,
+        activation_checkpointing: bool = False,
+        fsdp: Mapping[str, Any] | None = None,
+        task: Any = None,
+        gen_eval: Mapping[str, Any] | None = None,
+        task_cfg: Mapping[str, Any] | None = None,
+        max_nonfinite_steps: int = 5,
+    ):
         super().__init__()
         self.task_cfg = dict(task_cfg or {})
         self.max_nonfinite_steps = int(max_nonfinite_steps)
-        self.nonfinite_steps = 0        # skipped steps, whole run (all attempts), as of the last read
-        self._nonfinite_run = 0         # skipped steps in a row, as of the last read
+        self.nonfinite_steps = 0  # skipped steps, whole run (all attempts), as of the last read
+        self._nonfinite_run = 0  # skipped steps in a row, as of the last read
         self._loss_bad: torch.Tensor | None = None  # device bool: a micro-batch loss of this step was not finite
         self._pending: list[tuple[int, torch.Tensor]] = []  # (step, device bool "skipped") not read yet
         self._step_stats: torch.Tensor | None = None  # device (3,): last micro-batch's loss, nll, loss tokens
-        self._grad_norm: torch.Tensor | None = None   # device 0-d: last step's gradient norm before clipping
+        self._grad_norm: torch.Tensor | None = None  # device 0-d: last step's gradient norm before clipping
         self._seq_len = 0
         self.stop_reason: str | None = None
-        self.train_time_prior = 0.0     # seconds of training in earlier attempts (from the checkpoint)
+        self.train_time_prior = 0.0  # seconds of training in earlier attempts (from the checkpoint)
         self.attempts = 0
         self._fit_t0: float | None = None
         self._fit_time = 0.0
         self.first_step_s: float | None = None  # seconds to the first optimizer step of this fit (perf/first_step_s)
-        self._fit_step0 = 0                      # global_step when this fit started
+        self._fit_step0 = 0  # global_step when this fit started
         self.task = task
         self.gen_eval = {"samples": None, "batch_size": 64, "on_val": True, **dict(gen_eval or {})}
         self.model = CanonLM(model_cfg)
@@ -164,12 +181,12 @@ class LMModule(L.LightningModule):
         self._configured = False
         self._counts: dict[str, dict[str, torch.Tensor]] = {}
         self._loss_sums: dict[str, torch.Tensor] = {}
-        self._t_last: float | None = None      # start of the perf clock's current interval (None: not started)
+        self._t_last: float | None = None  # start of the perf clock's current interval (None: not started)
         self._step_last = 0
-        self._paused_at: float | None = None    # perf clock paused (validation, a checkpoint write) since then
-        self._excluded_s = 0.0                  # seconds of pauses inside the current interval
+        self._paused_at: float | None = None  # perf clock paused (validation, a checkpoint write) since then
+        self._excluded_s = 0.0  # seconds of pauses inside the current interval
         self._t_batch_end: float | None = None  # end of the previous on_train_batch_end (data-wait clock)
-        self._wait_sum = 0.0                    # seconds waited for batches since the last perf log
+        self._wait_sum = 0.0  # seconds waited for batches since the last perf log
         self.tokens_per_step = 0  # set by the run from the data config (global windows x window length)
         self.windows_per_step = 0  # set by the run: global windows per optimizer step (data.batch_size)
         self._source_sums: dict[str, torch.Tensor] = {}  # split -> float64 (sources, 2): nll sum, loss tokens
@@ -215,8 +232,10 @@ class LMModule(L.LightningModule):
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
             dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
-            mp = MixedPrecisionPolicy(param_dtype=dtypes[self.fsdp.get("param_dtype", "bf16")],
-                                      reduce_dtype=dtypes[self.fsdp.get("reduce_dtype", "fp32")])
+            mp = MixedPrecisionPolicy(
+                param_dtype=dtypes[self.fsdp.get("param_dtype", "bf16")],
+                reduce_dtype=dtypes[self.fsdp.get("reduce_dtype", "fp32")],
+            )
             mesh = self.device_mesh["data_parallel"]
             reshard = bool(self.fsdp.get("reshard_after_forward", True))
             for block in self.model.blocks:
@@ -239,8 +258,13 @@ class LMModule(L.LightningModule):
         tokens = batch["tokens"]
         doc_ids = batch.get("doc_ids")  # only with task.doc_mask=true (canonlm.data.text)
         logits = self.model(tokens, doc_ids=doc_ids)
-        out = self._loss_fn(logits[:, :-1], tokens[:, 1:], batch["loss_mask"][:, 1:],
-                      z_loss=self.loss_cfg.get("z_loss", "none"), z_coef=float(self.loss_cfg.get("z_coef", 1e-4)))
+        out = self._loss_fn(
+            logits[:, :-1],
+            tokens[:, 1:],
+            batch["loss_mask"][:, 1:],
+            z_loss=self.loss_cfg.get("z_loss", "none"),
+            z_coef=float(self.loss_cfg.get("z_coef", 1e-4)),
+        )
         return logits, out
 
     def training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -255,8 +279,16 @@ class LMModule(L.LightningModule):
         world, accumulate = self.trainer.world_size, self.trainer.accumulate_grad_batches
         n_local = batch.get("step_loss_tokens", out["n_tokens"]).to(self.device, torch.float32)
         # one collective for the step's token count and the logged sums: [n_step, n_micro, nll_sum, loss_sum]
-        sums = self._global_sum(torch.stack([n_local, out["n_tokens"].detach().float(),
-                                             out["nll_sum"].detach().float(), out["loss_sum"].detach().float()]))
+        sums = self._global_sum(
+            torch.stack(
+                [
+                    n_local,
+                    out["n_tokens"].detach().float(),
+                    out["nll_sum"].detach().float(),
+                    out["loss_sum"].detach().float(),
+                ]
+            )
+        )
         n_step, n_micro = sums[0].clamp_min(1.0), sums[1].clamp_min(1.0)
         loss = out["loss_sum"] * (world * accumulate / n_step)
         bad = ~torch.isfinite(sums[3])  # all-reduced: every rank takes the same decision
@@ -265,8 +297,12 @@ class LMModule(L.LightningModule):
         self._seq_len = int(batch["tokens"].shape[1])
         return loss
 
-    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
-                                    gradient_clip_algorithm: str | None = None) -> None:
+    def configure_gradient_clipping(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
         """Once per optimizer step, after backward and ``on_before_optimizer_step`` (Lightning calls this hook instead
         of clipping itself, ``Precision._clip_gradients``), without waiting for the device:
 
@@ -318,24 +354,27 @@ class LMModule(L.LightningModule):
         ``train/nll``, ``train/loss_tokens``, the last ``train/grad_norm`` and the queued skip flags, which are
         folded into :attr:`nonfinite_steps` (and :attr:`stop_reason` once ``max_nonfinite_steps`` were skipped in a
         row). Returns the train metrics (Python floats)."""
-        names = (["train/loss", "train/nll", "train/loss_tokens"] if self._step_stats is not None else []) + \
-            (["train/grad_norm"] if self._grad_norm is not None else [])
+        names = (["train/loss", "train/nll", "train/loss_tokens"] if self._step_stats is not None else []) + (
+            ["train/grad_norm"] if self._grad_norm is not None else []
+        )
         parts = [t.detach().double().reshape(-1) for t in (self._step_stats, self._grad_norm) if t is not None]
         parts += [flag.double().reshape(1) for _, flag in self._pending]
         if not parts:
             return {}
         values = torch.cat(parts).tolist()
-        for (step, _), skipped in zip(self._pending, values[len(names):]):
+        for (step, _), skipped in zip(self._pending, values[len(names) :]):
             if not skipped:
                 self._nonfinite_run = 0
                 continue
             self.nonfinite_steps += 1
             self._nonfinite_run += 1
             if self._nonfinite_run == self.max_nonfinite_steps and self.stop_reason is None:
-                self.stop_reason = (f"{self._nonfinite_run} optimizer steps in a row (steps "
-                                    f"{step - self._nonfinite_run + 1}-{step}) had a non-finite loss or gradient "
-                                    f"norm and were skipped (max_nonfinite_steps={self.max_nonfinite_steps}); lower "
-                                    "optim.lr, raise sched.warmup_steps or use trainer.precision=32-true")
+                self.stop_reason = (
+                    f"{self._nonfinite_run} optimizer steps in a row (steps "
+                    f"{step - self._nonfinite_run + 1}-{step}) had a non-finite loss or gradient "
+                    f"norm and were skipped (max_nonfinite_steps={self.max_nonfinite_steps}); lower "
+                    "optim.lr, raise sched.warmup_steps or use trainer.precision=32-true"
+                )
         self._pending = []
         return dict(zip(names, values))
 
@@ -377,8 +416,9 @@ class LMModule(L.LightningModule):
             self._log_source_tokens(step)
             peak = _peak_flops(self.device)
             if peak is not None:
-                self._log_host("perf/mfu", mfu(tok_s, self.model.flops_per_token(self._seq_len), peak,
-                                               self.trainer.world_size))
+                self._log_host(
+                    "perf/mfu", mfu(tok_s, self.model.flops_per_token(self._seq_len), peak, self.trainer.world_size)
+                )
         self._t_last, self._step_last = now, step
         self._wait_sum = self._excluded_s = 0.0
 
@@ -429,7 +469,9 @@ class LMModule(L.LightningModule):
             self.stop_reason += f"; saved {path} at step {self.trainer.global_step}"
             if self.trainer.is_global_zero:  # this step's metrics are not flushed by Lightning after the raise
                 for lg in self.trainer.loggers:
-                    lg.log_metrics({"train/nonfinite_steps": float(self.nonfinite_steps)}, step=self.trainer.global_step)
+                    lg.log_metrics(
+                        {"train/nonfinite_steps": float(self.nonfinite_steps)}, step=self.trainer.global_step
+                    )
             from canonlm.errors import RunStopped
 
             raise RunStopped(f"training stopped: {self.stop_reason}", 3)
@@ -454,8 +496,11 @@ class LMModule(L.LightningModule):
             for lg in self.trainer.loggers:
                 lg.log_metrics({"perf/first_step_s": first}, step=self.trainer.global_step)
             age = process_age_s()
-            log.info("first optimizer step done %.1f s after training started%s", first,
-                     "" if age is None else f" ({age:.1f} s after the process started)")
+            log.info(
+                "first optimizer step done %.1f s after training started%s",
+                first,
+                "" if age is None else f" ({age:.1f} s after the process started)",
+            )
 
     # ------------------------------------------------------------------ run state kept in checkpoints
     @property
@@ -486,10 +531,14 @@ class LMModule(L.LightningModule):
 
         self._pause_clock()
         self._read_device()  # the skip flags queued since the last logging step
-        checkpoint["canonlm"] = {"format": CKPT_FORMAT, "model": dataclasses.asdict(self.model.cfg),
-                                 "task": self.task_cfg,
-                                 "train_time_s": float(self.train_time_s), "attempts": int(self.attempts),
-                                 "nonfinite_steps": int(self.nonfinite_steps)}
+        checkpoint["canonlm"] = {
+            "format": CKPT_FORMAT,
+            "model": dataclasses.asdict(self.model.cfg),
+            "task": self.task_cfg,
+            "train_time_s": float(self.train_time_s),
+            "attempts": int(self.attempts),
+            "nonfinite_steps": int(self.nonfinite_steps),
+        }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         meta = checkpoint.get("canonlm") or {}
@@ -507,8 +556,9 @@ class LMModule(L.LightningModule):
         nll = torch.zeros(tokens.shape, dtype=torch.float32, device=logits.device)
         nll[:, 1:] = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), tokens[:, 1:], reduction="none")
         counts = score_answers(pred, batch, self.num_groups, nll=nll)
-        acc = self._counts.setdefault(split, {k: torch.zeros(self.num_groups, dtype=v.dtype, device=self.device)
-                                              for k, v in counts.items()})
+        acc = self._counts.setdefault(
+            split, {k: torch.zeros(self.num_groups, dtype=v.dtype, device=self.device) for k, v in counts.items()}
+        )
         for k, v in counts.items():
             acc[k] += v.to(self.device)
         sums = self._loss_sums.setdefault(split, torch.zeros(2, dtype=torch.float64, device=self.device))
@@ -517,8 +567,9 @@ class LMModule(L.LightningModule):
         if "source" in batch and self._source_names():  # a text mixture: nll and loss tokens per source (rows)
             mask = batch["loss_mask"][:, 1:].to(nll.device)
             rows = torch.stack([torch.where(mask, nll[:, 1:], 0.0).double().sum(1), mask.double().sum(1)], 1)
-            acc_s = self._source_sums.setdefault(split, torch.zeros(len(self._source_names()), 2, dtype=torch.float64,
-                                                                    device=self.device))
+            acc_s = self._source_sums.setdefault(
+                split, torch.zeros(len(self._source_names()), 2, dtype=torch.float64, device=self.device)
+            )
             acc_s.index_add_(0, batch["source"].to(self.device, torch.long), rows.to(self.device))
 
     def _source_names(self) -> list[str]:
@@ -574,9 +625,13 @@ class LMModule(L.LightningModule):
         """Parameter facts for task metrics: ``num_params`` (unique parameters; tied embeddings counted once),
         ``embedding_params`` (input embedding), ``d_model``, ``tie_embeddings``, ``vocab_size`` (embedding rows)."""
         cfg = self.model.cfg
-        return {"num_params": int(self.model.num_params()), "vocab_size": int(cfg.vocab_size),
-                "embedding_params": int(self.model.tok_emb.weight.numel()),
-                "d_model": int(cfg.d_model), "tie_embeddings": bool(getattr(cfg, "tie_embeddings", False))}
+        return {
+            "num_params": int(self.model.num_params()),
+            "vocab_size": int(cfg.vocab_size),
+            "embedding_params": int(self.model.tok_emb.weight.numel()),
+            "d_model": int(cfg.d_model),
+            "tie_embeddings": bool(getattr(cfg, "tie_embeddings", False)),
+        }
 
     # ------------------------------------------------------------------ generative evaluation
     def language_model(self, lockstep: bool = False) -> LanguageModel:
@@ -588,13 +643,21 @@ class LMModule(L.LightningModule):
             ctx = self.trainer.precision_plugin.forward_context
         sync = None
         if lockstep and dist.is_available() and dist.is_initialized():
+
             def sync(local_any: bool) -> bool:
                 flag = torch.tensor([1.0 if local_any else 0.0], device=self.device)
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX)
                 return bool(flag.item() > 0)
-        return LanguageModel(self.model, vocab_size=self.model.cfg.vocab_size, device=self.device,
-                             batch_size=int(self.gen_eval["batch_size"]), max_len=int(self.model.cfg.max_seq_len),
-                             context=ctx, sync=sync)
+
+        return LanguageModel(
+            self.model,
+            vocab_size=self.model.cfg.vocab_size,
+            device=self.device,
+            batch_size=int(self.gen_eval["batch_size"]),
+            max_len=int(self.model.cfg.max_seq_len),
+            context=ctx,
+            sync=sync,
+        )
 
     def generative_eval(self, split: str) -> dict[str, Any] | None:
         """Run the task's ``evaluate`` hook on ``split`` (DDP: samples sharded over ranks; FSDP: every rank runs all
@@ -624,8 +687,10 @@ class LMModule(L.LightningModule):
         grp = np.clip(np.asarray(out["group"], dtype=np.int64), 0, G - 1)
         corr = np.asarray(out["correct"], dtype=bool)
         extra_keys = sorted(k for k in out if k not in ("correct", "group"))
-        vec = [np.bincount(grp, weights=corr.astype(np.float64), minlength=G),
-               np.bincount(grp, minlength=G).astype(np.float64)]
+        vec = [
+            np.bincount(grp, weights=corr.astype(np.float64), minlength=G),
+            np.bincount(grp, minlength=G).astype(np.float64),
+        ]
         for k in extra_keys:
             v = np.asarray(out[k], dtype=np.float64)
             ok = ~np.isnan(v)
@@ -634,7 +699,7 @@ class LMModule(L.LightningModule):
         if shard:
             flat = self._global_sum(flat)
         flat = flat.cpu().numpy()
-        correct, total = flat[:G], flat[G:2 * G]
+        correct, total = flat[:G], flat[G : 2 * G]
         res: dict[str, Any] = {"by_group": {}, "samples": int(total.sum())}
         for g in range(G):
             if total[g] > 0:
@@ -650,7 +715,7 @@ class LMModule(L.LightningModule):
 
     def on_validation_start(self) -> None:
         self._t_batch_end = None  # a validation pass between two training batches is not data wait
-        self._pause_clock()       # nor training time (generation evaluation included: on_validation_epoch_end)
+        self._pause_clock()  # nor training time (generation evaluation included: on_validation_epoch_end)
 
     def on_validation_end(self) -> None:
         self._resume_clock()
@@ -692,11 +757,19 @@ def summarize_counts(counts: Mapping[str, list[int]]) -> dict[str, Any]:
     ns = counts.get("nll_sum")
     for g in range(len(at)):
         if at[g] > 0:
-            by_group[g] = {"answers": int(at[g]), "acc": ac[g] / at[g],
-                           "tokens": int(tt[g]), "token_acc": tc[g] / max(tt[g], 1)}
+            by_group[g] = {
+                "answers": int(at[g]),
+                "acc": ac[g] / at[g],
+                "tokens": int(tt[g]),
+                "token_acc": tc[g] / max(tt[g], 1),
+            }
             if ns is not None:
                 by_group[g]["nll_sum"] = float(ns[g])
     A, T = sum(at), sum(tt)
-    overall = {"answers": int(A), "acc": sum(ac) / A if A else None,
-               "tokens": int(T), "token_acc": sum(tc) / T if T else None}
+    overall = {
+        "answers": int(A),
+        "acc": sum(ac) / A if A else None,
+        "tokens": int(T),
+        "token_acc": sum(tc) / T if T else None,
+    }
     return {"by_group": by_group, "overall": overall}

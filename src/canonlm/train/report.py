@@ -52,9 +52,28 @@ from typing import Any
 
 from canonlm.utils.io import atomic_write_bytes, atomic_write_text
 
-from canonlm.train.cells import (BEST_OF, NEUTRAL, auto_axes, axis_keys, cell, cell_kind, compared_keys,
-                                 compared_label, depo_ks, find_unfinished, label, label_order, load_runs, natural_key,
-                                 protocol, table, tables, under, value, UNKNOWN)
+from canonlm.train.cells import (
+    BEST_OF,
+    NEUTRAL,
+    auto_axes,
+    axis_keys,
+    cell,
+    cell_kind,
+    compared_keys,
+    compared_label,
+    depo_ks,
+    find_unfinished,
+    label,
+    label_order,
+    load_runs,
+    natural_key,
+    protocol,
+    table,
+    tables,
+    under,
+    value,
+    UNKNOWN,
+)
 
 
 def _fmt(e: dict[str, Any] | None) -> str:
@@ -81,8 +100,13 @@ def format_table(cells: dict[str, dict[str, dict[str, Any]]], rows: str, cols: s
 
 
 def _unfinished_line(u: dict[str, Any]) -> str:
-    step = ("no metrics.jsonl" if not (Path(u["dir"]) / "metrics.jsonl").is_file() else
-            "no step in metrics.jsonl" if u["last_step"] is None else f"last step {u['last_step']} from metrics.jsonl")
+    step = (
+        "no metrics.jsonl"
+        if not (Path(u["dir"]) / "metrics.jsonl").is_file()
+        else "no step in metrics.jsonl"
+        if u["last_step"] is None
+        else f"last step {u['last_step']} from metrics.jsonl"
+    )
     why = "" if u["reason"] == "no results.json" else f"{u['reason']}; "
     return f"unfinished or failed: {u['dir']} ({why}{step})"
 
@@ -95,8 +119,11 @@ def _finite(x: float) -> float | None:
 
 # What a cell that has no number shows: (markdown text, figure text).
 STATUS_TEXT = {"unfinished": "unfinished", "failed": "failed", "missing": "missing", "diverged": "diverged"}
-_REASON_STATUS = {"no results.json": "unfinished", "results.json has no test or val result": "failed",
-                  "unreadable results.json": "failed"}
+_REASON_STATUS = {
+    "no results.json": "unfinished",
+    "results.json has no test or val result": "failed",
+    "unreadable results.json": "failed",
+}
 # Keys a side-by-side panel figure varies (one panel per value); the other keys of a setting pick the figure.
 PANEL_KEYS = ("canon.set", "pos.type", "pos.fraction")
 # Named in every figure title, varying or not (with the task): the paper's (arch, canon, pos) setting.
@@ -133,8 +160,9 @@ def place_unfinished(unfinished: list[dict[str, Any]], runs: list[dict[str, Any]
         if not r.get("config"):
             r["config"] = _run_config(d)
             r["config_unresolved"] = not (d / "hparams.json").is_file()  # Hydra's file: interpolations unresolved
-        r.update(dir=u["dir"], last_step=u["last_step"], reason=u["reason"],
-                 status=_REASON_STATUS.get(u["reason"], "failed"))
+        r.update(
+            dir=u["dir"], last_step=u["last_step"], reason=u["reason"], status=_REASON_STATUS.get(u["reason"], "failed")
+        )
         out.append(r)
     return out
 
@@ -150,8 +178,9 @@ def _slug(setting: dict[str, str]) -> str:
     return re.sub(r"[^A-Za-z0-9._=-]+", "-", "_".join(f"{k}={v}" for k, v in setting.items())).replace("=", "-")
 
 
-def layout(runs: list[dict[str, Any]], placed: list[dict[str, Any]], rows: str, cols: str,
-           best_of: tuple[str, ...] = BEST_OF) -> list[dict[str, Any]]:
+def layout(
+    runs: list[dict[str, Any]], placed: list[dict[str, Any]], rows: str, cols: str, best_of: tuple[str, ...] = BEST_OF
+) -> list[dict[str, Any]]:
     """The paper's tables with nothing dropped: like ``tables`` (one per setting, best run over the ``best_of`` keys
     per cell -- Fig. 7 of Allen-Zhu 2025 reports the best of four learning rates), but the settings, row values and column values
     also come from the unfinished or failed runs (``place_unfinished``), and every (row, column) pair of a task is a
@@ -204,14 +233,12 @@ def layout(runs: list[dict[str, Any]], placed: list[dict[str, Any]], rows: str, 
         cells: dict[str, dict[str, dict[str, Any]]] = {}
         for rv in rvals:
             for cv in cvals:
-                mine = [u["dir"] for u in unf if (label(rows, value(u, rows)), label(cols, value(u, cols)))
-                        == (rv, cv)]
+                mine = [u["dir"] for u in unf if (label(rows, value(u, rows)), label(cols, value(u, cols))) == (rv, cv)]
                 e = best.get(rv, {}).get(cv)
                 if e is not None and e["acc"][0] == e["acc"][0]:
                     v = e["acc"][0] if e["bits"] else 100 * e["acc"][0]
                     text = _cell_text(e["acc"], e["bits"]) + ("*" if mine else "")
-                    c = {"status": "ok", "acc": e["acc"], "value": v, "text": text, "dir": e["dir"],
-                         "runs": e["runs"]}
+                    c = {"status": "ok", "acc": e["acc"], "value": v, "text": text, "dir": e["dir"], "runs": e["runs"]}
                 else:
                     if e is not None:
                         status = "diverged"
@@ -220,11 +247,18 @@ def layout(runs: list[dict[str, Any]], placed: list[dict[str, Any]], rows: str, 
                         status = "unfinished" if "unfinished" in st else "failed"
                     else:
                         status = "missing"
-                    c = {"status": status, "acc": None, "value": None, "text": "n/a (" + STATUS_TEXT[status] + ")",
-                         "dir": e["dir"] if e else None, "runs": e["runs"] if e else 0}
+                    c = {
+                        "status": status,
+                        "acc": None,
+                        "value": None,
+                        "text": "n/a (" + STATUS_TEXT[status] + ")",
+                        "dir": e["dir"] if e else None,
+                        "runs": e["runs"] if e else 0,
+                    }
                 c["unfinished"] = mine
-                c["last_step"] = max([u["last_step"] for u in unf if u["dir"] in mine and u["last_step"] is not None],
-                                     default=None)
+                c["last_step"] = max(
+                    [u["last_step"] for u in unf if u["dir"] in mine and u["last_step"] is not None], default=None
+                )
                 cells.setdefault(rv, {})[cv] = c
         named = {"task.name": task}
         named.update({k: label(k, value(first, k)) for k in _TITLE_KEYS})
@@ -233,16 +267,34 @@ def layout(runs: list[dict[str, Any]], placed: list[dict[str, Any]], rows: str, 
         named.update(setting)
         named = {_TITLE_KEYS.get(k, k): v for k, v in named.items() if k not in ("task.name", rows, cols)}
         name = f"{task}: " + " ".join(f"{k}={v}" for k, v in named.items())
-        out.append({"setting": setting, "title": " ".join(f"{k}={v}" for k, v in setting.items()), "name": name,
-                    "named": named, "slug": _slug(setting),
-                    "group": {k: v for k, v in setting.items() if k not in PANEL_KEYS},
-                    "task": task, "row_values": rvals, "col_values": cvals, "kind": kind, "bits": bits,
-                    "cells": cells, "protocol": protocol(fin, best_of, best, rows, cols)})
+        out.append(
+            {
+                "setting": setting,
+                "title": " ".join(f"{k}={v}" for k, v in setting.items()),
+                "name": name,
+                "named": named,
+                "slug": _slug(setting),
+                "group": {k: v for k, v in setting.items() if k not in PANEL_KEYS},
+                "task": task,
+                "row_values": rvals,
+                "col_values": cvals,
+                "kind": kind,
+                "bits": bits,
+                "cells": cells,
+                "protocol": protocol(fin, best_of, best, rows, cols),
+            }
+        )
     return out
 
 
-def markdown(lay: list[dict[str, Any]], rows: str, cols: str, roots: list[Path], placed: list[dict[str, Any]],
-             figures: dict[str, list[str]]) -> str:
+def markdown(
+    lay: list[dict[str, Any]],
+    rows: str,
+    cols: str,
+    roots: list[Path],
+    placed: list[dict[str, Any]],
+    figures: dict[str, list[str]],
+) -> str:
     """The tables as markdown: one per setting, rows ``rows`` values, columns ``cols`` values, each cell the best
     run over the learning rates (``n/a (unfinished)`` etc. where there is none), then the unfinished runs."""
     lines = ["# Sweep report", "", "Runs below: " + ", ".join(f"`{r}`" for r in roots), ""]
@@ -257,8 +309,10 @@ def markdown(lay: list[dict[str, Any]], rows: str, cols: str, roots: list[Path],
         if figs:
             lines += [" ".join(f"![{f}]({f})" for f in figs), ""]
     if any(c["unfinished"] and c["status"] == "ok" for t in lay for row in t["cells"].values() for c in row.values()):
-        lines += ["`*`: another run of this cell is unfinished or failed; the cell is the best of the finished ones.",
-                  ""]
+        lines += [
+            "`*`: another run of this cell is unfinished or failed; the cell is the best of the finished ones.",
+            "",
+        ]
     if placed:
         lines += ["## Unfinished or failed runs", ""]
         for u in placed:
@@ -278,19 +332,36 @@ def csv_table(t: dict[str, Any], rows: str, cols: str) -> str:
     w = csv.writer(buf, lineterminator="\n")
     w.writerow([f"{rows} \\ {cols}"] + t["col_values"])
     for rv in t["row_values"]:
-        w.writerow([rv] + [_cell_text(c["acc"], t["bits"], "/") if c["status"] == "ok" else "n/a"
-                           for c in (t["cells"][rv][cv] for cv in t["col_values"])])
+        w.writerow(
+            [rv]
+            + [
+                _cell_text(c["acc"], t["bits"], "/") if c["status"] == "ok" else "n/a"
+                for c in (t["cells"][rv][cv] for cv in t["col_values"])
+            ]
+        )
     return buf.getvalue()
 
 
 def _json_cell(c: dict[str, Any]) -> dict[str, Any]:
-    return {"status": c["status"], "acc": None if c["acc"] is None else [_finite(x) for x in c["acc"]],
-            "text": c["text"], "dir": c["dir"], "runs": c["runs"], "unfinished": c["unfinished"],
-            "last_step": c["last_step"]}
+    return {
+        "status": c["status"],
+        "acc": None if c["acc"] is None else [_finite(x) for x in c["acc"]],
+        "text": c["text"],
+        "dir": c["dir"],
+        "runs": c["runs"],
+        "unfinished": c["unfinished"],
+        "last_step": c["last_step"],
+    }
 
 
-def build_outputs(roots: list[Path], runs: list[dict[str, Any]], unfinished: list[dict[str, Any]], rows: str,
-                  cols: str, best_of: tuple[str, ...] = BEST_OF) -> dict[str, bytes]:
+def build_outputs(
+    roots: list[Path],
+    runs: list[dict[str, Any]],
+    unfinished: list[dict[str, Any]],
+    rows: str,
+    cols: str,
+    best_of: tuple[str, ...] = BEST_OF,
+) -> dict[str, bytes]:
     """Every file of ``--out``, by name, rendered in memory (nothing is written here): ``table.md``, one CSV per
     setting, one Fig. 7-style heat map per setting, side-by-side panels for the settings that differ only in Canon
     set or positions, learning curves per setting, and ``report.json`` (tables, unfinished runs, figure geometry)."""
@@ -341,16 +412,36 @@ def build_outputs(roots: list[Path], runs: list[dict[str, Any]], unfinished: lis
         for i in idx:
             per_setting[lay[i]["slug"]].append(name)
     files["table.md"] = markdown(lay, rows, cols, roots, placed, per_setting).encode()
-    doc = {"roots": [str(r) for r in roots], "rows": rows, "cols": cols,
-           "tables": [{"setting": t["setting"], "title": t["title"], "name": t["name"], "kind": t["kind"],
-                       "protocol": t["protocol"],
-                       "row_values": t["row_values"], "col_values": t["col_values"],
-                       "csv": f"table{'-' + t['slug'] if t['slug'] else ''}.csv",
-                       "cells": {r: {c: _json_cell(e) for c, e in row.items()} for r, row in t["cells"].items()}}
-                      for t in lay],
-           "unfinished": [{"dir": u["dir"], "last_step": u["last_step"], "reason": u["reason"], "status": u["status"],
-                           "placed": bool(u.get("config"))} for u in placed],
-           "figures": figs}
+    doc = {
+        "roots": [str(r) for r in roots],
+        "rows": rows,
+        "cols": cols,
+        "tables": [
+            {
+                "setting": t["setting"],
+                "title": t["title"],
+                "name": t["name"],
+                "kind": t["kind"],
+                "protocol": t["protocol"],
+                "row_values": t["row_values"],
+                "col_values": t["col_values"],
+                "csv": f"table{'-' + t['slug'] if t['slug'] else ''}.csv",
+                "cells": {r: {c: _json_cell(e) for c, e in row.items()} for r, row in t["cells"].items()},
+            }
+            for t in lay
+        ],
+        "unfinished": [
+            {
+                "dir": u["dir"],
+                "last_step": u["last_step"],
+                "reason": u["reason"],
+                "status": u["status"],
+                "placed": bool(u.get("config")),
+            }
+            for u in placed
+        ],
+        "figures": figs,
+    }
     files["report.json"] = json.dumps(doc, indent=1).encode()
     return files
 
@@ -362,8 +453,10 @@ def write_outputs(out: Path, files: dict[str, bytes], force: bool) -> str | None
         return f"--out {out} exists and is not a directory"
     clash = sorted(n for n in files if (out / n).exists())
     if clash and not force:
-        return (f"--out {out} already holds {', '.join(clash)}; nothing written (another --out, or --force to "
-                "replace these files)")
+        return (
+            f"--out {out} already holds {', '.join(clash)}; nothing written (another --out, or --force to "
+            "replace these files)"
+        )
     bad = [n for n in clash if not (out / n).is_file()]
     if bad:
         return f"--out {out}: {', '.join(bad)} exist and are not files; nothing written"
@@ -390,10 +483,17 @@ def _checked(args: argparse.Namespace) -> tuple[tuple[int, int] | None, tuple[st
         axes = (args.rows, args.cols, "task.name")
         clash = [k for k in best_of if under(k, NEUTRAL) or any(a == k or a.startswith(k + ".") for a in axes)]
         if clash or not best_of or any(not re.fullmatch(r"[A-Za-z_][\w.]*", k) for k in best_of):
-            why = ("not a list of config keys" if not clash else f"{clash[0]} is a key that cannot change a result"
-                   if under(clash[0], NEUTRAL) else f"{clash[0]} is (or holds) --rows, --cols or task.name")
-            raise ValueError(f"--best-of {args.best_of!r}: {why}; allowed: comma-separated config keys other than "
-                             "--rows and --cols, e.g. optim.lr,seed,task.seed")
+            why = (
+                "not a list of config keys"
+                if not clash
+                else f"{clash[0]} is a key that cannot change a result"
+                if under(clash[0], NEUTRAL)
+                else f"{clash[0]} is (or holds) --rows, --cols or task.name"
+            )
+            raise ValueError(
+                f"--best-of {args.best_of!r}: {why}; allowed: comma-separated config keys other than "
+                "--rows and --cols, e.g. optim.lr,seed,task.seed"
+            )
     bad = [str(r) for r in args.roots if not r.is_dir()]
     if bad:
         raise ValueError(f"{', '.join(bad)} {'is' if len(bad) == 1 else 'are'} not a directory")
@@ -425,27 +525,52 @@ def _read_roots(roots: list[Path]) -> tuple[list[dict[str, Any]], list[dict[str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m canonlm.train.report", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("roots", type=Path, nargs="+", metavar="dir",
-                    help="sweep (multirun) folders, run directories, or any folders holding run directories")
-    ap.add_argument("--rows", default="task.N", help="config key of the rows (default: task.N); auto: the first key "
-                    "that varies among the runs (see --cols)")
-    ap.add_argument("--cols", default="model.size", help="config key of the columns (default: model.size); auto: the "
-                    "second key that varies among the runs, or the only one (then the rows are task.name); the "
-                    "learning rate and seeds a cell takes its best over never count. A sweep's closing report uses "
-                    "auto for both unless its preset names them")
-    ap.add_argument("--k", metavar="K1,K2", help="Depo cells: accuracy at these two hop counts, e.g. 1,2 (default: K "
-                    "and K/2, the paper's layout; at CPU budgets only k=1 is learnt)")
-    ap.add_argument("--best-of", default=None, metavar="KEY,KEY",
-                    help=f"config keys a cell takes its best run over (default: {','.join(BEST_OF)}, the learning "
-                         "rate and the seeds, less --rows / --cols); runs that differ in any other key that can change "
-                         "a result are never merged")
+    ap = argparse.ArgumentParser(
+        prog="python -m canonlm.train.report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "roots",
+        type=Path,
+        nargs="+",
+        metavar="dir",
+        help="sweep (multirun) folders, run directories, or any folders holding run directories",
+    )
+    ap.add_argument(
+        "--rows",
+        default="task.N",
+        help="config key of the rows (default: task.N); auto: the first key that varies among the runs (see --cols)",
+    )
+    ap.add_argument(
+        "--cols",
+        default="model.size",
+        help="config key of the columns (default: model.size); auto: the "
+        "second key that varies among the runs, or the only one (then the rows are task.name); the "
+        "learning rate and seeds a cell takes its best over never count. A sweep's closing report uses "
+        "auto for both unless its preset names them",
+    )
+    ap.add_argument(
+        "--k",
+        metavar="K1,K2",
+        help="Depo cells: accuracy at these two hop counts, e.g. 1,2 (default: K "
+        "and K/2, the paper's layout; at CPU budgets only k=1 is learnt)",
+    )
+    ap.add_argument(
+        "--best-of",
+        default=None,
+        metavar="KEY,KEY",
+        help=f"config keys a cell takes its best run over (default: {','.join(BEST_OF)}, the learning "
+        "rate and the seeds, less --rows / --cols); runs that differ in any other key that can change "
+        "a result are never merged",
+    )
     ap.add_argument("--json", type=Path, help="also write every table and the unfinished runs to this file")
     ap.add_argument("--out", type=Path, help="write table.md, CSV tables, PNG figures and report.json here")
     ap.add_argument("--force", action="store_true", help="with --out: replace files of the same names")
-    ap.add_argument("--wandb", action="store_true", help="with --out: also log the figures and tables as one wandb "
-                    "run (job_type report, the sweep's group; offline unless WANDB_MODE is set)")
+    ap.add_argument(
+        "--wandb",
+        action="store_true",
+        help="with --out: also log the figures and tables as one wandb "
+        "run (job_type report, the sweep's group; offline unless WANDB_MODE is set)",
+    )
     args = ap.parse_args(argv)
     if args.wandb and args.out is None:
         ap.error("--wandb needs --out (the figures it logs are the files written there)")
@@ -472,25 +597,35 @@ def main(argv: list[str] | None = None) -> int:
             args.cols = "model.size" if args.rows != "model.size" else "task.N"
         if args.best_of is None:
             best_of = tuple(k for k in BEST_OF if k not in (args.rows, args.cols))
-        print(f"report: rows {args.rows}, columns {args.cols} (auto: the keys that vary among the runs)",
-              file=sys.stderr)
+        print(
+            f"report: rows {args.rows}, columns {args.cols} (auto: the keys that vary among the runs)", file=sys.stderr
+        )
     if ks is not None:
         for r in runs:
             r["report_k"] = ks
         depo = [r for r in runs if depo_ks(r) is not None]
         evaluated = {g for r in depo for g in ((r.get("test") or r.get("val") or {}).get("by_group") or {})}
         if depo and str(ks[0]) not in evaluated:
-            print(f"report: error: --k {args.k}: no Depo run has an accuracy at k={ks[0]} (evaluated at k in "
-                  f"{{{', '.join(sorted(evaluated, key=natural_key))}}})", file=sys.stderr)
+            print(
+                f"report: error: --k {args.k}: no Depo run has an accuracy at k={ks[0]} (evaluated at k in "
+                f"{{{', '.join(sorted(evaluated, key=natural_key))}}})",
+                file=sys.stderr,
+            )
             return 2
     if empty:
-        print(f"report: error: no runs below {', '.join(empty)} (no results.json, metrics.jsonl, checkpoints/ or "
-              ".hydra/)", file=sys.stderr)
+        print(
+            f"report: error: no runs below {', '.join(empty)} (no results.json, metrics.jsonl, checkpoints/ or "
+            ".hydra/)",
+            file=sys.stderr,
+        )
         return 2
     unset = [k for k in best_of if args.best_of is not None and all(value(r, k) is None for r in runs)]
     if runs and unset:
-        print(f"report: error: --best-of {args.best_of!r}: no run sets {unset[0]} (a typo? the runs' keys are in "
-              "their hparams.json)", file=sys.stderr)
+        print(
+            f"report: error: --best-of {args.best_of!r}: no run sets {unset[0]} (a typo? the runs' keys are in "
+            "their hparams.json)",
+            file=sys.stderr,
+        )
         return 2
     # a finished run counted in two roots is one run; an unfinished one found again as finished stays finished
     done = {r["dir"] for r in runs if cell(r) is not None}
@@ -527,12 +662,26 @@ def main(argv: list[str] | None = None) -> int:
         for u in unfinished:
             print(_unfinished_line(u))
     if args.json:
-        doc = {"rows": args.rows, "cols": args.cols,
-               "tables": [{"setting": t["setting"], "title": t["title"], "protocol": t["protocol"],
-                           "cells": {r: {c: {"acc": [_finite(x) for x in e["acc"]], "dir": e["dir"],
-                                             "runs": e["runs"]} for c, e in row.items()}
-                                     for r, row in t["cells"].items()}} for t in ts],
-               "unfinished": unfinished}
+        doc = {
+            "rows": args.rows,
+            "cols": args.cols,
+            "tables": [
+                {
+                    "setting": t["setting"],
+                    "title": t["title"],
+                    "protocol": t["protocol"],
+                    "cells": {
+                        r: {
+                            c: {"acc": [_finite(x) for x in e["acc"]], "dir": e["dir"], "runs": e["runs"]}
+                            for c, e in row.items()
+                        }
+                        for r, row in t["cells"].items()
+                    },
+                }
+                for t in ts
+            ],
+            "unfinished": unfinished,
+        }
         atomic_write_text(args.json, json.dumps(doc, indent=1))
     if files is not None:
         print(f"\nwrote {len(files)} files to {args.out}: {', '.join(sorted(files))}")

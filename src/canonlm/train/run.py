@@ -82,8 +82,12 @@ def resolve_max_steps(cfg: DictConfig, task: Any) -> None:
     what = ""
     if max_tokens is not None:
         if steps is not None:
-            raise ConfigError("data.max_tokens", max_tokens, f"null while trainer.max_steps is set ({steps}): give "
-                              "exactly one of trainer.max_steps and data.max_tokens (add trainer.max_steps=null)")
+            raise ConfigError(
+                "data.max_tokens",
+                max_tokens,
+                f"null while trainer.max_steps is set ({steps}): give "
+                "exactly one of trainer.max_steps and data.max_tokens (add trainer.max_steps=null)",
+            )
         check_value("data.max_tokens", max_tokens)
         batch = check_value("data.batch_size", plain(cfg.data.batch_size))
         context = int(cfg.task.context)
@@ -92,16 +96,28 @@ def resolve_max_steps(cfg: DictConfig, task: Any) -> None:
             cfg.trainer.max_steps = int(math.ceil(max_tokens / per_step))
         what = f" (data.max_tokens={max_tokens:g})"
         if launch_rank() == 0:
-            log.info("data.max_tokens=%s -> trainer.max_steps=%d (%d windows x %d tokens = %d tokens per step; "
-                     "%d tokens in all)", f"{max_tokens:g}", cfg.trainer.max_steps, batch, context, per_step,
-                     cfg.trainer.max_steps * per_step)
+            log.info(
+                "data.max_tokens=%s -> trainer.max_steps=%d (%d windows x %d tokens = %d tokens per step; "
+                "%d tokens in all)",
+                f"{max_tokens:g}",
+                cfg.trainer.max_steps,
+                batch,
+                context,
+                per_step,
+                cfg.trainer.max_steps * per_step,
+            )
     elif steps is None:
-        raise ConfigError("trainer.max_steps", None, "a positive integer, or null with data.max_tokens set: give "
-                          "exactly one of trainer.max_steps and data.max_tokens")
+        raise ConfigError(
+            "trainer.max_steps",
+            None,
+            "a positive integer, or null with data.max_tokens set: give "
+            "exactly one of trainer.max_steps and data.max_tokens",
+        )
     elif steps == "auto":
         if not hasattr(task, "steps_for_exposures"):
-            raise ConfigError("trainer.max_steps", "auto",
-                              f"a positive integer (task {task.name} has no schedule of its own)")
+            raise ConfigError(
+                "trainer.max_steps", "auto", f"a positive integer (task {task.name} has no schedule of its own)"
+            )
         with open_dict(cfg):
             cfg.trainer.max_steps = int(task.steps_for_exposures(int(cfg.data.batch_size)))
         log.info("trainer.max_steps=auto -> %d steps (%s)", cfg.trainer.max_steps, task.name)
@@ -157,8 +173,10 @@ def _strategy(cfg: DictConfig):
     if s.name in ("ddp", "ddp_spawn"):
         from lightning.pytorch.strategies import DDPStrategy
 
-        return DDPStrategy(start_method="spawn" if s.name == "ddp_spawn" else "popen",
-                           find_unused_parameters=bool(s.get("find_unused_parameters", False)))
+        return DDPStrategy(
+            start_method="spawn" if s.name == "ddp_spawn" else "popen",
+            find_unused_parameters=bool(s.get("find_unused_parameters", False)),
+        )
     from canonlm.train.checkpoint import AtomicModelParallelStrategy
 
     devices = cfg.trainer.devices
@@ -208,9 +226,12 @@ def resolve_ckpt(cfg: DictConfig, output_dir: str, check=None) -> str | None:
         return None
     if ck is None:
         if cfg.get("train", True) and (has_checkpoints(output_dir) or (Path(output_dir) / "results.json").exists()):
-            raise ConfigError("run_name", cfg.get("run_name"),
-                              f"a fresh name: {output_dir} already holds a run (checkpoints or results.json); "
-                              "pass ckpt_path=auto to resume it")
+            raise ConfigError(
+                "run_name",
+                cfg.get("run_name"),
+                f"a fresh name: {output_dir} already holds a run (checkpoints or results.json); "
+                "pass ckpt_path=auto to resume it",
+            )
         return None
     info = inspect_checkpoint(ck)
     if check is not None:
@@ -256,16 +277,20 @@ def _check_init_from(path: str, mcfg: ModelConfig) -> None:
     from canonlm.hf.mapping import InteropError, structural_differences
 
     if not Path(path).expanduser().exists():
-        raise ConfigError("init_from", path, "null or an existing canonlm checkpoint, run directory or Hugging Face "
-                                             "directory")
+        raise ConfigError(
+            "init_from", path, "null or an existing canonlm checkpoint, run directory or Hugging Face directory"
+        )
     try:
         src_cfg, _ = read_weights(path)
     except InteropError as e:
         raise ConfigError("init_from", path, f"weights canonlm can read ({e})") from None
     diff = structural_differences(src_cfg, mcfg)
     if diff:
-        raise ConfigError("init_from", path, "weights of the configured model; they differ in "
-                          + "; ".join(diff[:6]) + " (value there vs here)")
+        raise ConfigError(
+            "init_from",
+            path,
+            "weights of the configured model; they differ in " + "; ".join(diff[:6]) + " (value there vs here)",
+        )
 
 
 def _local_cuda_device() -> torch.device:
@@ -323,12 +348,20 @@ def check_memory(cfg: DictConfig, mcfg: ModelConfig, device: torch.device) -> in
     mb = -(-int(cfg.data.batch_size) // max(1, world * int(accumulate)))
 
     def need(n_params: int):  # the arithmetic python -m canonlm.estimate prints (one mapping of the settings)
-        return strategy_memory(mcfg, mb, mcfg.max_seq_len, strategy=cfg.strategy.name, world_size=max(1, world),
-                               precision=cfg.trainer.precision, param_dtype=cfg.strategy.get("param_dtype"),
-                               accumulate=int(accumulate),
-                               activation_checkpointing=bool(cfg.get("activation_checkpointing", False)),
-                               amsgrad=bool(cfg.optim.get("amsgrad")), n_params=n_params,
-                               doc_mask=OmegaConf.select(cfg, "task.doc_mask", default=False) is True)
+        return strategy_memory(
+            mcfg,
+            mb,
+            mcfg.max_seq_len,
+            strategy=cfg.strategy.name,
+            world_size=max(1, world),
+            precision=cfg.trainer.precision,
+            param_dtype=cfg.strategy.get("param_dtype"),
+            accumulate=int(accumulate),
+            activation_checkpointing=bool(cfg.get("activation_checkpointing", False)),
+            amsgrad=bool(cfg.optim.get("amsgrad")),
+            n_params=n_params,
+            doc_mask=OmegaConf.select(cfg, "task.doc_mask", default=False) is True,
+        )
 
     n_params, est = None, need(0)
     if est.total * here <= have:
@@ -337,15 +370,26 @@ def check_memory(cfg: DictConfig, mcfg: ModelConfig, device: torch.device) -> in
         if est.total * here <= have:
             return n_params
     per = f" per process x {here} processes on this machine" if here > 1 else " per process"
-    masked = (f" (document masking {human_bytes(est.doc_masking.activations)} of them)"
-              if est.doc_masking is not None else "")
-    what = est.describe() if n_params is not None else (
-        f"activations {human_bytes(est.activations)}{masked}, batch data {human_bytes(est.batch)}; before the "
-        "model's parameters, gradients and optimizer state")
-    key, value = (("data.batch_size", cfg.data.batch_size) if est.batch_dominated
-                  else ("model.size", cfg.model.get("size")))
-    raise ConfigError(key, value, f"a run that fits in memory: training needs at least {human_bytes(est.total)}"
-                      f"{per} ({what}; micro-batch {mb} windows x {mcfg.max_seq_len} tokens) and {where}")
+    masked = (
+        f" (document masking {human_bytes(est.doc_masking.activations)} of them)" if est.doc_masking is not None else ""
+    )
+    what = (
+        est.describe()
+        if n_params is not None
+        else (
+            f"activations {human_bytes(est.activations)}{masked}, batch data {human_bytes(est.batch)}; before the "
+            "model's parameters, gradients and optimizer state"
+        )
+    )
+    key, value = (
+        ("data.batch_size", cfg.data.batch_size) if est.batch_dominated else ("model.size", cfg.model.get("size"))
+    )
+    raise ConfigError(
+        key,
+        value,
+        f"a run that fits in memory: training needs at least {human_bytes(est.total)}"
+        f"{per} ({what}; micro-batch {mb} windows x {mcfg.max_seq_len} tokens) and {where}",
+    )
 
 
 def check_job(cfg: DictConfig, device_checks: bool = True, plan: bool = False) -> tuple[Any, ModelConfig, int | None]:
@@ -385,8 +429,9 @@ def _planned_text(cfg: DictConfig) -> tuple[Any, ModelConfig] | None:
     model = dict(plain(cfg.model))  # as build_configs (the text task sets no model keys of its own)
     model["ops"] = cfg.get("ops", "auto")
     model["kernels"] = {k: v for k, v in (plain(cfg.get("kernels")) or {}).items() if v is not None}
-    return task, build_model_config(model, plain(cfg.canon), plain(cfg.pos), vocab_size=task.vocab_size,
-                                    max_seq_len=task.context)
+    return task, build_model_config(
+        model, plain(cfg.canon), plain(cfg.pos), vocab_size=task.vocab_size, max_seq_len=task.context
+    )
 
 
 def _check_job(cfg: DictConfig, device_checks: bool, plan: bool = False) -> tuple[Any, ModelConfig, int | None]:
@@ -399,10 +444,14 @@ def _check_job(cfg: DictConfig, device_checks: bool, plan: bool = False) -> tupl
     task, mcfg = planned if planned is not None else build_configs(cfg)
     mismatch = task.vocab_mismatch() if hasattr(task, "vocab_mismatch") else None
     if mismatch is not None and not plan:
-        raise ConfigError("task.vocab_size", task.declared_vocab_size, f"the vocabulary of the corpus it trains on: "
-                          f"{mismatch}, so this run would train another model than the config declares; prepare the "
-                          f"corpus with that tokenizer, or give task.vocab_size={task.corpus_vocab_size} (or null) to "
-                          "train on this one")
+        raise ConfigError(
+            "task.vocab_size",
+            task.declared_vocab_size,
+            f"the vocabulary of the corpus it trains on: "
+            f"{mismatch}, so this run would train another model than the config declares; prepare the "
+            f"corpus with that tokenizer, or give task.vocab_size={task.corpus_vocab_size} (or null) to "
+            "train on this one",
+        )
     if OmegaConf.select(cfg, "canon.set", default=None) not in (None, mcfg.canon.set):
         with open_dict(cfg):
             cfg.canon.set = mcfg.canon.set
@@ -422,8 +471,13 @@ def _check_job(cfg: DictConfig, device_checks: bool, plan: bool = False) -> tupl
         device = _device_of(cfg)
         from canonlm.arch.model import compute_dtype_for, resolve_backends
 
-        resolve_backends(mcfg, device, compute_dtype_for(  # the dtype rule of LMModule.place_model
-            cfg.trainer.precision, cfg.strategy.get("param_dtype") if cfg.strategy.name == "fsdp2" else None))
+        resolve_backends(
+            mcfg,
+            device,
+            compute_dtype_for(  # the dtype rule of LMModule.place_model
+                cfg.trainer.precision, cfg.strategy.get("param_dtype") if cfg.strategy.name == "fsdp2" else None
+            ),
+        )
         n_params = check_memory(cfg, mcfg, device)
     _check_optimizer(cfg)  # last: building the optimizer once imports torch._dynamo (1-2 s on a small machine)
     return task, mcfg, n_params
@@ -477,8 +531,11 @@ def _check_config(cfg: DictConfig) -> tuple[Any, ModelConfig, str | None, int]:
         for line in remove_stale_temps(output_dir / "checkpoints"):
             log.warning("%s", line)
     task_cfg = plain(cfg.task)
-    ckpt = resolve_ckpt(cfg, str(output_dir),
-                        check=lambda info: check_compatible(info, mcfg, _task_cfg_as_saved(task_cfg, info), shapes))
+    ckpt = resolve_ckpt(
+        cfg,
+        str(output_dir),
+        check=lambda info: check_compatible(info, mcfg, _task_cfg_as_saved(task_cfg, info), shapes),
+    )
     init = cfg.get("init_from")
     if init is not None and ckpt is None:
         _check_init_from(str(init), mcfg)
@@ -496,8 +553,11 @@ def _task_cfg_as_saved(task_cfg: dict[str, Any], info: Any) -> dict[str, Any]:
         return task_cfg
     from canonlm.data.text import ADDED_KEYS, PLAN_KEYS
 
-    out = {k: v for k, v in task_cfg.items() if k not in PLAN_KEYS and (
-        k in saved or k not in ADDED_KEYS or ADDED_KEYS[k] != v)}
+    out = {
+        k: v
+        for k, v in task_cfg.items()
+        if k not in PLAN_KEYS and (k in saved or k not in ADDED_KEYS or ADDED_KEYS[k] != v)
+    }
     return {**out, **{k: saved[k] for k in PLAN_KEYS if k in saved}}
 
 
@@ -528,8 +588,11 @@ def _nothing_written_until_checked(output_dir: Path, log_dir: Path) -> Iterator[
     import shutil
 
     was_empty = output_dir.is_dir() and not any(output_dir.iterdir())
-    files = [h for h in logging.getLogger().handlers
-             if isinstance(h, logging.FileHandler) and Path(h.baseFilename).resolve().parent == output_dir.resolve()]
+    files = [
+        h
+        for h in logging.getLogger().handlers
+        if isinstance(h, logging.FileHandler) and Path(h.baseFilename).resolve().parent == output_dir.resolve()
+    ]
     hold = _Hold()
     for h in files:
         h.addFilter(hold)
@@ -589,9 +652,15 @@ def _trainer_kwargs(cfg: DictConfig) -> dict[str, Any]:
     names = [n for n in inspect.signature(L.Trainer.__init__).parameters if n not in ("self", *own)]
     for key, value in kwargs.items():
         if key not in names:
-            raise ConfigError(f"trainer.{key}", value,
-                              ("set by the strategy / callbacks / logger config groups, not trainer.*" if key in own
-                               else "an argument of lightning.Trainer: " + ", ".join(names)))
+            raise ConfigError(
+                f"trainer.{key}",
+                value,
+                (
+                    "set by the strategy / callbacks / logger config groups, not trainer.*"
+                    if key in own
+                    else "an argument of lightning.Trainer: " + ", ".join(names)
+                ),
+            )
     accumulate = kwargs.get("accumulate_grad_batches") or 1
     if isinstance(kwargs.get("val_check_interval"), int) and isinstance(accumulate, int):
         kwargs["val_check_interval"] *= accumulate
@@ -605,12 +674,18 @@ def _lightning_key(message: str, kwargs: dict[str, Any]) -> str | None:
     found!"), else None (the whole ``trainer`` node is named)."""
     import re
 
-    hits = [(m.start(), k) for k in kwargs if k != "default_root_dir"
-            for m in [re.search(rf"(?<![A-Za-z_]){re.escape(k)}(?![A-Za-z_])", message)] if m]
+    hits = [
+        (m.start(), k)
+        for k in kwargs
+        if k != "default_root_dir"
+        for m in [re.search(rf"(?<![A-Za-z_]){re.escape(k)}(?![A-Za-z_])", message)]
+        if m
+    ]
     if hits:
         return min(hits)[1]
-    if str(kwargs.get("accelerator")) in ("gpu", "cuda", "mps", "tpu") and \
-            re.search(r"\b(gpu|cuda|mps|tpu)\b", message, flags=re.I):
+    if str(kwargs.get("accelerator")) in ("gpu", "cuda", "mps", "tpu") and re.search(
+        r"\b(gpu|cuda|mps|tpu)\b", message, flags=re.I
+    ):
         return "accelerator"
     return None
 
@@ -645,8 +720,9 @@ def _instantiate(key: str, node: Any) -> Any:
                 names = [n for n in inspect.signature(_locate(str(target))).parameters if n not in ("args", "kwargs")]
             except Exception:  # noqa: BLE001 -- no signature to suggest from
                 names = []
-            raise unknown_key_error(f"{key}.{arg.group(1)}", plain(node[arg.group(1)]),
-                                    [f"{key}.{n}" for n in names]) from None
+            raise unknown_key_error(
+                f"{key}.{arg.group(1)}", plain(node[arg.group(1)]), [f"{key}.{n}" for n in names]
+            ) from None
         raise ConfigError(key, plain(node), f"arguments {target or 'its _target_'} accepts ({first})") from None
 
 
@@ -667,10 +743,17 @@ def _build_trainer(cfg: DictConfig, task: Any, output_dir: str) -> tuple[Any, An
     from canonlm.train.loggers import JSONLLogger
 
     _tidy_logging()
-    dm = SyntheticDataModule(task, plain(cfg.task), batch_size=cfg.data.batch_size, num_workers=cfg.data.num_workers,
-                             val_windows=cfg.data.val_windows, test_windows=cfg.data.test_windows)
-    callbacks = [_instantiate(f"callbacks.{name}", c) for name, c in (cfg.get("callbacks") or {}).items()
-                 if c is not None]
+    dm = SyntheticDataModule(
+        task,
+        plain(cfg.task),
+        batch_size=cfg.data.batch_size,
+        num_workers=cfg.data.num_workers,
+        val_windows=cfg.data.val_windows,
+        test_windows=cfg.data.test_windows,
+    )
+    callbacks = [
+        _instantiate(f"callbacks.{name}", c) for name, c in (cfg.get("callbacks") or {}).items() if c is not None
+    ]
     loggers, wandb_nodes = [], []
     for name, lg in (cfg.get("logger") or {}).items():
         if lg is None:
@@ -698,8 +781,11 @@ def _build_trainer(cfg: DictConfig, task: Any, output_dir: str) -> tuple[Any, An
     except (MisconfigurationException, ValueError, TypeError, ImportError) as e:
         key = _lightning_key(str(e), kwargs)
         if key is None:
-            raise ConfigError("trainer", {k: v for k, v in kwargs.items() if k != "default_root_dir"},
-                              f"arguments Lightning accepts on this machine ({e})") from None
+            raise ConfigError(
+                "trainer",
+                {k: v for k, v in kwargs.items() if k != "default_root_dir"},
+                f"arguments Lightning accepts on this machine ({e})",
+            ) from None
         raise ConfigError(f"trainer.{key}", kwargs[key], f"a value Lightning accepts on this machine ({e})") from None
     dm.micro_batch(trainer.world_size, trainer.accumulate_grad_batches)
     return trainer, dm, wandb_nodes
@@ -715,8 +801,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     output_dir = str(cfg.paths.output_dir)
     with _nothing_written_until_checked(Path(output_dir), Path(str(cfg.paths.log_dir))):
         # 0. the kernel cache, before anything can compile a kernel (every process and SLURM job runs this)
-        configure_kernel_cache(cfg.paths.get("kernel_cache"), key="paths.kernel_cache",
-                               base=cfg.paths.get("root_dir"))
+        configure_kernel_cache(cfg.paths.get("kernel_cache"), key="paths.kernel_cache", base=cfg.paths.get("root_dir"))
         # 1-2. the config and the checkpoint choices, before Lightning is imported
         task, mcfg, ckpt, n_params = _check_config(cfg)
         done = _finished_results(cfg, output_dir)
@@ -725,8 +810,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             return done
         # 3. Lightning's checks (trainer arguments, strategy, devices), the batch arithmetic, the run directory
         trainer, dm, wandb_nodes = _build_trainer(cfg, task, output_dir)
-        if cfg.get("train", True) and cfg.get("callbacks") and (cfg.callbacks.get("checkpoint") is not None
-                                                                or cfg.callbacks.get("preemption") is not None):
+        if (
+            cfg.get("train", True)
+            and cfg.get("callbacks")
+            and (cfg.callbacks.get("checkpoint") is not None or cfg.callbacks.get("preemption") is not None)
+        ):
             check_run_dir(Path(output_dir), estimate_checkpoint_bytes(n_params))  # the one check that writes
     import warnings
 
@@ -750,12 +838,22 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     task_cfg = plain(cfg.task)
     L.seed_everything(int(cfg.seed), workers=False, verbose=False)
     fsdp = plain(cfg.strategy) if cfg.strategy.name == "fsdp2" else None
-    module = LMModule(mcfg, optimizer=instantiate(cfg.optim), sched=plain(cfg.sched),
-                      total_steps=cfg.trainer.max_steps, loss=plain(cfg.loss), num_groups=task.num_groups,
-                      group_name=getattr(task, "group_name", "group"), compile=bool(cfg.get("compile", False)),
-                      activation_checkpointing=bool(cfg.get("activation_checkpointing", False)), fsdp=fsdp,
-                      task=task, gen_eval=plain(cfg.data.get("gen_eval")) or {}, task_cfg=task_cfg,
-                      max_nonfinite_steps=int(cfg.get("max_nonfinite_steps", 5)))
+    module = LMModule(
+        mcfg,
+        optimizer=instantiate(cfg.optim),
+        sched=plain(cfg.sched),
+        total_steps=cfg.trainer.max_steps,
+        loss=plain(cfg.loss),
+        num_groups=task.num_groups,
+        group_name=getattr(task, "group_name", "group"),
+        compile=bool(cfg.get("compile", False)),
+        activation_checkpointing=bool(cfg.get("activation_checkpointing", False)),
+        fsdp=fsdp,
+        task=task,
+        gen_eval=plain(cfg.data.get("gen_eval")) or {},
+        task_cfg=task_cfg,
+        max_nonfinite_steps=int(cfg.get("max_nonfinite_steps", 5)),
+    )
     if cfg.get("init_from") is not None and ckpt is None:  # weights only; a resumed checkpoint restores its own
         from canonlm.hf.io import load_init_weights
 
@@ -772,23 +870,49 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     n_params = module.model.num_params()
     pos_type = position_encoding(mcfg.arch, mcfg.pos.type)
     if trainer.is_global_zero:
-        log.info("task %s | vocab %d | context %d | model %s %dL %dD %dH canon=%r pos=%s | %.2fM params | "
-                 "world size %d", task.name, task.vocab_size, task_cfg["context"], mcfg.arch, mcfg.n_layers,
-                 mcfg.d_model, mcfg.n_heads, mcfg.canon.set, pos_type, n_params / 1e6, trainer.world_size)
-        log.info("%s; document masking %s", module.model.backend_line(),
-                 "on (task.doc_mask=true)" if resolved["doc_mask"] else "off")
+        log.info(
+            "task %s | vocab %d | context %d | model %s %dL %dD %dH canon=%r pos=%s | %.2fM params | world size %d",
+            task.name,
+            task.vocab_size,
+            task_cfg["context"],
+            mcfg.arch,
+            mcfg.n_layers,
+            mcfg.d_model,
+            mcfg.n_heads,
+            mcfg.canon.set,
+            pos_type,
+            n_params / 1e6,
+            trainer.world_size,
+        )
+        log.info(
+            "%s; document masking %s",
+            module.model.backend_line(),
+            "on (task.doc_mask=true)" if resolved["doc_mask"] else "off",
+        )
         for op, note in resolved["backends"]["notes"].items():
             log.info("  %s: %s", op, note)
         for lg in trainer.loggers:  # ``resolved``: what this machine runs (train/cells.py keeps it out of cells)
             lg.log_hyperparams({**OmegaConf.to_container(cfg, resolve=True), "resolved": resolved})
         if getattr(task, "is_mixture", False):
             for name, row in task.source_table().items():
-                log.info("source %s: share %.4f of the training windows (weight %s), %d windows of %d tokens per "
-                         "epoch, cap %s", name, row["share"], row["weight"], row["train_windows"],
-                         task_cfg["context"], "none" if row["capacity"] is None else f"{row['capacity']} windows "
-                         f"(max_epochs={row['max_epochs']})")
-        log.info("run length: %d steps x %d tokens = %d tokens", cfg.trainer.max_steps, module.tokens_per_step,
-                 int(cfg.trainer.max_steps) * module.tokens_per_step)
+                log.info(
+                    "source %s: share %.4f of the training windows (weight %s), %d windows of %d tokens per "
+                    "epoch, cap %s",
+                    name,
+                    row["share"],
+                    row["weight"],
+                    row["train_windows"],
+                    task_cfg["context"],
+                    "none"
+                    if row["capacity"] is None
+                    else f"{row['capacity']} windows (max_epochs={row['max_epochs']})",
+                )
+        log.info(
+            "run length: %d steps x %d tokens = %d tokens",
+            cfg.trainer.max_steps,
+            module.tokens_per_step,
+            int(cfg.trainer.max_steps) * module.tokens_per_step,
+        )
 
     # 5. train + test
     if cfg.get("train", True):
@@ -799,25 +923,46 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     results = {
         "task": task.name,
         "task_config": task_cfg,
-        "model": {"arch": mcfg.arch, "size": f"{mcfg.n_layers}L{mcfg.d_model}D", "n_heads": mcfg.n_heads,
-                  "canon": mcfg.canon.set, "pos": pos_type, "qk_norm": mcfg.qk_norm, "params": n_params,
-                  "tie_embeddings": mcfg.tie_embeddings},
+        "model": {
+            "arch": mcfg.arch,
+            "size": f"{mcfg.n_layers}L{mcfg.d_model}D",
+            "n_heads": mcfg.n_heads,
+            "canon": mcfg.canon.set,
+            "pos": pos_type,
+            "qk_norm": mcfg.qk_norm,
+            "params": n_params,
+            "tie_embeddings": mcfg.tie_embeddings,
+        },
         "steps": trainer.global_step,
         "tokens_seen": trainer.global_step * module.tokens_per_step,
-        **({"max_tokens": plain(OmegaConf.select(cfg, "data.max_tokens", default=None))}
-           if OmegaConf.select(cfg, "data.max_tokens", default=None) is not None else {}),
-        **({"sources": {name: {**row, "tokens_seen": int(n) * int(task_cfg["context"])} for (name, row), n in zip(
-            task.source_table().items(), task.source_windows(trainer.global_step * module.windows_per_step))}}
-           if getattr(task, "is_mixture", False) else {}),
+        **(
+            {"max_tokens": plain(OmegaConf.select(cfg, "data.max_tokens", default=None))}
+            if OmegaConf.select(cfg, "data.max_tokens", default=None) is not None
+            else {}
+        ),
+        **(
+            {
+                "sources": {
+                    name: {**row, "tokens_seen": int(n) * int(task_cfg["context"])}
+                    for (name, row), n in zip(
+                        task.source_table().items(), task.source_windows(trainer.global_step * module.windows_per_step)
+                    )
+                }
+            }
+            if getattr(task, "is_mixture", False)
+            else {}
+        ),
         "doc_mask": resolved["doc_mask"],
         "backends": resolved["backends"],
         "train_time_s": round(module.train_time_s, 1),
         "attempts": module.attempts,
         "world_size": trainer.world_size,
         "nonfinite_steps": module.nonfinite_steps,
-        "metric": ("generation accuracy (the task's validator on the model's generations)"
-                   if getattr(task, "eval_mode", "teacher_forced") == "generate" else
-                   "answer_exact (whole answer right under teacher forcing), token_acc per answer token"),
+        "metric": (
+            "generation accuracy (the task's validator on the model's generations)"
+            if getattr(task, "eval_mode", "teacher_forced") == "generate"
+            else "answer_exact (whole answer right under teacher forcing), token_acc per answer token"
+        ),
         **{split: module.results[split] for split in ("val", "test") if split in module.results},
     }
     if trainer.is_global_zero:
@@ -828,7 +973,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
 
 def _chance_text(task: Any) -> str:
-    """"; chance X %" (with the reason where it is about 0: ``references.CHANCE_NOTE``), or "" without one."""
+    """ "; chance X %" (with the reason where it is about 0: ``references.CHANCE_NOTE``), or "" without one."""
     from canonlm.data.tasks.references import CHANCE_NOTE
 
     chance = getattr(task, "chance", None)
@@ -854,8 +999,11 @@ def format_table(results: dict[str, Any], task: Any) -> str:
     gen = res.get("generate")
     extras: dict[str, float] = {}
     if gen is not None:
-        lines += [f"{task.name}: generation accuracy by {g} ({split} split, {gen['samples']} samples, "
-                  "accepted by the task's validator)" + _chance_text(task), f"  {g:>6} {'samples':>8} {'acc':>8}"]
+        lines += [
+            f"{task.name}: generation accuracy by {g} ({split} split, {gen['samples']} samples, "
+            "accepted by the task's validator)" + _chance_text(task),
+            f"  {g:>6} {'samples':>8} {'acc':>8}",
+        ]
         for k, row in gen["by_group"].items():
             lines.append(f"  {k:>6} {row['samples']:>8} {100 * row['acc']:>7.1f}%")
         lines.append(f"  {'all':>6} {gen['samples']:>8} {100 * gen['acc']:>7.1f}%")
@@ -864,9 +1012,11 @@ def format_table(results: dict[str, Any], task: Any) -> str:
                 lines.append(f"  {k} {v:.6g}")
                 extras[k] = v
     elif res["by_group"]:
-        lines += [f"{task.name}: accuracy by {g} ({split} split, whole-answer exact match under teacher forcing)"
-                  + _chance_text(task),
-                  f"  {g:>4} {'answers':>8} {'exact':>8} {'token':>8}"]
+        lines += [
+            f"{task.name}: accuracy by {g} ({split} split, whole-answer exact match under teacher forcing)"
+            + _chance_text(task),
+            f"  {g:>4} {'answers':>8} {'exact':>8} {'token':>8}",
+        ]
         labels = getattr(task, "group_labels", None) or {}
         w = max([4, len(g)] + [len(str(labels.get(int(k), k))) for k in res["by_group"]])
         lines[-1] = f"  {g:>{w}} {'answers':>8} {'exact':>8} {'token':>8}"
@@ -886,11 +1036,13 @@ def format_table(results: dict[str, Any], task: Any) -> str:
     if PAPER.get(task.name):
         lines.append(f"  read against: {PAPER[task.name]} (at CPU scale read the direction, not the level)")
     attempts = results.get("attempts", 1)
-    lines.append(f"  steps {results['steps']}, tokens {results['tokens_seen'] / 1e6:.2f}M, "
-                 f"training time {results['train_time_s']:.0f} s"
-                 + (f" over {attempts} attempts" if attempts and attempts > 1 else "")
-                 + (f", {results['nonfinite_steps']} non-finite steps skipped" if results.get("nonfinite_steps") else "")
-                 + f", loss {res['loss']:.4f}")
+    lines.append(
+        f"  steps {results['steps']}, tokens {results['tokens_seen'] / 1e6:.2f}M, "
+        f"training time {results['train_time_s']:.0f} s"
+        + (f" over {attempts} attempts" if attempts and attempts > 1 else "")
+        + (f", {results['nonfinite_steps']} non-finite steps skipped" if results.get("nonfinite_steps") else "")
+        + f", loss {res['loss']:.4f}"
+    )
     return "\n".join(lines)
 
 

@@ -81,8 +81,12 @@ def require_wandb(key: str = "logger", value: str = "wandb", instead: str = "log
     try:
         import wandb  # noqa: F401
     except ImportError as e:
-        raise ConfigError(key, value, f"{instead} here: wandb is not installed ({e}); install the wandb extra: "
-                                      "pip install 'canonlm[wandb]' (or bash scripts/setup.sh wandb)") from None
+        raise ConfigError(
+            key,
+            value,
+            f"{instead} here: wandb is not installed ({e}); install the wandb extra: "
+            "pip install 'canonlm[wandb]' (or bash scripts/setup.sh wandb)",
+        ) from None
 
 
 def logger_config(lg: DictConfig, cfg: DictConfig, output_dir: str, rank0: bool = True) -> DictConfig:
@@ -94,8 +98,9 @@ def logger_config(lg: DictConfig, cfg: DictConfig, output_dir: str, rank0: bool 
     kw = OmegaConf.to_container(lg, resolve=True)
     sweep = multirun_sweep_dir()
     if kw.get("id") is None:  # a multirun job's run_name is the time of each attempt: name it by its sweep and job
-        kw["id"] = stable_id(f"{Path(sweep).name}-{Path(output_dir).name}" if sweep else cfg.get("run_name"),
-                             output_dir)
+        kw["id"] = stable_id(
+            f"{Path(sweep).name}-{Path(output_dir).name}" if sweep else cfg.get("run_name"), output_dir
+        )
     if kw.get("group") is None:
         kw["group"] = sweep_group(sweep) if sweep else None
     kw["job_type"] = kw.get("job_type") or "train"
@@ -147,10 +152,17 @@ def log_report(out: Path, files: dict[str, bytes], roots: list[Path], runs: list
         doc = json.loads(files.get("report.json", b"{}"))
     except ValueError:
         doc = {}
-    run = wandb.init(project=project, group=group, job_type="report", name=f"report-{group.replace('/', '-')}",
-                     dir=str(out), mode=os.environ.get("WANDB_MODE") or "offline", tags=["report"],
-                     config={"roots": [str(r) for r in roots], "rows": doc.get("rows"), "cols": doc.get("cols")},
-                     reinit="finish_previous")
+    run = wandb.init(
+        project=project,
+        group=group,
+        job_type="report",
+        name=f"report-{group.replace('/', '-')}",
+        dir=str(out),
+        mode=os.environ.get("WANDB_MODE") or "offline",
+        tags=["report"],
+        config={"roots": [str(r) for r in roots], "rows": doc.get("rows"), "cols": doc.get("cols")},
+        reinit="finish_previous",
+    )
     try:
         data: dict[str, Any] = {}
         for name in sorted(files):

@@ -92,13 +92,13 @@ _lock = threading.RLock()
 
 class _State:
     def __init__(self) -> None:
-        self.root: Optional[Path] = None          # the directory in use
-        self.requested: Optional[tuple] = None    # (raw value, key it came from, base) of the last configure()
-        self.env_set: dict[str, str] = {}         # environment variables canonlm set, with the values it set
+        self.root: Optional[Path] = None  # the directory in use
+        self.requested: Optional[tuple] = None  # (raw value, key it came from, base) of the last configure()
+        self.env_set: dict[str, str] = {}  # environment variables canonlm set, with the values it set
         self.env_prev: dict[str, Optional[str]] = {}  # their values before canonlm first set them
-        self.kept: dict[str, str] = {}            # user-set variables that were left as they are
+        self.kept: dict[str, str] = {}  # user-set variables that were left as they are
         self.warned: set[str] = set()
-        self.private: Optional[Path] = None       # mkdtemp fallback, one per process
+        self.private: Optional[Path] = None  # mkdtemp fallback, one per process
         self.hook: Optional["_ImportHook"] = None
 
 
@@ -111,8 +111,13 @@ _stats = {"restored": 0, "benchmarked": 0, "bench_s": 0.0, "saved": 0, "ignored"
 # configure
 # ------------------------------------------------------------------------------------------------------------------
 
-def configure(path: Optional[os.PathLike | str] = None, *, key: str = "paths.kernel_cache",
-              base: Optional[os.PathLike | str] = None) -> Path:
+
+def configure(
+    path: Optional[os.PathLike | str] = None,
+    *,
+    key: str = "paths.kernel_cache",
+    base: Optional[os.PathLike | str] = None,
+) -> Path:
     """Resolve, check and apply the kernel cache; returns its root directory (absolute). Idempotent and cheap: a second
     call with the same request returns at once. Imports neither triton nor torch.
 
@@ -188,9 +193,13 @@ def _checked(root: Path, raw: Optional[str], source: str) -> Path:
     if why is None:
         return root
     if source != "default" and not trust:
-        raise ConfigError(source, raw, f"a directory this user can create and write, at one absolute path (the same "
-                                       f"on every node of a cluster; null = ${ENV} or <canonlm cache>/kernels): "
-                                       f"{root} {why}")
+        raise ConfigError(
+            source,
+            raw,
+            f"a directory this user can create and write, at one absolute path (the same "
+            f"on every node of a cluster; null = ${ENV} or <canonlm cache>/kernels): "
+            f"{root} {why}",
+        )
     fallback = None
     default = _default_root()
     if default != root and _unusable(default)[0] is None:
@@ -199,10 +208,17 @@ def _checked(root: Path, raw: Optional[str], source: str) -> Path:
         fallback = _private_dir()
     if str(root) not in _state.warned:
         _state.warned.add(str(root))
-        risk = (", so a kernel there could have been planted by someone else (use a directory you own that only you "
-                "can write, e.g. chmod 700)" if trust else "")
-        warnings.warn(f"canonlm: not using the kernel cache {root}: it {why}{risk}. Caching kernels in {fallback} "
-                      f"instead.", RuntimeWarning, stacklevel=3)
+        risk = (
+            ", so a kernel there could have been planted by someone else (use a directory you own that only you "
+            "can write, e.g. chmod 700)"
+            if trust
+            else ""
+        )
+        warnings.warn(
+            f"canonlm: not using the kernel cache {root}: it {why}{risk}. Caching kernels in {fallback} instead.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     return fallback
 
 
@@ -240,8 +256,10 @@ def _apply(root: Path, source: str) -> None:
     for sub, var in ENV_DIRS.items():
         want = str(root / sub)
         have = os.environ.get(var)
-        ours = have is not None and (_state.env_set.get(var) == have
-                                     or (inherited_root is not None and have == os.path.join(inherited_root, sub)))
+        ours = have is not None and (
+            _state.env_set.get(var) == have
+            or (inherited_root is not None and have == os.path.join(inherited_root, sub))
+        )
         if have is None or have == want or ours or _set_by_torch(var, have):
             _setenv(var, want)
         else:
@@ -249,21 +267,37 @@ def _apply(root: Path, source: str) -> None:
             _state.env_set.pop(var, None)
             if (var, have) not in _state.warned:
                 _state.warned.add((var, have))
-                what = ("Triton's compiled kernels and fla's autotune results" if sub == "triton"
-                        else "inductor's caches (compile=true)")
-                warnings.warn(f"canonlm: {var}={have} is set in the environment and wins: {what} are cached there, "
-                              f"not in the kernel cache {root / sub} (unset {var} to use it).", RuntimeWarning,
-                              stacklevel=3)
+                what = (
+                    "Triton's compiled kernels and fla's autotune results"
+                    if sub == "triton"
+                    else "inductor's caches (compile=true)"
+                )
+                warnings.warn(
+                    f"canonlm: {var}={have} is set in the environment and wins: {what} are cached there, "
+                    f"not in the kernel cache {root / sub} (unset {var} to use it).",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
     _setenv(ENV, str(root))
     _state.kept = kept
     _state.root = root
     if changed:
         triton_home = os.environ.get("TRITON_HOME")
-        extra = (f"; TRITON_HOME={triton_home} is set, but Triton's cache is {os.environ['TRITON_CACHE_DIR']}"
-                 if triton_home and "TRITON_CACHE_DIR" not in kept else "")
-        log.info("kernel cache: %s (from %s): Triton kernels and fla autotune in %s, inductor in %s, mamba-ssm "
-                 "autotune in %s%s", root, source, os.environ.get("TRITON_CACHE_DIR"),
-                 os.environ.get("TORCHINDUCTOR_CACHE_DIR"), root / AUTOTUNE, extra)
+        extra = (
+            f"; TRITON_HOME={triton_home} is set, but Triton's cache is {os.environ['TRITON_CACHE_DIR']}"
+            if triton_home and "TRITON_CACHE_DIR" not in kept
+            else ""
+        )
+        log.info(
+            "kernel cache: %s (from %s): Triton kernels and fla autotune in %s, inductor in %s, mamba-ssm "
+            "autotune in %s%s",
+            root,
+            source,
+            os.environ.get("TRITON_CACHE_DIR"),
+            os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
+            root / AUTOTUNE,
+            extra,
+        )
     _install_autotune_record()
 
 
@@ -296,6 +330,7 @@ def _reset_for_tests() -> None:
 # ------------------------------------------------------------------------------------------------------------------
 # mamba-ssm autotune record
 # ------------------------------------------------------------------------------------------------------------------
+
 
 class _WrappingLoader(importlib.abc.Loader):
     """Runs the real loader, then wraps the module's autotuners (:func:`_wrap_module`)."""
@@ -368,11 +403,15 @@ def _wrap_module(module) -> int:
 def _recording_class(base: type) -> type:
     cls = _classes.get(base)
     if cls is None:
+
         def run(self, *args, **kwargs):
             return _recorded_run(base, self, args, kwargs)
 
-        cls = type(base.__name__, (base,), {"run": run, "_canonlm_recorded": True, "__module__": base.__module__,
-                                            "__doc__": base.__doc__})
+        cls = type(
+            base.__name__,
+            (base,),
+            {"run": run, "_canonlm_recorded": True, "__module__": base.__module__, "__doc__": base.__doc__},
+        )
         _classes[base] = cls
     return cls
 
@@ -467,11 +506,13 @@ def _kernel_identity(self) -> dict[str, Any]:
             src = inspect.getsource(fn)
         except (OSError, TypeError):
             src = fn.__code__.co_code.hex()
-        ident = {"kernel": f"{fn.__module__}.{fn.__qualname__}",
-                 "library": f"{top} {getattr(lib, '__version__', '?')}",
-                 "triton": getattr(triton, "__version__", "?"),
-                 "source_sha256": hashlib.sha256(src.encode()).hexdigest(),
-                 "configs": [_describe(c) for c in self.configs]}
+        ident = {
+            "kernel": f"{fn.__module__}.{fn.__qualname__}",
+            "library": f"{top} {getattr(lib, '__version__', '?')}",
+            "triton": getattr(triton, "__version__", "?"),
+            "source_sha256": hashlib.sha256(src.encode()).hexdigest(),
+            "configs": [_describe(c) for c in self.configs],
+        }
         self._canonlm_identity = ident
     return ident
 
@@ -521,8 +562,7 @@ def _save_choice(self, record, key: tuple, chosen) -> None:
         i = next((j for j, c in enumerate(self.configs) if c == chosen), None)
     if i is None:
         return
-    data = dict(header, index=i, config=_describe(self.configs[i]),
-                bench_s=getattr(self, "bench_time", None))
+    data = dict(header, index=i, config=_describe(self.configs[i]), bench_s=getattr(self, "bench_time", None))
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=path.parent)

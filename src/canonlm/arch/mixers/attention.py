@@ -41,11 +41,13 @@ class Attention(nn.Module):
             self.q_norm, self.k_norm = RMSNorm(dh, cfg.norm_eps), RMSNorm(dh, cfg.norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.canon_b = (Canon((H + 2 * Hkv) * dh, cfg.canon, backends["canon"], cache_key="canon_b")
-                        if cfg.canon.has("B") else None)
+        self.canon_b = (
+            Canon((H + 2 * Hkv) * dh, cfg.canon, backends["canon"], cache_key="canon_b") if cfg.canon.has("B") else None
+        )
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
-                cache: dict | None = None, docs=None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, cache: dict | None = None, docs=None
+    ) -> torch.Tensor:
         H, Hkv, dh = self.n_heads, self.n_kv_heads, self.head_dim
         if self.q_norm is None and self.canon_b is None and type(self.wqkv) is nn.Linear:
             # Plain attention: three matmuls on row slices of the fused weight (same math). Their gradients need no
@@ -59,7 +61,7 @@ class Attention(nn.Module):
             if cos is not None:
                 q, k = apply_rope(q, cos, sin, self.pairing), apply_rope(k, cos, sin, self.pairing)
         else:
-            qkv = self.wqkv(x)                                             # (B, T, (H + 2Hkv)·dh) = [q ; k ; v]
+            qkv = self.wqkv(x)  # (B, T, (H + 2Hkv)·dh) = [q ; k ; v]
             if self.q_norm is not None:
                 q, k, v = qkv.split([H * dh, Hkv * dh, Hkv * dh], dim=-1)
                 if self.qk_norm == "per_head":
@@ -72,7 +74,7 @@ class Attention(nn.Module):
                 qkv = self.canon_b(qkv, cache, docs)
             qk, v = qkv.unflatten(-1, (H + 2 * Hkv, dh)).split([H + Hkv, Hkv], dim=2)  # (B, T, heads, dh) views
             if cos is not None:
-                qk = apply_rope(qk, cos, sin, self.pairing)                # q and k rotated in one call
+                qk = apply_rope(qk, cos, sin, self.pairing)  # q and k rotated in one call
             q, k = qk.split([H, Hkv], dim=2)
         if cache is not None:
             if "k" in cache:
@@ -80,8 +82,16 @@ class Attention(nn.Module):
                 v = torch.cat([cache["v"], v.to(cache["v"].dtype)], dim=1)
             cache["k"], cache["v"] = k, v
         if docs is not None:
-            o = attention_ops.attention(q, k, v, causal=True, backend=self.backend, doc_mask=docs.attn_mask,
-                                        cu_seqlens=docs.cu_seqlens, max_seqlen=docs.max_seqlen)
+            o = attention_ops.attention(
+                q,
+                k,
+                v,
+                causal=True,
+                backend=self.backend,
+                doc_mask=docs.attn_mask,
+                cu_seqlens=docs.cu_seqlens,
+                max_seqlen=docs.max_seqlen,
+            )
         else:
             o = attention_ops.attention(q, k, v, causal=True, backend=self.backend)  # (B, T, H, dh)
         return self.wo(o.flatten(2))

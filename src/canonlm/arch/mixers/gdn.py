@@ -74,11 +74,19 @@ class GatedDeltaNet(nn.Module):
         """``A_log = log U(0, 16)`` and ``dt_bias`` per :func:`init_dt_bias_` (re-run after meta / FSDP builds)."""
         if self.A_log.device.type == "meta":
             return
-        self.A_log.copy_(torch.empty_like(self.A_log, dtype=torch.float32).uniform_(*A_INIT_RANGE).clamp(min=1e-4).log())
+        self.A_log.copy_(
+            torch.empty_like(self.A_log, dtype=torch.float32).uniform_(*A_INIT_RANGE).clamp(min=1e-4).log()
+        )
         init_dt_bias_(self.dt_bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
-                cache: dict | None = None, docs=None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor | None = None,
+        sin: torch.Tensor | None = None,
+        cache: dict | None = None,
+        docs=None,
+    ) -> torch.Tensor:
         B, T, _ = x.shape
         H = self.n_heads
         q, k, v = qkv_forward(self, x, cache, docs)
@@ -88,15 +96,32 @@ class GatedDeltaNet(nn.Module):
             if cache is not None:
                 raise ValueError("GatedDeltaNet: document masking is not supported with a decode cache")
             o, _ = gdn_ops.chunk_gated_delta_rule(
-                q.reshape(1, B * T, H, -1), k.reshape(1, B * T, H, -1), v.reshape(1, B * T, H, -1),
-                g.reshape(1, B * T, H), beta.reshape(1, B * T, H), use_qk_l2norm=True, chunk_size=self.chunk_size,
-                backend=self.backend, cu_seqlens=docs.cu_seqlens, cu_seqlens_cpu=docs.cu_seqlens_cpu)
+                q.reshape(1, B * T, H, -1),
+                k.reshape(1, B * T, H, -1),
+                v.reshape(1, B * T, H, -1),
+                g.reshape(1, B * T, H),
+                beta.reshape(1, B * T, H),
+                use_qk_l2norm=True,
+                chunk_size=self.chunk_size,
+                backend=self.backend,
+                cu_seqlens=docs.cu_seqlens,
+                cu_seqlens_cpu=docs.cu_seqlens_cpu,
+            )
             o = self.o_norm(o.view(B, T, H, -1), self.g_proj(x).view(B, T, H, -1))
             return self.o_proj(o.flatten(2))
         state = None if cache is None else cache.get("state")
         o, state = gdn_ops.chunk_gated_delta_rule(
-            q.view(B, T, H, -1), k.view(B, T, H, -1), v.view(B, T, H, -1), g, beta, initial_state=state,
-            output_final_state=cache is not None, use_qk_l2norm=True, chunk_size=self.chunk_size, backend=self.backend)
+            q.view(B, T, H, -1),
+            k.view(B, T, H, -1),
+            v.view(B, T, H, -1),
+            g,
+            beta,
+            initial_state=state,
+            output_final_state=cache is not None,
+            use_qk_l2norm=True,
+            chunk_size=self.chunk_size,
+            backend=self.backend,
+        )
         if cache is not None:
             cache["state"] = state
         o = self.o_norm(o, self.g_proj(x).view(B, T, H, -1))

@@ -52,16 +52,26 @@ class GLA(nn.Module):
         build_qkv(self, cfg, backends["canon"])
         if self.canon_b is not None and not _warned_b:
             _warned_b = True
-            warnings.warn("canonlm: Canon-B in GLA is allowed but untested by the paper's authors (the official code "
-                          "fences it); the paper's default for GLA is canon=AbCD", UserWarning, stacklevel=2)
+            warnings.warn(
+                "canonlm: Canon-B in GLA is allowed but untested by the paper's authors (the official code "
+                "fences it); the paper's default for GLA is canon=AbCD",
+                UserWarning,
+                stacklevel=2,
+            )
         self.gk_proj = LowRankLinear(d, cfg.gate_low_rank_dim, Kd, bias=True)
         r = cfg.output_gate_rank
         self.g_proj = nn.Linear(d, Vd, bias=False) if r == 0 else LowRankLinear(d, r, Vd, bias=True)
         self.g_norm = GatedRMSNorm(self.head_v_dim, cfg.norm_eps, norm_before_gate=True)
         self.o_proj = nn.Linear(Vd, d, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
-                cache: dict | None = None, docs=None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor | None = None,
+        sin: torch.Tensor | None = None,
+        cache: dict | None = None,
+        docs=None,
+    ) -> torch.Tensor:
         B, T, _ = x.shape
         H = self.n_heads
         q, k, v = qkv_forward(self, x, cache, docs)
@@ -69,16 +79,29 @@ class GLA(nn.Module):
         if docs is not None:
             if cache is not None:
                 raise ValueError("GLA: document masking is not supported with a decode cache")
-            o, _ = gla_ops.chunk_gla(q.reshape(1, B * T, H, -1), k.reshape(1, B * T, H, -1),
-                                     v.reshape(1, B * T, H, -1), gk.reshape(1, B * T, H, -1),
-                                     chunk_size=self.chunk_size, backend=self.backend, cu_seqlens=docs.cu_seqlens,
-                                     cu_seqlens_cpu=docs.cu_seqlens_cpu)
+            o, _ = gla_ops.chunk_gla(
+                q.reshape(1, B * T, H, -1),
+                k.reshape(1, B * T, H, -1),
+                v.reshape(1, B * T, H, -1),
+                gk.reshape(1, B * T, H, -1),
+                chunk_size=self.chunk_size,
+                backend=self.backend,
+                cu_seqlens=docs.cu_seqlens,
+                cu_seqlens_cpu=docs.cu_seqlens_cpu,
+            )
             o = self.g_norm(o.view(B, T, H, -1), self.g_proj(x).view(B, T, H, -1))
             return self.o_proj(o.flatten(2))
         state = None if cache is None else cache.get("state")
-        o, state = gla_ops.chunk_gla(q.view(B, T, H, -1), k.view(B, T, H, -1), v.view(B, T, H, -1),
-                                     gk.view(B, T, H, -1), initial_state=state, output_final_state=cache is not None,
-                                     chunk_size=self.chunk_size, backend=self.backend)
+        o, state = gla_ops.chunk_gla(
+            q.view(B, T, H, -1),
+            k.view(B, T, H, -1),
+            v.view(B, T, H, -1),
+            gk.view(B, T, H, -1),
+            initial_state=state,
+            output_final_state=cache is not None,
+            chunk_size=self.chunk_size,
+            backend=self.backend,
+        )
         if cache is not None:
             cache["state"] = state
         o = self.g_norm(o, self.g_proj(x).view(B, T, H, -1))

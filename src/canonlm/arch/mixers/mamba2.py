@@ -52,8 +52,11 @@ class Mamba2Mixer(nn.Module):
         proj = 2 * self.d_inner + 2 * G * N + H
         self.in_proj = nn.Linear(d, proj, bias=False)
         self.canon_b = Canon(proj, cfg.canon, backends["canon"], cache_key="canon_b") if cfg.canon.has("B") else None
-        self.conv1d = (short_conv(self.conv_dim, cfg.conv_kernel, backends["canon"], "conv_xbc", bias=True)
-                       if cfg.canon.has("b") else None)
+        self.conv1d = (
+            short_conv(self.conv_dim, cfg.conv_kernel, backends["canon"], "conv_xbc", bias=True)
+            if cfg.canon.has("b")
+            else None
+        )
         self.conv_kernel = cfg.conv_kernel
         self.dt_bias = nn.Parameter(torch.empty(H))
         self.A_log = nn.Parameter(torch.empty(H))
@@ -71,8 +74,14 @@ class Mamba2Mixer(nn.Module):
         self.D.fill_(1.0)
         init_dt_bias_(self.dt_bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
-                cache: dict | None = None, docs=None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor | None = None,
+        sin: torch.Tensor | None = None,
+        cache: dict | None = None,
+        docs=None,
+    ) -> torch.Tensor:
         if docs is not None and cache is not None:
             raise ValueError("Mamba2Mixer: document masking is not supported with a decode cache")
         B, T, _ = x.shape
@@ -84,9 +93,14 @@ class Mamba2Mixer(nn.Module):
         # zxbcdt's dtype is the compute dtype (in_proj's output: bf16 under bf16 autocast); layout dims positional.
         # The fused kernel reads out_proj's weight itself: only for a plain nn.Linear (a peft LoRA layer or another
         # wrapper around out_proj is called on the unfused path, so what it adds is not bypassed).
-        if cache is None and docs is None and type(self.out_proj) is nn.Linear and ssd_ops.use_fused_split(
-                self.backend, str(x.device), zxbcdt.dtype, self.conv_kernel, self.d_inner, self.conv_dim,
-                self.n_heads):
+        if (
+            cache is None
+            and docs is None
+            and type(self.out_proj) is nn.Linear
+            and ssd_ops.use_fused_split(
+                self.backend, str(x.device), zxbcdt.dtype, self.conv_kernel, self.d_inner, self.conv_dim, self.n_heads
+            )
+        ):
             if self.conv1d is not None:
                 w, b, act = self.conv1d.weight, self.conv1d.bias, "silu"
             else:  # noconv1d: identity kernel, no bias, no activation (paper Result 7.1)
@@ -94,18 +108,41 @@ class Mamba2Mixer(nn.Module):
                 w[:, -1] = 1.0
                 b, act = None, None
             return ssd_ops.split_conv1d_scan_combined(
-                zxbcdt, w, b, self.dt_bias, A, self.D, chunk_size=self.chunk_size, activation=act,
-                rmsnorm_weight=self.norm.weight, rmsnorm_eps=self.norm_eps, outproj_weight=self.out_proj.weight,
-                headdim=P, ngroups=G, norm_before_gate=False)
+                zxbcdt,
+                w,
+                b,
+                self.dt_bias,
+                A,
+                self.D,
+                chunk_size=self.chunk_size,
+                activation=act,
+                rmsnorm_weight=self.norm.weight,
+                rmsnorm_eps=self.norm_eps,
+                outproj_weight=self.out_proj.weight,
+                headdim=P,
+                ngroups=G,
+                norm_before_gate=False,
+            )
         z, xbc, dt = zxbcdt.split([di, self.conv_dim, H], dim=-1)
         if self.conv1d is not None:
             xbc = self.conv1d(xbc, cache, docs)
         xs, Bm, Cm = xbc.split([di, G * N, G * N], dim=-1)
         state = None if cache is None else cache.get("state")
-        y, state = ssd_ops.ssd_scan(xs.reshape(B, T, H, P), dt, A, Bm.reshape(B, T, G, N), Cm.reshape(B, T, G, N),
-                                    chunk_size=self.chunk_size, D=self.D, dt_bias=self.dt_bias, dt_softplus=True,
-                                    initial_state=state, output_final_state=cache is not None, backend=self.backend,
-                                    seq_idx=None if docs is None else docs.seq_idx)  # a cache is refused with docs
+        y, state = ssd_ops.ssd_scan(
+            xs.reshape(B, T, H, P),
+            dt,
+            A,
+            Bm.reshape(B, T, G, N),
+            Cm.reshape(B, T, G, N),
+            chunk_size=self.chunk_size,
+            D=self.D,
+            dt_bias=self.dt_bias,
+            dt_softplus=True,
+            initial_state=state,
+            output_final_state=cache is not None,
+            backend=self.backend,
+            seq_idx=None if docs is None else docs.seq_idx,
+        )  # a cache is refused with docs
         if cache is not None:
             cache["state"] = state
         return self.out_proj(self.norm(y.reshape(B, T, di), z))

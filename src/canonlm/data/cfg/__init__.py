@@ -11,12 +11,36 @@ Modules: :mod:`.grammar` (representation, JSON load/validate/save, random family
 with ``numba.njit(cache=True)`` (the first call in a fresh environment compiles them, a few seconds).
 """
 
-from canonlm.data.cfg.grammar import (FAMILY_KEYS, PRESETS, FlatGrammar, Grammar, family_params, grammar_from_dict,
-                                      load_grammar, preset_grammar, random_grammar, save_grammar)
+from canonlm.data.cfg.grammar import (
+    FAMILY_KEYS,
+    PRESETS,
+    FlatGrammar,
+    Grammar,
+    family_params,
+    grammar_from_dict,
+    load_grammar,
+    preset_grammar,
+    random_grammar,
+    save_grammar,
+)
 from canonlm.data.cfg.sample import sample_sentences
 from canonlm.data.cfg.check import check, check_ragged
 from canonlm.data.cfg.inside import lano_kl, next_symbol_probs
 
-__all__ = ["Grammar", "FlatGrammar", "PRESETS", "FAMILY_KEYS", "family_params", "grammar_from_dict", "load_grammar",
-           "preset_grammar", "random_grammar", "save_grammar", "sample_sentences", "check", "check_ragged", "lano_kl",
-           "next_symbol_probs"]
+__all__ = [
+    "Grammar",
+    "FlatGrammar",
+    "PRESETS",
+    "FAMILY_KEYS",
+    "family_params",
+    "grammar_from_dict",
+    "load_grammar",
+    "preset_grammar",
+    "random_grammar",
+    "save_grammar",
+    "sample_sentences",
+    "check",
+    "check_ragged",
+    "lano_kl",
+    "next_symbol_probs",
+]

@@ -118,8 +118,9 @@ def _recognise_many(tokens, offsets, lvl_off, rule_off, child_off, child, minlen
     m = offsets.shape[0] - 1
     out = np.zeros(m, dtype=np.bool_)
     for r in range(m):
-        out[r] = _recognise_one(tokens[offsets[r]:offsets[r + 1]], lvl_off, rule_off, child_off, child, minlen,
-                                maxlen, depth, T)
+        out[r] = _recognise_one(
+            tokens[offsets[r] : offsets[r + 1]], lvl_off, rule_off, child_off, child, minlen, maxlen, depth, T
+        )
     return out
 
 
@@ -155,8 +156,9 @@ def check_ragged(grammar: Grammar, tokens: np.ndarray, offsets: np.ndarray) -> n
     if offsets.shape[0] < 1 or offsets[0] < 0 or offsets[-1] > tokens.shape[0] or (np.diff(offsets) < 0).any():
         raise ValueError("offsets must be non-decreasing indices into tokens, (m+1,) with m >= 0")
     f = grammar.flat
-    return _recognise_many(tokens, offsets, f.lvl_off, f.rule_off, f.child_off, f.child, f.minlen, f.maxlen, f.depth,
-                           f.num_terminals)
+    return _recognise_many(
+        tokens, offsets, f.lvl_off, f.rule_off, f.child_off, f.child, f.minlen, f.maxlen, f.depth, f.num_terminals
+    )
 
 
 __all__ = ["check", "check_ragged"]

@@ -43,8 +43,9 @@ GRAMMAR_KEY = "task.grammar_file"
 # ``distinct_children``: no symbol repeated inside one rule (the release's ``disallow_duplicate_sym``, true only for
 # cfg3b). ``tiny`` is canonlm's own CPU family (sentences of at most 3**4 = 81 tokens).
 PRESETS: dict[str, dict[str, Any]] = {
-    "cfg3b": dict(depth=6, num_sym=3, num_terminals=3, deg_min=2, deg_max=2, len_min=2, len_max=3,
-                  distinct_children=True),
+    "cfg3b": dict(
+        depth=6, num_sym=3, num_terminals=3, deg_min=2, deg_max=2, len_min=2, len_max=3, distinct_children=True
+    ),
     "cfg3e1": dict(depth=6, num_sym=[3, 9, 27, 81, 27], num_terminals=9, deg_min=3, deg_max=3, len_min=2, len_max=3),
     "cfg3e2": dict(depth=6, num_sym=[3, 9, 27, 27, 9], num_terminals=4, deg_min=3, deg_max=3, len_min=2, len_max=3),
     "cfg3f": dict(depth=6, num_sym=3, num_terminals=3, deg_min=3, deg_max=4, len_min=2, len_max=3),
@@ -151,8 +152,9 @@ class Grammar:
 
     def fingerprint(self) -> int:
         """64-bit digest of the rule structure and |T| (names and ids excluded): data namespaces depend on it."""
-        return stable_hash64("canonlm.cfg.grammar", [[list(map(list, s)) for s in lv] for lv in self.rules],
-                             self.num_terminals)
+        return stable_hash64(
+            "canonlm.cfg.grammar", [[list(map(list, s)) for s in lv] for lv in self.rules], self.num_terminals
+        )
 
     def length_distribution(self) -> np.ndarray:
         """Exact distribution of the sentence length: float64 (sentence_max_len + 1,), entry L = P(len = L).
@@ -167,7 +169,7 @@ class Grammar:
                     p = np.array([1.0])
                     for c in r:
                         p = np.convolve(p, law[c])
-                    acc[:p.shape[0]] += p
+                    acc[: p.shape[0]] += p
                 new.append(acc / len(sym))
             law = new
         return law[0]
@@ -196,16 +198,23 @@ class Grammar:
         lens = [len(r) for lv in self.rules for s in lv for r in s]
         nt_sizes = list(self.sizes[1:-1])
         d: dict[str, Any] = dict(self.header)
-        d.update({
-            "depth": self.depth,
-            "num_sym": d.get("num_sym", nt_sizes[0] if nt_sizes and len(set(nt_sizes)) == 1 else T),
-            "vocab_size": T,
-            "deg_min": min(degs), "deg_max": max(degs), "len_min": min(lens), "len_max": max(lens),
-            "eos_token": T + 1, "mask_token": T + 2, "sep_token": T + 3,
-            "sizes": list(self.sizes),
-            "idx": [list(lv) for lv in self.ids],
-            "count": max(max(lv) for lv in self.ids),
-        })
+        d.update(
+            {
+                "depth": self.depth,
+                "num_sym": d.get("num_sym", nt_sizes[0] if nt_sizes and len(set(nt_sizes)) == 1 else T),
+                "vocab_size": T,
+                "deg_min": min(degs),
+                "deg_max": max(degs),
+                "len_min": min(lens),
+                "len_max": max(lens),
+                "eos_token": T + 1,
+                "mask_token": T + 2,
+                "sep_token": T + 3,
+                "sizes": list(self.sizes),
+                "idx": [list(lv) for lv in self.ids],
+                "count": max(max(lv) for lv in self.ids),
+            }
+        )
         levels = []
         for lv in range(len(self.sizes)):
             nodes = []
@@ -217,8 +226,10 @@ class Grammar:
         return d
 
     def __repr__(self) -> str:
-        return (f"Grammar(depth={self.depth}, sizes={list(self.sizes)}, rules={self.num_rules}, "
-                f"len {self.sentence_min_len}..{self.sentence_max_len})")
+        return (
+            f"Grammar(depth={self.depth}, sizes={list(self.sizes)}, rules={self.num_rules}, "
+            f"len {self.sentence_min_len}..{self.sentence_max_len})"
+        )
 
 
 @dataclass(frozen=True)
@@ -254,11 +265,17 @@ def _flatten(g: Grammar) -> FlatGrammar:
                 child.extend(int(lvl_off[lv + 1]) + c for c in r)
                 child_off.append(len(child))
             rule_off.append(len(child_off) - 1)
-    return FlatGrammar(lvl_off=lvl_off, sym_level=sym_level, rule_off=np.array(rule_off, dtype=np.int64),
-                       child_off=np.array(child_off, dtype=np.int64), child=np.array(child, dtype=np.int64),
-                       minlen=np.concatenate(g.min_len).astype(np.int64),
-                       maxlen=np.concatenate(g.max_len).astype(np.int64),
-                       num_terminals=int(g.num_terminals), depth=g.depth)
+    return FlatGrammar(
+        lvl_off=lvl_off,
+        sym_level=sym_level,
+        rule_off=np.array(rule_off, dtype=np.int64),
+        child_off=np.array(child_off, dtype=np.int64),
+        child=np.array(child, dtype=np.int64),
+        minlen=np.concatenate(g.min_len).astype(np.int64),
+        maxlen=np.concatenate(g.max_len).astype(np.int64),
+        num_terminals=int(g.num_terminals),
+        depth=g.depth,
+    )
 
 
 def _default_ids(sizes: Sequence[int]) -> tuple:
@@ -299,8 +316,7 @@ def _structure_problem(rules: tuple, T: Any) -> str | None:
 
 # ---------------------------------------------------------------------------------------------- JSON
 def _bad(path: Any, why: str) -> ConfigError:
-    return ConfigError(GRAMMAR_KEY, str(path), f"a Lano grammar JSON file in the official format; "
-                                               f"problem: {why}")
+    return ConfigError(GRAMMAR_KEY, str(path), f"a Lano grammar JSON file in the official format; problem: {why}")
 
 
 def grammar_from_dict(d: Any, path: Any = "<dict>") -> Grammar:
@@ -426,9 +442,19 @@ def save_grammar(grammar: Grammar, path: str | os.PathLike) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- random family
-def random_grammar(seed: int, depth: int, num_sym: int | Sequence[int], num_terminals: int, deg_min: int,
-                   deg_max: int, len_min: int, len_max: int, distinct_children: bool = False,
-                   cover_all: bool = True, max_tries: int = 10_000) -> Grammar:
+def random_grammar(
+    seed: int,
+    depth: int,
+    num_sym: int | Sequence[int],
+    num_terminals: int,
+    deg_min: int,
+    deg_max: int,
+    len_min: int,
+    len_max: int,
+    distinct_children: bool = False,
+    cover_all: bool = True,
+    max_tries: int = 10_000,
+) -> Grammar:
     """Draw a layered grammar of the given family, deterministically from ``seed`` (counter-based words, no RNG
     state; identical on every platform and numpy version).
 
@@ -450,14 +476,21 @@ def random_grammar(seed: int, depth: int, num_sym: int | Sequence[int], num_term
     Returns: :class:`Grammar`. Raises ValueError for inconsistent parameters or when ``max_tries`` draws of a level
     all fail (a family that cannot satisfy the constraints).
     """
-    for key, v, lo in (("seed", seed, 0), ("depth", depth, 1), ("num_terminals", num_terminals, 1),
-                       ("deg_min", deg_min, 1), ("deg_max", deg_max, 1), ("len_min", len_min, 1),
-                       ("len_max", len_max, 1)):
+    for key, v, lo in (
+        ("seed", seed, 0),
+        ("depth", depth, 1),
+        ("num_terminals", num_terminals, 1),
+        ("deg_min", deg_min, 1),
+        ("deg_max", deg_max, 1),
+        ("len_min", len_min, 1),
+        ("len_max", len_max, 1),
+    ):
         if not _is_int(v) or v < lo:
             raise ValueError(f"{key}={v!r} is not allowed; allowed: an integer >= {lo}")
     if deg_min > deg_max or len_min > len_max:
-        raise ValueError(f"need deg_min <= deg_max and len_min <= len_max, got {deg_min}..{deg_max}, "
-                         f"{len_min}..{len_max}")
+        raise ValueError(
+            f"need deg_min <= deg_max and len_min <= len_max, got {deg_min}..{deg_max}, {len_min}..{len_max}"
+        )
     if _is_int(num_sym):
         nts = [int(num_sym)] * (depth - 1)
     elif isinstance(num_sym, Sequence) and not isinstance(num_sym, str) and all(_is_int(x) for x in num_sym):
@@ -469,27 +502,60 @@ def random_grammar(seed: int, depth: int, num_sym: int | Sequence[int], num_term
     sizes = [1] + nts + [int(num_terminals)]
     if distinct_children and len_min > min(sizes[1:]):
         raise ValueError("distinct_children needs len_min <= the size of every level")
-    ns = stable_hash64("canonlm.cfg.random_grammar", int(seed), depth, sizes, deg_min, deg_max, len_min, len_max,
-                       bool(distinct_children), bool(cover_all))
+    ns = stable_hash64(
+        "canonlm.cfg.random_grammar",
+        int(seed),
+        depth,
+        sizes,
+        deg_min,
+        deg_max,
+        len_min,
+        len_max,
+        bool(distinct_children),
+        bool(cover_all),
+    )
     rules = []
     for lv in range(depth):
         n_here, n_next = sizes[lv], sizes[lv + 1]
         for attempt in range(max_tries):
-            level = _draw_level(instance_keys(ns, np.array([lv]), np.array([attempt]))[0], n_here, n_next, deg_min,
-                                deg_max, len_min, len_max, distinct_children, cover_all)
+            level = _draw_level(
+                instance_keys(ns, np.array([lv]), np.array([attempt]))[0],
+                n_here,
+                n_next,
+                deg_min,
+                deg_max,
+                len_min,
+                len_max,
+                distinct_children,
+                cover_all,
+            )
             if level is not None:
                 rules.append(level)
                 break
         else:
-            raise ValueError(f"no valid level {lv} in {max_tries} draws (sizes {sizes}, deg {deg_min}..{deg_max}, "
-                             f"len {len_min}..{len_max}); relax the constraints")
-    header = {"num_sym": num_sym if _is_int(num_sym) else list(nts),
-              "disallow_duplicate_sym": bool(distinct_children), "disallow_duplicate_seq": True}
+            raise ValueError(
+                f"no valid level {lv} in {max_tries} draws (sizes {sizes}, deg {deg_min}..{deg_max}, "
+                f"len {len_min}..{len_max}); relax the constraints"
+            )
+    header = {
+        "num_sym": num_sym if _is_int(num_sym) else list(nts),
+        "disallow_duplicate_sym": bool(distinct_children),
+        "disallow_duplicate_seq": True,
+    }
     return Grammar(rules=tuple(rules), num_terminals=int(num_terminals), header=header)
 
 
-def _draw_level(key: np.uint64, n_here: int, n_next: int, deg_min: int, deg_max: int, len_min: int, len_max: int,
-                distinct: bool, cover: bool):
+def _draw_level(
+    key: np.uint64,
+    n_here: int,
+    n_next: int,
+    deg_min: int,
+    deg_max: int,
+    len_min: int,
+    len_max: int,
+    distinct: bool,
+    cover: bool,
+):
     """One attempt at the rules of a level (None if it violates a constraint). All randomness: words of ``key``."""
     key = np.asarray([key], dtype=np.uint64)
     deg = deg_min + below(words(key, 0, np.arange(n_here)), deg_max - deg_min + 1)
@@ -509,7 +575,7 @@ def _draw_level(key: np.uint64, n_here: int, n_next: int, deg_min: int, deg_max:
     for a in range(n_here):
         sym = []
         for k in range(int(doff[a]), int(doff[a + 1])):
-            r = tuple(int(c) for c in kids[roff[k]:roff[k + 1]])
+            r = tuple(int(c) for c in kids[roff[k] : roff[k + 1]])
             if distinct and len(set(r)) < len(r):
                 return None
             sym.append(r)
@@ -546,5 +612,15 @@ def preset_grammar(name: str | Mapping[str, Any], seed: int = 0) -> Grammar:
     return random_grammar(int(seed), **family_params(name))
 
 
-__all__ = ["Grammar", "FlatGrammar", "PRESETS", "FAMILY_KEYS", "load_grammar", "save_grammar", "grammar_from_dict",
-           "random_grammar", "family_params", "preset_grammar"]
+__all__ = [
+    "Grammar",
+    "FlatGrammar",
+    "PRESETS",
+    "FAMILY_KEYS",
+    "load_grammar",
+    "save_grammar",
+    "grammar_from_dict",
+    "random_grammar",
+    "family_params",
+    "preset_grammar",
+]

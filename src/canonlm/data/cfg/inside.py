@@ -144,8 +144,9 @@ def _inside_kernel(s, lvl_off, rule_off, child_off, child, minlen, maxlen, depth
                         fpos[q] = ends[st + q]
                         fval[q] = vals[st + q]
                     for cpos in range(child_off[k] + 1, child_off[k + 1]):
-                        nf = _extend(fpos, fval, nf, child[cpos], n, row_cnt, row_start, ends, vals, acc2, zero,
-                                     use_log)
+                        nf = _extend(
+                            fpos, fval, nf, child[cpos], n, row_cnt, row_start, ends, vals, acc2, zero, use_log
+                        )
                         if nf == 0:
                             break
                     for q in range(nf):
@@ -246,8 +247,9 @@ def next_symbol_probs(grammar: Grammar, sentence: Sequence[int] | np.ndarray, me
     """
     if method not in ("auto", "scaled", "log"):
         raise ValueError(f"method={method!r} is not allowed; allowed: auto | scaled | log")
-    s = np.ascontiguousarray(np.asarray(sentence.tolist() if hasattr(sentence, "tolist") else sentence,
-                                        dtype=np.int64).reshape(-1))
+    s = np.ascontiguousarray(
+        np.asarray(sentence.tolist() if hasattr(sentence, "tolist") else sentence, dtype=np.int64).reshape(-1)
+    )
     f = grammar.flat
     alpha = _alpha(grammar)
     args = (s, f.lvl_off, f.rule_off, f.child_off, f.child, f.minlen, f.maxlen, f.depth, f.num_terminals, alpha)
@@ -269,8 +271,13 @@ def _alpha(grammar: Grammar) -> float:
     return a
 
 
-def lano_kl(p_star: np.ndarray, model_logprobs: np.ndarray, symbol_ids: Sequence[int],
-            restrict: str = "renormalize", weight: str = "exact") -> float:
+def lano_kl(
+    p_star: np.ndarray,
+    model_logprobs: np.ndarray,
+    symbol_ids: Sequence[int],
+    restrict: str = "renormalize",
+    weight: str = "exact",
+) -> float:
     """KL between the exact next-symbol law and a model's, averaged over positions (paper App. A.5).
 
     Args:
@@ -293,8 +300,9 @@ def lano_kl(p_star: np.ndarray, model_logprobs: np.ndarray, symbol_ids: Sequence
     lp = np.asarray(model_logprobs, dtype=np.float64)
     ids = np.asarray(symbol_ids, dtype=np.int64)
     if p.ndim != 2 or lp.ndim != 2 or p.shape[0] != lp.shape[0] or p.shape[1] != ids.shape[0]:
-        raise ValueError(f"p_star {p.shape}, model_logprobs {lp.shape}, symbol_ids {ids.shape}: need (R, C), "
-                         "(R, V) and (C,)")
+        raise ValueError(
+            f"p_star {p.shape}, model_logprobs {lp.shape}, symbol_ids {ids.shape}: need (R, C), (R, V) and (C,)"
+        )
     if restrict not in ("renormalize", "raw"):
         raise ValueError(f"restrict={restrict!r} is not allowed; allowed: renormalize | raw")
     if weight not in ("exact", "smoothed"):

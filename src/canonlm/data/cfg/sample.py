@@ -96,8 +96,13 @@ def _sample_kernel(keys, max_len, prefix_tok, lvl_off, rule_off, child_off, chil
     return out[:pos], offsets, attempts
 
 
-def sample_sentences(grammar: Grammar, keys: np.ndarray, max_len: int | None = None, prefix_bos: bool = False,
-                     mean_len: float | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def sample_sentences(
+    grammar: Grammar,
+    keys: np.ndarray,
+    max_len: int | None = None,
+    prefix_bos: bool = False,
+    mean_len: float | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Sample one sentence per key (single-threaded numba kernel).
 
     Args:
@@ -114,13 +119,25 @@ def sample_sentences(grammar: Grammar, keys: np.ndarray, max_len: int | None = N
     keys = np.ascontiguousarray(np.asarray(keys, dtype=np.uint64).reshape(-1))
     ml = grammar.sentence_max_len if max_len is None else min(int(max_len), grammar.sentence_max_len)
     if ml < grammar.sentence_min_len:
-        raise ValueError(f"max_len={max_len!r} is not allowed; allowed: an integer >= the shortest sentence "
-                         f"({grammar.sentence_min_len})")
+        raise ValueError(
+            f"max_len={max_len!r} is not allowed; allowed: an integer >= the shortest sentence "
+            f"({grammar.sentence_min_len})"
+        )
     f = grammar.flat
     mean = float(mean_len) if mean_len else 0.5 * (grammar.sentence_min_len + ml)
     cap_hint = int(keys.shape[0] * (mean * 1.25 + 1)) + ml + 1
-    tok, off, att = _sample_kernel(keys, ml, grammar.bos_id if prefix_bos else 0, f.lvl_off, f.rule_off,
-                                   f.child_off, f.child, f.depth, _PURPOSE_BASE, cap_hint)
+    tok, off, att = _sample_kernel(
+        keys,
+        ml,
+        grammar.bos_id if prefix_bos else 0,
+        f.lvl_off,
+        f.rule_off,
+        f.child_off,
+        f.child,
+        f.depth,
+        _PURPOSE_BASE,
+        cap_hint,
+    )
     if keys.shape[0] and att.min() < 0:
         raise RuntimeError(f"a sentence of length <= {ml} was not found in {_MAX_ATTEMPTS} draws")
     return tok, off, att

@@ -26,8 +26,10 @@ def _accepts_keyword(fn: Callable[..., Any], name: str, probe: Callable[[], Any]
         except TypeError:
             return False
         return True
-    return any(p.name == name and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) or p.kind == p.VAR_KEYWORD
-               for p in params)
+    return any(
+        p.name == name and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) or p.kind == p.VAR_KEYWORD
+        for p in params
+    )
 
 
 def as_encoder(tokenizer: Any) -> Callable[[str], list[int]]:
@@ -42,10 +44,12 @@ def as_encoder(tokenizer: Any) -> Callable[[str], list[int]]:
     enc = getattr(tokenizer, "encode", None)
     if enc is not None:
         if _accepts_keyword(enc, "add_special_tokens", lambda: enc("a", add_special_tokens=False)):
+
             def encode(text: str) -> list[int]:
                 r = enc(text, add_special_tokens=False)
                 return list(map(int, getattr(r, "ids", r)))
         else:
+
             def encode(text: str) -> list[int]:
                 r = enc(text)
                 return list(map(int, getattr(r, "ids", r)))

@@ -44,13 +44,17 @@ import numpy as np
 
 ROOMS = ("bathroom", "bedroom", "garden", "hallway", "kitchen", "office")
 TASK_LABELS: dict[str, tuple[str, ...]] = {
-    "qa1": ROOMS, "qa2": ROOMS, "qa3": ROOMS, "qa4": ROOMS,
+    "qa1": ROOMS,
+    "qa2": ROOMS,
+    "qa3": ROOMS,
+    "qa4": ROOMS,
     "qa5": ("Bill", "Fred", "Jeff", "Mary", "apple", "football", "milk"),
 }
 TASKS = tuple(TASK_LABELS)
 LENGTHS = ("0k", "1k", "2k", "4k")
-TEMPLATE = ("{instruction}\n\n{examples}\n\n{post_prompt}<context>\n{context}\n</context>\n\n"
-            "Question: {question}\nAnswer: ")
+TEMPLATE = (
+    "{instruction}\n\n{examples}\n\n{post_prompt}<context>\n{context}\n</context>\n\nQuestion: {question}\nAnswer: "
+)
 QUESTION_CUTS = ("verbatim", "any_case")  # the first is the default (compare_answers semantics)
 PROMPT_KEYS = ("instruction", "examples", "post_prompt")
 
@@ -59,66 +63,117 @@ def _example(context: str, question: str, answer: str) -> str:
     return f"<context>\n{context}\n</context>\n\nQuestion: {question}\nAnswer: {answer}"
 
 
-_INTRO = ("The context below is a long stretch of unrelated text. A few short statements {what} are hidden in it. "
-          "Ignore the rest of the text and answer the question using only those statements. ")
+_INTRO = (
+    "The context below is a long stretch of unrelated text. A few short statements {what} are hidden in it. "
+    "Ignore the rest of the text and answer the question using only those statements. "
+)
 
 PROMPTS: dict[str, dict[str, str]] = {
     "qa1": dict(
-        instruction=_INTRO.format(what="saying where people go") +
-        "A person who moved several times is now at the last place mentioned for them. "
+        instruction=_INTRO.format(what="saying where people go")
+        + "A person who moved several times is now at the last place mentioned for them. "
         "Reply with one sentence of the form: NAME is in the PLACE.",
-        examples="\n\n".join([
-            _example("Lena walked to the garden. Omar headed to the office. Lena ran to the kitchen.",
-                     "Where is Lena?", "Lena is in the kitchen."),
-            _example("Pavel strolled into the bedroom. Ines hurried to the hallway. Pavel wandered to the bathroom. "
-                     "Ines drifted back to the office.", "Where is Ines?", "Ines is in the office."),
-        ]),
-        post_prompt=""),
+        examples="\n\n".join(
+            [
+                _example(
+                    "Lena walked to the garden. Omar headed to the office. Lena ran to the kitchen.",
+                    "Where is Lena?",
+                    "Lena is in the kitchen.",
+                ),
+                _example(
+                    "Pavel strolled into the bedroom. Ines hurried to the hallway. Pavel wandered to the bathroom. "
+                    "Ines drifted back to the office.",
+                    "Where is Ines?",
+                    "Ines is in the office.",
+                ),
+            ]
+        ),
+        post_prompt="",
+    ),
     "qa2": dict(
-        instruction=_INTRO.format(what="about people moving between places and picking up or putting down objects") +
-        "An object someone is holding travels with them; an object that was put down stays where it was left. "
+        instruction=_INTRO.format(what="about people moving between places and picking up or putting down objects")
+        + "An object someone is holding travels with them; an object that was put down stays where it was left. "
         "Reply with one sentence of the form: The OBJECT is in the PLACE.",
-        examples="\n\n".join([
-            _example("Nora went to the hallway. Nora took the umbrella. Nora walked to the bedroom.",
-                     "Where is the umbrella?", "The umbrella is in the bedroom."),
-            _example("Theo picked up the cup. Theo went to the garden. Theo put down the cup. "
-                     "Theo moved to the office.", "Where is the cup?", "The cup is in the garden."),
-        ]),
-        post_prompt=""),
+        examples="\n\n".join(
+            [
+                _example(
+                    "Nora went to the hallway. Nora took the umbrella. Nora walked to the bedroom.",
+                    "Where is the umbrella?",
+                    "The umbrella is in the bedroom.",
+                ),
+                _example(
+                    "Theo picked up the cup. Theo went to the garden. Theo put down the cup. Theo moved to the office.",
+                    "Where is the cup?",
+                    "The cup is in the garden.",
+                ),
+            ]
+        ),
+        post_prompt="",
+    ),
     "qa3": dict(
-        instruction=_INTRO.format(what="about people moving between places and carrying objects") +
-        "An object someone is holding travels with them; an object that was put down stays where it was left. "
+        instruction=_INTRO.format(what="about people moving between places and carrying objects")
+        + "An object someone is holding travels with them; an object that was put down stays where it was left. "
         "Reply with one sentence of the form: Before the PLACE, the OBJECT was in the EARLIER PLACE.",
-        examples="\n\n".join([
-            _example("Ida grabbed the lamp. Ida went to the hallway. Ida travelled to the bathroom.",
-                     "Where was the lamp before the bathroom?", "Before the bathroom, the lamp was in the hallway."),
-            _example("Marco went to the kitchen. Marco lifted the basket. Marco went to the garden. Marco dropped the "
-                     "basket. Marco headed to the office.", "Where was the basket before the garden?",
-                     "Before the garden, the basket was in the kitchen."),
-        ]),
-        post_prompt=""),
+        examples="\n\n".join(
+            [
+                _example(
+                    "Ida grabbed the lamp. Ida went to the hallway. Ida travelled to the bathroom.",
+                    "Where was the lamp before the bathroom?",
+                    "Before the bathroom, the lamp was in the hallway.",
+                ),
+                _example(
+                    "Marco went to the kitchen. Marco lifted the basket. Marco went to the garden. Marco dropped the "
+                    "basket. Marco headed to the office.",
+                    "Where was the basket before the garden?",
+                    "Before the garden, the basket was in the kitchen.",
+                ),
+            ]
+        ),
+        post_prompt="",
+    ),
     "qa4": dict(
-        instruction=_INTRO.format(what="about how places are arranged relative to each other") +
-        "Reply with a single word: the name of the place.",
-        examples="\n\n".join([
-            _example("The garden is north of the hallway. The office is south of the hallway.",
-                     "What is the hallway north of?", "office"),
-            _example("The bedroom is west of the bathroom. The kitchen is east of the bathroom.",
-                     "What is west of the bathroom?", "bedroom"),
-        ]),
-        post_prompt=""),
+        instruction=_INTRO.format(what="about how places are arranged relative to each other")
+        + "Reply with a single word: the name of the place.",
+        examples="\n\n".join(
+            [
+                _example(
+                    "The garden is north of the hallway. The office is south of the hallway.",
+                    "What is the hallway north of?",
+                    "office",
+                ),
+                _example(
+                    "The bedroom is west of the bathroom. The kitchen is east of the bathroom.",
+                    "What is west of the bathroom?",
+                    "bedroom",
+                ),
+            ]
+        ),
+        post_prompt="",
+    ),
     "qa5": dict(
-        instruction=_INTRO.format(what="about people moving and handing objects to each other") +
-        "Reply with a single word: a person or an object.",
-        examples="\n\n".join([
-            _example("Anna took the book there. Anna handed the book to Pablo. Pablo went to the garden.",
-                     "Who received the book?", "Pablo"),
-            _example("Karl grabbed the key there. Karl gave the key to Rosa. Rosa walked to the kitchen.",
-                     "What did Karl give to Rosa?", "key"),
-            _example("Lisa picked up the ball there. Lisa went to the hallway. Lisa passed the ball to Ben.",
-                     "Who gave the ball?", "Lisa"),
-        ]),
-        post_prompt=""),
+        instruction=_INTRO.format(what="about people moving and handing objects to each other")
+        + "Reply with a single word: a person or an object.",
+        examples="\n\n".join(
+            [
+                _example(
+                    "Anna took the book there. Anna handed the book to Pablo. Pablo went to the garden.",
+                    "Who received the book?",
+                    "Pablo",
+                ),
+                _example(
+                    "Karl grabbed the key there. Karl gave the key to Rosa. Rosa walked to the kitchen.",
+                    "What did Karl give to Rosa?",
+                    "key",
+                ),
+                _example(
+                    "Lisa picked up the ball there. Lisa went to the hallway. Lisa passed the ball to Ben.",
+                    "Who gave the ball?",
+                    "Lisa",
+                ),
+            ]
+        ),
+        post_prompt="",
+    ),
 }
 
 
@@ -181,8 +236,10 @@ def find_babilong_file(root: str | Path, qa: str, length: int | str) -> Path:
         pq = sorted((r / name).glob(f"{qa}-*.parquet")) if (r / name).is_dir() else []
         if pq:
             return pq[0]
-    raise FileNotFoundError(f"babilong: no data for {qa} {ln} under {root} (tried e.g. {cands[0]}, {cands[1]}, "
-                            f"{cands[2]}, {r / ln / (qa + '-*.parquet')})")
+    raise FileNotFoundError(
+        f"babilong: no data for {qa} {ln} under {root} (tried e.g. {cands[0]}, {cands[1]}, "
+        f"{cands[2]}, {r / ln / (qa + '-*.parquet')})"
+    )
 
 
 def _records(path: Path) -> list[dict[str, Any]]:
@@ -207,8 +264,9 @@ def _records(path: Path) -> list[dict[str, Any]]:
         if "data" in obj and isinstance(obj["data"], list):
             return obj["data"]
         if all(isinstance(obj.get(k), list) for k in ("input", "question", "target")):
-            return [dict(input=i, question=q, target=t) for i, q, t in zip(obj["input"], obj["question"],
-                                                                            obj["target"])]
+            return [
+                dict(input=i, question=q, target=t) for i, q, t in zip(obj["input"], obj["question"], obj["target"])
+            ]
         return [obj]
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
@@ -228,8 +286,16 @@ def load_babilong(root: str | Path, qa: str, length: int | str, limit: int | Non
         missing = [k for k in ("input", "question", "target") if k not in rec]
         if missing:
             raise ValueError(f"babilong: {path} record {n} lacks {', '.join(missing)}")
-        out.append(BabilongSample(input=str(rec["input"]), question=str(rec["question"]), target=str(rec["target"]),
-                                  qa=qa, length=length_name(length), index=n))
+        out.append(
+            BabilongSample(
+                input=str(rec["input"]),
+                question=str(rec["question"]),
+                target=str(rec["target"]),
+                qa=qa,
+                length=length_name(length),
+                index=n,
+            )
+        )
     return out
 
 
@@ -238,7 +304,7 @@ def validate_prompts(prompts: Any, qas: Sequence[str] = TASKS, source: str = "pr
     """Check a prompt set: a dict ``{qa: {"instruction": str, "examples": str, "post_prompt": str}}`` holding every
     task of ``qas`` (extra ``qaN`` entries, e.g. qa6..qa20 of Babilong's set, are allowed and unused). Returns the
     entries of ``qas`` as plain dicts. Raises ValueError naming ``source``, the entry and what is expected."""
-    want = "an object {\"qa1\": {\"instruction\": ..., \"examples\": ..., \"post_prompt\": ...}, ...}"
+    want = 'an object {"qa1": {"instruction": ..., "examples": ..., "post_prompt": ...}, ...}'
     if not isinstance(prompts, dict):
         raise ValueError(f"{source}: expected {want}, got a JSON {type(prompts).__name__}")
     bad = [k for k in prompts if not (isinstance(k, str) and re.fullmatch(r"qa\d+", k))]
@@ -251,14 +317,17 @@ def validate_prompts(prompts: Any, qas: Sequence[str] = TASKS, source: str = "pr
     for qa in qas:
         p = prompts[qa]
         if not isinstance(p, dict):
-            raise ValueError(f"{source}: {qa} must be an object with keys {', '.join(PROMPT_KEYS)}, "
-                             f"got {type(p).__name__}")
+            raise ValueError(
+                f"{source}: {qa} must be an object with keys {', '.join(PROMPT_KEYS)}, got {type(p).__name__}"
+            )
         lack = [k for k in PROMPT_KEYS if k not in p]
         extra = [k for k in p if k not in PROMPT_KEYS]
         if lack or extra:
-            raise ValueError(f"{source}: {qa} has keys {sorted(p)}; expected exactly {', '.join(PROMPT_KEYS)}"
-                             + (f" (missing {', '.join(lack)})" if lack else "")
-                             + (f" (unknown {', '.join(map(repr, extra))})" if extra else ""))
+            raise ValueError(
+                f"{source}: {qa} has keys {sorted(p)}; expected exactly {', '.join(PROMPT_KEYS)}"
+                + (f" (missing {', '.join(lack)})" if lack else "")
+                + (f" (unknown {', '.join(map(repr, extra))})" if extra else "")
+            )
         for k in PROMPT_KEYS:
             if not isinstance(p[k], str):
                 raise ValueError(f"{source}: {qa}.{k} must be a string, got {type(p[k]).__name__}")
@@ -273,8 +342,10 @@ def load_prompts(path: str | Path, qas: Sequence[str] = TASKS) -> tuple[dict[str
     ValueError (naming the file) for a file that is not UTF-8 JSON or does not have the expected structure."""
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"prompts: {path} does not exist (expected a JSON file like "
-                                "{\"qa1\": {\"instruction\": ..., \"examples\": ..., \"post_prompt\": ...}})")
+        raise FileNotFoundError(
+            f"prompts: {path} does not exist (expected a JSON file like "
+            '{"qa1": {"instruction": ..., "examples": ..., "post_prompt": ...}})'
+        )
     raw = p.read_bytes()
     try:
         obj = json.loads(raw.decode("utf-8"))
@@ -285,24 +356,42 @@ def load_prompts(path: str | Path, qas: Sequence[str] = TASKS) -> tuple[dict[str
     return validate_prompts(obj, qas, source=f"prompts {path}"), hashlib.sha256(raw).hexdigest()
 
 
-def format_prompt(context: str, question: str, *, instruction: str = "", examples: str = "", post_prompt: str = "",
-                  template: str = TEMPLATE) -> str:
+def format_prompt(
+    context: str,
+    question: str,
+    *,
+    instruction: str = "",
+    examples: str = "",
+    post_prompt: str = "",
+    template: str = TEMPLATE,
+) -> str:
     """Fill ``template`` and strip the result (so the prompt ends in ``Answer:``)."""
-    return template.format(instruction=instruction, examples=examples, post_prompt=post_prompt, context=context,
-                           question=question).strip()
+    return template.format(
+        instruction=instruction, examples=examples, post_prompt=post_prompt, context=context, question=question
+    ).strip()
 
 
-def build_prompt(sample: BabilongSample, *, use_instruction: bool = True, use_examples: bool = True,
-                 use_post_prompt: bool = True, prompts: dict[str, dict[str, str]] | None = None) -> str:
+def build_prompt(
+    sample: BabilongSample,
+    *,
+    use_instruction: bool = True,
+    use_examples: bool = True,
+    use_post_prompt: bool = True,
+    prompts: dict[str, dict[str, str]] | None = None,
+) -> str:
     """The prompt of one sample with canonlm's own texts (:data:`PROMPTS`), or with ``prompts`` (a user set, e.g.
     from :func:`load_prompts`). ValueError if ``prompts`` has no entry for ``sample.qa``."""
     table = PROMPTS if prompts is None else prompts
     if sample.qa not in table:
         raise ValueError(f"prompts: no entry for {sample.qa} (have {', '.join(sorted(table)) or 'none'})")
     p = table[sample.qa]
-    return format_prompt(sample.input, sample.question, instruction=p["instruction"] if use_instruction else "",
-                         examples=p["examples"] if use_examples else "",
-                         post_prompt=p["post_prompt"] if use_post_prompt else "")
+    return format_prompt(
+        sample.input,
+        sample.question,
+        instruction=p["instruction"] if use_instruction else "",
+        examples=p["examples"] if use_examples else "",
+        post_prompt=p["post_prompt"] if use_post_prompt else "",
+    )
 
 
 # ============================================================================================== scoring
@@ -318,8 +407,9 @@ def preprocess_output(output: str, question_cut: str = "verbatim") -> str:
     return out.split("question" if question_cut == "any_case" else "Question")[0]
 
 
-def score_babilong(output: str, target: str, question: str, labels: Sequence[str], *,
-                   question_cut: str = "verbatim") -> bool:
+def score_babilong(
+    output: str, target: str, question: str, labels: Sequence[str], *, question_cut: str = "verbatim"
+) -> bool:
     """True iff the target is the only task label in the preprocessed output once the labels mentioned in the
     question are removed (all comparisons lower-case, substring matches). ``question_cut``: see
     :func:`preprocess_output` (default ``verbatim`` = compare_answers)."""
@@ -330,11 +420,21 @@ def score_babilong(output: str, target: str, question: str, labels: Sequence[str
     return target.lower() in in_output and len(in_output) == 1
 
 
-def evaluate_babilong(lm: Any, encode: Callable[[str], list[int]], decode: Callable[[Sequence[int]], str],
-                      root: str | Path, *, qas: Sequence[str] = TASKS, lengths: Sequence[int | str] = LENGTHS,
-                      num_prompts: int | None = 100, max_new_tokens: int = 20, stop_ids: Sequence[int] = (),
-                      question_cut: str = "verbatim", prompts: dict[str, dict[str, str]] | None = None,
-                      log: Callable[[str], None] | None = None) -> dict[str, Any]:
+def evaluate_babilong(
+    lm: Any,
+    encode: Callable[[str], list[int]],
+    decode: Callable[[Sequence[int]], str],
+    root: str | Path,
+    *,
+    qas: Sequence[str] = TASKS,
+    lengths: Sequence[int | str] = LENGTHS,
+    num_prompts: int | None = 100,
+    max_new_tokens: int = 20,
+    stop_ids: Sequence[int] = (),
+    question_cut: str = "verbatim",
+    prompts: dict[str, dict[str, str]] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
     """Greedy Babilong accuracy of ``lm`` (:class:`canonlm.data.lm.LanguageModel`) per qa task and length.
 
     ``question_cut``: the scorer switch (:func:`preprocess_output`; default ``verbatim``). ``prompts``: a user prompt
@@ -362,8 +462,12 @@ def evaluate_babilong(lm: Any, encode: Callable[[str], list[int]], decode: Calla
             ln = length_name(L)
             data = load_babilong(root, qa, ln, limit=num_prompts)
             texts = [build_prompt(s, prompts=prompts) for s in data]
-            outs = lm.generate([np.asarray(encode(p), dtype=np.int64) for p in texts], max_new_tokens,
-                               stop_ids=stop_ids, temperature=0.0)
+            outs = lm.generate(
+                [np.asarray(encode(p), dtype=np.int64) for p in texts],
+                max_new_tokens,
+                stop_ids=stop_ids,
+                temperature=0.0,
+            )
             right = 0
             for s, o in zip(data, outs):
                 text = decode(o)
@@ -377,6 +481,23 @@ def evaluate_babilong(lm: Any, encode: Callable[[str], list[int]], decode: Calla
     return {"accuracy": acc, "counts": counts, "samples": samples}
 
 
-__all__ = ["TASK_LABELS", "TASKS", "LENGTHS", "TEMPLATE", "PROMPTS", "PROMPT_KEYS", "QUESTION_CUTS", "BabilongSample",
-           "length_name", "find_babilong_file", "load_babilong", "validate_prompts", "load_prompts", "format_prompt",
-           "build_prompt", "preprocess_output", "score_babilong", "evaluate_babilong"]
+__all__ = [
+    "TASK_LABELS",
+    "TASKS",
+    "LENGTHS",
+    "TEMPLATE",
+    "PROMPTS",
+    "PROMPT_KEYS",
+    "QUESTION_CUTS",
+    "BabilongSample",
+    "length_name",
+    "find_babilong_file",
+    "load_babilong",
+    "validate_prompts",
+    "load_prompts",
+    "format_prompt",
+    "build_prompt",
+    "preprocess_output",
+    "score_babilong",
+    "evaluate_babilong",
+]

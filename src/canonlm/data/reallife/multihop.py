@@ -46,9 +46,11 @@ from canonlm.data.seeding import stable_hash64
 QUESTION = "\n\nAnswer me: {name} was born in the year of "
 STATEMENT = "{name} was born in the year of {year}."
 EQUIVALENCE = "{name2} was born in the same year as {name1}."
-INSTRUCTION_2HOP = ("You will be asked questions about people's birth years, and the birth year descriptions are "
-                    "hidden in some random text. Some people's birth years are directly given, while others are given "
-                    "in the form that `name1' was born in the same year as `name2'.\n\n")
+INSTRUCTION_2HOP = (
+    "You will be asked questions about people's birth years, and the birth year descriptions are "
+    "hidden in some random text. Some people's birth years are directly given, while others are given "
+    "in the form that `name1' was born in the same year as `name2'.\n\n"
+)
 HOPS = {1: (5, 1), 2: (3, 2)}  # hop -> (N, k)
 LENGTHS = (0, 1000, 2000, 3000, 4000, 5000, 6000)
 YEARS = (1950, 2009)
@@ -61,9 +63,11 @@ _YEAR_RE = re.compile(r"(?<!\d)\d{4}(?!\d)")
 
 
 # ============================================================================================== sentences
-_ABBREV = frozenset("""mr mrs ms dr prof sr jr st mt ft vs etc al fig figs vol vols no nos inc ltd co corp dept est
+_ABBREV = frozenset(
+    """mr mrs ms dr prof sr jr st mt ft vs etc al fig figs vol vols no nos inc ltd co corp dept est
 gen col lt sgt capt cmdr adm gov rev hon pres jan feb mar apr jun jul aug sep sept oct nov dec approx ca cf ed eds
-op pp""".split())
+op pp""".split()
+)
 _BOUNDARY = re.compile(r"([.!?]+)([\"'\u201d\u2019)\]]*)\s+(?=[\"'\u201c\u2018(\[]?[A-Z0-9])")
 
 
@@ -94,11 +98,11 @@ def split_sentences(text: str, newline: str = "boundary") -> list[str]:
         start = 0
         for m in _BOUNDARY.finditer(para):
             if m.group(1) == ".":
-                w = re.search(r"(\S+)$", para[start:m.start(1)])
+                w = re.search(r"(\S+)$", para[start : m.start(1)])
                 word = w.group(1).lower().lstrip("(\"'") if w else ""
                 if word in _ABBREV or (len(word) == 1 and word.isalpha()) or "." in word:
                     continue
-            s = para[start:m.end(2)].strip()
+            s = para[start : m.end(2)].strip()
             if s:
                 out.append(s)
             start = m.end()
@@ -117,13 +121,15 @@ def _split_nltk(text: str, newline: str = "boundary") -> list[str]:
     try:
         nltk.data.find("tokenizers/punkt")
     except LookupError:
-        raise ConfigError("multihop.splitter", "nltk",
-                          "regex, or install the punkt data offline first (no download at run time)") from None
+        raise ConfigError(
+            "multihop.splitter", "nltk", "regex, or install the punkt data offline first (no download at run time)"
+        ) from None
     return [" ".join(s.split()) for para in _blocks(text, newline) for s in sent_tokenize(para) if s.strip()]
 
 
-def load_background(path: str | Path, splitter: str = "regex", text_key: str = "text",
-                    newline: str = "boundary") -> list[str]:
+def load_background(
+    path: str | Path, splitter: str = "regex", text_key: str = "text", newline: str = "boundary"
+) -> list[str]:
     """Sentences of a local background file (a Wikipedia dump or any prose), in file order.
 
     ``.jsonl`` files: one JSON object per line, text in ``text_key`` (documents split separately); anything else is
@@ -272,11 +278,21 @@ class MultiHopBuilder:
         ValueError if the de-duplicated name lists give fewer distinct full names than a prompt needs (6).
     """
 
-    def __init__(self, tokenizer: Any, background: str | Path | Sequence[str], *,
-                 names: tuple[Sequence[str], Sequence[str], Sequence[str]] | None = None,
-                 names_dir: str | Path | None = None, seed: int = 0, length_count: str = "per_sentence",
-                 ensure_full_background: bool = True, query: str = "first", splitter: str = "regex",
-                 newline: str = "boundary", max_tries: int = 1000):
+    def __init__(
+        self,
+        tokenizer: Any,
+        background: str | Path | Sequence[str],
+        *,
+        names: tuple[Sequence[str], Sequence[str], Sequence[str]] | None = None,
+        names_dir: str | Path | None = None,
+        seed: int = 0,
+        length_count: str = "per_sentence",
+        ensure_full_background: bool = True,
+        query: str = "first",
+        splitter: str = "regex",
+        newline: str = "boundary",
+        max_tries: int = 1000,
+    ):
         if length_count not in LENGTH_COUNTS:
             raise ConfigError("multihop.length_count", length_count, " | ".join(LENGTH_COUNTS))
         if query not in QUERIES:
@@ -301,9 +317,11 @@ class MultiHopBuilder:
         need = max(n * k for n, k in HOPS.values())
         sizes = (len(self.first), len(self.middle), len(self.last))
         if sizes[0] * sizes[1] * sizes[2] < need:
-            raise ValueError(f"names: the lists hold {sizes[0]} first, {sizes[1]} middle and {sizes[2]} last distinct "
-                             f"names -> {sizes[0] * sizes[1] * sizes[2]} distinct full names, fewer than a prompt "
-                             f"needs ({need}); give longer name lists")
+            raise ValueError(
+                f"names: the lists hold {sizes[0]} first, {sizes[1]} middle and {sizes[2]} last distinct "
+                f"names -> {sizes[0] * sizes[1] * sizes[2]} distinct full names, fewer than a prompt "
+                f"needs ({need}); give longer name lists"
+            )
         self.newline = newline
         self.seed = int(seed)
         self.length_count = length_count
@@ -316,8 +334,15 @@ class MultiHopBuilder:
 
     def settings(self) -> dict[str, Any]:
         """JSON-able description of the builder's switches."""
-        return dict(seed=self.seed, length_count=self.length_count, ensure_full_background=self.ensure_full_background,
-                    query=self.query, newline=self.newline, sentences=len(self.sentences), years=list(YEARS))
+        return dict(
+            seed=self.seed,
+            length_count=self.length_count,
+            ensure_full_background=self.ensure_full_background,
+            query=self.query,
+            newline=self.newline,
+            sentences=len(self.sentences),
+            years=list(YEARS),
+        )
 
     # ------------------------------------------------------------------ background
     def sentence_tokens(self, i: int) -> int:
@@ -328,7 +353,7 @@ class MultiHopBuilder:
         return n
 
     def _joined_tokens(self, s0: int, k: int) -> int:
-        return len(self.encode(" ".join(self.sentences[s0:s0 + k]))) if k else 0
+        return len(self.encode(" ".join(self.sentences[s0 : s0 + k]))) if k else 0
 
     def take_background(self, s0: int, L: int) -> tuple[int, int, bool]:
         """From start sentence ``s0``: (k sentences taken, their token count, shortfall) under the counting mode:
@@ -380,8 +405,10 @@ class MultiHopBuilder:
                 names.append(nm)
             draws += 1
             if draws > _MAX_NAME_DRAWS:  # only if names with spaces collide ("Ann Marie"+"Lee" vs "Ann"+"Marie Lee")
-                raise ValueError(f"names: {draws} draws gave only {len(names)} distinct full names, a prompt needs "
-                                 f"{N * k}; give longer name lists (names containing spaces can coincide)")
+                raise ValueError(
+                    f"names: {draws} draws gave only {len(names)} distinct full names, a prompt needs "
+                    f"{N * k}; give longer name lists (names containing spaces can coincide)"
+                )
         pool = list(range(YEARS[0], YEARS[1] + 1))  # partial Fisher-Yates: N years without replacement
         for j in range(N):
             r = j + rf.below(len(pool) - j)
@@ -409,9 +436,11 @@ class MultiHopBuilder:
             if not (short and self.ensure_full_background):
                 break
             if tries >= self.max_tries:
-                raise ValueError(f"background: no start sentence reached L={L} tokens in {tries} draws "
-                                 f"({len(self.sentences)} sentences); use a longer background file")
-        bg = self.sentences[s0:s0 + kb]
+                raise ValueError(
+                    f"background: no start sentence reached L={L} tokens in {tries} draws "
+                    f"({len(self.sentences)} sentences); use a longer background file"
+                )
+        bg = self.sentences[s0 : s0 + kb]
         gaps = sorted(rb.below(len(bg) + 1) for _ in statements)  # sorted gaps keep the statements' order
         pieces: list[str] = []
         prev = 0
@@ -423,10 +452,24 @@ class MultiHopBuilder:
         text = " ".join(pieces)
         question = QUESTION.format(name=qname)
         prompt = text + " " + question if hop == 1 else INSTRUCTION_2HOP + "<context>" + text + "</context>" + question
-        return MultiHopPrompt(text=prompt, ids=self.encode(prompt), target=target, hop=hop, L=L, index=index,
-                              query_name=qname, names1=names1, years=years, names2=names2, perm=perm,
-                              statements=statements, background=(s0, kb), background_tokens=count,
-                              shortfall=short, tries=tries)
+        return MultiHopPrompt(
+            text=prompt,
+            ids=self.encode(prompt),
+            target=target,
+            hop=hop,
+            L=L,
+            index=index,
+            query_name=qname,
+            names1=names1,
+            years=years,
+            names2=names2,
+            perm=perm,
+            statements=statements,
+            background=(s0, kb),
+            background_tokens=count,
+            shortfall=short,
+            tries=tries,
+        )
 
     def build_many(self, hop: int, L: int, n: int, start: int = 0) -> list[MultiHopPrompt]:
         """Prompts ``start .. start+n-1`` of (hop, L)."""
@@ -445,10 +488,18 @@ def score_multihop(output: str, target: int) -> bool:
     return extract_year(output) == int(target)
 
 
-def evaluate_multihop(lm: Any, builder: MultiHopBuilder, decode: Callable[[Sequence[int]], str], *,
-                      hops: Sequence[int] = (1, 2), lengths: Sequence[int] = LENGTHS, num_prompts: int = 100,
-                      max_new_tokens: int = 8, stop_ids: Sequence[int] = (),
-                      log: Callable[[str], None] | None = None) -> dict[str, Any]:
+def evaluate_multihop(
+    lm: Any,
+    builder: MultiHopBuilder,
+    decode: Callable[[Sequence[int]], str],
+    *,
+    hops: Sequence[int] = (1, 2),
+    lengths: Sequence[int] = LENGTHS,
+    num_prompts: int = 100,
+    max_new_tokens: int = 8,
+    stop_ids: Sequence[int] = (),
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
     """Greedy multi-hop accuracy of ``lm`` (:class:`canonlm.data.lm.LanguageModel`) per hop and L.
 
     Returns ``{"accuracy": {"1-hop": {L: acc}}, "counts": {"1-hop": {L: [correct, n]}}, "samples": [...]}`` (L keys
@@ -462,16 +513,27 @@ def evaluate_multihop(lm: Any, builder: MultiHopBuilder, decode: Callable[[Seque
         acc[key], counts[key] = {}, {}
         for L in lengths:
             prompts = builder.build_many(hop, L, num_prompts)
-            outs = lm.generate([np.asarray(p.ids, dtype=np.int64) for p in prompts], max_new_tokens,
-                               stop_ids=stop_ids, temperature=0.0)
+            outs = lm.generate(
+                [np.asarray(p.ids, dtype=np.int64) for p in prompts], max_new_tokens, stop_ids=stop_ids, temperature=0.0
+            )
             right = 0
             for p, o in zip(prompts, outs):
                 text = decode(o)
                 ok = score_multihop(text, p.target)
                 right += ok
-                samples.append(dict(hop=hop, L=L, index=p.index, target=p.target, output=text,
-                                    year=extract_year(text), correct=bool(ok), prompt_tokens=len(p.ids),
-                                    shortfall=p.shortfall))
+                samples.append(
+                    dict(
+                        hop=hop,
+                        L=L,
+                        index=p.index,
+                        target=p.target,
+                        output=text,
+                        year=extract_year(text),
+                        correct=bool(ok),
+                        prompt_tokens=len(p.ids),
+                        shortfall=p.shortfall,
+                    )
+                )
             acc[key][str(L)] = right / max(len(prompts), 1)
             counts[key][str(L)] = [right, len(prompts)]
             if log:
@@ -479,6 +541,22 @@ def evaluate_multihop(lm: Any, builder: MultiHopBuilder, decode: Callable[[Seque
     return {"accuracy": acc, "counts": counts, "samples": samples}
 
 
-__all__ = ["MultiHopBuilder", "MultiHopPrompt", "split_sentences", "load_background", "load_capo_names",
-           "unique_names", "extract_year", "score_multihop", "evaluate_multihop", "QUESTION", "STATEMENT",
-           "EQUIVALENCE", "INSTRUCTION_2HOP", "HOPS", "LENGTHS", "YEARS", "NEWLINES"]
+__all__ = [
+    "MultiHopBuilder",
+    "MultiHopPrompt",
+    "split_sentences",
+    "load_background",
+    "load_capo_names",
+    "unique_names",
+    "extract_year",
+    "score_multihop",
+    "evaluate_multihop",
+    "QUESTION",
+    "STATEMENT",
+    "EQUIVALENCE",
+    "INSTRUCTION_2HOP",
+    "HOPS",
+    "LENGTHS",
+    "YEARS",
+    "NEWLINES",
+]

@@ -51,8 +51,13 @@ def check_bool(key: str, v: Any, allowed: str = "true | false") -> bool:
     return v
 
 
-def merge_config(name: str, cfg: Mapping[str, Any], defaults: Mapping[str, Mapping[str, Any]],
-                 keys: Sequence[str], mismatch: str | None = None) -> dict[str, Any]:
+def merge_config(
+    name: str,
+    cfg: Mapping[str, Any],
+    defaults: Mapping[str, Mapping[str, Any]],
+    keys: Sequence[str],
+    mismatch: str | None = None,
+) -> dict[str, Any]:
     """The prologue of every task constructor: ``{**defaults[name], **cfg}`` after checking the name and keys.
 
     Args: name: the registry key the task is built with. cfg: the user's config (missing keys take defaults).
@@ -71,8 +76,9 @@ def merge_config(name: str, cfg: Mapping[str, Any], defaults: Mapping[str, Mappi
     if unknown:
         raise ConfigError(f"task.{unknown[0]}", cfg[unknown[0]], f"a known key: {', '.join(keys)}")
     if cfg.get("name", name) != name:
-        raise ConfigError("task.name", cfg["name"],
-                          f"{name!r} (the registry key it was built with)" if mismatch is None else mismatch)
+        raise ConfigError(
+            "task.name", cfg["name"], f"{name!r} (the registry key it was built with)" if mismatch is None else mismatch
+        )
     return {**defaults[name], **cfg}
 
 
@@ -111,8 +117,7 @@ def parse_index(index: Any, from_int: Callable[[int], tuple[int, int]] | None = 
     raise ValueError(f"index={index!r} is not allowed; allowed: an int or a pair (window, instance) of ints")
 
 
-def cached_namespace(cache: dict, split: str, seed: Any, default_seed: int,
-                     parts: Callable[[], Sequence[Any]]) -> int:
+def cached_namespace(cache: dict, split: str, seed: Any, default_seed: int, parts: Callable[[], Sequence[Any]]) -> int:
     """The 64-bit namespace ``stable_hash64(*parts(), split, seed)`` of a task's split (:mod:`canonlm.data.seeding`),
     cached in ``cache`` per (split, seed); ``parts`` (called only on a cache miss) names the task and its generative
     parameters. ``seed`` None means ``default_seed``.
@@ -168,13 +173,17 @@ def name_space(V: int, min_len: int, max_len: int, N: int) -> tuple[np.ndarray, 
     count = V ** np.arange(min_len, max_len + 1, dtype=np.int64)
     off = excl_cumsum(count)
     if int(off[-1]) < N:
-        raise ConfigError("task.vocab_V", V, f"a value giving at least N={N} distinct names (lengths {min_len}.."
-                                             f"{max_len} give {int(off[-1])})")
+        raise ConfigError(
+            "task.vocab_V",
+            V,
+            f"a value giving at least N={N} distinct names (lengths {min_len}..{max_len} give {int(off[-1])})",
+        )
     return count, off
 
 
-def name_token_rows(code: np.ndarray, off: np.ndarray, min_len: int, max_len: int, V: int,
-                    vpow: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def name_token_rows(
+    code: np.ndarray, off: np.ndarray, min_len: int, max_len: int, V: int, vpow: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """Tokens of the names ``code`` (int64 (S,), numbered as in :func:`name_space` with offsets ``off``):
     (tokens int64 (S, max_len), token j = base-V digit j of the code within its length + 1, the last one + V,
     0 beyond the name's length; lengths int64 (S,)). ``vpow`` = int64 V**arange(max_len)."""
@@ -198,8 +207,9 @@ def decode_plain(ids: Any, names: Sequence[str]) -> str:
     return " ".join(names[int(t)] if 0 <= int(t) < len(names) else f"<unk_{int(t)}>" for t in _id_list(ids))
 
 
-def decode_names(ids: Any, names: Sequence[str], is_name: Callable[[int], bool],
-                 is_final: Callable[[int], bool]) -> str:
+def decode_names(
+    ids: Any, names: Sequence[str], is_name: Callable[[int], bool], is_final: Callable[[int], bool]
+) -> str:
     """Like :func:`decode_plain`, but consecutive name tokens (``is_name(id)``) are joined with ``.`` into one name,
     closed by a final token (``is_final(id)``); a name cut short by a non-name token or the end is printed with a
     trailing ``?``. Example: ``<bos> p3.e7 e2 <query_2> e2 <ans> e5``."""
@@ -223,6 +233,21 @@ def decode_names(ids: Any, names: Sequence[str], is_name: Callable[[int], bool],
     return " ".join(out)
 
 
-__all__ = ["is_int", "check_int", "check_choice", "check_bool", "merge_config", "excl_cumsum", "check_indices",
-           "parse_index", "cached_namespace", "size_law_cdf", "size_law_probs",
-           "draw_sizes", "name_space", "name_token_rows", "decode_plain", "decode_names"]
+__all__ = [
+    "is_int",
+    "check_int",
+    "check_choice",
+    "check_bool",
+    "merge_config",
+    "excl_cumsum",
+    "check_indices",
+    "parse_index",
+    "cached_namespace",
+    "size_law_cdf",
+    "size_law_probs",
+    "draw_sizes",
+    "name_space",
+    "name_token_rows",
+    "decode_plain",
+    "decode_names",
+]

@@ -56,13 +56,35 @@ from canonlm.data import ConfigError
 from canonlm.data.seeding import instance_keys, mix64, stable_hash64, words
 from canonlm.data.seeding_numba import word, word_below
 from canonlm.data.tasks import Instance, InstanceBatch, Prompts, check_split
-from canonlm.data.tasks._common import (cached_namespace, check_bool, check_choice, check_indices, check_int,
-                                        decode_names, draw_sizes, is_int, merge_config, name_space, name_token_rows,
-                                        parse_index, size_law_cdf, size_law_probs)
+from canonlm.data.tasks._common import (
+    cached_namespace,
+    check_bool,
+    check_choice,
+    check_indices,
+    check_int,
+    decode_names,
+    draw_sizes,
+    is_int,
+    merge_config,
+    name_space,
+    name_token_rows,
+    parse_index,
+    size_law_cdf,
+    size_law_probs,
+)
 
-_COMMON = dict(max_degree=4, leaf_rounding="ceil", query_pool="last_quarter", answer_includes_query=False,
-               loss_on="answers", vocab="compact", tail="drop", seed=0, eval_num_samples=1000,
-               max_instance_tokens="auto")
+_COMMON = dict(
+    max_degree=4,
+    leaf_rounding="ceil",
+    query_pool="last_quarter",
+    answer_includes_query=False,
+    loss_on="answers",
+    vocab="compact",
+    tail="drop",
+    seed=0,
+    eval_num_samples=1000,
+    max_instance_tokens="auto",
+)
 DEFAULTS: dict[str, dict[str, Any]] = {
     # paper App. A.2: Brevo1 N in {70, 90, 110}, one-token names, context 1024.
     "brevo1": dict(name="brevo1", N=70, vocab_V=None, min_len=1, max_len=1, context=1024, **_COMMON),
@@ -89,8 +111,27 @@ def _write_name(tokens, pos, tab_tok, tab_len, c):
 
 
 @njit(cache=True)
-def _brevo_kernel(keys, n_arr, multi, N, D, ceil_leaf, q_last, incl, loss_all, tab_tok, tab_len, n_len, name_off,
-                  id_bos, id_query, id_ans, id_eos, len_bound, cap0):
+def _brevo_kernel(
+    keys,
+    n_arr,
+    multi,
+    N,
+    D,
+    ceil_leaf,
+    q_last,
+    incl,
+    loss_all,
+    tab_tok,
+    tab_len,
+    n_len,
+    name_off,
+    id_bos,
+    id_query,
+    id_ans,
+    id_eos,
+    len_bound,
+    cap0,
+):
     """Generate instances (keys[r], n_arr[r]); see the module docstring for the process.
 
     multi: 0 = Brevo1 names (partial Fisher-Yates over the N one-token names), 1 = Brevo2 names (first n distinct
@@ -324,9 +365,10 @@ class BrevoTask:
             self.max_len = check_int("max_len", c["max_len"], 1)
             if self.min_len > self.max_len:
                 raise ConfigError("task.min_len", self.min_len, f"an integer <= task.max_len={self.max_len}")
-            if self.max_len > 40 or sum(self.V ** ln for ln in range(self.min_len, self.max_len + 1)) > _MAX_NAMES:
-                raise ConfigError("task.max_len", self.max_len,
-                                  f"a length with at most 2**20 possible names (vocab_V={self.V})")
+            if self.max_len > 40 or sum(self.V**ln for ln in range(self.min_len, self.max_len + 1)) > _MAX_NAMES:
+                raise ConfigError(
+                    "task.max_len", self.max_len, f"a length with at most 2**20 possible names (vocab_V={self.V})"
+                )
         else:
             if c["vocab_V"] is not None:
                 raise ConfigError("task.vocab_V", c["vocab_V"], "null for brevo1 (its names are the ids 1..N)")
@@ -362,8 +404,11 @@ class BrevoTask:
             self._total_names = self.N
             self._n_name_ids = self.N
         if self.vocab == "official" and self._n_name_ids >= _OFFICIAL["query"]:
-            raise ConfigError("task.N" if not self.multi else "task.vocab_V", self.N if not self.multi else self.V,
-                              "name ids below 9997 with vocab=official (N <= 9996 / 2 * vocab_V <= 9996)")
+            raise ConfigError(
+                "task.N" if not self.multi else "task.vocab_V",
+                self.N if not self.multi else self.V,
+                "name ids below 9997 with vocab=official (N <= 9996 / 2 * vocab_V <= 9996)",
+            )
         self.cfg = dict(c)
 
         k = self._n_name_ids
@@ -396,8 +441,9 @@ class BrevoTask:
             return
         key, val = ("task.context", self.context) if setting == "auto" else ("task.max_instance_tokens", setting)
         if cap < self.min_instance_len("val"):
-            raise ConfigError(key, val, f"an integer >= {self.min_instance_len('val')} (the shortest instance at "
-                                        f"n = N = {self.N})")
+            raise ConfigError(
+                key, val, f"an integer >= {self.min_instance_len('val')} (the shortest instance at n = N = {self.N})"
+            )
         if setting != "auto":  # an explicit cap is the user's choice (it must only admit some instance)
             return
         keys = instance_keys(stable_hash64("canonlm.data", "brevo", "cap-check"), np.arange(2000), 0)
@@ -405,17 +451,27 @@ class BrevoTask:
         frac = float((lengths > cap).mean())
         if frac > _CAP_MAX_REJECT:
             need = int(np.quantile(lengths, 1 - _CAP_MAX_REJECT / 2)) + 1
-            raise ConfigError(key, val, f"a larger window: {frac:.1%} of the n = N instances are longer than {cap} "
-                                        f"tokens and would be redrawn (at most {_CAP_MAX_REJECT:g} allowed; about "
-                                        f">= {need} tokens needed, exact bound {int(self._len_bound[self.N])})")
+            raise ConfigError(
+                key,
+                val,
+                f"a larger window: {frac:.1%} of the n = N instances are longer than {cap} "
+                f"tokens and would be redrawn (at most {_CAP_MAX_REJECT:g} allowed; about "
+                f">= {need} tokens needed, exact bound {int(self._len_bound[self.N])})",
+            )
 
     # ------------------------------------------------------------------ vocabulary
     def _name_table(self) -> tuple[np.ndarray, np.ndarray]:
         """Tokens of every name code: (int64 (total_names, max_len), 0 beyond the name's length; int64 lengths)."""
         if not self.multi:
             return np.arange(1, self.N + 1, dtype=np.int64)[:, None], np.ones(self.N, dtype=np.int64)
-        tok, L = name_token_rows(np.arange(self._total_names, dtype=np.int64), self._name_off, self.min_len,
-                                 self.max_len, self.V, self.V ** np.arange(self.max_len, dtype=np.int64))
+        tok, L = name_token_rows(
+            np.arange(self._total_names, dtype=np.int64),
+            self._name_off,
+            self.min_len,
+            self.max_len,
+            self.V,
+            self.V ** np.arange(self.max_len, dtype=np.int64),
+        )
         return tok.astype(np.int64), L.astype(np.int64)
 
     def token_names(self) -> list[str]:
@@ -430,7 +486,7 @@ class BrevoTask:
             return ["<pad>"] + names + ["<bos>", "<query>", "<ans>", "<eos>"]
         out = [f"<unused_{i}>" for i in range(self.vocab_size)]
         out[0] = "<pad>"
-        out[1:1 + len(names)] = names
+        out[1 : 1 + len(names)] = names
         out[self.bos_id], out[self.query_id], out[self.ans_id] = "<bos>", "<query>", "<ans|eos>"
         return out
 
@@ -519,20 +575,53 @@ class BrevoTask:
     # ------------------------------------------------------------------ generation
     def _namespace(self, split: str, seed: int | None) -> int:
         # loss_on, vocab, answer_includes_query only relabel / extend: same graphs
-        return cached_namespace(self._ns_cache, split, seed, self.seed, lambda: (
-            "canonlm.data", "brevo", self.name,
-            dict(N=self.N, V=self.V, min_len=self.min_len, max_len=self.max_len, max_degree=self.max_degree,
-                 leaf_rounding=self.leaf_rounding, query_pool=self.query_pool)))
+        return cached_namespace(
+            self._ns_cache,
+            split,
+            seed,
+            self.seed,
+            lambda: (
+                "canonlm.data",
+                "brevo",
+                self.name,
+                dict(
+                    N=self.N,
+                    V=self.V,
+                    min_len=self.min_len,
+                    max_len=self.max_len,
+                    max_degree=self.max_degree,
+                    leaf_rounding=self.leaf_rounding,
+                    query_pool=self.query_pool,
+                ),
+            ),
+        )
 
     def _sizes(self, split: str, keys: np.ndarray) -> np.ndarray:
         return draw_sizes(split, keys, self.N, self._n_cdf, _P_N)
 
     def _run(self, keys: np.ndarray, n: np.ndarray):
         cap0 = int(self._len_bound[n].sum()) if n.size < 64 else int(n.size * (8 + 4 * self.max_len * n.mean())) + 64
-        return _brevo_kernel(keys, n, int(self.multi), self.N, self.max_degree, self.leaf_rounding == "ceil",
-                             self.query_pool == "last", self.answer_includes_query, self.loss_on == "all",
-                             self._tab_tok, self._tab_len, self._n_len, self._name_off, self.bos_id, self.query_id,
-                             self.ans_id, self.eos_id, self._len_bound, cap0)
+        return _brevo_kernel(
+            keys,
+            n,
+            int(self.multi),
+            self.N,
+            self.max_degree,
+            self.leaf_rounding == "ceil",
+            self.query_pool == "last",
+            self.answer_includes_query,
+            self.loss_on == "all",
+            self._tab_tok,
+            self._tab_len,
+            self._n_len,
+            self._name_off,
+            self.bos_id,
+            self.query_id,
+            self.ans_id,
+            self.eos_id,
+            self._len_bound,
+            cap0,
+        )
 
     def generate(self, split: str, w: Any, i: Any, seed: int | None = None) -> InstanceBatch:
         """Generate instances ``(w[r], i[r])`` of ``split``.
@@ -566,10 +655,17 @@ class BrevoTask:
                 tokens, loss, offsets, meta = self._run(keys, n)
         I = keys.shape[0]
         e64 = np.zeros(0, dtype=np.int64)
-        return InstanceBatch(tokens=tokens, loss_mask=loss, offsets=offsets, ans_inst=e64, ans_start=e64.copy(),
-                             ans_len=e64.copy(), ans_group=np.zeros(0, dtype=np.int32),
-                             ans_offsets=np.zeros(I + 1, dtype=np.int64),
-                             meta={k: np.ascontiguousarray(meta[:, c]) for c, k in enumerate(_META)})
+        return InstanceBatch(
+            tokens=tokens,
+            loss_mask=loss,
+            offsets=offsets,
+            ans_inst=e64,
+            ans_start=e64.copy(),
+            ans_len=e64.copy(),
+            ans_group=np.zeros(0, dtype=np.int32),
+            ans_offsets=np.zeros(I + 1, dtype=np.int64),
+            meta={k: np.ascontiguousarray(meta[:, c]) for c, k in enumerate(_META)},
+        )
 
     def instance(self, split: str, index: int | tuple[int, int], seed: int | None = None) -> Instance:
         """One instance. ``index`` = (w, i) (window w, i-th instance of it; packing's key) or an int i, meaning
@@ -578,8 +674,13 @@ class BrevoTask:
         w, i = parse_index(index)
         b = self.generate(split, [w], [i], seed)
         L = b.tokens.shape[0]
-        return Instance(tokens=b.tokens, loss_mask=b.loss_mask, answer_id=np.full(L, -1, dtype=np.int32),
-                        group=np.zeros(L, dtype=np.int32), meta={k: int(v[0]) for k, v in b.meta.items()})
+        return Instance(
+            tokens=b.tokens,
+            loss_mask=b.loss_mask,
+            answer_id=np.full(L, -1, dtype=np.int32),
+            group=np.zeros(L, dtype=np.int32),
+            meta={k: int(v[0]) for k, v in b.meta.items()},
+        )
 
     # ------------------------------------------------------------------ generative evaluation
     def eval_samples(self, split: str) -> int:
@@ -600,13 +701,18 @@ class BrevoTask:
         (n,)) and ``full`` (list of the complete instances' token arrays, for inspection)."""
         idx = np.asarray(idx, dtype=np.int64).reshape(-1)
         b = self.generate(split, idx, np.zeros_like(idx), seed)
-        full = [b.tokens[b.offsets[r]:b.offsets[r + 1]] for r in range(idx.size)]
+        full = [b.tokens[b.offsets[r] : b.offsets[r + 1]] for r in range(idx.size)]
         pl = b.meta["prompt_len"]
         keys = words(instance_keys(self._namespace(split, seed), idx, np.zeros_like(idx)), _P_EVAL, 0)
-        return Prompts(prompts=[f[:pl[r]] for r, f in enumerate(full)], max_new_tokens=self.max_new_tokens,
-                       stop_ids=(self.eos_id,), temperature=0.0, keys=keys,
-                       group=np.minimum(b.meta["depth"], DEPTH_CAP).astype(np.int64),
-                       meta={**b.meta, "full": full})
+        return Prompts(
+            prompts=[f[: pl[r]] for r, f in enumerate(full)],
+            max_new_tokens=self.max_new_tokens,
+            stop_ids=(self.eos_id,),
+            temperature=0.0,
+            keys=keys,
+            group=np.minimum(b.meta["depth"], DEPTH_CAP).astype(np.int64),
+            meta={**b.meta, "full": full},
+        )
 
     def evaluate(self, lm: Any, split: str, idx: Any) -> dict[str, np.ndarray]:
         """Generative accuracy (paper App. A.2): greedy generation from each prompt of :meth:`prompts`, accepted by
@@ -632,8 +738,10 @@ class BrevoTask:
         (empty without ``set_correct``)."""
         if "set_correct" not in metrics:
             return []
-        return ["set_correct = the fraction of answers that name the right set of vertices, in any order (a "
-                "diagnostic: the score is the valid topological order, paper App. A.2)"]
+        return [
+            "set_correct = the fraction of answers that name the right set of vertices, in any order (a "
+            "diagnostic: the score is the valid topological order, paper App. A.2)"
+        ]
 
     def _read_name(self, toks: Sequence[int], p: int) -> tuple[tuple[int, ...] | None, int]:
         """Read one name at p: (name tuple, next position), or (None, position of the offending token)."""
@@ -645,7 +753,7 @@ class BrevoTask:
             p += 1
         if p >= len(toks) or not self.V < toks[p] <= 2 * self.V or not self.min_len <= p + 1 - s <= self.max_len:
             return None, p
-        return tuple(toks[s:p + 1]), p + 1
+        return tuple(toks[s : p + 1]), p + 1
 
     def parse_prompt(self, prompt: Any) -> tuple[dict, tuple[int, ...]]:
         """Graph of a prompt ``<bos> edges <query> q <ans>`` (further tokens are ignored).

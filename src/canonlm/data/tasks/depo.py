@@ -35,12 +35,35 @@ import numpy as np
 from canonlm.data import ConfigError
 from canonlm.data.seeding import below, instance_keys, words
 from canonlm.data.tasks import Instance, InstanceBatch, check_split
-from canonlm.data.tasks._common import (cached_namespace, check_bool, check_choice, check_indices, check_int,
-                                        decode_names, draw_sizes, excl_cumsum, is_int, merge_config, name_space,
-                                        name_token_rows, parse_index, size_law_cdf, size_law_probs)
+from canonlm.data.tasks._common import (
+    cached_namespace,
+    check_bool,
+    check_choice,
+    check_indices,
+    check_int,
+    decode_names,
+    draw_sizes,
+    excl_cumsum,
+    is_int,
+    merge_config,
+    name_space,
+    name_token_rows,
+    parse_index,
+    size_law_cdf,
+    size_law_probs,
+)
 
-_COMMON = dict(n_queries=10, eos=False, loss_on="answers", vocab="compact", context=2048, tail="drop",
-               eval_k_mode="powers_of_two", eval_k=None, seed=0)
+_COMMON = dict(
+    n_queries=10,
+    eos=False,
+    loss_on="answers",
+    vocab="compact",
+    context=2048,
+    tail="drop",
+    eval_k_mode="powers_of_two",
+    eval_k=None,
+    seed=0,
+)
 DEFAULTS: dict[str, dict[str, Any]] = {
     # paper App. A.1: Depo1 N in {225, 300, 375}, K = 8, V = 50, names of 1-2 tokens.
     "depo1": dict(name="depo1", N=225, K=8, vocab_V=50, min_len=1, max_len=2, **_COMMON),
@@ -85,9 +108,10 @@ class DepoTask:
         self.max_len = check_int("max_len", c["max_len"], 1)
         if self.min_len > self.max_len:
             raise ConfigError("task.min_len", self.min_len, f"an integer <= task.max_len={self.max_len}")
-        if self.V ** self.max_len > _MAX_NAMES:
-            raise ConfigError("task.max_len", self.max_len,
-                              f"an integer with vocab_V**max_len <= 2**40 (vocab_V={self.V})")
+        if self.V**self.max_len > _MAX_NAMES:
+            raise ConfigError(
+                "task.max_len", self.max_len, f"an integer with vocab_V**max_len <= 2**40 (vocab_V={self.V})"
+            )
         self.n_queries = check_int("n_queries", c["n_queries"], 1)
         self.eos = check_bool("eos", c["eos"])
         self.loss_on = check_choice("loss_on", c["loss_on"], ("answers", "all"))
@@ -98,10 +122,15 @@ class DepoTask:
         self.seed = check_int("seed", c["seed"], 0)
         ek = c["eval_k"]
         if self.eval_k_mode == "fixed":
-            if isinstance(ek, (str, bytes)) or not isinstance(ek, Sequence) or len(ek) == 0 or not all(
-                    is_int(k) and 1 <= k <= self.K for k in ek):
-                raise ConfigError("task.eval_k", ek, f"a non-empty list of integers in [1, K={self.K}] "
-                                                     "(eval_k_mode=fixed)")
+            if (
+                isinstance(ek, (str, bytes))
+                or not isinstance(ek, Sequence)
+                or len(ek) == 0
+                or not all(is_int(k) and 1 <= k <= self.K for k in ek)
+            ):
+                raise ConfigError(
+                    "task.eval_k", ek, f"a non-empty list of integers in [1, K={self.K}] (eval_k_mode=fixed)"
+                )
             self.eval_k = [int(k) for k in ek]
             self.eval_ks = tuple(sorted(set(self.eval_k)))
         else:
@@ -133,7 +162,7 @@ class DepoTask:
             lut = np.arange(compact_size, dtype=np.int64)
             lut[self._c_bos] = _OFFICIAL["bos"]
             lut[self._c_ans] = _OFFICIAL["ans"]
-            lut[self._c_q0 + 1: self._c_q0 + K + 1] = _OFFICIAL["query_base"] + np.arange(1, K + 1)
+            lut[self._c_q0 + 1 : self._c_q0 + K + 1] = _OFFICIAL["query_base"] + np.arange(1, K + 1)
             if self.eos:
                 lut[self._c_eos] = _OFFICIAL["eos"]
             self._lut = lut
@@ -149,8 +178,9 @@ class DepoTask:
         self._m_table, self._len_est = self._candidate_tables()
         self._ns_cache: dict[tuple[str, int], int] = {}
         self._tab_dtype = np.int16 if self._c_eos < 2**15 else np.int64  # small table: less memory traffic
-        self._gtab = (self._build_table(np.arange(self._total_names, dtype=np.int64))
-                      if self._total_names <= 2**18 else None)
+        self._gtab = (
+            self._build_table(np.arange(self._total_names, dtype=np.int64)) if self._total_names <= 2**18 else None
+        )
 
     # ------------------------------------------------------------------ vocabulary
     def _map(self, compact_id: int) -> int:
@@ -167,9 +197,14 @@ class DepoTask:
         tokens), ``e1..eV`` (final name tokens), ``<bos>``, ``<ans>``, ``<query_1>..<query_K>``, ``<eos>``;
         ids unused by ``vocab: official`` are ``<unused_id>``."""
         V = self.V
-        compact = (["<pad>"] + [f"p{v}" for v in range(1, V + 1)] + [f"e{v}" for v in range(1, V + 1)]
-                   + ["<bos>", "<ans>"] + [f"<query_{k}>" for k in range(1, self.K + 1)]
-                   + (["<eos>"] if self.eos else []))
+        compact = (
+            ["<pad>"]
+            + [f"p{v}" for v in range(1, V + 1)]
+            + [f"e{v}" for v in range(1, V + 1)]
+            + ["<bos>", "<ans>"]
+            + [f"<query_{k}>" for k in range(1, self.K + 1)]
+            + (["<eos>"] if self.eos else [])
+        )
         if self._lut is None:
             return compact
         names = [f"<unused_{i}>" for i in range(self.vocab_size)]
@@ -247,8 +282,9 @@ class DepoTask:
     # ------------------------------------------------------------------ generation
     def _namespace(self, split: str, seed: int | None) -> int:
         def parts() -> tuple:
-            gen = dict(N=self.N, K=self.K, V=self.V, min_len=self.min_len, max_len=self.max_len,
-                       n_queries=self.n_queries)
+            gen = dict(
+                N=self.N, K=self.K, V=self.V, min_len=self.min_len, max_len=self.max_len, n_queries=self.n_queries
+            )
             if split != "train":  # eval-only parameters must not change the training stream
                 gen.update(eval_k_mode=self.eval_k_mode, eval_k=self.eval_k)
             return "canonlm.data", "depo", self.name, gen
@@ -344,7 +380,7 @@ class DepoTask:
         rnd = words(keys[inst_s][None, :], p3 + _P_CYCLE, r[None, :])  # (3, S)
         sk = (((p3 * I + inst_s[None, :]) << 40) | (rnd >> np.uint64(24)).astype(np.int64)).reshape(-1)
         perm = np.concatenate([r, r, r])[np.argsort(sk, kind="stable")]
-        cyc, edge, qry = perm[:S], perm[S:2 * S], perm[2 * S:]
+        cyc, edge, qry = perm[:S], perm[S : 2 * S], perm[2 * S :]
         tab_tok, tab_len, name_row, R_BOS = self._token_table(code)
         cycle_name = name_row[noff[inst_s] + cyc]  # token-table row of the name at cycle position r
         nrep = n[inst_s]
@@ -406,9 +442,17 @@ class DepoTask:
             loss[tcum[pq + 2]] = True
             if eos:
                 loss[tcum[ioff[1:]] - 1] = True
-        return InstanceBatch(tokens=tokens, loss_mask=loss, offsets=offsets, ans_inst=inst_q,
-                             ans_start=a_start - offsets[inst_q], ans_len=a_len, ans_group=k.astype(np.int32),
-                             ans_offsets=toff, meta={"n": n, "k": k.astype(np.int32)})
+        return InstanceBatch(
+            tokens=tokens,
+            loss_mask=loss,
+            offsets=offsets,
+            ans_inst=inst_q,
+            ans_start=a_start - offsets[inst_q],
+            ans_len=a_len,
+            ans_group=k.astype(np.int32),
+            ans_offsets=toff,
+            meta={"n": n, "k": k.astype(np.int32)},
+        )
 
     def instance(self, split: str, index: int | tuple[int, int], seed: int | None = None) -> Instance:
         """One instance. ``index`` = (w, i) (window w, i-th instance of it; packing's key) or an int i, meaning
@@ -416,9 +460,16 @@ class DepoTask:
         w, i = parse_index(index)
         b = self.generate(split, [w], [i], seed)
         aid, grp = b.token_answers()
-        return Instance(tokens=b.tokens, loss_mask=b.loss_mask, answer_id=aid, group=grp,
-                        meta={"n": int(b.meta["n"][0]), "k": b.meta["k"]})
+        return Instance(
+            tokens=b.tokens,
+            loss_mask=b.loss_mask,
+            answer_id=aid,
+            group=grp,
+            meta={"n": int(b.meta["n"][0]), "k": b.meta["k"]},
+        )
 
     def __repr__(self) -> str:
-        return (f"DepoTask({self.name}: N={self.N}, K={self.K}, V={self.V}, len={self.min_len}..{self.max_len}, "
-                f"vocab_size={self.vocab_size})")
+        return (
+            f"DepoTask({self.name}: N={self.N}, K={self.K}, V={self.V}, len={self.min_len}..{self.max_len}, "
+            f"vocab_size={self.vocab_size})"
+        )

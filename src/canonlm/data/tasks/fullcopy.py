@@ -29,8 +29,15 @@ import numpy as np
 from canonlm.data import ConfigError
 from canonlm.data.seeding import instance_keys, words
 from canonlm.data.tasks import Instance, InstanceBatch, check_split
-from canonlm.data.tasks._common import (cached_namespace, check_choice, check_indices, check_int, decode_plain,
-                                        merge_config, parse_index)
+from canonlm.data.tasks._common import (
+    cached_namespace,
+    check_choice,
+    check_indices,
+    check_int,
+    decode_plain,
+    merge_config,
+    parse_index,
+)
 
 DEFAULTS: dict[str, Any] = dict(name="fullcopy", n_tokens=500, vocab="compact", context=1024, tail="drop", seed=0)
 KEYS = tuple(DEFAULTS)
@@ -63,8 +70,11 @@ class FullCopyTask:
         self.name = name
         self.n_tokens = check_int("n_tokens", c["n_tokens"], 2, _MAX_N)
         if c["vocab"] == "official":
-            raise ConfigError("task.vocab", "official", "compact (the official release has no full-copy generator "
-                                                        "and no token ids for it)")
+            raise ConfigError(
+                "task.vocab",
+                "official",
+                "compact (the official release has no full-copy generator and no token ids for it)",
+            )
         self.vocab = check_choice("vocab", c["vocab"], ("compact",))
         self.context = check_int("context", c["context"], 1)
         self.tail = check_choice("tail", c["tail"], ("drop", "carry"))
@@ -105,8 +115,9 @@ class FullCopyTask:
 
     # ------------------------------------------------------------------ generation
     def _namespace(self, split: str, seed: int | None) -> int:
-        return cached_namespace(self._ns_cache, split, seed, self.seed,
-                                lambda: ("canonlm.data", "fullcopy", dict(n_tokens=self.n_tokens)))
+        return cached_namespace(
+            self._ns_cache, split, seed, self.seed, lambda: ("canonlm.data", "fullcopy", dict(n_tokens=self.n_tokens))
+        )
 
     def permutations(self, split: str, w: Any, i: Any, seed: int | None = None) -> np.ndarray:
         """int64 (I, n_tokens): the permutation of 1..n_tokens of each instance (w[r], i[r])."""
@@ -118,8 +129,8 @@ class FullCopyTask:
         step = max(1, _MAX_TOKENS_PER_CALL // (2 * n + 2))
         j = np.arange(n, dtype=np.int64)[None, :]
         for s in range(0, keys.shape[0], step):
-            rnd = words(keys[s:s + step, None], _P_PERM, j)  # (chunk, n)
-            out[s:s + step] = np.argsort(rnd, axis=1, kind="stable") + 1
+            rnd = words(keys[s : s + step, None], _P_PERM, j)  # (chunk, n)
+            out[s : s + step] = np.argsort(rnd, axis=1, kind="stable") + 1
         return out
 
     def generate(self, split: str, w: Any, i: Any, seed: int | None = None) -> InstanceBatch:
@@ -136,16 +147,22 @@ class FullCopyTask:
         m = 2 * n + 2
         tok = np.empty((I, m), dtype=np.int64)
         tok[:, 0] = self.bos_id
-        tok[:, 1:n + 1] = perm
+        tok[:, 1 : n + 1] = perm
         tok[:, n + 1] = self.query_id
-        tok[:, n + 2:] = perm
+        tok[:, n + 2 :] = perm
         loss = np.zeros((I, m), dtype=bool)
-        loss[:, n + 2:] = True
-        return InstanceBatch(tokens=tok.reshape(-1), loss_mask=loss.reshape(-1),
-                             offsets=np.arange(I + 1, dtype=np.int64) * m, ans_inst=np.arange(I, dtype=np.int64),
-                             ans_start=np.full(I, n + 2, dtype=np.int64), ans_len=np.full(I, n, dtype=np.int64),
-                             ans_group=np.ones(I, dtype=np.int32), ans_offsets=np.arange(I + 1, dtype=np.int64),
-                             meta={})
+        loss[:, n + 2 :] = True
+        return InstanceBatch(
+            tokens=tok.reshape(-1),
+            loss_mask=loss.reshape(-1),
+            offsets=np.arange(I + 1, dtype=np.int64) * m,
+            ans_inst=np.arange(I, dtype=np.int64),
+            ans_start=np.full(I, n + 2, dtype=np.int64),
+            ans_len=np.full(I, n, dtype=np.int64),
+            ans_group=np.ones(I, dtype=np.int32),
+            ans_offsets=np.arange(I + 1, dtype=np.int64),
+            meta={},
+        )
 
     def instance(self, split: str, index: int | tuple[int, int], seed: int | None = None) -> Instance:
         """One instance. ``index`` = (w, i) or an int i, meaning (i, 0). Returns :class:`Instance` (meta empty).

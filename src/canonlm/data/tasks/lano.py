@@ -43,12 +43,31 @@ from canonlm.data.cfg.inside import lano_kl, next_symbol_probs
 from canonlm.data.cfg.sample import sample_sentences
 from canonlm.data.seeding import instance_keys, stable_hash64, words
 from canonlm.data.tasks import Instance, InstanceBatch, Prompts, check_split
-from canonlm.data.tasks._common import (cached_namespace, check_choice, check_indices, check_int, decode_plain, is_int,
-                                        merge_config, parse_index)
+from canonlm.data.tasks._common import (
+    cached_namespace,
+    check_choice,
+    check_indices,
+    check_int,
+    decode_plain,
+    is_int,
+    merge_config,
+    parse_index,
+)
 
-DEFAULTS: dict[str, Any] = dict(name="lano", grammar="cfg3f", grammar_file=None, grammar_seed=0,
-                                max_sentence_len="auto", context=512, tail="drop", seed=0, eval_num_samples=500,
-                                eval_temperature=1.0, kl_samples=32, kl_restrict="renormalize")
+DEFAULTS: dict[str, Any] = dict(
+    name="lano",
+    grammar="cfg3f",
+    grammar_file=None,
+    grammar_seed=0,
+    max_sentence_len="auto",
+    context=512,
+    tail="drop",
+    seed=0,
+    eval_num_samples=500,
+    eval_temperature=1.0,
+    kl_samples=32,
+    kl_restrict="renormalize",
+)
 KEYS = tuple(DEFAULTS)
 _P_EVAL_NOISE = 1  # purpose of the generation-noise key words (sampler purposes start at 16)
 _MIN_ACCEPT = 0.01  # an explicit cap must keep at least this much of the length law
@@ -99,9 +118,13 @@ class LanoTask:
         try:
             fam = family_params(spec)
         except ValueError as e:
-            raise ConfigError("task.grammar", spec, f"a family preset ({' | '.join(PRESETS)}) or a mapping of "
-                                                    f"depth, num_sym, num_terminals, deg_min, deg_max, len_min, "
-                                                    f"len_max[, distinct_children] ({e})") from None
+            raise ConfigError(
+                "task.grammar",
+                spec,
+                f"a family preset ({' | '.join(PRESETS)}) or a mapping of "
+                f"depth, num_sym, num_terminals, deg_min, deg_max, len_min, "
+                f"len_max[, distinct_children] ({e})",
+            ) from None
         self.grammar_label = spec if isinstance(spec, str) else "custom"
         gf = c["grammar_file"]
         if gf is not None and not isinstance(gf, str):
@@ -110,15 +133,21 @@ class LanoTask:
         if gf is not None:
             self.grammar: Grammar = load_grammar(gf)
             gh = self.grammar.header
-            have = dict(depth=self.grammar.depth, num_terminals=self.grammar.num_terminals,
-                        deg_min=gh.get("deg_min", fam["deg_min"]), deg_max=gh.get("deg_max", fam["deg_max"]))
+            have = dict(
+                depth=self.grammar.depth,
+                num_terminals=self.grammar.num_terminals,
+                deg_min=gh.get("deg_min", fam["deg_min"]),
+                deg_max=gh.get("deg_max", fam["deg_max"]),
+            )
             want = {k: fam[k] for k in have}
             if isinstance(spec, str) and have != want:  # the preset names the run (reports, paper context)
                 match = [n for n in PRESETS if {k: family_params(n)[k] for k in have} == have]
                 if Path(gf).stem in PRESETS:  # e.g. grammar_file=cfg3k.json with grammar=cfg3f: a mislabelled run
-                    raise ConfigError("task.grammar", spec,
-                                      f"the family of grammar_file={gf} ({have}; matching presets: "
-                                      f"{' | '.join(match) or 'none'})")
+                    raise ConfigError(
+                        "task.grammar",
+                        spec,
+                        f"the family of grammar_file={gf} ({have}; matching presets: {' | '.join(match) or 'none'})",
+                    )
                 self.grammar_label = Path(gf).stem  # a user's own grammar: labelled by its file
         else:
             try:
@@ -133,39 +162,52 @@ class LanoTask:
         if ms == "auto":
             cap = min(gmax, self.context - 1)
             if cap < gmin:
-                raise ConfigError("task.context", self.context,
-                                  f"an integer >= {gmin + 1} (<bos> + the shortest sentence of the grammar)")
+                raise ConfigError(
+                    "task.context",
+                    self.context,
+                    f"an integer >= {gmin + 1} (<bos> + the shortest sentence of the grammar)",
+                )
         elif ms is None:
             cap = gmax
         elif is_int(ms) and ms >= 1:
             if ms < gmin:
-                raise ConfigError("task.max_sentence_len", ms,
-                                  f"auto | null | an integer >= {gmin} (the shortest sentence of the grammar)")
+                raise ConfigError(
+                    "task.max_sentence_len",
+                    ms,
+                    f"auto | null | an integer >= {gmin} (the shortest sentence of the grammar)",
+                )
             cap = min(int(ms), gmax)
         else:
             raise ConfigError("task.max_sentence_len", ms, "auto | null | a positive integer")
         if self.context < cap + 1:
-            raise ConfigError("task.context", self.context,
-                              f"an integer >= {cap + 1} (<bos> + the longest sentence, max_sentence_len={ms!r})")
+            raise ConfigError(
+                "task.context",
+                self.context,
+                f"an integer >= {cap + 1} (<bos> + the longest sentence, max_sentence_len={ms!r})",
+            )
         law = g.length_distribution()
-        kept = float(law[:cap + 1].sum())
-        if ms == "auto" and float(law[cap + 1:].sum()) > _AUTO_MAX_REJECT:
+        kept = float(law[: cap + 1].sum())
+        if ms == "auto" and float(law[cap + 1 :].sum()) > _AUTO_MAX_REJECT:
             # the automatic cap may only drop a negligible tail: otherwise training sees a different law than the
             # grammar's (and the KL reference), so the window must grow (or the cap be set explicitly)
             tail = np.cumsum(law[::-1])[::-1]  # tail[L] = P(length >= L)
             need = int(np.nonzero(tail <= _AUTO_MAX_REJECT)[0][0])  # smallest L with P(length >= L) <= limit
-            raise ConfigError("task.context", self.context,
-                              f"an integer >= {need} for this grammar (a window of {self.context} would drop "
-                              f"{float(law[cap + 1:].sum()):.1%} of its sentences; max_sentence_len: auto drops at "
-                              f"most {_AUTO_MAX_REJECT:g}); or set task.max_sentence_len to an explicit cap")
+            raise ConfigError(
+                "task.context",
+                self.context,
+                f"an integer >= {need} for this grammar (a window of {self.context} would drop "
+                f"{float(law[cap + 1 :].sum()):.1%} of its sentences; max_sentence_len: auto drops at "
+                f"most {_AUTO_MAX_REJECT:g}); or set task.max_sentence_len to an explicit cap",
+            )
         if kept < _MIN_ACCEPT:
             key, val = ("task.context", self.context) if ms == "auto" else ("task.max_sentence_len", ms)
-            raise ConfigError(key, val, f"a value keeping >= {_MIN_ACCEPT:.0%} of the sentence-length law "
-                                        f"(this one keeps {kept:.2e})")
+            raise ConfigError(
+                key, val, f"a value keeping >= {_MIN_ACCEPT:.0%} of the sentence-length law (this one keeps {kept:.2e})"
+            )
         self.max_len = int(cap)
-        self.rejected_mass = float(law[cap + 1:].sum())  # exactly 0 without a binding cap
+        self.rejected_mass = float(law[cap + 1 :].sum())  # exactly 0 without a binding cap
         Ls = np.arange(cap + 1, dtype=np.float64)
-        self.mean_len = float((law[:cap + 1] * Ls).sum() / kept)
+        self.mean_len = float((law[: cap + 1] * Ls).sum() / kept)
 
         T = g.num_terminals
         self.vocab_size = T + 2
@@ -222,9 +264,17 @@ class LanoTask:
         tok, off, _ = sample_sentences(self.grammar, keys, self.max_len, prefix_bos=True, mean_len=self.mean_len)
         I = w.shape[0]
         e64 = np.zeros(0, dtype=np.int64)
-        return InstanceBatch(tokens=tok, loss_mask=np.ones(tok.shape[0], dtype=bool), offsets=off, ans_inst=e64,
-                             ans_start=e64, ans_len=e64, ans_group=np.zeros(0, dtype=np.int32),
-                             ans_offsets=np.zeros(I + 1, dtype=np.int64), meta={"length": np.diff(off) - 1})
+        return InstanceBatch(
+            tokens=tok,
+            loss_mask=np.ones(tok.shape[0], dtype=bool),
+            offsets=off,
+            ans_inst=e64,
+            ans_start=e64,
+            ans_len=e64,
+            ans_group=np.zeros(0, dtype=np.int32),
+            ans_offsets=np.zeros(I + 1, dtype=np.int64),
+            meta={"length": np.diff(off) - 1},
+        )
 
     def instance(self, split: str, index: int | tuple[int, int], seed: int | None = None) -> Instance:
         """One instance; ``index`` = (w, i) or an int i meaning (i, 0). meta ``length`` (int). ValueError on bad
@@ -232,14 +282,19 @@ class LanoTask:
         w, i = parse_index(index)
         b = self.generate(split, [w], [i], seed)
         L = b.tokens.shape[0]
-        return Instance(tokens=b.tokens, loss_mask=b.loss_mask, answer_id=np.full(L, -1, dtype=np.int32),
-                        group=np.zeros(L, dtype=np.int32), meta={"length": int(b.meta["length"][0])})
+        return Instance(
+            tokens=b.tokens,
+            loss_mask=b.loss_mask,
+            answer_id=np.full(L, -1, dtype=np.int32),
+            group=np.zeros(L, dtype=np.int32),
+            meta={"length": int(b.meta["length"][0])},
+        )
 
     def sentences(self, split: str, idx: Any, seed: int | None = None) -> list[np.ndarray]:
         """Sentences (idx[r], 0) of ``split`` without ``<bos>`` (list of int64 arrays)."""
         idx = np.asarray(idx, dtype=np.int64).reshape(-1)
         b = self.generate(split, idx, np.zeros_like(idx), seed)
-        return [b.tokens[b.offsets[r] + 1:b.offsets[r + 1]] for r in range(len(b))]
+        return [b.tokens[b.offsets[r] + 1 : b.offsets[r + 1]] for r in range(len(b))]
 
     # ------------------------------------------------------------------ evaluation
     def check(self, sentences) -> np.ndarray:
@@ -260,9 +315,15 @@ class LanoTask:
             raise ValueError("sample indices must be >= 0")
         ns = stable_hash64("canonlm.data", "lano.eval", self._namespace(split, seed))
         keys = words(instance_keys(ns, idx, np.zeros_like(idx)), _P_EVAL_NOISE, 0)
-        return Prompts(prompts=[np.array([self.bos_id], dtype=np.int64) for _ in range(idx.size)],
-                       max_new_tokens=self.max_len + 1, stop_ids=(self.bos_id,), temperature=self.eval_temperature,
-                       keys=keys, group=np.ones(idx.size, dtype=np.int64), meta={"idx": idx})
+        return Prompts(
+            prompts=[np.array([self.bos_id], dtype=np.int64) for _ in range(idx.size)],
+            max_new_tokens=self.max_len + 1,
+            stop_ids=(self.bos_id,),
+            temperature=self.eval_temperature,
+            keys=keys,
+            group=np.ones(idx.size, dtype=np.int64),
+            meta={"idx": idx},
+        )
 
     def score_generations(self, generations) -> np.ndarray:
         """bool (n,): generation r (tokens after the prompt) is correct iff it ends with ``<bos>`` and the tokens
@@ -297,7 +358,7 @@ class LanoTask:
         sel = np.nonzero(idx < self.kl_samples)[0]
         if sel.size:
             b = self.generate(split, idx[sel], np.zeros(sel.size, dtype=np.int64))
-            seqs = [b.tokens[b.offsets[r]:b.offsets[r + 1]] for r in range(sel.size)]
+            seqs = [b.tokens[b.offsets[r] : b.offsets[r + 1]] for r in range(sel.size)]
             lps = lm.logprobs(seqs)
             for r, (seq, lp) in enumerate(zip(seqs, lps)):
                 p_star = next_symbol_probs(self.grammar, seq[1:])
@@ -312,10 +373,15 @@ class LanoTask:
         ``kl``)."""
         if "kl" not in metrics:
             return []
-        scale = (f"; a model uniform over the vocabulary (about an untrained one) scores {metrics['kl_uniform']:.4g}"
-                 if "kl_uniform" in metrics else "")
-        return [f"kl = KL(p* || model) in nats per position, mean over the first {self.kl_samples} sentences "
-                f"(App. A.5; restrict={self.kl_restrict}); 0 = the grammar's own next-symbol law{scale}"]
+        scale = (
+            f"; a model uniform over the vocabulary (about an untrained one) scores {metrics['kl_uniform']:.4g}"
+            if "kl_uniform" in metrics
+            else ""
+        )
+        return [
+            f"kl = KL(p* || model) in nats per position, mean over the first {self.kl_samples} sentences "
+            f"(App. A.5; restrict={self.kl_restrict}); 0 = the grammar's own next-symbol law{scale}"
+        ]
 
     def __repr__(self) -> str:
         src = self.grammar_file or f"{self.grammar_label} family, grammar_seed={self.grammar_seed}"

@@ -60,13 +60,32 @@ from canonlm.data import ConfigError
 from canonlm.data.seeding import instance_keys, words
 from canonlm.data.seeding_numba import word
 from canonlm.data.tasks import Instance, InstanceBatch, check_split
-from canonlm.data.tasks._common import (cached_namespace, check_bool, check_choice, check_indices, check_int,
-                                        decode_plain, is_int, merge_config, parse_index)
+from canonlm.data.tasks._common import (
+    cached_namespace,
+    check_bool,
+    check_choice,
+    check_indices,
+    check_int,
+    decode_plain,
+    is_int,
+    merge_config,
+    parse_index,
+)
 
 OPS = ("add", "sub", "mul", "div")  # canonical operator order (index = operator code)
 OP_SYMBOLS = ("+", "-", "*", "/")
-DEFAULTS: dict[str, Any] = dict(name="mano", L=10, ops=["add", "sub", "mul"], mod=23, knowledge_augment=False,
-                                loss_on="all", vocab="compact", context=1024, tail="drop", seed=0)
+DEFAULTS: dict[str, Any] = dict(
+    name="mano",
+    L=10,
+    ops=["add", "sub", "mul"],
+    mod=23,
+    knowledge_augment=False,
+    loss_on="all",
+    vocab="compact",
+    context=1024,
+    tail="drop",
+    seed=0,
+)
 KEYS = tuple(DEFAULTS)
 
 # Purposes of the random words of one instance (see canonlm.data.seeding.words); attempt a uses _P_NODE + a.
@@ -94,8 +113,9 @@ def _is_prime(n: int) -> bool:
 
 # ---------------------------------------------------------------------------------------------- numba kernel
 @njit(cache=True)
-def _mano_kernel(keys, ell, offsets, op_code, mod, inv, ka, t_operand, t_op, t_bos, t_len, t_ans,
-                 out_tok, out_val, out_att):
+def _mano_kernel(
+    keys, ell, offsets, op_code, mod, inv, ka, t_operand, t_op, t_bos, t_len, t_ans, out_tok, out_val, out_att
+):
     """Fill ``out_tok`` (instance r at offsets[r]:offsets[r+1], 2ℓ+5 tokens), ``out_val`` (answer values) and
     ``out_att`` (attempts used). op_code: int64 (n_ops,) canonical code (0 add, 1 sub, 2 mul, 3 div) per enabled
     operator; inv: int64 (mod,) modular inverses (inv[0] unused); t_*: final token ids (synonym s in row s)."""
@@ -210,13 +230,19 @@ class ManoTask:
         self.L = check_int("L", c["L"], 1, _MAX_L)
         self.mod = check_int("mod", c["mod"], 2, _MAX_MOD)
         ops = c["ops"]
-        if (isinstance(ops, (str, bytes)) or not isinstance(ops, Sequence) or len(ops) == 0
-                or not all(isinstance(o, str) and o in OPS for o in ops) or len(set(ops)) != len(ops)):
+        if (
+            isinstance(ops, (str, bytes))
+            or not isinstance(ops, Sequence)
+            or len(ops) == 0
+            or not all(isinstance(o, str) and o in OPS for o in ops)
+            or len(set(ops)) != len(ops)
+        ):
             raise ConfigError("task.ops", ops, f"a non-empty list of distinct operators from {list(OPS)}")
         self.ops = tuple(o for o in OPS if o in set(ops))
         if "div" in self.ops and not _is_prime(self.mod):
-            raise ConfigError("task.mod", self.mod, "a prime (ops include div: every non-zero divisor needs an "
-                                                    "inverse)")
+            raise ConfigError(
+                "task.mod", self.mod, "a prime (ops include div: every non-zero divisor needs an inverse)"
+            )
         self.knowledge_augment = check_bool("knowledge_augment", c["knowledge_augment"])
         self.loss_on = check_choice("loss_on", c["loss_on"], ("all", "answers"))
         self.vocab = check_choice("vocab", c["vocab"], ("compact", "official"))
@@ -229,10 +255,14 @@ class ManoTask:
             per_op = -math.log1p(-1.0 / (n_ops * self.mod))
             if self.L * per_op > math.log(_MAX_EXPECTED_ATTEMPTS):
                 l_max = int(math.log(_MAX_EXPECTED_ATTEMPTS) / per_op)
-                raise ConfigError("task.L", self.L, f"an integer <= {l_max} when ops include div (an expression "
-                                                    "with a zero divisor is redrawn; expected draws "
-                                                    f"~(1 - 1/(n_ops*mod))**-L must stay below "
-                                                    f"{_MAX_EXPECTED_ATTEMPTS:.0f})")
+                raise ConfigError(
+                    "task.L",
+                    self.L,
+                    f"an integer <= {l_max} when ops include div (an expression "
+                    "with a zero divisor is redrawn; expected draws "
+                    f"~(1 - 1/(n_ops*mod))**-L must stay below "
+                    f"{_MAX_EXPECTED_ATTEMPTS:.0f})",
+                )
         self.cfg = {**c, "ops": list(self.ops)}
         self._build_vocab()
         self.num_groups = self.L + 1
@@ -316,11 +346,15 @@ class ManoTask:
         """ConfigError if two official ids coincide or an id leaves [1, 9999]: ``task.mod`` when the operands
         5000+v reach ``<bos>`` (9999, and 9998 with knowledge_augment), ``task.L`` otherwise (10ℓ.. ids reaching
         the operands, ``<bos>`` or 10000)."""
-        bos = _OFF_BOS[:2 if self.knowledge_augment else 1]
+        bos = _OFF_BOS[: 2 if self.knowledge_augment else 1]
         if _OFF_OPERAND + self.mod - 1 >= min(bos):
-            raise ConfigError("task.mod", self.mod, f"an integer <= {min(bos) - _OFF_OPERAND} with vocab=official"
-                                                    f"{' and knowledge_augment' if self.knowledge_augment else ''}"
-                                                    f" (operands 5000+v stay below <bos> ids {list(bos)})")
+            raise ConfigError(
+                "task.mod",
+                self.mod,
+                f"an integer <= {min(bos) - _OFF_OPERAND} with vocab=official"
+                f"{' and knowledge_augment' if self.knowledge_augment else ''}"
+                f" (operands 5000+v stay below <bos> ids {list(bos)})",
+            )
         seen: dict[int, str] = {}
         for tid, nm in entries:
             if not 1 <= tid < _OFF_VOCAB or tid in seen:
@@ -331,8 +365,12 @@ class ManoTask:
                 while not any(10 * (ok_l + 1) + o in used or 10 * (ok_l + 1) + o >= _OFF_VOCAB for o in offs):
                     ok_l += 1
                 other = f"token {seen[tid]!r}" if tid in seen else "nothing: ids must lie in [1, 9999]"
-                raise ConfigError("task.L", self.L, f"an integer <= {ok_l} with vocab=official and mod={self.mod} "
-                                                    f"(official id {tid} of {nm} collides with {other})")
+                raise ConfigError(
+                    "task.L",
+                    self.L,
+                    f"an integer <= {ok_l} with vocab=official and mod={self.mod} "
+                    f"(official id {tid} of {nm} collides with {other})",
+                )
             seen[tid] = nm
 
     def operand_id(self, v: int) -> int:
@@ -372,8 +410,10 @@ class ManoTask:
 
     def _check_syn(self, s: Any) -> None:
         if s not in ((0, 1) if self.knowledge_augment else (0,)):
-            raise ValueError(f"synonym={s!r} is not allowed; allowed: 0" + (" | 1" if self.knowledge_augment else
-                                                                            " (knowledge_augment is off)"))
+            raise ValueError(
+                f"synonym={s!r} is not allowed; allowed: 0"
+                + (" | 1" if self.knowledge_augment else " (knowledge_augment is off)")
+            )
 
     def token_names(self) -> list[str]:
         """Printable name of every id, index = id (length ``vocab_size``): ``<pad>``, operands ``0``..``22``,
@@ -406,8 +446,13 @@ class ManoTask:
 
     # ------------------------------------------------------------------ generation
     def _namespace(self, split: str, seed: int | None) -> int:
-        return cached_namespace(self._ns_cache, split, seed, self.seed, lambda: (
-            "canonlm.data", "mano", dict(L=self.L, ops=list(self.ops), mod=self.mod)))
+        return cached_namespace(
+            self._ns_cache,
+            split,
+            seed,
+            self.seed,
+            lambda: ("canonlm.data", "mano", dict(L=self.L, ops=list(self.ops), mod=self.mod)),
+        )
 
     def _ells(self, split: str, keys: np.ndarray) -> np.ndarray:
         if split == "train":
@@ -437,18 +482,40 @@ class ManoTask:
         value = np.empty(I, dtype=np.int64)
         att = np.empty(I, dtype=np.int64)
         if I:
-            _mano_kernel(keys, ell, offsets, self._op_code, self.mod, self._inv, self.knowledge_augment,
-                         self._t_operand, self._t_op, self._t_bos, self._t_len, self._t_ans, tokens, value, att)
+            _mano_kernel(
+                keys,
+                ell,
+                offsets,
+                self._op_code,
+                self.mod,
+                self._inv,
+                self.knowledge_augment,
+                self._t_operand,
+                self._t_op,
+                self._t_bos,
+                self._t_len,
+                self._t_ans,
+                tokens,
+                value,
+                att,
+            )
         if self.loss_on == "all":
             loss = np.ones(S, dtype=bool)
         else:
             loss = np.zeros(S, dtype=bool)
             loss[offsets[1:] - 1] = True
             loss[offsets[1:] - 2] = True
-        return InstanceBatch(tokens=tokens, loss_mask=loss, offsets=offsets, ans_inst=np.arange(I, dtype=np.int64),
-                             ans_start=lens - 1, ans_len=np.ones(I, dtype=np.int64),
-                             ans_group=ell.astype(np.int32), ans_offsets=np.arange(I + 1, dtype=np.int64),
-                             meta={"ell": ell, "value": value, "attempts": att})
+        return InstanceBatch(
+            tokens=tokens,
+            loss_mask=loss,
+            offsets=offsets,
+            ans_inst=np.arange(I, dtype=np.int64),
+            ans_start=lens - 1,
+            ans_len=np.ones(I, dtype=np.int64),
+            ans_group=ell.astype(np.int32),
+            ans_offsets=np.arange(I + 1, dtype=np.int64),
+            meta={"ell": ell, "value": value, "attempts": att},
+        )
 
     def instance(self, split: str, index: int | tuple[int, int], seed: int | None = None) -> Instance:
         """One instance. ``index`` = (w, i) (window w, i-th instance of it) or an int i, meaning (i, 0). Returns
@@ -456,12 +523,19 @@ class ManoTask:
         w, i = parse_index(index)
         b = self.generate(split, [w], [i], seed)
         aid, grp = b.token_answers()
-        return Instance(tokens=b.tokens, loss_mask=b.loss_mask, answer_id=aid, group=grp,
-                        meta={k: int(v[0]) for k, v in b.meta.items()})
+        return Instance(
+            tokens=b.tokens,
+            loss_mask=b.loss_mask,
+            answer_id=aid,
+            group=grp,
+            meta={k: int(v[0]) for k, v in b.meta.items()},
+        )
 
     def __repr__(self) -> str:
-        return (f"ManoTask(L={self.L}, ops={list(self.ops)}, mod={self.mod}, knowledge_augment="
-                f"{self.knowledge_augment}, vocab={self.vocab}, vocab_size={self.vocab_size})")
+        return (
+            f"ManoTask(L={self.L}, ops={list(self.ops)}, mod={self.mod}, knowledge_augment="
+            f"{self.knowledge_augment}, vocab={self.vocab}, vocab_size={self.vocab_size})"
+        )
 
 
 __all__ = ["ManoTask", "DEFAULTS", "KEYS", "OPS"]

@@ -38,8 +38,10 @@ import canonlm
 
 PKG = Path(canonlm.__file__).resolve().parent
 ROOTS = ("canonlm.hf.remote.configuration_canonlm", "canonlm.hf.remote.modeling_canonlm")
-KEEP_NAMES = {"canonlm.hf.remote.configuration_canonlm": "configuration_canonlm",
-              "canonlm.hf.remote.modeling_canonlm": "modeling_canonlm"}
+KEEP_NAMES = {
+    "canonlm.hf.remote.configuration_canonlm": "configuration_canonlm",
+    "canonlm.hf.remote.modeling_canonlm": "modeling_canonlm",
+}
 STUBS = {"canonlm.ops.canon._native": "canonlm.hf.remote.native_stub"}
 MAIN = "canonlm.hf.remote.modeling_canonlm"
 #: what an export needs besides the standard library
@@ -76,7 +78,7 @@ def _absolute(module: str, is_pkg: bool, node: ast.ImportFrom) -> str:
     if not node.level:
         return node.module or ""
     parts = module.split(".") if is_pkg else module.split(".")[:-1]
-    base = parts[:len(parts) - (node.level - 1)]
+    base = parts[: len(parts) - (node.level - 1)]
     return ".".join(base + ([node.module] if node.module else []))
 
 
@@ -92,8 +94,10 @@ def _rewrite_import(module: str, is_pkg: bool, node: ast.stmt) -> tuple[list[str
         stmts, deps = [], []
         for a in node.names:
             if a.name.split(".")[0] != "canonlm" or a.asname is None or not _is_module(a.name):
-                raise BundleError(f"{module}: `import {_alias(a)}` cannot be bundled (write `from canonlm.x import "
-                                  "y` or `import canonlm.x as y`)")
+                raise BundleError(
+                    f"{module}: `import {_alias(a)}` cannot be bundled (write `from canonlm.x import "
+                    "y` or `import canonlm.x as y`)"
+                )
             stmts.append(f"from . import {file_stem(a.name)} as {a.asname}")
             deps.append(a.name)
         return stmts, deps
@@ -103,10 +107,10 @@ def _rewrite_import(module: str, is_pkg: bool, node: ast.stmt) -> tuple[list[str
     stmts, deps, attrs = [], [], []
     for a in node.names:
         sub = f"{target}.{a.name}"
-        if a.name != "*" and _is_module(sub):        # an imported module: `from . import <file> as <name>`
+        if a.name != "*" and _is_module(sub):  # an imported module: `from . import <file> as <name>`
             stmts.append(f"from . import {file_stem(sub)} as {a.asname or a.name}")
             deps.append(sub)
-        else:                                        # a name defined in module `target`
+        else:  # a name defined in module `target`
             attrs.append(_alias(a))
     if attrs:
         if not _is_module(target):
@@ -139,8 +143,9 @@ def _optional_imports(tree: ast.AST) -> list[ast.stmt]:
     return found
 
 
-def _rewrite(module: str, source: str, is_pkg: bool, origin: str, stands_in: str | None = None
-             ) -> tuple[str, list[str]]:
+def _rewrite(
+    module: str, source: str, is_pkg: bool, origin: str, stands_in: str | None = None
+) -> tuple[str, list[str]]:
     """``(bundled text of one module, canonlm modules it needs)``; ``stands_in``: the module a stub replaces."""
     tree = ast.parse(source, filename=origin)
     lines = source.splitlines()
@@ -149,11 +154,13 @@ def _rewrite(module: str, source: str, is_pkg: bool, origin: str, stands_in: str
 
     def span(node: ast.stmt) -> tuple[int, int, str]:
         first, last = lines[node.lineno - 1], lines[node.end_lineno - 1]
-        indent = first[:node.col_offset]
-        tail = last[node.end_col_offset:].strip()
+        indent = first[: node.col_offset]
+        tail = last[node.end_col_offset :].strip()
         if indent.strip() or (tail and not tail.startswith("#")):
-            raise BundleError(f"{origin}:{node.lineno}: an import that shares its line with other code cannot be "
-                              "bundled; put it on a line of its own")
+            raise BundleError(
+                f"{origin}:{node.lineno}: an import that shares its line with other code cannot be "
+                "bundled; put it on a line of its own"
+            )
         return node.lineno, node.end_lineno, indent
 
     for node in ast.walk(tree):
@@ -166,16 +173,28 @@ def _rewrite(module: str, source: str, is_pkg: bool, origin: str, stands_in: str
                 deps += needed
     for node in _optional_imports(tree):
         first, last, indent = span(node)
-        body = ["    " + ln for ln in lines[first - 1:last]]
-        edits.append((first, last, [indent + "try:  # optional library: transformers' check_imports skips try blocks",
-                                    *body, indent + "except ImportError:", indent + "    raise"]))
+        body = ["    " + ln for ln in lines[first - 1 : last]]
+        edits.append(
+            (
+                first,
+                last,
+                [
+                    indent + "try:  # optional library: transformers' check_imports skips try blocks",
+                    *body,
+                    indent + "except ImportError:",
+                    indent + "    raise",
+                ],
+            )
+        )
     for first, last, new in sorted(edits, reverse=True):
-        lines[first - 1:last] = new
+        lines[first - 1 : last] = new
     version = getattr(canonlm, "__version__", "?")
     what = f"{module}, standing in for {stands_in}" if stands_in else module
-    head = [f"# Bundled by canonlm {version} (python -m canonlm.export) from {what}: canonlm's own code, its",
-            "# canonlm imports made relative to this folder (canonlm.hf.remote.bundle). Re-export to update; do not",
-            "# edit."]
+    head = [
+        f"# Bundled by canonlm {version} (python -m canonlm.export) from {what}: canonlm's own code, its",
+        "# canonlm imports made relative to this folder (canonlm.hf.remote.bundle). Re-export to update; do not",
+        "# edit.",
+    ]
     text = "\n".join(head + lines) + f"\n\n{SOURCE_NAME} = {(stands_in or module)!r}\n"
     return text, deps
 
@@ -194,8 +213,13 @@ def bundle_sources() -> dict[str, str]:
         if found is None:
             raise BundleError(f"{mod}: no such canonlm module")
         path, is_pkg = found
-        text, deps = _rewrite(src_mod, path.read_text(encoding="utf-8"), is_pkg,
-                              str(path.relative_to(PKG.parent)), stands_in=mod if src_mod != mod else None)
+        text, deps = _rewrite(
+            src_mod,
+            path.read_text(encoding="utf-8"),
+            is_pkg,
+            str(path.relative_to(PKG.parent)),
+            stands_in=mod if src_mod != mod else None,
+        )
         done[mod] = text
         todo += [d for d in deps if d not in done and d not in todo]
     stems: dict[str, str] = {}
@@ -204,12 +228,16 @@ def bundle_sources() -> dict[str, str]:
         if other != mod:
             raise BundleError(f"modules {other} and {mod} would share the file {file_stem(mod)}.py")
     rest = [m for m in done if m not in ROOTS]
-    manifest = ["", "# Every file of this bundle, imported by name: transformers copies into its module cache the",
-                "# files a local modeling file imports as `from .<file> import ...` (4.51: only those this file",
-                "# names)."]
-    manifest += [f"from .{file_stem(m)} import {SOURCE_NAME} as _bundled_{i}  # noqa: E402"
-                 for i, m in enumerate(ROOTS[:1] + tuple(rest))]
+    manifest = [
+        "",
+        "# Every file of this bundle, imported by name: transformers copies into its module cache the",
+        "# files a local modeling file imports as `from .<file> import ...` (4.51: only those this file",
+        "# names).",
+    ]
+    manifest += [
+        f"from .{file_stem(m)} import {SOURCE_NAME} as _bundled_{i}  # noqa: E402"
+        for i, m in enumerate(ROOTS[:1] + tuple(rest))
+    ]
     manifest += ["BUNDLED = (", *(f"    _bundled_{i}," for i in range(1 + len(rest))), ")"]
     done[MAIN] += "\n".join(manifest) + "\n"
     return {f"{file_stem(m)}.py": done[m] for m in (*ROOTS, *rest)}
-

@@ -121,7 +121,7 @@ class CanonLMForCausalLM(PreTrainedModel, GenerationMixin):
         cfg = self.model.cfg
         kernels = dict(cfg.kernels)
         if self._cpu_canon and kernels.get("canon") == "torch":
-            del kernels["canon"]                          # this method's own pin, from an earlier CPU placement
+            del kernels["canon"]  # this method's own pin, from an earlier CPU placement
         pin = device.type == "cpu" and "canon" not in kernels and cfg.ops == "auto"
         if pin:
             kernels["canon"] = "torch"
@@ -159,9 +159,12 @@ class CanonLMForCausalLM(PreTrainedModel, GenerationMixin):
         rows, hrows = [], []
         for r, s in enumerate(starts):
             s = min(int(s), T - 1)  # a row of pads only: its last position runs alone (its logits are not read)
-            logits, hidden = self._run(None if input_ids is None else input_ids[r:r + 1, s:],
-                                       None if inputs_embeds is None else inputs_embeds[r:r + 1, s:],
-                                       checkpoint_fn, want_hidden)
+            logits, hidden = self._run(
+                None if input_ids is None else input_ids[r : r + 1, s:],
+                None if inputs_embeds is None else inputs_embeds[r : r + 1, s:],
+                checkpoint_fn,
+                want_hidden,
+            )
             rows.append(F.pad(logits, (0, 0, s, 0)))
             if hidden is not None:
                 hrows.append([F.pad(h, (0, 0, s, 0)) for h in hidden])
@@ -173,19 +176,29 @@ class CanonLMForCausalLM(PreTrainedModel, GenerationMixin):
         if attention_mask is None or attention_mask.dim() != 2 or attention_mask.shape[1] < 2:
             return
         m = attention_mask.to(torch.int64)
-        first = (m.cumsum(1) == 0).sum(1, keepdim=True)                     # leading pads
+        first = (m.cumsum(1) == 0).sum(1, keepdim=True)  # leading pads
         pos = torch.arange(m.shape[1], device=m.device).unsqueeze(0)
-        body = (pos >= first)
+        body = pos >= first
         # after the leading pads: ones, then possibly right padding (zeros); never a 1 after a 0
         after = torch.where(body, m, torch.ones_like(m))
         if bool((after[:, 1:] > after[:, :-1]).any()):
-            raise ValueError("attention_mask has a gap (a 0 between 1s after the padding): canonlm models read a "
-                             "contiguous sequence per row; pad on the left or the right only")
+            raise ValueError(
+                "attention_mask has a gap (a 0 between 1s after the padding): canonlm models read a "
+                "contiguous sequence per row; pad on the left or the right only"
+            )
 
-    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
-                labels: torch.LongTensor | None = None, inputs_embeds: torch.Tensor | None = None,
-                output_hidden_states: bool | None = None, output_attentions: bool | None = None,
-                return_dict: bool | None = None, num_items_in_batch=None, **kwargs):
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
+        return_dict: bool | None = None,
+        num_items_in_batch=None,
+        **kwargs,
+    ):
         """Module docstring. ``kwargs`` that transformers' ``generate`` passes (``use_cache``, ``cache_position``,
         ...) are ignored: there is no KV cache. Raises ValueError: neither or both of ``input_ids`` /
         ``inputs_embeds``, ids outside the vocabulary, a mask with a gap, ``output_attentions=True`` (the mixers
@@ -193,23 +206,28 @@ class CanonLMForCausalLM(PreTrainedModel, GenerationMixin):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if output_attentions:
-            raise ValueError("output_attentions=True: canonlm models do not return attention weights (SDPA / flash "
-                             "attention and the linear mixers compute no attention matrix)")
+            raise ValueError(
+                "output_attentions=True: canonlm models do not return attention weights (SDPA / flash "
+                "attention and the linear mixers compute no attention matrix)"
+            )
         lead = input_ids if input_ids is not None else inputs_embeds
         self.place_on(lead.device)
         if input_ids is not None:
             V = self.model.cfg.vocab_size
             if input_ids.numel() and (int(input_ids.max()) >= V or int(input_ids.min()) < 0):
                 # a tokenizer whose ids reach past the embedding (Capo's: BPE tokens no biography holds get ids >= V)
-                raise ValueError(f"input_ids hold id {int(input_ids.max())} (or a negative one); the model's "
-                                 f"vocabulary has ids 0..{V - 1}: the text holds tokens the model was never trained "
-                                 "on")
+                raise ValueError(
+                    f"input_ids hold id {int(input_ids.max())} (or a negative one); the model's "
+                    f"vocabulary has ids 0..{V - 1}: the text holds tokens the model was never trained "
+                    "on"
+                )
         if output_hidden_states is None:
             output_hidden_states = bool(getattr(self.config, "output_hidden_states", False))
         ckpt = None
         if self.gradient_checkpointing and self.training:
-            ckpt = getattr(self, "_gradient_checkpointing_func", None) or functools.partial(checkpoint,
-                                                                                        use_reentrant=False)
+            ckpt = getattr(self, "_gradient_checkpointing_func", None) or functools.partial(
+                checkpoint, use_reentrant=False
+            )
         logits, hidden = self._forward_rows(input_ids, inputs_embeds, attention_mask, ckpt, output_hidden_states)
         loss = None
         if labels is not None:
@@ -226,8 +244,9 @@ class CanonLMForCausalLM(PreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=hidden)
 
     # ------------------------------------------------------------------------------------------ generation
-    def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, attention_mask=None, inputs_embeds=None,
-                                      **kwargs):
+    def prepare_inputs_for_generation(
+        self, input_ids: torch.LongTensor, attention_mask=None, inputs_embeds=None, **kwargs
+    ):
         """The whole sequence at every step (no KV cache). With ``inputs_embeds`` (``generate(inputs_embeds=...)``)
         transformers' ``input_ids`` hold the new tokens only: their embeddings follow the prompt's."""
         if inputs_embeds is None:
@@ -249,8 +268,11 @@ class CanonLMForCausalLM(PreTrainedModel, GenerationMixin):
             prompt = 0
             if ids is not None and ids.dim() == 2:
                 mask = kwargs.get("attention_mask")
-                prompt = int(mask.sum(1).max()) if mask is not None and mask.dim() == 2 and mask.numel() \
+                prompt = (
+                    int(mask.sum(1).max())
+                    if mask is not None and mask.dim() == 2 and mask.numel()
                     else int(ids.shape[1])
+                )
             elif emb is not None and emb.dim() == 3:
                 prompt = int(emb.shape[1])
             gc = generation_config if generation_config is not None else self.generation_config
@@ -261,7 +283,9 @@ class CanonLMForCausalLM(PreTrainedModel, GenerationMixin):
                 length = kwargs.get("max_length", getattr(gc, "max_length", None)) or prompt
                 total, asked = max(int(length), prompt), f"max_length={int(length)} (prompt {prompt} tokens)"
             if total > limit:
-                raise ValueError(f"generate: {asked} reach {total} positions, past the model's context of {limit} "
-                                 f"(model.max_seq_len; a Llama has no positions beyond it): ask for at most "
-                                 f"{max(limit - prompt, 0)} new tokens or shorten the prompt")
+                raise ValueError(
+                    f"generate: {asked} reach {total} positions, past the model's context of {limit} "
+                    f"(model.max_seq_len; a Llama has no positions beyond it): ask for at most "
+                    f"{max(limit - prompt, 0)} new tokens or shorten the prompt"
+                )
         return super().generate(inputs, generation_config, **kwargs)

@@ -64,7 +64,7 @@ def flash_available() -> bool:
     return True
 
 
-FLASH_MAX_HEAD_DIM = 256      # flash-attn 2.8 mha_fwd / mha_bwd: "only supports head dimension at most 256"
+FLASH_MAX_HEAD_DIM = 256  # flash-attn 2.8 mha_fwd / mha_bwd: "only supports head dimension at most 256"
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_MIN_CAPABILITY = (8, 0)  # "FlashAttention only supports Ampere GPUs or newer."
 
@@ -125,9 +125,18 @@ def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype, h
     return name
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, scale: float | None = None,
-              backend: str = "auto", doc_mask: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
-              max_seqlen: int | None = None) -> torch.Tensor:
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    backend: str = "auto",
+    doc_mask: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+) -> torch.Tensor:
     """Multi-head softmax attention with grouped-query k/v.
 
     Args:
@@ -155,21 +164,28 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
             another backend without ``doc_mask``.
     """
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
-        raise ValueError(f"attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; expected "
-                         "q (B, T, H, D) and k, v (B, T, H_kv, D)")
+        raise ValueError(
+            f"attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; expected "
+            "q (B, T, H, D) and k, v (B, T, H_kv, D)"
+        )
     B, T, H, D = q.shape
     Hkv = k.shape[2]
     S = k.shape[1]
     if k.shape[0] != B or k.shape[3] != D or H % Hkv or (causal and S < T):
-        raise ValueError(f"attention: q {tuple(q.shape)} and k/v {tuple(k.shape)} do not match (same B and D, "
-                         f"H % H_kv == 0, and S >= T when causal)")
+        raise ValueError(
+            f"attention: q {tuple(q.shape)} and k/v {tuple(k.shape)} do not match (same B and D, "
+            f"H % H_kv == 0, and S >= T when causal)"
+        )
     masked = doc_mask is not None or cu_seqlens is not None
     if masked and (not causal or S != T):
-        raise ValueError(f"attention: document masking needs causal=True and S == T (no KV cache); got causal={causal}"
-                         f", T={T}, S={S}")
+        raise ValueError(
+            f"attention: document masking needs causal=True and S == T (no KV cache); got causal={causal}, T={T}, S={S}"
+        )
     if doc_mask is not None and (tuple(doc_mask.shape) != (B, 1, T, T) or doc_mask.dtype != q.dtype):
-        raise ValueError(f"attention: doc_mask {tuple(doc_mask.shape)} {doc_mask.dtype}; expected the additive mask "
-                         f"(B, 1, T, T) = {(B, 1, T, T)} in q's dtype {q.dtype} (canonlm.ops.varlen.block_causal_bias)")
+        raise ValueError(
+            f"attention: doc_mask {tuple(doc_mask.shape)} {doc_mask.dtype}; expected the additive mask "
+            f"(B, 1, T, T) = {(B, 1, T, T)} in q's dtype {q.dtype} (canonlm.ops.varlen.block_causal_bias)"
+        )
     if masked and backend == "flash":
         if cu_seqlens is None:
             raise ValueError("attention backend='flash': document masking needs cu_seqlens (flash_attn_varlen_func)")
@@ -179,8 +195,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     if backend in ("auto", "fused", "sdpa") and doc_mask is not None:
         if Hkv != H:  # the kernels that take a mask have no GQA (module docstring): repeat k/v rather than math
             k, v = (t.repeat_interleave(H // Hkv, dim=2) for t in (k, v))
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             attn_mask=doc_mask, scale=scale)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=doc_mask, scale=scale
+        )
         return out.transpose(1, 2)
     if backend == "reference" and doc_mask is not None:
         return attention_reference(q, k, v, causal=causal, scale=scale, bias=doc_mask)
@@ -193,23 +210,39 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
             is_causal = True
         if causal and S > T and T > 1:  # cached decode of several tokens: bottom-right aligned causal mask
             mask = _causal_mask(T, S, q.device)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=Hkv != H)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=mask,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=Hkv != H,
+        )
         return out.transpose(1, 2)
     if backend == "reference":
         return attention_reference(q, k, v, causal=causal, scale=scale)
     if backend == "flash":
         if q.device.type != "cuda" or q.dtype not in FLASH_DTYPES or flash_shape_reason(D) is not None:
-            raise ValueError(f"attention backend='flash': needs fp16/bf16 CUDA tensors with head dim <= "
-                             f"{FLASH_MAX_HEAD_DIM}, got {q.dtype} on {q.device}, head dim {D}")
+            raise ValueError(
+                f"attention backend='flash': needs fp16/bf16 CUDA tensors with head dim <= "
+                f"{FLASH_MAX_HEAD_DIM}, got {q.dtype} on {q.device}, head dim {D}"
+            )
         from flash_attn import flash_attn_func
 
         return flash_attn_func(q, k, v, softmax_scale=scale, causal=causal)
     raise ValueError(f"attention: backend={backend!r}; allowed {' | '.join(BACKENDS)}")
 
 
-def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-                        scale: float | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+def attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Explicit-math attention in float32 (float64 for float64 inputs); same shapes and semantics as
     :func:`attention`. ``bias`` (B, 1, T, S) additive mask (0 = may attend, -inf = may not), when given, is added to
     the scores instead of the causal mask (document masking: it already holds causality).
@@ -219,36 +252,47 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
     """
     B, T, H, D = q.shape
     Hkv = k.shape[2]
-    scale = D ** -0.5 if scale is None else scale
+    scale = D**-0.5 if scale is None else scale
     cd = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
     with torch.autocast(q.device.type, enabled=False):
-        qf = q.to(cd).transpose(1, 2)                                     # (B, H, T, D)
+        qf = q.to(cd).transpose(1, 2)  # (B, H, T, D)
         kf = k.to(cd).transpose(1, 2).repeat_interleave(H // Hkv, dim=1)  # (B, H, S, D)
         vf = v.to(cd).transpose(1, 2).repeat_interleave(H // Hkv, dim=1)
-        scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale           # (B, H, T, S)
+        scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale  # (B, H, T, S)
         if bias is not None:
             scores = scores + bias.to(cd)
         elif causal:
             S = k.shape[1]
             scores = scores.masked_fill(~_causal_mask(T, S, q.device), -math.inf)
-        out = torch.matmul(scores.softmax(dim=-1), vf)                   # (B, H, T, D)
+        out = torch.matmul(scores.softmax(dim=-1), vf)  # (B, H, T, D)
     return out.transpose(1, 2).to(q.dtype)
 
 
-def _flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-                  scale: float | None) -> torch.Tensor:
+def _flash_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float | None
+) -> torch.Tensor:
     """Document-masked causal attention via ``flash_attn.flash_attn_varlen_func`` on the (B·T, H, D) flattened tokens
     (flash-attn 2.x; GQA by the kv head count as in ``flash_attn_func``). Returns (B, T, H, D) in q.dtype."""
     B, T, H, D = q.shape
     if q.device.type != "cuda" or q.dtype not in FLASH_DTYPES or flash_shape_reason(D) is not None:
-        raise ValueError(f"attention backend='flash': needs fp16/bf16 CUDA tensors with head dim <= "
-                         f"{FLASH_MAX_HEAD_DIM}, got {q.dtype} on {q.device}, head dim {D}")
+        raise ValueError(
+            f"attention backend='flash': needs fp16/bf16 CUDA tensors with head dim <= "
+            f"{FLASH_MAX_HEAD_DIM}, got {q.dtype} on {q.device}, head dim {D}"
+        )
     from flash_attn import flash_attn_varlen_func
 
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-    out = flash_attn_varlen_func(q.reshape(B * T, H, D), k.reshape(B * T, k.shape[2], D),
-                                 v.reshape(B * T, v.shape[2], D), cu, cu, max_seqlen, max_seqlen,
-                                 softmax_scale=scale, causal=True)
+    out = flash_attn_varlen_func(
+        q.reshape(B * T, H, D),
+        k.reshape(B * T, k.shape[2], D),
+        v.reshape(B * T, v.shape[2], D),
+        cu,
+        cu,
+        max_seqlen,
+        max_seqlen,
+        softmax_scale=scale,
+        causal=True,
+    )
     return out.view(B, T, H, D)
 
 

@@ -91,22 +91,29 @@ _warned_native = False
 # validation
 # ----------------------------------------------------------------------------------------------------------------
 
+
 def _validate(x: Tensor, weight: Tensor, bias: Optional[Tensor], initial_state: Optional[Tensor]) -> None:
     if not isinstance(x, Tensor) or x.dim() != 3:
-        raise ValueError(f"causal_conv1d: x must be a (B, T, C) tensor; got "
-                         f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
+        raise ValueError(
+            f"causal_conv1d: x must be a (B, T, C) tensor; got "
+            f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}"
+        )
     if not x.is_floating_point():
         raise ValueError(f"causal_conv1d: x.dtype={x.dtype}; allowed: a floating-point dtype")
     B, T, C = x.shape
     if weight.dim() != 2 or weight.shape[0] != C or weight.shape[1] < 1:
-        raise ValueError(f"causal_conv1d: weight.shape={tuple(weight.shape)}; allowed: (C, K) with C={C} "
-                         f"(x's channels) and K >= 1 (an nn.Conv1d weight (C, 1, K) must be squeezed to (C, K))")
+        raise ValueError(
+            f"causal_conv1d: weight.shape={tuple(weight.shape)}; allowed: (C, K) with C={C} "
+            f"(x's channels) and K >= 1 (an nn.Conv1d weight (C, 1, K) must be squeezed to (C, K))"
+        )
     K = weight.shape[1]
     if bias is not None and tuple(bias.shape) != (C,):
         raise ValueError(f"causal_conv1d: bias.shape={tuple(bias.shape)}; allowed: ({C},) or None")
     if initial_state is not None and tuple(initial_state.shape) != (B, C, K - 1):
-        raise ValueError(f"causal_conv1d: initial_state.shape={tuple(initial_state.shape)}; allowed: "
-                         f"(B, C, K-1) = {(B, C, K - 1)} (the previous K-1 raw inputs) or None")
+        raise ValueError(
+            f"causal_conv1d: initial_state.shape={tuple(initial_state.shape)}; allowed: "
+            f"(B, C, K-1) = {(B, C, K - 1)} (the previous K-1 raw inputs) or None"
+        )
     for name, t in (("weight", weight), ("bias", bias), ("initial_state", initial_state)):
         if t is not None and t.device != x.device:
             raise ValueError(f"causal_conv1d: {name}.device={t.device}; allowed: x's device {x.device}")
@@ -116,8 +123,16 @@ def _validate(x: Tensor, weight: Tensor, bias: Optional[Tensor], initial_state: 
 # pure-PyTorch paths
 # ----------------------------------------------------------------------------------------------------------------
 
-def causal_conv1d_reference(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, residual: bool = True,
-                            activation: bool = False, initial_state: Optional[Tensor] = None) -> Tensor:
+
+def causal_conv1d_reference(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor] = None,
+    *,
+    residual: bool = True,
+    activation: bool = False,
+    initial_state: Optional[Tensor] = None,
+) -> Tensor:
     """Oracle (as Dao-AILab ``causal_conv1d_ref``): ``F.conv1d(F.pad(x, (K-1, 0)), w.unsqueeze(1), b, groups=C)``.
 
     Args: x (B, T, C); weight (C, K); bias (C,) or None; initial_state (B, C, K-1) or None (prepended instead of the
@@ -140,9 +155,16 @@ def causal_conv1d_reference(x: Tensor, weight: Tensor, bias: Optional[Tensor] = 
     return y.to(x.dtype)
 
 
-def causal_conv1d_torch(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, residual: bool = True,
-                        activation: bool = False, initial_state: Optional[Tensor] = None,
-                        doc_pos: Optional[Tensor] = None) -> Tensor:
+def causal_conv1d_torch(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor] = None,
+    *,
+    residual: bool = True,
+    activation: bool = False,
+    initial_state: Optional[Tensor] = None,
+    doc_pos: Optional[Tensor] = None,
+) -> Tensor:
     """Shift-and-add form: ``y = [x +] act(b + sum_i w[:, i] * x_pad[:, i:i+T])``.
 
     Works on (B, T, C) directly (no transpose). float16/bfloat16 inputs accumulate in float32 (plain bf16
@@ -162,9 +184,11 @@ def causal_conv1d_torch(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None
     """
     _validate(x, weight, bias, initial_state)
     if doc_pos is not None and (initial_state is not None or tuple(doc_pos.shape) != tuple(x.shape[:2])):
-        raise ValueError(f"causal_conv1d: doc_pos.shape={tuple(doc_pos.shape)} with initial_state "
-                         f"{'given' if initial_state is not None else 'None'}; allowed: doc_pos (B, T) = "
-                         f"{tuple(x.shape[:2])} and no initial_state")
+        raise ValueError(
+            f"causal_conv1d: doc_pos.shape={tuple(doc_pos.shape)} with initial_state "
+            f"{'given' if initial_state is not None else 'None'}; allowed: doc_pos (B, T) = "
+            f"{tuple(x.shape[:2])} and no initial_state"
+        )
     B, T, C = x.shape
     K = weight.shape[1]
     cd = torch.promote_types(x.dtype, weight.dtype)
@@ -182,7 +206,7 @@ def causal_conv1d_torch(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None
         xp = xc
     acc = xc * w[:, K - 1]
     for i in range(K - 1):
-        tap = xp[:, i:i + T]
+        tap = xp[:, i : i + T]
         if doc_pos is None:
             acc = torch.addcmul(acc, tap, w[:, i])
         else:  # lag K-1-i reaches the previous document where doc_pos < K-1-i: that term is left out there
@@ -200,8 +224,10 @@ def causal_conv1d_torch(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None
 # backend selection
 # ----------------------------------------------------------------------------------------------------------------
 
-def _unavailable_reason(name: str, device: torch.device, dtype: torch.dtype, C: Optional[int] = None,
-                        K: Optional[int] = None) -> Optional[str]:
+
+def _unavailable_reason(
+    name: str, device: torch.device, dtype: torch.dtype, C: Optional[int] = None, K: Optional[int] = None
+) -> Optional[str]:
     """None if backend ``name`` can run on (device, dtype) for C channels and kernel size K (None: not checked), else
     why not."""
     if name in ("reference", "torch", "auto"):
@@ -228,8 +254,9 @@ def _unavailable_reason(name: str, device: torch.device, dtype: torch.dtype, C: 
     raise AssertionError(name)
 
 
-def available_backends(device, dtype: torch.dtype = torch.float32, channels: Optional[int] = None,
-                       kernel: Optional[int] = None) -> dict:
+def available_backends(
+    device, dtype: torch.dtype = torch.float32, channels: Optional[int] = None, kernel: Optional[int] = None
+) -> dict:
     """Map every concrete backend name to None (runs here) or the reason it cannot run on (device, dtype) for a Canon
     layer of ``channels`` C and ``kernel`` K taps (None: any shape; see :func:`resolve_backend`).
 
@@ -240,8 +267,9 @@ def available_backends(device, dtype: torch.dtype = torch.float32, channels: Opt
     return {n: _unavailable_reason(n, device, dtype, channels, kernel) for n in BACKENDS if n != "auto"}
 
 
-def resolve_backend(name: str, device, dtype: torch.dtype, channels: Optional[int] = None,
-                    kernel: Optional[int] = None) -> str:
+def resolve_backend(
+    name: str, device, dtype: torch.dtype, channels: Optional[int] = None, kernel: Optional[int] = None
+) -> str:
     """Concrete Canon backend for a layer of ``channels`` C and ``kernel`` K taps on ``device`` with ``dtype`` -- the
     one rule behind ``CanonLM.place`` (per Canon layer) and the forward / decode dispatch (per call).
 
@@ -275,22 +303,29 @@ def resolve_backend(name: str, device, dtype: torch.dtype, channels: Optional[in
                 return "cpu" if K is None or K <= _native.KMAX else "torch"
             if not _warned_native:
                 _warned_native = True
-                warnings.warn(f"canonlm: native CPU Canon kernel unavailable ({_native.unavailable_reason()}); "
-                              f"using the slower 'torch' backend", RuntimeWarning, stacklevel=2)
+                warnings.warn(
+                    f"canonlm: native CPU Canon kernel unavailable ({_native.unavailable_reason()}); "
+                    f"using the slower 'torch' backend",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         return "torch"
     reason = _unavailable_reason(name, device, dtype, C, K)
     if reason is not None:
         here = [n for n, r in available_backends(device, dtype, C, K).items() if r is None]
         shape = "".join(f", {k}={v}" for k, v in (("C", C), ("K", K)) if v is not None)
-        raise ConfigError(CONFIG_KEY, name,
-                          f"backends available here ({device.type}, {dtype}{shape}): auto, {', '.join(here)} "
-                          f"['{name}' {reason}]")
+        raise ConfigError(
+            CONFIG_KEY,
+            name,
+            f"backends available here ({device.type}, {dtype}{shape}): auto, {', '.join(here)} ['{name}' {reason}]",
+        )
     return name
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # dispatch
 # ----------------------------------------------------------------------------------------------------------------
+
 
 @assume_constant
 def _select(backend: str, device: str, dtype: torch.dtype, C: int, K: int) -> str:
@@ -306,9 +341,17 @@ def _select(backend: str, device: str, dtype: torch.dtype, C: int, K: int) -> st
 _select_cache: dict = memo_table()
 
 
-def causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, residual: bool = True,
-                  activation: bool = False, backend: str = "auto", initial_state: Optional[Tensor] = None,
-                  docs: Optional[varlen.Documents] = None) -> Tensor:
+def causal_conv1d(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor] = None,
+    *,
+    residual: bool = True,
+    activation: bool = False,
+    backend: str = "auto",
+    initial_state: Optional[Tensor] = None,
+    docs: Optional[varlen.Documents] = None,
+) -> Tensor:
     """Canon layer op: ``y_t = [x_t +] act(b + sum_i weight[:, i] * x_{t-K+1+i})`` (paper eq. 4.1).
 
     Args:
@@ -340,9 +383,11 @@ def causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, r
     be = _select(backend, str(x.device), x.dtype, int(weight.shape[0]), int(weight.shape[1]))
     if docs is not None:
         if initial_state is not None or tuple(docs.pos.shape) != tuple(x.shape[:2]):
-            raise ValueError(f"causal_conv1d: docs.pos.shape={tuple(docs.pos.shape)} with initial_state "
-                             f"{'given' if initial_state is not None else 'None'}; allowed: docs for (B, T) = "
-                             f"{tuple(x.shape[:2])} and no initial_state")
+            raise ValueError(
+                f"causal_conv1d: docs.pos.shape={tuple(docs.pos.shape)} with initial_state "
+                f"{'given' if initial_state is not None else 'None'}; allowed: docs for (B, T) = "
+                f"{tuple(x.shape[:2])} and no initial_state"
+            )
         if be == "dao":
             return _cuda.dao_forward(x, weight, bias, residual, activation, None, seq_idx=docs.seq_idx)
         if be == "fla":
@@ -354,11 +399,13 @@ def causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, r
     if be == "cpu":
         return _native.canon_conv(x, weight, bias, initial_state, bool(residual), bool(activation))
     if be == "torch":
-        return causal_conv1d_torch(x, weight, bias, residual=residual, activation=activation,
-                                   initial_state=initial_state)
+        return causal_conv1d_torch(
+            x, weight, bias, residual=residual, activation=activation, initial_state=initial_state
+        )
     if be == "reference":
-        return causal_conv1d_reference(x, weight, bias, residual=residual, activation=activation,
-                                       initial_state=initial_state)
+        return causal_conv1d_reference(
+            x, weight, bias, residual=residual, activation=activation, initial_state=initial_state
+        )
     if be == "dao":
         return _cuda.dao_forward(x, weight, bias, residual, activation, initial_state)
     if be == "fla":
@@ -370,6 +417,7 @@ def causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, r
 # decode
 # ----------------------------------------------------------------------------------------------------------------
 
+
 def causal_conv1d_state(x: Tensor, kernel_size: int, initial_state: Optional[Tensor] = None) -> Tensor:
     """Decode state after a prefill (``causal_conv1d_update``'s): the last K raw inputs, (B, C, K), zero-left-padded.
 
@@ -379,18 +427,21 @@ def causal_conv1d_state(x: Tensor, kernel_size: int, initial_state: Optional[Ten
     Raises ValueError on bad shapes.
     """
     if x.dim() != 3 or int(kernel_size) < 1:
-        raise ValueError(f"causal_conv1d_state: x.shape={tuple(x.shape)}, kernel_size={kernel_size}; "
-                         f"allowed: x (B, T, C) and kernel_size >= 1")
+        raise ValueError(
+            f"causal_conv1d_state: x.shape={tuple(x.shape)}, kernel_size={kernel_size}; "
+            f"allowed: x (B, T, C) and kernel_size >= 1"
+        )
     K = int(kernel_size)
     B, T, C = x.shape
     hist = x.transpose(1, 2)
     if initial_state is not None:
         if tuple(initial_state.shape) != (B, C, K - 1):
-            raise ValueError(f"causal_conv1d_state: initial_state.shape={tuple(initial_state.shape)}; "
-                             f"allowed: {(B, C, K - 1)}")
+            raise ValueError(
+                f"causal_conv1d_state: initial_state.shape={tuple(initial_state.shape)}; allowed: {(B, C, K - 1)}"
+            )
         hist = torch.cat([initial_state.to(x.dtype), hist], dim=-1)
     n = hist.shape[-1]
-    return hist[..., n - K:].contiguous() if n >= K else F.pad(hist, (K - n, 0)).contiguous()
+    return hist[..., n - K :].contiguous() if n >= K else F.pad(hist, (K - n, 0)).contiguous()
 
 
 @assume_constant
@@ -405,9 +456,16 @@ def _select_step(backend: str, device: str, dtype: torch.dtype, C: int, K: int) 
     return "dao" if be == "dao" else "torch"
 
 
-def causal_conv1d_step(x_t: Tensor, state: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *,
-                       residual: bool = True, activation: bool = False,
-                       backend: str = "auto") -> tuple[Tensor, Tensor]:
+def causal_conv1d_step(
+    x_t: Tensor,
+    state: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor] = None,
+    *,
+    residual: bool = True,
+    activation: bool = False,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor]:
     """Decode one token (as Dao-AILab ``causal_conv1d_update``).
 
     Args:
@@ -425,10 +483,18 @@ def causal_conv1d_step(x_t: Tensor, state: Tensor, weight: Tensor, bias: Optiona
     Raises:
         ValueError: bad shapes. ConfigError: unknown or unavailable backend, or a shape it cannot take.
     """
-    if x_t.dim() != 2 or state.dim() != 3 or state.shape[:2] != x_t.shape or weight.dim() != 2 \
-            or weight.shape[0] != x_t.shape[1] or state.shape[2] != weight.shape[1]:
-        raise ValueError(f"causal_conv1d_step: x_t {tuple(x_t.shape)}, state {tuple(state.shape)}, weight "
-                         f"{tuple(weight.shape)}; allowed: x_t (B, C), state (B, C, K), weight (C, K)")
+    if (
+        x_t.dim() != 2
+        or state.dim() != 3
+        or state.shape[:2] != x_t.shape
+        or weight.dim() != 2
+        or weight.shape[0] != x_t.shape[1]
+        or state.shape[2] != weight.shape[1]
+    ):
+        raise ValueError(
+            f"causal_conv1d_step: x_t {tuple(x_t.shape)}, state {tuple(state.shape)}, weight "
+            f"{tuple(weight.shape)}; allowed: x_t (B, C), state (B, C, K), weight (C, K)"
+        )
     if bias is not None and tuple(bias.shape) != (x_t.shape[1],):
         raise ValueError(f"causal_conv1d_step: bias.shape={tuple(bias.shape)}; allowed: ({x_t.shape[1]},) or None")
     be = _select_step(backend, str(x_t.device), x_t.dtype, int(weight.shape[0]), int(weight.shape[1]))

@@ -49,8 +49,13 @@ def _load_dao():
 
 def _load_fla():
     errors = []
-    for path in ("fla.modules.causal_conv1d.ops", "fla.modules.causal_conv1d", "fla.modules.conv.causal_conv1d",
-                 "fla.modules.conv", "fla.modules.convolution"):
+    for path in (
+        "fla.modules.causal_conv1d.ops",
+        "fla.modules.causal_conv1d",
+        "fla.modules.conv.causal_conv1d",
+        "fla.modules.conv",
+        "fla.modules.convolution",
+    ):
         try:
             mod = importlib.import_module(path)
         except ImportError as e:
@@ -102,8 +107,7 @@ def dao_channel_last_ok(t: Tensor) -> bool:
     (the kernel's vector loads). Strides are checked as they are, since ``Tensor.contiguous()`` returns a tensor
     unchanged when only the strides of its size-1 dims are odd."""
     s0, s1, s2 = t.stride()
-    return (s2 == 1 and s1 > 1 and s1 % 8 == 0 and s0 % 8 == 0
-            and (t.data_ptr() % _VEC_BYTES == 0 or t.numel() == 0))
+    return s2 == 1 and s1 > 1 and s1 % 8 == 0 and s0 % 8 == 0 and (t.data_ptr() % _VEC_BYTES == 0 or t.numel() == 0)
 
 
 def _channel_last(t: Tensor, dtype: torch.dtype) -> Tensor:
@@ -123,8 +127,15 @@ def _at_least_fp32(weight: Tensor) -> Tensor:
     return weight.to(torch.promote_types(weight.dtype, torch.float32))
 
 
-def dao_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: bool, activation: bool,
-                initial_state: Optional[Tensor], seq_idx: Optional[Tensor] = None) -> Tensor:
+def dao_forward(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    residual: bool,
+    activation: bool,
+    initial_state: Optional[Tensor],
+    seq_idx: Optional[Tensor] = None,
+) -> Tensor:
     """Canon via ``causal_conv1d_fn`` on the channel-last view of x; differentiable (the library's autograd).
 
     Args: x (B, T, C) with C % 8 == 0, any strides (copied only when :func:`dao_channel_last_ok` fails); weight (C, K)
@@ -143,11 +154,11 @@ def dao_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: boo
     reason = dao_supports(x, weight)
     if reason is not None:
         raise ValueError(f"causal_conv1d: backend 'dao' {reason}")
-    xt = _channel_last(x, x.dtype).transpose(1, 2)         # (B, C, T) view, stride(1) == 1
+    xt = _channel_last(x, x.dtype).transpose(1, 2)  # (B, C, T) view, stride(1) == 1
     init = None
     if initial_state is not None:
-        init = _channel_last(initial_state.transpose(1, 2), x.dtype).transpose(1, 2)   # (B, C, K-1), stride(1) == 1
-    fold = residual and not activation          # the residual as part of tap K-1: one kernel, no add (fwd or bwd)
+        init = _channel_last(initial_state.transpose(1, 2), x.dtype).transpose(1, 2)  # (B, C, K-1), stride(1) == 1
+    fold = residual and not activation  # the residual as part of tap K-1: one kernel, no add (fwd or bwd)
     w = fold_residual(_at_least_fp32(weight)) if fold else weight
     b = None if bias is None else bias.to(w.dtype)  # causal-conv1d wants the bias in the weight's dtype
     seq = None if seq_idx is None else seq_idx.to(device=x.device, dtype=torch.int32).contiguous()
@@ -155,9 +166,16 @@ def dao_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: boo
     return x + y if residual and not fold else y
 
 
-def fla_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: bool, activation: bool,
-                initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor] = None,
-                cu_seqlens_cpu: Optional[Tensor] = None) -> Tensor:
+def fla_forward(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    residual: bool,
+    activation: bool,
+    initial_state: Optional[Tensor],
+    cu_seqlens: Optional[Tensor] = None,
+    cu_seqlens_cpu: Optional[Tensor] = None,
+) -> Tensor:
     """Canon via fla's Triton ``causal_conv1d``; differentiable.
 
     Without an activation the residual is folded into the weight (:func:`fold_residual`: one kernel pass; fla's own
@@ -183,9 +201,16 @@ def fla_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: boo
     varlen = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
     if cu_seqlens is not None and cu_seqlens_cpu is not None and _takes(fn, "cu_seqlens_cpu"):
         varlen["cu_seqlens_cpu"] = cu_seqlens_cpu  # fla-core >= 0.5: chunk indices without a device-host sync
-    out = fn(xin, weight=fold_residual(_at_least_fp32(weight)) if fold else weight, bias=bias,
-             residual=xin if residual and not fold else None, initial_state=state,
-             output_final_state=False, activation="silu" if activation else None, **varlen)
+    out = fn(
+        xin,
+        weight=fold_residual(_at_least_fp32(weight)) if fold else weight,
+        bias=bias,
+        residual=xin if residual and not fold else None,
+        initial_state=state,
+        output_final_state=False,
+        activation="silu" if activation else None,
+        **varlen,
+    )
     y = out[0] if isinstance(out, (tuple, list)) else out
     return y if cu_seqlens is None else y.view(B, T, C)
 
@@ -207,8 +232,9 @@ def _takes(fn, name: str) -> bool:
     return _TAKES[key]
 
 
-def dao_step(x_t: Tensor, state: Tensor, weight: Tensor, bias: Optional[Tensor], residual: bool,
-             activation: bool) -> tuple[Tensor, Tensor]:
+def dao_step(
+    x_t: Tensor, state: Tensor, weight: Tensor, bias: Optional[Tensor], residual: bool, activation: bool
+) -> tuple[Tensor, Tensor]:
     """One decode step with ``causal_conv1d_update`` on a copy of ``state`` (B, C, K)."""
     fns, err = dao_functions()
     if fns is None:
@@ -220,8 +246,9 @@ def dao_step(x_t: Tensor, state: Tensor, weight: Tensor, bias: Optional[Tensor],
     return (x_t + y if residual else y), new_state
 
 
-def fla_step(x_t: Tensor, state: Tensor, weight: Tensor, bias: Optional[Tensor], residual: bool,
-             activation: bool) -> tuple[Tensor, Tensor]:
+def fla_step(
+    x_t: Tensor, state: Tensor, weight: Tensor, bias: Optional[Tensor], residual: bool, activation: bool
+) -> tuple[Tensor, Tensor]:
     """One decode step with fla's ``causal_conv1d_update`` on a copy of ``state`` (B, C, K)."""
     fns, err = fla_functions()
     if fns is None or fns[1] is None:

@@ -81,6 +81,7 @@ def set_subblock(rows: int) -> None:
     if available():
         _lib.canon_set_subblock(SUBBLOCK)
 
+
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
 _path: Optional[Path] = None  # the cached file the loaded kernel came from
@@ -108,10 +109,13 @@ def _warn_once(d: Path, why: str, instead: Path) -> None:
     if str(d) in _warned_dirs:
         return
     _warned_dirs.add(str(d))
-    warnings.warn(f"canonlm: not using the native kernel cache {d}: it {why}, so a library there could have been "
-                  f"planted by someone else (use a directory you own that only you can write, e.g. chmod 700, or "
-                  f"point CANONLM_CACHE at one). Building the native Canon kernel in {instead} instead.",
-                  RuntimeWarning, stacklevel=2)
+    warnings.warn(
+        f"canonlm: not using the native kernel cache {d}: it {why}, so a library there could have been "
+        f"planted by someone else (use a directory you own that only you can write, e.g. chmod 700, or "
+        f"point CANONLM_CACHE at one). Building the native Canon kernel in {instead} instead.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
 
 
 def _mkdtemp_private() -> Path:
@@ -184,14 +188,16 @@ def _target_path(out_dir: Path, flags: list[str], ver: Optional[str] = None) -> 
     """Where the build with ``flags`` is cached in ``out_dir`` (``ver``: the compiler's version line, else asked)."""
     if ver is None:
         ver = _toolchain()[1]
-    key = hashlib.sha256(b"\0".join([_SRC.read_bytes(), " ".join(flags).encode(), ver.encode(),
-                                     _cpu_identity().encode()])).hexdigest()[:20]
+    key = hashlib.sha256(
+        b"\0".join([_SRC.read_bytes(), " ".join(flags).encode(), ver.encode(), _cpu_identity().encode()])
+    ).hexdigest()[:20]
     return Path(out_dir) / f"canon_cpu_{key}.so"
 
 
 def _dlclose(lib: ctypes.CDLL) -> None:
     try:
         import _ctypes
+
         close = getattr(_ctypes, "dlclose", None) or getattr(_ctypes, "FreeLibrary")
         close(lib._handle)
     except Exception:  # noqa: BLE001 -- best effort: a stale copy left mapped is harmless
@@ -382,8 +388,9 @@ def _check_rc(rc: int, what: str) -> None:
         raise ValueError(f"native canon kernel ({what}): bad sizes (rc={rc}); K must be in [1, {KMAX}]")
 
 
-def canon_fwd_impl(x: Tensor, weight: Tensor, bias: Optional[Tensor], initial_state: Optional[Tensor],
-                   residual: bool, activation: bool) -> Tensor:
+def canon_fwd_impl(
+    x: Tensor, weight: Tensor, bias: Optional[Tensor], initial_state: Optional[Tensor], residual: bool, activation: bool
+) -> Tensor:
     """Run the C forward. Shapes/dtypes as in :func:`canonlm.ops.canon.causal_conv1d`; returns y (B, T, C), x.dtype."""
     if not available():
         raise RuntimeError(f"native canon kernel unavailable: {_error}")
@@ -391,15 +398,37 @@ def canon_fwd_impl(x: Tensor, weight: Tensor, bias: Optional[Tensor], initial_st
     K = weight.shape[1]
     x, wT, b, init = _prep(x, weight, bias, initial_state)
     y = torch.empty_like(x)
-    rc = _lib.canon_fwd(x.data_ptr(), y.data_ptr(), wT.data_ptr(), _ptr(b), _ptr(init), B, T, C, K,
-                        int(x.dtype == torch.bfloat16), int(residual), int(activation),
-                        torch.get_num_threads(), CHANNEL_TILE, IMPL)
+    rc = _lib.canon_fwd(
+        x.data_ptr(),
+        y.data_ptr(),
+        wT.data_ptr(),
+        _ptr(b),
+        _ptr(init),
+        B,
+        T,
+        C,
+        K,
+        int(x.dtype == torch.bfloat16),
+        int(residual),
+        int(activation),
+        torch.get_num_threads(),
+        CHANNEL_TILE,
+        IMPL,
+    )
     _check_rc(rc, "fwd")
     return y
 
 
-def canon_bwd_impl(dy: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], initial_state: Optional[Tensor],
-                   residual: bool, activation: bool, need_dinit: bool):
+def canon_bwd_impl(
+    dy: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    initial_state: Optional[Tensor],
+    residual: bool,
+    activation: bool,
+    need_dinit: bool,
+):
     """Run the C backward; returns (dx (B,T,C) x.dtype, dweight (C,K) weight.dtype, dbias (C,) float32,
     dinitial_state (B,C,K-1) initial_state.dtype, or an empty tensor when not requested)."""
     if not available():
@@ -413,10 +442,27 @@ def canon_bwd_impl(dy: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor]
     db = torch.empty(C, dtype=torch.float32)
     want_init = need_dinit and initial_state is not None
     dinit = torch.empty(B, max(K - 1, 0), C, dtype=torch.float32) if want_init else None
-    rc = _lib.canon_bwd(x.data_ptr(), dy.data_ptr(), dx.data_ptr(), wT.data_ptr(), _ptr(b), _ptr(init),
-                        dwT.data_ptr(), db.data_ptr(), _ptr(dinit), B, T, C, K,
-                        int(x.dtype == torch.bfloat16), int(residual), int(activation),
-                        torch.get_num_threads(), CHANNEL_TILE, IMPL)
+    rc = _lib.canon_bwd(
+        x.data_ptr(),
+        dy.data_ptr(),
+        dx.data_ptr(),
+        wT.data_ptr(),
+        _ptr(b),
+        _ptr(init),
+        dwT.data_ptr(),
+        db.data_ptr(),
+        _ptr(dinit),
+        B,
+        T,
+        C,
+        K,
+        int(x.dtype == torch.bfloat16),
+        int(residual),
+        int(activation),
+        torch.get_num_threads(),
+        CHANNEL_TILE,
+        IMPL,
+    )
     _check_rc(rc, "bwd")
     dw = dwT.t().to(weight.dtype).contiguous()
     if want_init:
@@ -430,9 +476,11 @@ def canon_bwd_impl(dy: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor]
 # torch.library custom ops
 # --------------------------------------------------------------------------------------------------------------
 
+
 @torch.library.custom_op("canonlm::canon_conv_fwd", mutates_args=(), device_types="cpu")
-def canon_conv_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], initial_state: Optional[Tensor],
-                   residual: bool, activation: bool) -> Tensor:
+def canon_conv_fwd(
+    x: Tensor, weight: Tensor, bias: Optional[Tensor], initial_state: Optional[Tensor], residual: bool, activation: bool
+) -> Tensor:
     """Canon forward on the native CPU kernel. x (B, T, C) float32/bfloat16, weight (C, K), bias (C,) or None,
     initial_state (B, C, K-1) or None -> y (B, T, C) in x.dtype."""
     return canon_fwd_impl(x, weight, bias, initial_state, residual, activation)
@@ -444,8 +492,16 @@ def _(x, weight, bias, initial_state, residual, activation):
 
 
 @torch.library.custom_op("canonlm::canon_conv_bwd", mutates_args=(), device_types="cpu")
-def canon_conv_bwd(dy: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], initial_state: Optional[Tensor],
-                   residual: bool, activation: bool, need_dinit: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def canon_conv_bwd(
+    dy: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    initial_state: Optional[Tensor],
+    residual: bool,
+    activation: bool,
+    need_dinit: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Canon backward on the native CPU kernel -> (dx, dweight, dbias float32 (C,), dinitial_state or empty)."""
     return canon_bwd_impl(dy, x, weight, bias, initial_state, residual, activation, need_dinit)
 
@@ -475,11 +531,14 @@ def _grads(ctx, dy, bwd):
     x, weight, bias, initial_state = ctx.saved_tensors
     need_dinit = initial_state is not None and ctx.needs_input_grad[3]
     dx, dw, db, dinit = bwd(dy, x, weight, bias, initial_state, ctx.residual, ctx.activation, need_dinit)
-    return (dx if ctx.needs_input_grad[0] else None,
-            dw if ctx.needs_input_grad[1] else None,
-            db.to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None,
-            dinit if need_dinit else None,
-            None, None)
+    return (
+        dx if ctx.needs_input_grad[0] else None,
+        dw if ctx.needs_input_grad[1] else None,
+        db.to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None,
+        dinit if need_dinit else None,
+        None,
+        None,
+    )
 
 
 def _backward(ctx, dy):
@@ -504,14 +563,21 @@ class _CanonFunction(torch.autograd.Function):
         return _grads(ctx, dy, canon_bwd_impl)
 
 
-def canon_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor], initial_state: Optional[Tensor],
-               residual: bool, activation: bool) -> Tensor:
+def canon_conv(
+    x: Tensor, weight: Tensor, bias: Optional[Tensor], initial_state: Optional[Tensor], residual: bool, activation: bool
+) -> Tensor:
     """Native Canon forward with autograd: the custom op under torch.compile, an autograd.Function in eager mode.
     Shapes as in :func:`canon_conv_fwd`."""
     if torch.compiler.is_compiling():
         return canon_conv_fwd(x, weight, bias, initial_state, residual, activation)
-    if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                         or (bias is not None and bias.requires_grad)
-                                         or (initial_state is not None and initial_state.requires_grad))):
+    if not (
+        torch.is_grad_enabled()
+        and (
+            x.requires_grad
+            or weight.requires_grad
+            or (bias is not None and bias.requires_grad)
+            or (initial_state is not None and initial_state.requires_grad)
+        )
+    ):
         return canon_fwd_impl(x, weight, bias, initial_state, residual, activation)
     return _CanonFunction.apply(x, weight, bias, initial_state, residual, activation)

@@ -10,8 +10,14 @@ import torch
 from torch import Tensor
 
 
-def canon_loop(x: Tensor, w: Tensor, b: Optional[Tensor] = None, residual: bool = True, activation: bool = False,
-               init: Optional[Tensor] = None) -> Tensor:
+def canon_loop(
+    x: Tensor,
+    w: Tensor,
+    b: Optional[Tensor] = None,
+    residual: bool = True,
+    activation: bool = False,
+    init: Optional[Tensor] = None,
+) -> Tensor:
     """``y_t = [x_t +] act(b + sum_i w[:, i] * x_{t-K+1+i})`` by a plain Python loop over time and taps (the Canon
     layer, Allen-Zhu, Physics of Language Models Part 4.1, Sec. 4, eq. (4.1); act = SiLU when ``activation``).
 

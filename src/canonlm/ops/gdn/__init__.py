@@ -59,8 +59,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from canonlm.ops import varlen
-from canonlm.ops._dispatch import (compute_dtype, cuda_reason, make_selector, no_autocast,
-                                   resolve_fast_or_reference, shape_of)
+from canonlm.ops._dispatch import (
+    compute_dtype,
+    cuda_reason,
+    make_selector,
+    no_autocast,
+    resolve_fast_or_reference,
+    shape_of,
+)
 
 from . import _fla
 
@@ -88,15 +94,16 @@ FLA_MAX_HEAD_K = 256
 def fla_shape_reason(head_k: int) -> Optional[str]:
     """None when fla's GDN kernels take key head dim ``head_k``, else why not (a ConfigError / warning text)."""
     if head_k > FLA_MAX_HEAD_K:
-        return (f"fla's chunk_gated_delta_rule supports key head dims <= {FLA_MAX_HEAD_K} (got d_k = {head_k}; "
-                f"raise model.n_heads)")
+        return (
+            f"fla's chunk_gated_delta_rule supports key head dims <= {FLA_MAX_HEAD_K} (got d_k = {head_k}; "
+            f"raise model.n_heads)"
+        )
     return None
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # validation
 # ----------------------------------------------------------------------------------------------------------------
-
 
 
 def _validate(q, k, v, g, beta, initial_state, chunk_size, where: str) -> None:
@@ -110,38 +117,55 @@ def _validate(q, k, v, g, beta, initial_state, chunk_size, where: str) -> None:
     ok = all(isinstance(t, Tensor) for t in (q, k, v, g, beta)) and q.dim() == 4 and v.dim() == 4
     if ok:
         B, T, H, K = q.shape
-        ok = (tuple(k.shape) == (B, T, H, K) and v.shape[:3] == (B, T, H) and tuple(g.shape) == (B, T, H)
-              and tuple(beta.shape) == (B, T, H) and T >= 1 and K >= 1 and v.shape[3] >= 1
-              and (initial_state is None or (isinstance(initial_state, Tensor)
-                                             and tuple(initial_state.shape) == (B, H, K, v.shape[3]))))
+        ok = (
+            tuple(k.shape) == (B, T, H, K)
+            and v.shape[:3] == (B, T, H)
+            and tuple(g.shape) == (B, T, H)
+            and tuple(beta.shape) == (B, T, H)
+            and T >= 1
+            and K >= 1
+            and v.shape[3] >= 1
+            and (
+                initial_state is None
+                or (isinstance(initial_state, Tensor) and tuple(initial_state.shape) == (B, H, K, v.shape[3]))
+            )
+        )
         ok = ok and all(t.is_floating_point() for t in (q, k, v, g, beta))
-        ok = ok and all(t.device == q.device for t in (k, v, g, beta) + (() if initial_state is None
-                                                                         else (initial_state,)))
+        ok = ok and all(
+            t.device == q.device for t in (k, v, g, beta) + (() if initial_state is None else (initial_state,))
+        )
     if not ok:
         raise ValueError(
             f"{where}: got q {shape_of(q)}, k {shape_of(k)}, v {shape_of(v)}, g {shape_of(g)}, beta {shape_of(beta)}, "
             f"initial_state {None if initial_state is None else shape_of(initial_state)}; allowed: floating-point "
             f"tensors on one device with q, k (B, T, H, K), v (B, T, H, V), g, beta (B, T, H), T >= 1, "
-            f"initial_state (B, H, K, V) or None")
-
-
-
-
+            f"initial_state (B, H, K, V) or None"
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # pure-PyTorch reference (chunked WY/UT form)
 # ----------------------------------------------------------------------------------------------------------------
 
+
 def l2norm(x: Tensor, eps: float = L2NORM_EPS) -> Tensor:
     """``x / sqrt(sum(x**2, -1) + eps)`` over the last dim (fla's in-kernel q/k normalisation)."""
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def chunk_gated_delta_rule_reference(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
-                                     scale: Optional[float] = None, initial_state: Optional[Tensor] = None,
-                                     output_final_state: bool = False, use_qk_l2norm: bool = True,
-                                     chunk_size: int = 64) -> tuple[Tensor, Optional[Tensor]]:
+def chunk_gated_delta_rule_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    scale: Optional[float] = None,
+    initial_state: Optional[Tensor] = None,
+    output_final_state: bool = False,
+    use_qk_l2norm: bool = True,
+    chunk_size: int = 64,
+) -> tuple[Tensor, Optional[Tensor]]:
     """Gated delta rule in pure PyTorch, chunked via the WY/UT form (math in the module doc).
 
     Args:
@@ -169,7 +193,7 @@ def chunk_gated_delta_rule_reference(q: Tensor, k: Tensor, v: Tensor, g: Tensor,
     B, T, H, K = q.shape
     V = v.shape[-1]
     cd = compute_dtype(q, k, v, g, beta, initial_state)
-    scale = K ** -0.5 if scale is None else float(scale)
+    scale = K**-0.5 if scale is None else float(scale)
     C = min(operator.index(chunk_size), T)
     n = -(-T // C)
     pad = n * C - T
@@ -186,8 +210,8 @@ def chunk_gated_delta_rule_reference(q: Tensor, k: Tensor, v: Tensor, g: Tensor,
             return x.reshape(B, H, n, C, *x.shape[3:])
 
         Q, Kx, Vx = chunks(qc * scale), chunks(kc), chunks(v)
-        gam = chunks(g).cumsum(-1)                                   # (B, H, n, C): gamma_t
-        bet = chunks(beta)                                           # (B, H, n, C)
+        gam = chunks(g).cumsum(-1)  # (B, H, n, C): gamma_t
+        bet = chunks(beta)  # (B, H, n, C)
 
         # pairwise decays exp(gamma_t - gamma_j), j > t masked before the exp
         causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
@@ -199,21 +223,20 @@ def chunk_gated_delta_rule_reference(q: Tensor, k: Tensor, v: Tensor, g: Tensor,
         Gam = gam.exp()
         rhs = torch.cat([bet.unsqueeze(-1) * Vx, (bet * Gam).unsqueeze(-1) * Kx], dim=-1)
         sol = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
-        U, Wk = sol[..., :V], sol[..., V:]                           # (B,H,n,C,V), (B,H,n,C,K)
+        U, Wk = sol[..., :V], sol[..., V:]  # (B,H,n,C,V), (B,H,n,C,K)
 
-        P = (Q @ Kx.transpose(-1, -2)) * D                           # diagonal included
-        Qe = Gam.unsqueeze(-1) * Q - P @ Wk                          # (B,H,n,C,K)
-        PU = P @ U                                                   # (B,H,n,C,V)
+        P = (Q @ Kx.transpose(-1, -2)) * D  # diagonal included
+        Qe = Gam.unsqueeze(-1) * Q - P @ Wk  # (B,H,n,C,K)
+        PU = P @ U  # (B,H,n,C,V)
 
-        Kd = (gam[..., -1:] - gam).exp().unsqueeze(-1) * Kx          # exp(gamma_C - gamma_j) k_j
+        Kd = (gam[..., -1:] - gam).exp().unsqueeze(-1) * Kx  # exp(gamma_C - gamma_j) k_j
         KdT = Kd.transpose(-1, -2)
         eye = torch.eye(K, dtype=cd, device=q.device)
-        M = Gam[..., -1, None, None] * eye - KdT @ Wk                # (B,H,n,K,K)
-        N = KdT @ U                                                  # (B,H,n,K,V)
+        M = Gam[..., -1, None, None] * eye - KdT @ Wk  # (B,H,n,K,K)
+        N = KdT @ U  # (B,H,n,K,V)
 
         # the only sequential part: S <- M_c S + N_c over chunks
-        S = (torch.zeros(B, H, K, V, dtype=cd, device=q.device) if initial_state is None
-             else initial_state.to(cd))
+        S = torch.zeros(B, H, K, V, dtype=cd, device=q.device) if initial_state is None else initial_state.to(cd)
         # chunk-major lists via one copy each (slicing M[:, :, c] per step would make autograd scatter every step's
         # gradient into a zero tensor of M's full size: O(n^2) memory traffic in the backward)
         Ms = M.permute(2, 0, 1, 3, 4).reshape(n, B * H, K, K).unbind(0)
@@ -223,9 +246,9 @@ def chunk_gated_delta_rule_reference(q: Tensor, k: Tensor, v: Tensor, g: Tensor,
         for c in range(n):
             entries.append(S)
             S = torch.baddbmm(Ns[c], Ms[c], S)
-        S0 = torch.stack(entries, dim=1).reshape(B, H, n, K, V)      # entry state of every chunk
+        S0 = torch.stack(entries, dim=1).reshape(B, H, n, K, V)  # entry state of every chunk
         S = S.reshape(B, H, K, V)
-        O = Qe @ S0 + PU                                             # (B,H,n,C,V)
+        O = Qe @ S0 + PU  # (B,H,n,C,V)
         o = O.reshape(B, H, n * C, V)[:, :, :T].transpose(1, 2).to(v.dtype)
     return o, (S if output_final_state else None)
 
@@ -233,6 +256,7 @@ def chunk_gated_delta_rule_reference(q: Tensor, k: Tensor, v: Tensor, g: Tensor,
 # ----------------------------------------------------------------------------------------------------------------
 # backend selection
 # ----------------------------------------------------------------------------------------------------------------
+
 
 def _fla_reason(device: torch.device, dtype: torch.dtype) -> Optional[str]:
     """None if backend ``fla`` can run on (device, dtype), else why not."""
@@ -271,8 +295,12 @@ def resolve_backend(name: str, device, dtype: torch.dtype) -> str:
     be = resolve_fast_or_reference(name, device, dtype, key=CONFIG_KEY, fast="fla", reason=_fla_reason, hint=hint)
     if name == "auto" and be == "reference" and bf16_ok and dtype not in _warned_dtype:  # refused only for its dtype
         _warned_dtype.add(dtype)
-        warnings.warn(f"canonlm: GDN kernels.gdn=auto uses the slow pure-PyTorch reference on CUDA because "
-                      f"{_fla_reason(dev, dtype)}{hint}", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"canonlm: GDN kernels.gdn=auto uses the slow pure-PyTorch reference on CUDA because "
+            f"{_fla_reason(dev, dtype)}{hint}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return be
 
 
@@ -283,11 +311,23 @@ _select = make_selector(resolve_backend, meta_auto="reference")
 # dispatch
 # ----------------------------------------------------------------------------------------------------------------
 
-def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
-                           scale: Optional[float] = None, initial_state: Optional[Tensor] = None,
-                           output_final_state: bool = False, use_qk_l2norm: bool = True, chunk_size: int = 64,
-                           backend: str = "auto", cu_seqlens: Optional[Tensor] = None,
-                           cu_seqlens_cpu: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:
+
+def chunk_gated_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    scale: Optional[float] = None,
+    initial_state: Optional[Tensor] = None,
+    output_final_state: bool = False,
+    use_qk_l2norm: bool = True,
+    chunk_size: int = 64,
+    backend: str = "auto",
+    cu_seqlens: Optional[Tensor] = None,
+    cu_seqlens_cpu: Optional[Tensor] = None,
+) -> tuple[Tensor, Optional[Tensor]]:
     """GDN token mixing (gated delta rule, Yang et al. 2025): see the module doc for the recurrence.
 
     Args:
@@ -323,18 +363,29 @@ def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
             raise ValueError(f"chunk_gated_delta_rule: backend 'fla' cannot run: {fla_shape_reason(q.shape[-1])}")
         be = "reference"  # auto: the shape fallback (CanonLM reports it once, at build time)
     if cu_seqlens is not None:
-        varlen.check_varlen_call("chunk_gated_delta_rule", q, cu_seqlens, cu_seqlens_cpu, initial_state,
-                                 output_final_state)
+        varlen.check_varlen_call(
+            "chunk_gated_delta_rule", q, cu_seqlens, cu_seqlens_cpu, initial_state, output_final_state
+        )
         if be == "fla":
             scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
             return _fla.forward_varlen(q, k, v, g, beta, scale, bool(use_qk_l2norm), cu_seqlens, cu_seqlens_cpu), None
         packed, valid = zip(*(varlen.pack(t, cu_seqlens_cpu) for t in (q, k, v, g, beta)))
-        o, _ = chunk_gated_delta_rule_reference(*packed, scale=scale, use_qk_l2norm=use_qk_l2norm,
-                                                chunk_size=chunk_size)
+        o, _ = chunk_gated_delta_rule_reference(
+            *packed, scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size
+        )
         return varlen.unpack(o, valid[0]), None
     if be == "fla":
         scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
         return _fla.forward(q, k, v, g, beta, scale, initial_state, bool(output_final_state), bool(use_qk_l2norm))
-    return chunk_gated_delta_rule_reference(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                            output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm,
-                                            chunk_size=chunk_size)
+    return chunk_gated_delta_rule_reference(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        use_qk_l2norm=use_qk_l2norm,
+        chunk_size=chunk_size,
+    )

@@ -82,14 +82,24 @@ def dtype_reason(dtype: torch.dtype) -> Optional[str]:
     if dtype not in KERNEL_DTYPES:
         return f"the fla kernels accept float16/bfloat16/float32 inputs, not {dtype}"
     if dtype == torch.float32 and chunk_refuses_fp32():
-        return ("the installed fla chunk_gated_delta_rule refuses float32 inputs (\"ChunkGatedDeltaRuleFunction does "
-                "not support float32\")")
+        return (
+            'the installed fla chunk_gated_delta_rule refuses float32 inputs ("ChunkGatedDeltaRuleFunction does '
+            'not support float32")'
+        )
     return None
 
 
-def forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
-            initial_state: Optional[Tensor], output_final_state: bool,
-            use_qk_l2norm: bool) -> tuple[Tensor, Optional[Tensor]]:
+def forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float,
+    initial_state: Optional[Tensor],
+    output_final_state: bool,
+    use_qk_l2norm: bool,
+) -> tuple[Tensor, Optional[Tensor]]:
     """GDN via fla. Uses ``fused_recurrent_gated_delta_rule`` when T <= :data:`RECURRENT_MAX_T` and autograd is off
     (decode / short prefill), else ``chunk_gated_delta_rule`` (differentiable).
 
@@ -105,16 +115,43 @@ def forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: flo
     h0 = None if initial_state is None else initial_state.to(torch.float32)
     T = q.shape[1]
     if recurrent is not None and T <= RECURRENT_MAX_T and not torch.is_grad_enabled():
-        o, s = recurrent(qc, kc, vc, g=g, beta=beta, scale=scale, initial_state=h0,
-                         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm)
+        o, s = recurrent(
+            qc,
+            kc,
+            vc,
+            g=g,
+            beta=beta,
+            scale=scale,
+            initial_state=h0,
+            output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm,
+        )
     else:
-        o, s = chunk(qc, kc, vc, g, beta, scale=scale, initial_state=h0, output_final_state=output_final_state,
-                     use_qk_l2norm_in_kernel=use_qk_l2norm)
+        o, s = chunk(
+            qc,
+            kc,
+            vc,
+            g,
+            beta,
+            scale=scale,
+            initial_state=h0,
+            output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm,
+        )
     return o.to(v.dtype), (s if output_final_state else None)
 
 
-def forward_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, use_qk_l2norm: bool,
-                   cu_seqlens: Tensor, cu_seqlens_cpu: Tensor) -> Tensor:
+def forward_varlen(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float,
+    use_qk_l2norm: bool,
+    cu_seqlens: Tensor,
+    cu_seqlens_cpu: Tensor,
+) -> Tensor:
     """The gated delta rule over sequences concatenated in a batch of 1, the state restarting at each
     ``cu_seqlens[n]``: ``chunk_gated_delta_rule(q, k, v, g, beta, scale=, use_qk_l2norm_in_kernel=, cu_seqlens=
     (int64, q's device), cu_seqlens_cpu=)`` (fla-core 0.6.0 ``fla/ops/gated_delta_rule/chunk.py``: batch 1 with
@@ -124,7 +161,15 @@ def forward_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sca
     if fns is None:
         raise RuntimeError(f"fla chunk_gated_delta_rule unavailable: {err}")
     dt = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
-    o, _ = fns[0](q.to(dt), k.to(dt), v.to(dt), g, beta, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm,
-                  cu_seqlens=cu_seqlens.to(device=q.device, dtype=torch.int64),
-                  cu_seqlens_cpu=cu_seqlens_cpu.to(torch.int64))
+    o, _ = fns[0](
+        q.to(dt),
+        k.to(dt),
+        v.to(dt),
+        g,
+        beta,
+        scale=scale,
+        use_qk_l2norm_in_kernel=use_qk_l2norm,
+        cu_seqlens=cu_seqlens.to(device=q.device, dtype=torch.int64),
+        cu_seqlens_cpu=cu_seqlens_cpu.to(torch.int64),
+    )
     return o.to(v.dtype)

@@ -10,8 +10,16 @@ import torch
 from torch import Tensor
 
 
-def gdn_loop(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float] = None,
-             initial_state: Optional[Tensor] = None, use_qk_l2norm: bool = True) -> tuple[Tensor, Tensor]:
+def gdn_loop(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[Tensor] = None,
+    use_qk_l2norm: bool = True,
+) -> tuple[Tensor, Tensor]:
     """Gated delta rule one token at a time (Yang, Kautz and Hatamizadeh 2025, "Gated Delta Networks: Improving
     Mamba2 with Delta Rule", ``S_t = S_{t-1} a_t (I - beta_t k_t k_t^T) + beta_t v_t k_t^T`` in their ``[V, K]``
     layout), written in fla's ``[K, V]`` state layout per batch row and head::
@@ -33,14 +41,17 @@ def gdn_loop(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Op
         k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
     B, T, H, K = q.shape
     V = v.shape[-1]
-    scale = K ** -0.5 if scale is None else scale
-    S = torch.zeros(B, H, K, V, dtype=torch.float64, device=q.device) if initial_state is None \
+    scale = K**-0.5 if scale is None else scale
+    S = (
+        torch.zeros(B, H, K, V, dtype=torch.float64, device=q.device)
+        if initial_state is None
         else initial_state.double()
+    )
     outs = []
     for t in range(T):
-        a = g[:, t].exp()                                     # (B, H)
-        kt, vt, qt = k[:, t], v[:, t], q[:, t] * scale        # (B, H, K|V)
-        pred = torch.einsum("bhk,bhkv->bhv", kt, S)           # S^T k
+        a = g[:, t].exp()  # (B, H)
+        kt, vt, qt = k[:, t], v[:, t], q[:, t] * scale  # (B, H, K|V)
+        pred = torch.einsum("bhk,bhkv->bhv", kt, S)  # S^T k
         w = beta[:, t, :, None] * (vt - a[..., None] * pred)
         S = a[..., None, None] * S + kt[..., :, None] * w[..., None, :]
         outs.append(torch.einsum("bhk,bhkv->bhv", qt, S))

@@ -58,8 +58,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from canonlm.ops import varlen
-from canonlm.ops._dispatch import (compute_dtype, cuda_reason, make_selector, no_autocast,
-                                   resolve_fast_or_reference)
+from canonlm.ops._dispatch import compute_dtype, cuda_reason, make_selector, no_autocast, resolve_fast_or_reference
 
 from . import _fla
 
@@ -73,6 +72,7 @@ _FLA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # ----------------------------------------------------------------------------------------------------------------
 # validation
 # ----------------------------------------------------------------------------------------------------------------
+
 
 def _check_chunk_size(chunk_size) -> int:
     if isinstance(chunk_size, bool):
@@ -92,22 +92,35 @@ def _validate(q: Tensor, k: Tensor, v: Tensor, g: Tensor, initial_state: Optiona
     ts = {"q": q, "k": k, "v": v, "g": g, "initial_state": initial_state}
     ok = all(isinstance(t, Tensor) for n, t in ts.items() if n != "initial_state" or t is not None)
     if ok:
-        ok = q.dim() == 4 and k.shape == q.shape and g.shape == q.shape and v.dim() == 4 \
-            and v.shape[:3] == q.shape[:3] and q.shape[1] >= 1 and q.shape[3] >= 1 and v.shape[3] >= 1
+        ok = (
+            q.dim() == 4
+            and k.shape == q.shape
+            and g.shape == q.shape
+            and v.dim() == 4
+            and v.shape[:3] == q.shape[:3]
+            and q.shape[1] >= 1
+            and q.shape[3] >= 1
+            and v.shape[3] >= 1
+        )
     if ok and initial_state is not None:
         ok = tuple(initial_state.shape) == (q.shape[0], q.shape[2], q.shape[3], v.shape[3])
     if ok:
         ok = all(t.is_floating_point() and t.device == q.device for t in ts.values() if t is not None)
     if not ok:
-        desc = ", ".join(f"{n} {tuple(t.shape)} {t.dtype} {t.device}" if isinstance(t, Tensor) else f"{n} {t!r}"
-                         for n, t in ts.items())
-        raise ValueError(f"chunk_gla: bad inputs ({desc}); allowed: q, k, g (B, T, H, K) with T >= 1, v (B, T, H, V), "
-                         f"initial_state (B, H, K, V) or None; floating dtypes, all on one device")
+        desc = ", ".join(
+            f"{n} {tuple(t.shape)} {t.dtype} {t.device}" if isinstance(t, Tensor) else f"{n} {t!r}"
+            for n, t in ts.items()
+        )
+        raise ValueError(
+            f"chunk_gla: bad inputs ({desc}); allowed: q, k, g (B, T, H, K) with T >= 1, v (B, T, H, V), "
+            f"initial_state (B, H, K, V) or None; floating dtypes, all on one device"
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # reference
 # ----------------------------------------------------------------------------------------------------------------
+
 
 class _ContiguousGrad(torch.autograd.Function):
     """Identity whose backward makes the incoming gradient contiguous. A loss like ``o.sum()`` sends an expanded
@@ -163,7 +176,7 @@ def _halves(qs: Tensor, k: Tensor, b: Tensor, P: int, u: int):
     lead, K = qs.shape[:-2], qs.shape[-1]
     b6 = b.view(*lead, P, 2, u, K)
     bL, bR = b6[..., 0, :, :], b6[..., 1, :, :]
-    r = bL[..., u - 1:u, :]
+    r = bL[..., u - 1 : u, :]
     eR, eL = torch.exp(bR - r), torch.exp(r - bL)
     qR = qs.view(*lead, P, 2, u, K)[..., 1, :, :] * eR
     kL = k.view(*lead, P, 2, u, K)[..., 0, :, :] * eL
@@ -224,9 +237,17 @@ class _IntraChunk(torch.autograd.Function):
         return dq, dk, dv, db
 
 
-def chunk_gla_reference(q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, scale: Optional[float] = None,
-                        initial_state: Optional[Tensor] = None, output_final_state: bool = False,
-                        chunk_size: int = 64) -> tuple[Tensor, Optional[Tensor]]:
+def chunk_gla_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    *,
+    scale: Optional[float] = None,
+    initial_state: Optional[Tensor] = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+) -> tuple[Tensor, Optional[Tensor]]:
     """Chunked pure-PyTorch GLA (algorithm in the module docstring). The CPU path and the oracle
     of the fused kernels.
 
@@ -252,7 +273,7 @@ def chunk_gla_reference(q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, scale: Op
     B, T, H, K = q.shape
     V = v.shape[-1]
     cd = compute_dtype(q, k, v, g)
-    s = float(K ** -0.5 if scale is None else scale)
+    s = float(K**-0.5 if scale is None else scale)
     with no_autocast(q.device):
         C = min(C, T)
         N = -(-T // C)
@@ -283,6 +304,7 @@ def chunk_gla_reference(q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, scale: Op
 # ----------------------------------------------------------------------------------------------------------------
 # backend selection
 # ----------------------------------------------------------------------------------------------------------------
+
 
 def _fla_unavailable_reason(device: torch.device, dtype: torch.dtype) -> Optional[str]:
     """None if fla's GLA kernels can run on (device, dtype), else why not."""
@@ -323,10 +345,20 @@ def resolve_backend(name: str, device, dtype: torch.dtype) -> str:
 _select = make_selector(resolve_backend)
 
 
-def chunk_gla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, scale: Optional[float] = None,
-              initial_state: Optional[Tensor] = None, output_final_state: bool = False, chunk_size: int = 64,
-              backend: str = "auto", cu_seqlens: Optional[Tensor] = None,
-              cu_seqlens_cpu: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:
+def chunk_gla(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    *,
+    scale: Optional[float] = None,
+    initial_state: Optional[Tensor] = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+    backend: str = "auto",
+    cu_seqlens: Optional[Tensor] = None,
+    cu_seqlens_cpu: Optional[Tensor] = None,
+) -> tuple[Tensor, Optional[Tensor]]:
     """GLA op: ``S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T``, ``o_t = S_t^T (scale * q_t)``.
 
     Args:
@@ -366,6 +398,13 @@ def chunk_gla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, scale: Optional[flo
     if be == "fla":
         s = float(q.shape[-1] ** -0.5 if scale is None else scale)
         return _fla.fla_forward(q, k, v, g, s, initial_state, output_final_state)
-    return chunk_gla_reference(q, k, v, g, scale=scale, initial_state=initial_state,
-                               output_final_state=output_final_state, chunk_size=chunk_size)
-
+    return chunk_gla_reference(
+        q,
+        k,
+        v,
+        g,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        chunk_size=chunk_size,
+    )

@@ -47,8 +47,9 @@ def fla_functions() -> tuple[Optional[tuple], Optional[str]]:
     return probe("gla.fla", _load_fla)
 
 
-def fla_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float, initial_state: Optional[Tensor],
-                output_final_state: bool) -> tuple[Tensor, Optional[Tensor]]:
+def fla_forward(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float, initial_state: Optional[Tensor], output_final_state: bool
+) -> tuple[Tensor, Optional[Tensor]]:
     """GLA through fla's kernels (CUDA tensors; shapes already validated by the caller).
 
     ``fused_recurrent_gla`` when ``T <= 64`` and ``torch.is_grad_enabled()`` is False (decode / short no-grad
@@ -72,8 +73,9 @@ def fla_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float, initia
     return o.to(v.dtype), ht
 
 
-def fla_forward_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float, cu_seqlens: Tensor,
-                       cu_seqlens_cpu: Tensor) -> Tensor:
+def fla_forward_varlen(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float, cu_seqlens: Tensor, cu_seqlens_cpu: Tensor
+) -> Tensor:
     """GLA over sequences concatenated in a batch of 1, the state restarting at each ``cu_seqlens[n]``:
     ``chunk_gla(q, k, v, g, scale=scale, cu_seqlens=cu_seqlens (int64, q's device), cu_seqlens_cpu=...)``
     (fla-core 0.6.0 ``fla/ops/gla/chunk.py``: "for variable-length inputs, the batch size `B` is expected to be 1";
@@ -83,6 +85,13 @@ def fla_forward_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float,
     if fns is None:
         raise RuntimeError(f"fla chunk_gla unavailable: {err}")
     q, k, v, g = (t.contiguous() for t in (q, k, v, g))
-    o, _ = fns[0](q, k, v, g, scale=scale, cu_seqlens=cu_seqlens.to(device=q.device, dtype=torch.int64),
-                  cu_seqlens_cpu=cu_seqlens_cpu.to(torch.int64))
+    o, _ = fns[0](
+        q,
+        k,
+        v,
+        g,
+        scale=scale,
+        cu_seqlens=cu_seqlens.to(device=q.device, dtype=torch.int64),
+        cu_seqlens_cpu=cu_seqlens_cpu.to(torch.int64),
+    )
     return o.to(v.dtype)

@@ -10,8 +10,9 @@ import torch
 from torch import Tensor
 
 
-def gla_loop(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: Optional[float] = None,
-             initial_state: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+def gla_loop(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: Optional[float] = None, initial_state: Optional[Tensor] = None
+) -> tuple[Tensor, Tensor]:
     """Gated linear attention one token at a time (Yang et al. 2024, "Gated Linear Attention Transformers with
     Hardware-Efficient Training", the recurrent form; fla's ``[K, V]`` state layout)::
 
@@ -28,9 +29,12 @@ def gla_loop(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: Optional[float] 
     q, k, v, g = (t.double() for t in (q, k, v, g))
     B, T, H, K = q.shape
     V = v.shape[-1]
-    s = K ** -0.5 if scale is None else scale
-    S = torch.zeros(B, H, K, V, dtype=torch.float64, device=q.device) if initial_state is None \
+    s = K**-0.5 if scale is None else scale
+    S = (
+        torch.zeros(B, H, K, V, dtype=torch.float64, device=q.device)
+        if initial_state is None
         else initial_state.double()
+    )
     outs = []
     for t in range(T):
         S = torch.exp(g[:, t]).unsqueeze(-1) * S + k[:, t].unsqueeze(-1) * v[:, t].unsqueeze(-2)

@@ -71,8 +71,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from canonlm.errors import ConfigError
-from canonlm.ops._dispatch import (assume_constant, compute_dtype, cuda_reason, make_selector, memo_table,
-                                   no_autocast, resolve_fast_or_reference, shape_of)
+from canonlm.ops._dispatch import (
+    assume_constant,
+    compute_dtype,
+    cuda_reason,
+    make_selector,
+    memo_table,
+    no_autocast,
+    resolve_fast_or_reference,
+    shape_of,
+)
 from canonlm.ops import varlen
 from canonlm.ops.canon._cuda import DAO_WIDTHS
 
@@ -105,7 +113,6 @@ _INF = float("inf")
 # ----------------------------------------------------------------------------------------------------------------
 
 
-
 def _check_chunk(chunk_size) -> int:
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"ssd_scan: chunk_size={chunk_size!r}; allowed: a positive int (e.g. 64 or 256)")
@@ -116,8 +123,7 @@ def _check_limit(dt_limit) -> tuple[float, float]:
     try:
         lo, hi = (float(v) for v in dt_limit)
     except (TypeError, ValueError):
-        raise ValueError(f"ssd_scan: dt_limit={dt_limit!r}; allowed: a pair (lo, hi) of floats with lo <= hi") \
-            from None
+        raise ValueError(f"ssd_scan: dt_limit={dt_limit!r}; allowed: a pair (lo, hi) of floats with lo <= hi") from None
     if not lo <= hi or math.isnan(lo) or math.isnan(hi):
         raise ValueError(f"ssd_scan: dt_limit={dt_limit!r}; allowed: a pair (lo, hi) of floats with lo <= hi")
     return lo, hi
@@ -146,10 +152,18 @@ def _validate(x, dt, A, B, C, D, dt_bias, initial_state) -> tuple[int, int, int,
     if dt_bias is not None and tuple(dt_bias.shape) != (H,):
         raise ValueError(f"ssd_scan: dt_bias.shape={shape_of(dt_bias)}; allowed: ({H},) or None")
     if initial_state is not None and tuple(initial_state.shape) != (Bsz, H, P, N):
-        raise ValueError(f"ssd_scan: initial_state.shape={shape_of(initial_state)}; allowed: (B, H, P, N) = "
-                         f"{(Bsz, H, P, N)} or None")
-    for name, t in (("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), ("dt_bias", dt_bias),
-                    ("initial_state", initial_state)):
+        raise ValueError(
+            f"ssd_scan: initial_state.shape={shape_of(initial_state)}; allowed: (B, H, P, N) = {(Bsz, H, P, N)} or None"
+        )
+    for name, t in (
+        ("dt", dt),
+        ("A", A),
+        ("B", B),
+        ("C", C),
+        ("D", D),
+        ("dt_bias", dt_bias),
+        ("initial_state", initial_state),
+    ):
         if t is None:
             continue
         if not t.is_floating_point():
@@ -159,16 +173,14 @@ def _validate(x, dt, A, B, C, D, dt_bias, initial_state) -> tuple[int, int, int,
     return Bsz, T, H, P, G, N
 
 
-
-
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # pure-PyTorch reference (Dao & Gu 2024)
 # ----------------------------------------------------------------------------------------------------------------
 
-def _time_step(dt: Tensor, dt_bias: Optional[Tensor], dt_softplus: bool, dt_limit: tuple[float, float],
-               cd: torch.dtype) -> Tensor:
+
+def _time_step(
+    dt: Tensor, dt_bias: Optional[Tensor], dt_softplus: bool, dt_limit: tuple[float, float], cd: torch.dtype
+) -> Tensor:
     """Δ = clamp(softplus(dt + dt_bias), *dt_limit) in ``cd`` (softplus linear above 20, as in the kernels)."""
     d = dt.to(cd)
     if dt_bias is not None:
@@ -178,8 +190,9 @@ def _time_step(dt: Tensor, dt_bias: Optional[Tensor], dt_softplus: bool, dt_limi
     return d.clamp(dt_limit[0], dt_limit[1])
 
 
-def _ssd_chunked(xbar: Tensor, a: Tensor, Bm: Tensor, Cm: Tensor, h0: Optional[Tensor], Q: int
-                 ) -> tuple[Tensor, Tensor]:
+def _ssd_chunked(
+    xbar: Tensor, a: Tensor, Bm: Tensor, Cm: Tensor, h0: Optional[Tensor], Q: int
+) -> tuple[Tensor, Tensor]:
     """Chunked SSD core. xbar (B, Tp, H, P), a (B, Tp, H), Bm/Cm (B, Tp, G, N), h0 (B, H, P, N) or None, all in one
     dtype, Tp % Q == 0. Returns (y without the D term (B, Tp, H, P), final state (B, H, P, N)).
 
@@ -190,9 +203,9 @@ def _ssd_chunked(xbar: Tensor, a: Tensor, Bm: Tensor, Cm: Tensor, h0: Optional[T
     G, N = Bm.shape[2], Bm.shape[3]
     R, nc = H // G, Tp // Q
     x6 = xbar.reshape(Bsz, nc, Q, G, R, P)
-    ah = a.reshape(Bsz, nc, Q, G, R).permute(0, 3, 4, 1, 2)                 # (B, G, R, nc, Q)
-    bc = Bm.reshape(Bsz, nc, Q, G, N).permute(0, 3, 1, 2, 4)                 # (B, G, nc, Q, N)
-    cc = Cm.reshape(Bsz, nc, Q, G, N).permute(0, 3, 1, 2, 4)                 # (B, G, nc, Q, N)
+    ah = a.reshape(Bsz, nc, Q, G, R).permute(0, 3, 4, 1, 2)  # (B, G, R, nc, Q)
+    bc = Bm.reshape(Bsz, nc, Q, G, N).permute(0, 3, 1, 2, 4)  # (B, G, nc, Q, N)
+    cc = Cm.reshape(Bsz, nc, Q, G, N).permute(0, 3, 1, 2, 4)  # (B, G, nc, Q, N)
 
     # segment sums seg[t, s] = sum_{r=s+1}^{t} a_r (s <= t) as a cumulative sum over rows r of the strictly-lower
     # masked matrix E[r, s] = a_r (r > s). Above the diagonal seg is exactly 0 (an empty sum), so L = exp(seg) is 1
@@ -201,20 +214,20 @@ def _ssd_chunked(xbar: Tensor, a: Tensor, Bm: Tensor, Cm: Tensor, h0: Optional[T
     ones = torch.ones(Q, Q, dtype=torch.bool, device=a.device)
     strict, upper = ones.tril(-1), ~ones.tril(0)
     seg = ah.unsqueeze(-1).expand(*ah.shape, Q).masked_fill(~strict, 0.0).cumsum(-2)
-    L = seg.exp_()                                                           # (B, G, R, nc, Q, Q), 1 above diag
+    L = seg.exp_()  # (B, G, R, nc, Q, Q), 1 above diag
 
     # intra-chunk (diagonal blocks), per head
-    scores = (cc @ bc.transpose(-1, -2)).masked_fill_(upper, 0.0)            # (B, G, nc, Q, Q) = C_t . B_s, s <= t
-    y_diag = (L * scores.unsqueeze(2)) @ x6.permute(0, 3, 4, 1, 2, 5)       # (B, G, R, nc, Q, P)
+    scores = (cc @ bc.transpose(-1, -2)).masked_fill_(upper, 0.0)  # (B, G, nc, Q, Q) = C_t . B_s, s <= t
+    y_diag = (L * scores.unsqueeze(2)) @ x6.permute(0, 3, 4, 1, 2, 5)  # (B, G, R, nc, Q, P)
 
     # per-chunk states S_c = sum_s exp(sum_{r=s+1}^{end} a_r) xbar_s B_s^T; the decay to the chunk end is L's last row
     # (all of it on or below the diagonal)
-    dec_end = L[..., Q - 1, :].permute(0, 1, 3, 4, 2).unsqueeze(-1)          # (B, G, nc, Q, R, 1)
-    xw = x6.permute(0, 3, 1, 2, 4, 5) * dec_end                              # (B, G, nc, Q, R, P)
-    S = xw.reshape(Bsz, G, nc, Q, R * P).transpose(-1, -2) @ bc              # (B, G, nc, R*P, N)
+    dec_end = L[..., Q - 1, :].permute(0, 1, 3, 4, 2).unsqueeze(-1)  # (B, G, nc, Q, R, 1)
+    xw = x6.permute(0, 3, 1, 2, 4, 5) * dec_end  # (B, G, nc, Q, R, P)
+    S = xw.reshape(Bsz, G, nc, Q, R * P).transpose(-1, -2) @ bc  # (B, G, nc, R*P, N)
 
     # inter-chunk recurrence over the chunk states (nc small steps)
-    acs = ah.cumsum(-1)                                                      # sum_{r=start}^{t} a_r, (B, G, R, nc, Q)
+    acs = ah.cumsum(-1)  # sum_{r=start}^{t} a_r, (B, G, R, nc, Q)
     chunk_decay = acs[..., Q - 1].exp().permute(0, 1, 3, 2)[..., None, None]  # (B, G, nc, R, 1, 1)
     h = xbar.new_zeros(Bsz, G, R, P, N) if h0 is None else h0.reshape(Bsz, G, R, P, N)
     prev = []
@@ -222,19 +235,30 @@ def _ssd_chunked(xbar: Tensor, a: Tensor, Bm: Tensor, Cm: Tensor, h0: Optional[T
     for dec_c, S_c in zip(chunk_decay.unbind(2), S.view(Bsz, G, nc, R, P, N).unbind(2)):
         prev.append(h)
         h = dec_c * h + S_c
-    h_prev = torch.stack(prev, dim=2).view(Bsz, G, nc, R * P, N)             # state entering chunk c
+    h_prev = torch.stack(prev, dim=2).view(Bsz, G, nc, R * P, N)  # state entering chunk c
 
     # off-diagonal part: exp(sum_{r=start}^{t} a_r) * H_{c-1} C_t
     y_off = (cc @ h_prev.transpose(-1, -2)).view(Bsz, G, nc, Q, R, P)
     y = y_off * acs.exp().permute(0, 1, 3, 4, 2).unsqueeze(-1) + y_diag.permute(0, 1, 3, 4, 2, 5)
-    y = y.permute(0, 2, 3, 1, 4, 5).reshape(Bsz, Tp, H, P)                   # (B, G, nc, Q, R, P) -> (B, T, H, P)
+    y = y.permute(0, 2, 3, 1, 4, 5).reshape(Bsz, Tp, H, P)  # (B, G, nc, Q, R, P) -> (B, T, H, P)
     return y, h.reshape(Bsz, H, P, N)
 
 
-def ssd_scan_reference(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, *, chunk_size: int = 256,
-                       D: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None, dt_softplus: bool = True,
-                       dt_limit: Sequence[float] = (0.0, _INF), initial_state: Optional[Tensor] = None,
-                       output_final_state: bool = False) -> tuple[Tensor, Optional[Tensor]]:
+def ssd_scan_reference(
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    *,
+    chunk_size: int = 256,
+    D: Optional[Tensor] = None,
+    dt_bias: Optional[Tensor] = None,
+    dt_softplus: bool = True,
+    dt_limit: Sequence[float] = (0.0, _INF),
+    initial_state: Optional[Tensor] = None,
+    output_final_state: bool = False,
+) -> tuple[Tensor, Optional[Tensor]]:
     """Pure-PyTorch chunked SSD (Dao & Gu 2024); the CPU path and the oracle of the fused kernels.
 
     Args: see :func:`ssd_scan` (same shapes and semantics).
@@ -256,11 +280,11 @@ def ssd_scan_reference(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, *
     cd = compute_dtype(x, dt, A, B, C, D, dt_bias, initial_state)
     with no_autocast(x.device):
         xc = x.to(cd)
-        delta = _time_step(dt, dt_bias, dt_softplus, lim, cd)               # (B, T, H)
+        delta = _time_step(dt, dt_bias, dt_softplus, lim, cd)  # (B, T, H)
         pad = (-T) % Q
         Bm, Cm = B.to(cd), C.to(cd)
         if pad:
-            delta = F.pad(delta, (0, 0, 0, pad))                            # Δ = 0 -> a = 0, x̄ = 0
+            delta = F.pad(delta, (0, 0, 0, pad))  # Δ = 0 -> a = 0, x̄ = 0
             Bm = F.pad(Bm, (0, 0, 0, 0, 0, pad))
             Cm = F.pad(Cm, (0, 0, 0, 0, 0, pad))
             xp = F.pad(xc, (0, 0, 0, 0, 0, pad))
@@ -279,6 +303,7 @@ def ssd_scan_reference(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, *
 # ----------------------------------------------------------------------------------------------------------------
 # backend selection
 # ----------------------------------------------------------------------------------------------------------------
+
 
 def _unavailable_reason(name: str, device: torch.device, dtype: torch.dtype) -> Optional[str]:
     """None if backend ``name`` can run on (device, dtype), else why not."""
@@ -314,8 +339,14 @@ def resolve_backend(name: str, device, dtype: torch.dtype) -> str:
         CUDA, mamba_ssm not importable, float64); ``allowed`` says what runs here and why the
         requested one is not.
     """
-    return resolve_fast_or_reference(name, device, dtype, key=CONFIG_KEY, fast="mamba_ssm",
-                                     reason=lambda dev, dt: _unavailable_reason("mamba_ssm", dev, dt))
+    return resolve_fast_or_reference(
+        name,
+        device,
+        dtype,
+        key=CONFIG_KEY,
+        fast="mamba_ssm",
+        reason=lambda dev, dt: _unavailable_reason("mamba_ssm", dev, dt),
+    )
 
 
 _select = make_selector(resolve_backend)
@@ -338,20 +369,33 @@ def split_shape_reason(d_inner: int, conv_dim: int, nheads: int, stride_fix: boo
     """
     d_in_proj = d_inner + conv_dim + nheads
     if conv_dim % 8:
-        return (f"the conv's channels d_inner + 2*G*N = {conv_dim} are not a multiple of 8 (causal_conv1d's "
-                f"channel-last kernel)")
+        return (
+            f"the conv's channels d_inner + 2*G*N = {conv_dim} are not a multiple of 8 (causal_conv1d's "
+            f"channel-last kernel)"
+        )
     if d_in_proj % 8 == 0 or not stride_fix:
         if d_in_proj % 8:
-            return (f"in_proj's width 2*d_inner + 2*G*N + H = {d_in_proj} is not a multiple of 8 (the xBC row stride "
-                    f"causal_conv1d's channel-last kernel needs; this mamba-ssm (< 2.2.5) does not copy)")
+            return (
+                f"in_proj's width 2*d_inner + 2*G*N + H = {d_in_proj} is not a multiple of 8 (the xBC row stride "
+                f"causal_conv1d's channel-last kernel needs; this mamba-ssm (< 2.2.5) does not copy)"
+            )
         if d_inner % 8:
-            return (f"d_inner = {d_inner} is not a multiple of 8 (xBC starts d_inner elements into each zxbcdt row; "
-                    f"causal_conv1d's 16-byte vector loads need it aligned)")
+            return (
+                f"d_inner = {d_inner} is not a multiple of 8 (xBC starts d_inner elements into each zxbcdt row; "
+                f"causal_conv1d's 16-byte vector loads need it aligned)"
+            )
     return None
 
 
-def fused_split_reason(device, dtype: torch.dtype, conv_kernel: int, *, d_inner: Optional[int] = None,
-                       conv_dim: Optional[int] = None, nheads: Optional[int] = None) -> Optional[str]:
+def fused_split_reason(
+    device,
+    dtype: torch.dtype,
+    conv_kernel: int,
+    *,
+    d_inner: Optional[int] = None,
+    conv_dim: Optional[int] = None,
+    nheads: Optional[int] = None,
+) -> Optional[str]:
     """None when the fused ``mamba_split_conv1d_scan_combined`` can run the Mamba2 mixer here, else why not.
 
     Checks, in order: the ``mamba_ssm`` backend runs on (device, dtype) (CUDA, fp32/fp16/bf16, ssd_combined imports);
@@ -378,8 +422,15 @@ _split_warned: set = set()
 
 
 @assume_constant
-def use_fused_split(backend: str, device: str, dtype: torch.dtype, conv_width: int, d_inner: Optional[int] = None,
-                    conv_dim: Optional[int] = None, nheads: Optional[int] = None) -> bool:
+def use_fused_split(
+    backend: str,
+    device: str,
+    dtype: torch.dtype,
+    conv_width: int,
+    d_inner: Optional[int] = None,
+    conv_dim: Optional[int] = None,
+    nheads: Optional[int] = None,
+) -> bool:
     """True when the Mamba2 mixer should call the fused ``mamba_split_conv1d_scan_combined``.
 
     ``backend`` is the resolved SSD backend (``auto`` / ``mamba_ssm`` / ``reference``); only ``mamba_ssm`` (or an
@@ -399,14 +450,27 @@ def use_fused_split(backend: str, device: str, dtype: torch.dtype, conv_width: i
         use = why is None
         if not use and why not in _split_warned:
             _split_warned.add(why)
-            warnings.warn(f"canonlm: Mamba2's fused mamba_split_conv1d_scan_combined path cannot run ({why}); "
-                          f"running the conv and mamba_chunk_scan_combined separately", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"canonlm: Mamba2's fused mamba_split_conv1d_scan_combined path cannot run ({why}); "
+                f"running the conv and mamba_chunk_scan_combined separately",
+                RuntimeWarning,
+                stacklevel=2,
+            )
     _split_cache[key] = use
     return use
 
 
-def check_fused_split(name: str, device, dtype: torch.dtype, conv_kernel: int, *, d_inner: int, conv_dim: int,
-                      nheads: int, key: str = CONFIG_KEY) -> bool:
+def check_fused_split(
+    name: str,
+    device,
+    dtype: torch.dtype,
+    conv_kernel: int,
+    *,
+    d_inner: int,
+    conv_dim: int,
+    nheads: int,
+    key: str = CONFIG_KEY,
+) -> bool:
     """Model-build check of the fused Mamba2 path for the *requested* SSD backend ``name``.
 
     Returns whether the fused path will run. ``reference`` -> False. ``auto`` / ``fused`` -> as
@@ -419,15 +483,24 @@ def check_fused_split(name: str, device, dtype: torch.dtype, conv_kernel: int, *
         refused by :func:`resolve_backend` first. Nothing is checked on the ``meta`` device.
     """
     device = torch.device(device)
-    be = resolve_fast_or_reference("auto" if name == "fused" else name, device, dtype, key=key, fast="mamba_ssm",
-                                   reason=lambda dev, dt: _unavailable_reason("mamba_ssm", dev, dt))
+    be = resolve_fast_or_reference(
+        "auto" if name == "fused" else name,
+        device,
+        dtype,
+        key=key,
+        fast="mamba_ssm",
+        reason=lambda dev, dt: _unavailable_reason("mamba_ssm", dev, dt),
+    )
     if device.type == "meta" or be != "mamba_ssm":
         return False
     if name == "mamba_ssm":
         why = fused_split_reason(device, dtype, conv_kernel, d_inner=d_inner, conv_dim=conv_dim, nheads=nheads)
         if why is not None:
-            raise ConfigError(key, name, f"auto | reference (the fused Mamba2 path mamba_split_conv1d_scan_combined "
-                                         f"cannot run: {why})")
+            raise ConfigError(
+                key,
+                name,
+                f"auto | reference (the fused Mamba2 path mamba_split_conv1d_scan_combined cannot run: {why})",
+            )
         return True
     return use_fused_split("auto", str(device), dtype, int(conv_kernel), int(d_inner), int(conv_dim), int(nheads))
 
@@ -436,11 +509,24 @@ def check_fused_split(name: str, device, dtype: torch.dtype, conv_kernel: int, *
 # dispatch
 # ----------------------------------------------------------------------------------------------------------------
 
-def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, *, chunk_size: int = 256,
-             D: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None, dt_softplus: bool = True,
-             dt_limit: Sequence[float] = (0.0, _INF), initial_state: Optional[Tensor] = None,
-             output_final_state: bool = False, backend: str = "auto",
-             seq_idx: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:
+
+def ssd_scan(
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    *,
+    chunk_size: int = 256,
+    D: Optional[Tensor] = None,
+    dt_bias: Optional[Tensor] = None,
+    dt_softplus: bool = True,
+    dt_limit: Sequence[float] = (0.0, _INF),
+    initial_state: Optional[Tensor] = None,
+    output_final_state: bool = False,
+    backend: str = "auto",
+    seq_idx: Optional[Tensor] = None,
+) -> tuple[Tensor, Optional[Tensor]]:
     """Mamba2 SSD scan ``H_t = exp(Δ_t A_h) H_{t-1} + Δ_t x_t B_tᵀ``, ``y_t = H_t C_t + D_h x_t`` (Dao & Gu 2024).
 
     Args:
@@ -478,37 +564,75 @@ def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, *, chunk_si
     lim = _check_limit(dt_limit)
     be = _select(backend, str(x.device), x.dtype)
     if seq_idx is not None:
-        if tuple(seq_idx.shape) != (Bsz, T) or seq_idx.is_floating_point() or initial_state is not None \
-                or output_final_state:
-            raise ValueError(f"ssd_scan: seq_idx {tuple(seq_idx.shape)} {seq_idx.dtype}, initial_state "
-                             f"{'given' if initial_state is not None else 'None'}, output_final_state="
-                             f"{output_final_state}; allowed: integer seq_idx (B, T) = {(Bsz, T)}, no initial_state, "
-                             f"output_final_state=False")
+        if (
+            tuple(seq_idx.shape) != (Bsz, T)
+            or seq_idx.is_floating_point()
+            or initial_state is not None
+            or output_final_state
+        ):
+            raise ValueError(
+                f"ssd_scan: seq_idx {tuple(seq_idx.shape)} {seq_idx.dtype}, initial_state "
+                f"{'given' if initial_state is not None else 'None'}, output_final_state="
+                f"{output_final_state}; allowed: integer seq_idx (B, T) = {(Bsz, T)}, no initial_state, "
+                f"output_final_state=False"
+            )
         if be == "mamba_ssm":
-            return _mamba.chunk_scan(x, dt, A, B, C, Q, D, dt_bias, dt_softplus, lim, None, False,
-                                     seq_idx=seq_idx.to(torch.int32).contiguous())
+            return _mamba.chunk_scan(
+                x,
+                dt,
+                A,
+                B,
+                C,
+                Q,
+                D,
+                dt_bias,
+                dt_softplus,
+                lim,
+                None,
+                False,
+                seq_idx=seq_idx.to(torch.int32).contiguous(),
+            )
         _, cu_cpu = varlen.cu_seqlens_of(seq_idx)
         flat = (t.reshape(1, Bsz * T, *t.shape[2:]) for t in (x, dt, B, C))
         packed, valid = zip(*(varlen.pack(t, cu_cpu) for t in flat))
         px, pdt, pB, pC = packed
-        y, _ = ssd_scan_reference(px, pdt, A, pB, pC, chunk_size=Q, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
-                                  dt_limit=lim)
+        y, _ = ssd_scan_reference(
+            px, pdt, A, pB, pC, chunk_size=Q, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=lim
+        )
         return varlen.unpack(y, valid[0]).view(Bsz, T, H, P), None
     if be == "mamba_ssm":
         if T == 1 and not torch.is_grad_enabled():
-            return _mamba.state_update(x, dt, A, B, C, D, dt_bias, dt_softplus, lim, initial_state,
-                                       output_final_state)
+            return _mamba.state_update(x, dt, A, B, C, D, dt_bias, dt_softplus, lim, initial_state, output_final_state)
         return _mamba.chunk_scan(x, dt, A, B, C, Q, D, dt_bias, dt_softplus, lim, initial_state, output_final_state)
-    return ssd_scan_reference(x, dt, A, B, C, chunk_size=Q, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
-                              dt_limit=lim, initial_state=initial_state, output_final_state=output_final_state)
+    return ssd_scan_reference(
+        x,
+        dt,
+        A,
+        B,
+        C,
+        chunk_size=Q,
+        D=D,
+        dt_bias=dt_bias,
+        dt_softplus=dt_softplus,
+        dt_limit=lim,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Mamba2 mixer core: conv1d over xBC -> SSD -> gated RMSNorm -> out-proj (HF transformers ``Mamba2Mixer``)
 # ----------------------------------------------------------------------------------------------------------------
 
-def gated_rmsnorm(y: Tensor, z: Optional[Tensor], weight: Optional[Tensor], eps: float, ngroups: int = 1,
-                  norm_before_gate: bool = False) -> Tensor:
+
+def gated_rmsnorm(
+    y: Tensor,
+    z: Optional[Tensor],
+    weight: Optional[Tensor],
+    eps: float,
+    ngroups: int = 1,
+    norm_before_gate: bool = False,
+) -> Tensor:
     """Mamba2's gated RMSNorm over groups of ``d / ngroups`` channels, in float32 (float64 for float64 inputs).
 
     ``norm_before_gate=False`` (Mamba2 / canonlm default): ``RMSNorm(y ⊙ silu(z)) ⊙ weight``; ``True``:
@@ -539,8 +663,9 @@ def gated_rmsnorm(y: Tensor, z: Optional[Tensor], weight: Optional[Tensor], eps:
     return u
 
 
-def _split_dims(zxbcdt, conv_weight, conv_bias, dt_bias, A, D, headdim, ngroups, activation, rmsnorm_weight,
-                outproj_weight) -> tuple[int, int, int, int, int]:
+def _split_dims(
+    zxbcdt, conv_weight, conv_bias, dt_bias, A, D, headdim, ngroups, activation, rmsnorm_weight, outproj_weight
+) -> tuple[int, int, int, int, int]:
     """(H, P, G, N, conv_dim) after validating the fused-mixer arguments; ValueError otherwise."""
     if not isinstance(zxbcdt, Tensor) or zxbcdt.dim() != 3:
         raise ValueError(f"split_conv1d_scan: zxbcdt.shape={shape_of(zxbcdt)}; allowed: (B, T, 2HP + 2GN + H)")
@@ -549,22 +674,30 @@ def _split_dims(zxbcdt, conv_weight, conv_bias, dt_bias, A, D, headdim, ngroups,
     H = A.shape[0]
     P, G = int(headdim), int(ngroups)
     if P < 1 or G < 1 or H % G != 0:
-        raise ValueError(f"split_conv1d_scan: headdim={headdim}, ngroups={ngroups}; allowed: headdim >= 1 and "
-                         f"ngroups a positive divisor of H={H}")
+        raise ValueError(
+            f"split_conv1d_scan: headdim={headdim}, ngroups={ngroups}; allowed: headdim >= 1 and "
+            f"ngroups a positive divisor of H={H}"
+        )
     d_inner = H * P
     if not isinstance(conv_weight, Tensor) or conv_weight.dim() != 2:
-        raise ValueError(f"split_conv1d_scan: conv_weight.shape={shape_of(conv_weight)}; allowed: (conv_dim, W) "
-                         f"(an nn.Conv1d weight (conv_dim, 1, W) must be squeezed)")
+        raise ValueError(
+            f"split_conv1d_scan: conv_weight.shape={shape_of(conv_weight)}; allowed: (conv_dim, W) "
+            f"(an nn.Conv1d weight (conv_dim, 1, W) must be squeezed)"
+        )
     conv_dim = conv_weight.shape[0]
     gn2 = conv_dim - d_inner
     if gn2 <= 0 or gn2 % (2 * G) != 0:
-        raise ValueError(f"split_conv1d_scan: conv_weight.shape={tuple(conv_weight.shape)}; allowed: conv_dim = "
-                         f"H*headdim + 2*ngroups*N = {d_inner} + 2*{G}*N")
+        raise ValueError(
+            f"split_conv1d_scan: conv_weight.shape={tuple(conv_weight.shape)}; allowed: conv_dim = "
+            f"H*headdim + 2*ngroups*N = {d_inner} + 2*{G}*N"
+        )
     N = gn2 // (2 * G)
     want = 2 * d_inner + gn2 + H
     if zxbcdt.shape[-1] != want:
-        raise ValueError(f"split_conv1d_scan: zxbcdt.shape={tuple(zxbcdt.shape)}; allowed: last dim 2*H*P + 2*G*N "
-                         f"+ H = {want} (z {d_inner}, xBC {conv_dim}, dt {H})")
+        raise ValueError(
+            f"split_conv1d_scan: zxbcdt.shape={tuple(zxbcdt.shape)}; allowed: last dim 2*H*P + 2*G*N "
+            f"+ H = {want} (z {d_inner}, xBC {conv_dim}, dt {H})"
+        )
     if conv_bias is not None and tuple(conv_bias.shape) != (conv_dim,):
         raise ValueError(f"split_conv1d_scan: conv_bias.shape={shape_of(conv_bias)}; allowed: ({conv_dim},) or None")
     if dt_bias is not None and tuple(dt_bias.shape) != (H,):
@@ -576,17 +709,30 @@ def _split_dims(zxbcdt, conv_weight, conv_bias, dt_bias, A, D, headdim, ngroups,
     if rmsnorm_weight is not None and tuple(rmsnorm_weight.shape) != (d_inner,):
         raise ValueError(f"split_conv1d_scan: rmsnorm_weight.shape={shape_of(rmsnorm_weight)}; allowed: ({d_inner},)")
     if outproj_weight is not None and (outproj_weight.dim() != 2 or outproj_weight.shape[1] != d_inner):
-        raise ValueError(f"split_conv1d_scan: outproj_weight.shape={shape_of(outproj_weight)}; allowed: "
-                         f"(out_dim, {d_inner})")
+        raise ValueError(
+            f"split_conv1d_scan: outproj_weight.shape={shape_of(outproj_weight)}; allowed: (out_dim, {d_inner})"
+        )
     return H, P, G, N, conv_dim
 
 
-def split_conv1d_scan_reference(zxbcdt: Tensor, conv_weight: Tensor, conv_bias: Optional[Tensor],
-                                dt_bias: Optional[Tensor], A: Tensor, D: Optional[Tensor], *, chunk_size: int,
-                                activation: Optional[str], rmsnorm_weight: Optional[Tensor], rmsnorm_eps: float,
-                                outproj_weight: Optional[Tensor], headdim: int, ngroups: int,
-                                norm_before_gate: bool = False,
-                                dt_limit: Sequence[float] = (0.0, _INF)) -> Tensor:
+def split_conv1d_scan_reference(
+    zxbcdt: Tensor,
+    conv_weight: Tensor,
+    conv_bias: Optional[Tensor],
+    dt_bias: Optional[Tensor],
+    A: Tensor,
+    D: Optional[Tensor],
+    *,
+    chunk_size: int,
+    activation: Optional[str],
+    rmsnorm_weight: Optional[Tensor],
+    rmsnorm_eps: float,
+    outproj_weight: Optional[Tensor],
+    headdim: int,
+    ngroups: int,
+    norm_before_gate: bool = False,
+    dt_limit: Sequence[float] = (0.0, _INF),
+) -> Tensor:
     """Plain-torch Mamba2 mixer core (what ``mamba_split_conv1d_scan_combined`` fuses).
 
     ``zxbcdt`` (B, T, 2·H·P + 2·G·N + H) is split as ``[z (H·P), xBC (H·P + 2·G·N), dt (H)]``;
@@ -607,30 +753,58 @@ def split_conv1d_scan_reference(zxbcdt: Tensor, conv_weight: Tensor, conv_bias: 
     """
     from canonlm.ops.canon import causal_conv1d_reference
 
-    H, P, G, N, conv_dim = _split_dims(zxbcdt, conv_weight, conv_bias, dt_bias, A, D, headdim, ngroups, activation,
-                                       rmsnorm_weight, outproj_weight)
+    H, P, G, N, conv_dim = _split_dims(
+        zxbcdt, conv_weight, conv_bias, dt_bias, A, D, headdim, ngroups, activation, rmsnorm_weight, outproj_weight
+    )
     Bsz, T, _ = zxbcdt.shape
     d_inner = H * P
     cd = compute_dtype(zxbcdt, conv_weight, conv_bias, A, D, dt_bias, rmsnorm_weight, outproj_weight)
     with no_autocast(zxbcdt.device):
         z, xBC, dt = zxbcdt.to(cd).split([d_inner, conv_dim, H], dim=-1)
-        xBC = causal_conv1d_reference(xBC, conv_weight.to(cd), None if conv_bias is None else conv_bias.to(cd),
-                                      residual=False, activation=activation in ("silu", "swish"))
+        xBC = causal_conv1d_reference(
+            xBC,
+            conv_weight.to(cd),
+            None if conv_bias is None else conv_bias.to(cd),
+            residual=False,
+            activation=activation in ("silu", "swish"),
+        )
         x, Bm, Cm = xBC.split([d_inner, G * N, G * N], dim=-1)
-        y, _ = ssd_scan_reference(x.reshape(Bsz, T, H, P), dt, A, Bm.reshape(Bsz, T, G, N),
-                                  Cm.reshape(Bsz, T, G, N), chunk_size=chunk_size, D=D, dt_bias=dt_bias,
-                                  dt_softplus=True, dt_limit=dt_limit)
+        y, _ = ssd_scan_reference(
+            x.reshape(Bsz, T, H, P),
+            dt,
+            A,
+            Bm.reshape(Bsz, T, G, N),
+            Cm.reshape(Bsz, T, G, N),
+            chunk_size=chunk_size,
+            D=D,
+            dt_bias=dt_bias,
+            dt_softplus=True,
+            dt_limit=dt_limit,
+        )
         y = gated_rmsnorm(y.reshape(Bsz, T, d_inner), z, rmsnorm_weight, rmsnorm_eps, G, norm_before_gate)
         if outproj_weight is not None:
             y = F.linear(y, outproj_weight.to(cd))
     return y.to(zxbcdt.dtype)
 
 
-def split_conv1d_scan_combined(zxbcdt: Tensor, conv_weight: Tensor, conv_bias: Optional[Tensor],
-                               dt_bias: Optional[Tensor], A: Tensor, D: Optional[Tensor], *, chunk_size: int,
-                               activation: Optional[str], rmsnorm_weight: Optional[Tensor], rmsnorm_eps: float,
-                               outproj_weight: Optional[Tensor], headdim: int, ngroups: int,
-                               norm_before_gate: bool = False, dt_limit: Sequence[float] = (0.0, _INF)) -> Tensor:
+def split_conv1d_scan_combined(
+    zxbcdt: Tensor,
+    conv_weight: Tensor,
+    conv_bias: Optional[Tensor],
+    dt_bias: Optional[Tensor],
+    A: Tensor,
+    D: Optional[Tensor],
+    *,
+    chunk_size: int,
+    activation: Optional[str],
+    rmsnorm_weight: Optional[Tensor],
+    rmsnorm_eps: float,
+    outproj_weight: Optional[Tensor],
+    headdim: int,
+    ngroups: int,
+    norm_before_gate: bool = False,
+    dt_limit: Sequence[float] = (0.0, _INF),
+) -> Tensor:
     """Fused Mamba2 mixer core: thin wrapper of mamba_ssm's ``mamba_split_conv1d_scan_combined`` (CUDA only).
 
     Same arguments and result as :func:`split_conv1d_scan_reference` (the documented composition); the time step is
@@ -643,21 +817,39 @@ def split_conv1d_scan_combined(zxbcdt: Tensor, conv_weight: Tensor, conv_bias: O
             the installed mamba-ssm calls missing or with other arguments, channels not aligned for causal-conv1d).
         ValueError: inconsistent shapes, unknown activation, bad chunk_size / dt_limit.
     """
-    H, P, G, N, conv_dim = _split_dims(zxbcdt, conv_weight, conv_bias, dt_bias, A, D, headdim, ngroups, activation,
-                                       rmsnorm_weight, outproj_weight)
+    H, P, G, N, conv_dim = _split_dims(
+        zxbcdt, conv_weight, conv_bias, dt_bias, A, D, headdim, ngroups, activation, rmsnorm_weight, outproj_weight
+    )
     Q = _check_chunk(chunk_size)
     lim = _check_limit(dt_limit)
     resolve_backend("mamba_ssm", zxbcdt.device, zxbcdt.dtype)
-    why = fused_split_reason(zxbcdt.device, zxbcdt.dtype, int(conv_weight.shape[1]), d_inner=H * P,
-                             conv_dim=conv_dim, nheads=H)
+    why = fused_split_reason(
+        zxbcdt.device, zxbcdt.dtype, int(conv_weight.shape[1]), d_inner=H * P, conv_dim=conv_dim, nheads=H
+    )
     if why is not None:
-        raise ConfigError(CONFIG_KEY, "mamba_ssm", f"auto | reference (the fused Mamba2 path "
-                                                   f"mamba_split_conv1d_scan_combined cannot run: {why})")
+        raise ConfigError(
+            CONFIG_KEY,
+            "mamba_ssm",
+            f"auto | reference (the fused Mamba2 path mamba_split_conv1d_scan_combined cannot run: {why})",
+        )
     if D is None:
         D = torch.zeros(H, device=zxbcdt.device, dtype=torch.float32)
     if dt_bias is None:
         dt_bias = torch.zeros(H, device=zxbcdt.device, dtype=torch.float32)
-    return _mamba.split_conv1d_scan(zxbcdt, conv_weight, conv_bias, dt_bias, A, D, chunk_size=Q,
-                                    activation=activation, rmsnorm_weight=rmsnorm_weight, rmsnorm_eps=rmsnorm_eps,
-                                    outproj_weight=outproj_weight, headdim=P, ngroups=G,
-                                    norm_before_gate=norm_before_gate, dt_limit=lim)
+    return _mamba.split_conv1d_scan(
+        zxbcdt,
+        conv_weight,
+        conv_bias,
+        dt_bias,
+        A,
+        D,
+        chunk_size=Q,
+        activation=activation,
+        rmsnorm_weight=rmsnorm_weight,
+        rmsnorm_eps=rmsnorm_eps,
+        outproj_weight=outproj_weight,
+        headdim=P,
+        ngroups=G,
+        norm_before_gate=norm_before_gate,
+        dt_limit=lim,
+    )

@@ -90,7 +90,7 @@ def import_triton_module(name: str):
             if spec is None or not spec.submodule_search_locations:
                 raise
             for key in [k for k in sys.modules if k == PACKAGE or k.startswith(PACKAGE + ".")]:
-                del sys.modules[key]    # half-imported leftovers of the failed __init__
+                del sys.modules[key]  # half-imported leftovers of the failed __init__
             sys.modules[PACKAGE] = importlib.util.module_from_spec(spec)
             _package_error[0] = f"{type(e).__name__}: {e}"
     try:
@@ -98,8 +98,10 @@ def import_triton_module(name: str):
     except Exception as e:  # noqa: BLE001
         if _package_error[0] is None:
             raise
-        raise ImportError(f"{name} does not import even without the {PACKAGE} package __init__ "
-                          f"({type(e).__name__}: {e}); the package __init__ failed with {_package_error[0]}") from e
+        raise ImportError(
+            f"{name} does not import even without the {PACKAGE} package __init__ "
+            f"({type(e).__name__}: {e}); the package __init__ failed with {_package_error[0]}"
+        ) from e
 
 
 def _load_chunk():
@@ -138,12 +140,12 @@ def positional_arities(fn) -> Optional[set]:
     out = set()
     for line in doc.splitlines():
         line = line.strip()
-        if line[:1].isdigit() and ". " in line:             # pybind11 overloads: "1. name(...) -> ..."
+        if line[:1].isdigit() and ". " in line:  # pybind11 overloads: "1. name(...) -> ..."
             line = line.split(". ", 1)[1]
         if not name or not line.startswith(name + "("):
             continue
         depth, args, cur = 0, 0, ""
-        for ch in line[len(name) + 1:]:
+        for ch in line[len(name) + 1 :]:
             if ch == ")" and depth == 0:
                 break
             if ch in "[(":
@@ -181,7 +183,7 @@ def causal_conv1d_compat_reason(mod) -> Optional[str]:
     7 / 10 arguments, i.e. causal-conv1d <= 1.5.0.post8)."""
     g = vars(mod)
     want_f, want_b = _CONV_CALL_ARGS
-    if "causal_conv1d_fwd_function" in g:                   # mamba-ssm >= 2.2.5
+    if "causal_conv1d_fwd_function" in g:  # mamba-ssm >= 2.2.5
         fwd, bwd = g.get("causal_conv1d_fwd_function"), g.get("causal_conv1d_bwd_function")
         if fwd is None or bwd is None:
             try:
@@ -189,32 +191,45 @@ def causal_conv1d_compat_reason(mod) -> Optional[str]:
                 why = "it did not import when mamba_ssm was imported"
             except Exception as e:  # noqa: BLE001
                 why = f"{type(e).__name__}: {e}"
-            return (f"mamba_ssm's fused Mamba2 path calls causal_conv1d.cpp_functions (mamba-ssm >= 2.2.5), which is "
-                    f"unavailable ({why}; installed: {_installed_causal_conv1d()}; cpp_functions exists from "
-                    f"causal-conv1d 1.5.1)")
-        for fn, want, what in ((fwd, want_f, "causal_conv1d_fwd_function"), (bwd, want_b, "causal_conv1d_bwd_function")):
+            return (
+                f"mamba_ssm's fused Mamba2 path calls causal_conv1d.cpp_functions (mamba-ssm >= 2.2.5), which is "
+                f"unavailable ({why}; installed: {_installed_causal_conv1d()}; cpp_functions exists from "
+                f"causal-conv1d 1.5.1)"
+            )
+        for fn, want, what in (
+            (fwd, want_f, "causal_conv1d_fwd_function"),
+            (bwd, want_b, "causal_conv1d_bwd_function"),
+        ):
             ar = positional_arities(fn)
             if ar is not None and want not in ar:
-                return (f"mamba_ssm calls causal_conv1d.cpp_functions.{what} with {want} arguments; the installed "
-                        f"one takes {sorted(ar)} ({_installed_causal_conv1d()})")
+                return (
+                    f"mamba_ssm calls causal_conv1d.cpp_functions.{what} with {want} arguments; the installed "
+                    f"one takes {sorted(ar)} ({_installed_causal_conv1d()})"
+                )
         return None
-    if "causal_conv1d_cuda" in g:                           # mamba-ssm 2.2.0 - 2.2.4
+    if "causal_conv1d_cuda" in g:  # mamba-ssm 2.2.0 - 2.2.4
         ext = g.get("causal_conv1d_cuda")
         if ext is None:
-            return (f"mamba_ssm's fused Mamba2 path calls the causal_conv1d_cuda extension, which did not import "
-                    f"({_installed_causal_conv1d()})")
+            return (
+                f"mamba_ssm's fused Mamba2 path calls the causal_conv1d_cuda extension, which did not import "
+                f"({_installed_causal_conv1d()})"
+            )
         for name, want in (("causal_conv1d_fwd", want_f), ("causal_conv1d_bwd", want_b)):
             fn = getattr(ext, name, None)
             if fn is None:
                 return f"causal_conv1d_cuda has no {name} ({_installed_causal_conv1d()})"
             ar = positional_arities(fn)
             if ar is not None and want not in ar:
-                return (f"mamba_ssm (<= 2.2.4) calls causal_conv1d_cuda.{name} with {want} arguments, the installed "
-                        f"C++ op takes {sorted(ar)} (causal-conv1d >= 1.5.1 added an `out` argument; "
-                        f"{_installed_causal_conv1d()}); install mamba-ssm >= 2.2.5 (or causal-conv1d < 1.5.1)")
+                return (
+                    f"mamba_ssm (<= 2.2.4) calls causal_conv1d_cuda.{name} with {want} arguments, the installed "
+                    f"C++ op takes {sorted(ar)} (causal-conv1d >= 1.5.1 added an `out` argument; "
+                    f"{_installed_causal_conv1d()}); install mamba-ssm >= 2.2.5 (or causal-conv1d < 1.5.1)"
+                )
         return None
-    return ("mamba_ssm.ops.triton.ssd_combined binds neither causal_conv1d_fwd_function nor causal_conv1d_cuda "
-            "(an unknown mamba-ssm layout)")
+    return (
+        "mamba_ssm.ops.triton.ssd_combined binds neither causal_conv1d_fwd_function nor causal_conv1d_cuda "
+        "(an unknown mamba-ssm layout)"
+    )
 
 
 def has_stride_fix(mod) -> bool:
@@ -264,21 +279,40 @@ def _need(fn_err, what: str):
     return fn
 
 
-def chunk_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int, D: Optional[Tensor],
-               dt_bias: Optional[Tensor], dt_softplus: bool, dt_limit: tuple[float, float],
-               initial_state: Optional[Tensor], output_final_state: bool,
-               seq_idx: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:
+def chunk_scan(
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    chunk_size: int,
+    D: Optional[Tensor],
+    dt_bias: Optional[Tensor],
+    dt_softplus: bool,
+    dt_limit: tuple[float, float],
+    initial_state: Optional[Tensor],
+    output_final_state: bool,
+    seq_idx: Optional[Tensor] = None,
+) -> tuple[Tensor, Optional[Tensor]]:
     """SSD scan with ``mamba_chunk_scan_combined`` (differentiable). B and C are cast to x.dtype, A/D/dt_bias and the
     initial state to float32; ``seq_idx`` (B, T) int32 (document masking) is passed when given. Returns
     (y (B, T, H, P) in x.dtype, final state (B, H, P, N) float32 or None)."""
     fn = _need(chunk_scan_function(), "mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined")
-    out = fn(x.contiguous(), dt.contiguous(), A.float(), B.to(x.dtype).contiguous(), C.to(x.dtype).contiguous(),
-             int(chunk_size), D=None if D is None else D.float(),
-             dt_bias=None if dt_bias is None else dt_bias.float(),
-             initial_states=None if initial_state is None else initial_state.float().contiguous(),
-             seq_idx=seq_idx,
-             dt_softplus=bool(dt_softplus), dt_limit=(float(dt_limit[0]), float(dt_limit[1])),
-             return_final_states=bool(output_final_state))
+    out = fn(
+        x.contiguous(),
+        dt.contiguous(),
+        A.float(),
+        B.to(x.dtype).contiguous(),
+        C.to(x.dtype).contiguous(),
+        int(chunk_size),
+        D=None if D is None else D.float(),
+        dt_bias=None if dt_bias is None else dt_bias.float(),
+        initial_states=None if initial_state is None else initial_state.float().contiguous(),
+        seq_idx=seq_idx,
+        dt_softplus=bool(dt_softplus),
+        dt_limit=(float(dt_limit[0]), float(dt_limit[1])),
+        return_final_states=bool(output_final_state),
+    )
     if output_final_state:
         y, final = out
         return y.to(x.dtype), final.float()
@@ -286,9 +320,19 @@ def chunk_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_siz
     return y.to(x.dtype), None
 
 
-def state_update(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor],
-                 dt_bias: Optional[Tensor], dt_softplus: bool, dt_limit: tuple[float, float],
-                 initial_state: Optional[Tensor], output_final_state: bool) -> tuple[Tensor, Optional[Tensor]]:
+def state_update(
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Optional[Tensor],
+    dt_bias: Optional[Tensor],
+    dt_softplus: bool,
+    dt_limit: tuple[float, float],
+    initial_state: Optional[Tensor],
+    output_final_state: bool,
+) -> tuple[Tensor, Optional[Tensor]]:
     """One decode step (T == 1, no autograd) with ``selective_state_update`` on a float32 copy of the state.
 
     Args as :func:`chunk_scan` with T == 1. Returns (y (B, 1, H, P) in x.dtype, new state (B, H, P, N) float32 or
@@ -302,28 +346,69 @@ def state_update(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opti
         d = d + dt_bias.float()
     if dt_softplus:
         d = F.softplus(d)
-    d = d.clamp(float(dt_limit[0]), float(dt_limit[1]))                 # (B, H) = Δ
+    d = d.clamp(float(dt_limit[0]), float(dt_limit[1]))  # (B, H) = Δ
     if initial_state is None:
         state = torch.zeros(Bsz, H, P, N, device=x.device, dtype=torch.float32)
     else:
         state = initial_state.to(torch.float32).contiguous().clone()
-    A_e = A.float()[:, None, None].expand(H, P, N)                         # tie_hdim: stride 0 over (P, N)
-    dt_e = d[:, :, None].expand(Bsz, H, P)                                 # stride 0 over P
+    A_e = A.float()[:, None, None].expand(H, P, N)  # tie_hdim: stride 0 over (P, N)
+    dt_e = d[:, :, None].expand(Bsz, H, P)  # stride 0 over P
     bias_e = torch.zeros(H, device=x.device, dtype=torch.float32)[:, None].expand(H, P)
     D_e = None if D is None else D.float().reshape(H, -1).expand(H, P)
     xt = x[:, 0].contiguous()
-    y = fn(state, xt, dt_e, A_e, B[:, 0].to(x.dtype).contiguous(), C[:, 0].to(x.dtype).contiguous(), D=D_e, z=None,
-           dt_bias=bias_e, dt_softplus=False)
+    y = fn(
+        state,
+        xt,
+        dt_e,
+        A_e,
+        B[:, 0].to(x.dtype).contiguous(),
+        C[:, 0].to(x.dtype).contiguous(),
+        D=D_e,
+        z=None,
+        dt_bias=bias_e,
+        dt_softplus=False,
+    )
     return y.to(x.dtype).unsqueeze(1), (state if output_final_state else None)
 
 
-def split_conv1d_scan(zxbcdt: Tensor, conv_weight: Tensor, conv_bias: Optional[Tensor], dt_bias: Tensor, A: Tensor,
-                      D: Tensor, *, chunk_size: int, activation: Optional[str], rmsnorm_weight: Optional[Tensor],
-                      rmsnorm_eps: float, outproj_weight: Optional[Tensor], headdim: int, ngroups: int,
-                      norm_before_gate: bool, dt_limit: tuple[float, float]) -> Tensor:
+def split_conv1d_scan(
+    zxbcdt: Tensor,
+    conv_weight: Tensor,
+    conv_bias: Optional[Tensor],
+    dt_bias: Tensor,
+    A: Tensor,
+    D: Tensor,
+    *,
+    chunk_size: int,
+    activation: Optional[str],
+    rmsnorm_weight: Optional[Tensor],
+    rmsnorm_eps: float,
+    outproj_weight: Optional[Tensor],
+    headdim: int,
+    ngroups: int,
+    norm_before_gate: bool,
+    dt_limit: tuple[float, float],
+) -> Tensor:
     """Fused Mamba2 mixer core with ``mamba_split_conv1d_scan_combined`` (conv + SSD + gated RMSNorm + out-proj)."""
     fn = _need(split_function(), "mamba_ssm mamba_split_conv1d_scan_combined (needs mamba_ssm and causal_conv1d)")
-    return fn(zxbcdt, conv_weight, conv_bias, dt_bias, A, D, int(chunk_size), initial_states=None, seq_idx=None,
-              dt_limit=(float(dt_limit[0]), float(dt_limit[1])), return_final_states=False, activation=activation,
-              rmsnorm_weight=rmsnorm_weight, rmsnorm_eps=float(rmsnorm_eps), outproj_weight=outproj_weight,
-              outproj_bias=None, headdim=int(headdim), ngroups=int(ngroups), norm_before_gate=bool(norm_before_gate))
+    return fn(
+        zxbcdt,
+        conv_weight,
+        conv_bias,
+        dt_bias,
+        A,
+        D,
+        int(chunk_size),
+        initial_states=None,
+        seq_idx=None,
+        dt_limit=(float(dt_limit[0]), float(dt_limit[1])),
+        return_final_states=False,
+        activation=activation,
+        rmsnorm_weight=rmsnorm_weight,
+        rmsnorm_eps=float(rmsnorm_eps),
+        outproj_weight=outproj_weight,
+        outproj_bias=None,
+        headdim=int(headdim),
+        ngroups=int(ngroups),
+        norm_before_gate=bool(norm_before_gate),
+    )

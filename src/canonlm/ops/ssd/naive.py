@@ -10,10 +10,18 @@ import torch
 from torch import Tensor
 
 
-def ssd_loop(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor] = None,
-             dt_bias: Optional[Tensor] = None, dt_softplus: bool = True,
-             dt_limit: Sequence[float] = (0.0, float("inf")),
-             initial_state: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+def ssd_loop(
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Optional[Tensor] = None,
+    dt_bias: Optional[Tensor] = None,
+    dt_softplus: bool = True,
+    dt_limit: Sequence[float] = (0.0, float("inf")),
+    initial_state: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor]:
     """The Mamba2 scan one token at a time (Dao and Gu 2024, "Transformers are SSMs", the selective SSM with a scalar
     ``A`` per head), per batch row and head h, with group ``h // (H / G)`` supplying B and C::
 
@@ -38,15 +46,18 @@ def ssd_loop(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional
     if dt_softplus:
         delta = torch.where(delta > 20.0, delta, torch.log1p(torch.exp(delta.clamp(max=20.0))))
     delta = torch.clamp(delta, dt_limit[0], dt_limit[1])
-    h = torch.zeros(Bsz, H, P, N, dtype=torch.float64, device=x.device) if initial_state is None \
+    h = (
+        torch.zeros(Bsz, H, P, N, dtype=torch.float64, device=x.device)
+        if initial_state is None
         else initial_state.double()
+    )
     ys = []
     for t in range(T):
-        Bt = B[:, t].repeat_interleave(rep, dim=1)                           # (B, H, N): head h -> group h // rep
+        Bt = B[:, t].repeat_interleave(rep, dim=1)  # (B, H, N): head h -> group h // rep
         Ct = C[:, t].repeat_interleave(rep, dim=1)
-        d = delta[:, t]                                                      # (B, H)
+        d = delta[:, t]  # (B, H)
         h = torch.exp(d * A)[:, :, None, None] * h + (d[:, :, None] * x[:, t])[..., None] * Bt[:, :, None, :]
-        y = (h * Ct[:, :, None, :]).sum(-1)                                  # (B, H, P)
+        y = (h * Ct[:, :, None, :]).sum(-1)  # (B, H, P)
         if D is not None:
             y = y + D.double().reshape(H, -1) * x[:, t]
         ys.append(y)

@@ -23,6 +23,21 @@ from canonlm.data.tasks.capo.stream import CapoStream
 from canonlm.data.tasks.capo.task import DEFAULTS, GROUP_LABELS, KEYS, PAPER_N, CapoTask
 from canonlm.data.tasks.capo.tokenizer import EOS_TEXT, default_cache_dir, load_tokenizer, train_bpe
 
-__all__ = ["CapoTask", "CapoStream", "load_assets", "load_tokenizer", "train_bpe", "parse_template",
-           "default_cache_dir", "ATTRIBUTES", "GROUP_LABELS", "PAPER_N", "EOS_TEXT", "ASSETS", "MONTHS", "PRONOUNS",
-           "DEFAULTS", "KEYS"]
+__all__ = [
+    "CapoTask",
+    "CapoStream",
+    "load_assets",
+    "load_tokenizer",
+    "train_bpe",
+    "parse_template",
+    "default_cache_dir",
+    "ATTRIBUTES",
+    "GROUP_LABELS",
+    "PAPER_N",
+    "EOS_TEXT",
+    "ASSETS",
+    "MONTHS",
+    "PRONOUNS",
+    "DEFAULTS",
+    "KEYS",
+]

@@ -19,8 +19,20 @@ from typing import Any
 
 ASSETS = Path(__file__).resolve().parents[1] / "capo_assets"
 ATTRIBUTES = ("birth_date", "birth_city", "university", "major", "employer", "work_city")
-MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
-          "November", "December")
+MONTHS = (
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
+)
 PRONOUNS = ("He", "She")  # gender 0, 1
 MAX_TEMPLATES = 50  # templates shipped per attribute
 _VALUE_RE = re.compile(r"^[A-Za-z0-9]+(?:(?: |-| & |, )[A-Za-z0-9]+)*$")
@@ -29,8 +41,10 @@ _NAME_RE = re.compile(r"^[A-Z][a-z]+$")
 
 def _check_value(kind: str, v: str) -> str:
     if not _VALUE_RE.match(v):
-        raise ValueError(f"capo asset {kind}: value {v!r} breaks the pre-token rule (letters/digits, single "
-                         "spaces, internal '-', ' & ' or ', ' only; starts and ends with a letter or digit)")
+        raise ValueError(
+            f"capo asset {kind}: value {v!r} breaks the pre-token rule (letters/digits, single "
+            "spaces, internal '-', ' & ' or ', ' only; starts and ends with a letter or digit)"
+        )
     return v
 
 
@@ -42,14 +56,29 @@ def parse_template(t: str) -> tuple[str, str]:
     starts with a space or punctuation; the template ends with ``.``, has no double spaces, no digits next to the
     value and no other braces. Raises ValueError naming the template otherwise.
     """
-    ok = (t.startswith("{S}") and t.count("{S}") == 1 and t.count("{V}") == 1 and " {V}" in t and t.endswith(".")
-          and "  " not in t and t.count("{") == 2 and t.count("}") == 2)
+    ok = (
+        t.startswith("{S}")
+        and t.count("{S}") == 1
+        and t.count("{V}") == 1
+        and " {V}" in t
+        and t.endswith(".")
+        and "  " not in t
+        and t.count("{") == 2
+        and t.count("}") == 2
+    )
     if ok:
         i = t.index(" {V}")
-        pre, suf = t[3:i], t[i + 4:]
-        ok = (len(pre) >= 2 and pre[0] == " " and not pre[1].isspace() and not pre[-1].isspace()
-              and (suf == "" or suf[0] == " " or not suf[0].isalnum()) and not (suf[:1] == " " and suf[1:2] == " ")
-              and not suf.endswith(" ") and "{" not in pre + suf)
+        pre, suf = t[3:i], t[i + 4 :]
+        ok = (
+            len(pre) >= 2
+            and pre[0] == " "
+            and not pre[1].isspace()
+            and not pre[-1].isspace()
+            and (suf == "" or suf[0] == " " or not suf[0].isalnum())
+            and not (suf[:1] == " " and suf[1:2] == " ")
+            and not suf.endswith(" ")
+            and "{" not in pre + suf
+        )
     if not ok:
         raise ValueError(f"capo template {t!r} is malformed; expected '{{S}} words {{V}}<punctuation or words>.'")
     return pre, suf

@@ -30,8 +30,16 @@ class EvalWindows:
         :class:`Renderer`.
     """
 
-    def __init__(self, N: int, val_people: int, renderings: int, seed: int, eos_id: int, population: Population,
-                 renderer: Renderer):
+    def __init__(
+        self,
+        N: int,
+        val_people: int,
+        renderings: int,
+        seed: int,
+        eos_id: int,
+        population: Population,
+        renderer: Renderer,
+    ):
         self.N, self.val_people, self.renderings, self.seed, self.eos_id = N, val_people, renderings, seed, eos_id
         self.population, self.renderer = population, renderer
         self._cache: dict[tuple, dict[str, np.ndarray]] = {}
@@ -44,7 +52,7 @@ class EvalWindows:
             return np.arange(self.N, dtype=np.int64)
         ns = self.renderer.namespace("val", seed)
         k = words(instance_keys(ns, np.zeros(self.N, np.int64), np.arange(self.N, dtype=np.int64)), P_VAL, 0)
-        return np.sort(np.argsort(k, kind="stable")[:self.val_people])
+        return np.sort(np.argsort(k, kind="stable")[: self.val_people])
 
     def layout(self, split: str, window: int, seed: int | None) -> dict[str, np.ndarray]:
         """Greedy packing of the evaluation biographies (rendering r of people[k], r-major) into windows that start
@@ -71,8 +79,7 @@ class EvalWindows:
             b0s.append(b)
             b1s.append(b1)
             b = b1
-        lay = dict(cum=cum, b0=np.asarray(b0s, dtype=np.int64), b1=np.asarray(b1s, dtype=np.int64), r=r,
-                   person=person)
+        lay = dict(cum=cum, b0=np.asarray(b0s, dtype=np.int64), b1=np.asarray(b1s, dtype=np.int64), r=r, person=person)
         self._cache[key] = lay
         return lay
 
@@ -86,8 +93,12 @@ class EvalWindows:
         T = int(window)
         lay = self.layout(split, T, seed)
         nw = lay["b0"].shape[0]
-        out = dict(tokens=np.zeros((w.shape[0], T), np.int64), answer_id=np.full((w.shape[0], T), -1, np.int32),
-                   group=np.zeros((w.shape[0], T), np.int32), loss_mask=np.zeros((w.shape[0], T), bool))
+        out = dict(
+            tokens=np.zeros((w.shape[0], T), np.int64),
+            answer_id=np.full((w.shape[0], T), -1, np.int32),
+            group=np.zeros((w.shape[0], T), np.int32),
+            loss_mask=np.zeros((w.shape[0], T), bool),
+        )
         live = np.flatnonzero(w < nw)
         if live.size == 0:
             return out
@@ -98,8 +109,9 @@ class EvalWindows:
         cnt = b_end - b0
         coff = excl_cumsum(cnt)
         bio = np.repeat(b0 - coff[:-1], cnt) + np.arange(int(coff[-1]))
-        b = self.renderer.tokens(self.population.get(seed), self.renderer.namespace(split, seed), lay["r"][bio],
-                                 lay["person"][bio])
+        b = self.renderer.tokens(
+            self.population.get(seed), self.renderer.namespace(split, seed), lay["r"][bio], lay["person"][bio]
+        )
         # segment k: [<EOS>] + its biographies + pad to T
         seg_len = 1 + (cum[b_end] - cum[b0])
         soff = excl_cumsum(np.maximum(seg_len, T))
@@ -109,8 +121,9 @@ class EvalWindows:
         tl = b["offsets"][coff[1:]] - tok_src_off
         q = np.repeat(np.arange(live.shape[0]), tl)
         toff = excl_cumsum(tl)
-        seg[soff[:-1][q] + 1 + np.arange(q.shape[0]) - toff[q]] = b["tokens"][tok_src_off[q] + np.arange(q.shape[0])
-                                                                            - toff[q]]
+        seg[soff[:-1][q] + 1 + np.arange(q.shape[0]) - toff[q]] = b["tokens"][
+            tok_src_off[q] + np.arange(q.shape[0]) - toff[q]
+        ]
         # answers of the whole biographies b0..b1-1 (positions in the segment buffer)
         kb = np.repeat(np.arange(live.shape[0]), cnt)  # window of each rendered bio
         whole = bio < lay["b1"][ww][kb]

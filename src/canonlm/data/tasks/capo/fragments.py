@@ -39,8 +39,14 @@ class Fragments:
         -> int64 tokens of each value.
     """
 
-    def __init__(self, tokenizer: Any, assets: Mapping[str, Any], T_tmpl: int, years: tuple[int, int],
-                 list_sizes: Mapping[str, int]):
+    def __init__(
+        self,
+        tokenizer: Any,
+        assets: Mapping[str, Any],
+        T_tmpl: int,
+        years: tuple[int, int],
+        list_sizes: Mapping[str, int],
+    ):
         A = assets
         texts: list[str] = ["", ""]  # 0 = empty, 1 = <EOS> (special, set below)
         base: dict[str, int] = {}
@@ -76,7 +82,7 @@ class Fragments:
         self.vocab_size = V + 2
         self.n_used_tokens = V + 1  # ids that can occur (pad never does)
         c2o = np.full(self.vocab_size, -1, dtype=np.int64)
-        c2o[1:V + 1] = used
+        c2o[1 : V + 1] = used
         self.compact_to_orig = c2o
         o2c = {int(o): i + 1 for i, o in enumerate(used)}
         flen = np.array([len(x) for x in ids], dtype=np.int64)
@@ -85,28 +91,40 @@ class Fragments:
         foff = excl_cumsum(flen)
         for f, x in enumerate(ids):
             if x:
-                ftok[foff[f]:foff[f + 1]] = [o2c[int(t)] for t in x]
+                ftok[foff[f] : foff[f + 1]] = [o2c[int(t)] for t in x]
         ftok[foff[1]] = self.eos_id
         self.ftok, self.foff, self.flen = ftok, foff, flen
         self._o2c = o2c
         self._tok_json = tok.to_str()
         self.T_tmpl = T = T_tmpl
         # template lengths (prefix + suffix) per attribute; sums for the two words of template choices
-        tl = np.stack([flen[base[f"pre_{a}"]:base[f"pre_{a}"] + T] + flen[base[f"suf_{a}"]:base[f"suf_{a}"] + T]
-                       for a in ATTRIBUTES])  # (6, T)
-        x = np.arange(T ** 3)
+        tl = np.stack(
+            [
+                flen[base[f"pre_{a}"] : base[f"pre_{a}"] + T] + flen[base[f"suf_{a}"] : base[f"suf_{a}"] + T]
+                for a in ATTRIBUTES
+            ]
+        )  # (6, T)
+        x = np.arange(T**3)
         d0, d1, d2 = x % T, (x // T) % T, x // (T * T)
         self.TLA = (tl[0][d0] + tl[1][d1] + tl[2][d2]).astype(np.int64)
         self.TLB = (tl[3][d0] + tl[4][d1] + tl[5][d2]).astype(np.int64)
         self.tl = tl
-        L = lambda k, n: flen[base[k]:base[k] + n]
+        L = lambda k, n: flen[base[k] : base[k] + n]
         s = list_sizes
-        self.value_len = dict(pron=L("pron", 2), first=L("first", s["first_names"]),
-                              middle=L("middle", s["middle_names"]), last=L("last", s["last_names"]),
-                              month=L("month", 12), day=L("day", 28), year=L("year", years[1] - years[0] + 1),
-                              city=L("city", s["birth_cities"]), univ=L("univ", s["universities"]),
-                              major=L("major", s["majors"]), emp=L("emp", s["employers"]),
-                              hq=L("hq", s["employers"]))
+        self.value_len = dict(
+            pron=L("pron", 2),
+            first=L("first", s["first_names"]),
+            middle=L("middle", s["middle_names"]),
+            last=L("last", s["last_names"]),
+            month=L("month", 12),
+            day=L("day", 28),
+            year=L("year", years[1] - years[0] + 1),
+            city=L("city", s["birth_cities"]),
+            univ=L("univ", s["universities"]),
+            major=L("major", s["majors"]),
+            emp=L("emp", s["employers"]),
+            hq=L("hq", s["employers"]),
+        )
 
     # ------------------------------------------------------------------ pickling (DataLoader spawn workers)
     def __getstate__(self) -> dict[str, Any]:
@@ -122,8 +140,9 @@ class Fragments:
     def encode(self, text: str) -> np.ndarray:
         """Compact ids (int64) of ``text`` tokenised as a whole (no special tokens). KeyError for a token that never
         occurs in biographies."""
-        return np.array([self._o2c[t] for t in self.tokenizer.encode(text, add_special_tokens=False).ids],
-                        dtype=np.int64)
+        return np.array(
+            [self._o2c[t] for t in self.tokenizer.encode(text, add_special_tokens=False).ids], dtype=np.int64
+        )
 
     def token_names(self) -> list[str]:
         """Printable text of every compact id (index = id): ``<pad>``, the decoded token (with its leading space),
@@ -159,12 +178,12 @@ class Fragments:
         for a in ATTRIBUTES:
             for t in range(T):
                 f = fb[f"pre_{a}"] + t
-                seqs.append((tuple(self.ftok[self.foff[f]:self.foff[f + 1]].tolist()), self.templates[a][t]))
+                seqs.append((tuple(self.ftok[self.foff[f] : self.foff[f + 1]].tolist()), self.templates[a][t]))
         seqs.sort()
         out = []
         for k in range(len(seqs) - 1):  # sorted: a prefix sorts right before its extensions
             j = k + 1
-            while j < len(seqs) and seqs[j][0][:len(seqs[k][0])] == seqs[k][0]:
+            while j < len(seqs) and seqs[j][0][: len(seqs[k][0])] == seqs[k][0]:
                 out.append((seqs[k][1], seqs[j][1]))
                 j += 1
         return out
@@ -174,18 +193,41 @@ class Fragments:
         """int32 (N,): tokens of each person's biographies outside the templates, <EOS> included (the same for
         every rendering: the five pronouns, the name and the values)."""
         Ln = self.value_len
-        base = (Ln["first"][pop["first"]] + Ln["middle"][pop["middle"]] + Ln["last"][pop["last"]]
-                + Ln["month"][pop["month"]] + Ln["day"][pop["day"]] + Ln["year"][pop["year"]]
-                + Ln["city"][pop["city"]] + Ln["univ"][pop["univ"]] + Ln["major"][pop["major"]]
-                + Ln["emp"][pop["emp"]] + Ln["hq"][pop["emp"]] + 5 * Ln["pron"][pop["gender"]] + 1)
+        base = (
+            Ln["first"][pop["first"]]
+            + Ln["middle"][pop["middle"]]
+            + Ln["last"][pop["last"]]
+            + Ln["month"][pop["month"]]
+            + Ln["day"][pop["day"]]
+            + Ln["year"][pop["year"]]
+            + Ln["city"][pop["city"]]
+            + Ln["univ"][pop["univ"]]
+            + Ln["major"][pop["major"]]
+            + Ln["emp"][pop["emp"]]
+            + Ln["hq"][pop["emp"]]
+            + 5 * Ln["pron"][pop["gender"]]
+            + 1
+        )
         return base.astype(np.int32)
 
     def _bio_len(self, f: Any) -> Any:
         """``f`` (np.max / np.min / np.mean) of every part of a biography, summed (+1 for <EOS>)."""
         Ln = self.value_len
-        return (f(Ln["first"]) + f(Ln["middle"]) + f(Ln["last"]) + f(Ln["month"]) + f(Ln["day"]) + f(Ln["year"])
-                + f(Ln["city"]) + f(Ln["univ"]) + f(Ln["major"]) + f(Ln["emp"] + Ln["hq"]) + 5 * f(Ln["pron"])
-                + f(self.tl, axis=1).sum() + 1)
+        return (
+            f(Ln["first"])
+            + f(Ln["middle"])
+            + f(Ln["last"])
+            + f(Ln["month"])
+            + f(Ln["day"])
+            + f(Ln["year"])
+            + f(Ln["city"])
+            + f(Ln["univ"])
+            + f(Ln["major"])
+            + f(Ln["emp"] + Ln["hq"])
+            + 5 * f(Ln["pron"])
+            + f(self.tl, axis=1).sum()
+            + 1
+        )
 
     def max_bio_len(self) -> int:
         """Tokens of the longest possible biography, <EOS> included (each part at its maximum; exact)."""

@@ -30,8 +30,17 @@ class Population:
         :class:`~canonlm.data.tasks.capo.fragments.Fragments` (for ``base_len``).
     """
 
-    def __init__(self, N: int, N0: int, list_sizes: Mapping[str, int], years: tuple[int, int], gender: str,
-                 digest: str, seed: int, frags: Any):
+    def __init__(
+        self,
+        N: int,
+        N0: int,
+        list_sizes: Mapping[str, int],
+        years: tuple[int, int],
+        gender: str,
+        digest: str,
+        seed: int,
+        frags: Any,
+    ):
         self.N, self.N0, self.list_sizes, self.years, self.gender = N, N0, list_sizes, years, gender
         self.digest, self.seed, self.frags = digest, seed, frags
         self.n_years = years[1] - years[0] + 1
@@ -45,8 +54,14 @@ class Population:
         seed = self.seed if seed is None else int(seed)
         pop = self._cache.get(seed)
         if pop is None:
-            ns = stable_hash64("canonlm.data", "capo", "population", self.digest,
-                               dict(birth_years=list(self.years), gender=self.gender), int(seed))
+            ns = stable_hash64(
+                "canonlm.data",
+                "capo",
+                "population",
+                self.digest,
+                dict(birth_years=list(self.years), gender=self.gender),
+                int(seed),
+            )
             pop = self._cache[seed] = self._make(ns, self.N, self.gender)
         return pop
 
@@ -69,14 +84,18 @@ class Population:
         code = code[np.sort(first_idx)[:N]]
         keys = instance_keys(ns, np.ones(N, np.int64), np.arange(N, dtype=np.int64))
         date = below(words(keys, _P_DATE, 0), 12 * 28 * self.n_years)
-        pop = dict(first=(code // (nm * nl)).astype(np.int16), middle=((code // nl) % nm).astype(np.int16),
-                   last=(code % nl).astype(np.int16),
-                   month=(date % 12).astype(np.int8), day=((date // 12) % 28).astype(np.int8),
-                   year=(date // (12 * 28)).astype(np.int16),
-                   city=below(words(keys, _P_CITY, 0), s["birth_cities"]).astype(np.int16),
-                   univ=below(words(keys, _P_UNIV, 0), s["universities"]).astype(np.int16),
-                   major=below(words(keys, _P_MAJOR, 0), s["majors"]).astype(np.int16),
-                   emp=below(words(keys, _P_EMP, 0), s["employers"]).astype(np.int16))
+        pop = dict(
+            first=(code // (nm * nl)).astype(np.int16),
+            middle=((code // nl) % nm).astype(np.int16),
+            last=(code % nl).astype(np.int16),
+            month=(date % 12).astype(np.int8),
+            day=((date // 12) % 28).astype(np.int8),
+            year=(date // (12 * 28)).astype(np.int16),
+            city=below(words(keys, _P_CITY, 0), s["birth_cities"]).astype(np.int16),
+            univ=below(words(keys, _P_UNIV, 0), s["universities"]).astype(np.int16),
+            major=below(words(keys, _P_MAJOR, 0), s["majors"]).astype(np.int16),
+            emp=below(words(keys, _P_EMP, 0), s["employers"]).astype(np.int16),
+        )
         if gender == "random":
             pop["gender"] = below(words(keys, _P_GENDER, 0), 2).astype(np.int8)
         else:

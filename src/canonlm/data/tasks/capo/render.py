@@ -27,7 +27,7 @@ from canonlm.data.tasks.capo.assets import ATTRIBUTES, MONTHS, PRONOUNS
 
 # purposes of the counter-based words under a render namespace (Renderer.namespace); values are part of the streams
 P_TA, P_TB, P_ORDER, P_PERM, P_OFFSET, P_VAL = range(6)  # templates A/B, sentence order; train pass order, window
-                                                         # offset (stream.py); val subset (evaluation.py)
+# offset (stream.py); val subset (evaluation.py)
 ORDERS = np.array(list(itertools.permutations(range(6))), dtype=np.int64)  # (720, 6): attribute at position i
 _INV_ORDERS = np.argsort(ORDERS, axis=1)  # position of attribute a
 _SLOTS = 8  # fragment slots per sentence: subject x3, template prefix, value x3, template suffix
@@ -42,14 +42,21 @@ def field_texts(assets: Mapping[str, Any], r: Mapping[str, int], first_year: int
     return {
         "name": f"{A['first_names'][r['first']]} {A['middle_names'][r['middle']]} {A['last_names'][r['last']]}",
         "birth_date": f"{MONTHS[r['month']]} {r['day'] + 1}, {first_year + r['year']}",
-        "birth_city": A["birth_cities"][r["city"]], "university": A["universities"][r["univ"]],
-        "major": A["majors"][r["major"]], "employer": A["employers"][r["emp"]],
+        "birth_city": A["birth_cities"][r["city"]],
+        "university": A["universities"][r["univ"]],
+        "major": A["majors"][r["major"]],
+        "employer": A["employers"][r["emp"]],
         "work_city": A["hq_cities"][r["emp"]],
     }
 
 
-def compose_text(fields: Mapping[str, str], tmpl: Sequence[int], order: Sequence[int], gender: int,
-                 pools: Mapping[str, Sequence[str]]) -> str:
+def compose_text(
+    fields: Mapping[str, str],
+    tmpl: Sequence[int],
+    order: Sequence[int],
+    gender: int,
+    pools: Mapping[str, Sequence[str]],
+) -> str:
     """The biography text: sentence k renders attribute ``order[k]`` with template ``tmpl[attribute]`` of its pool;
     subject = the full name in sentence 0, He/She (``gender`` 0/1) after; sentences joined by one space."""
     sents = []
@@ -68,8 +75,18 @@ class Renderer:
         task's validated config values (the generative parameters that name the render namespaces).
     """
 
-    def __init__(self, frags: Any, assets: Mapping[str, Any], T_tmpl: int, permute_sentences: bool,
-                 years: tuple[int, int], gender: str, N: int, val_people: int, seed: int):
+    def __init__(
+        self,
+        frags: Any,
+        assets: Mapping[str, Any],
+        T_tmpl: int,
+        permute_sentences: bool,
+        years: tuple[int, int],
+        gender: str,
+        N: int,
+        val_people: int,
+        seed: int,
+    ):
         self.frags, self.assets = frags, assets
         self.T_tmpl, self.permute_sentences, self.years, self.gender = T_tmpl, permute_sentences, years, gender
         self.N, self.val_people, self.seed = N, val_people, seed
@@ -77,9 +94,16 @@ class Renderer:
 
     def namespace(self, split: str, seed: int | None) -> int:
         """64-bit namespace of the renderings of ``split`` (cached; seed None = the task's seed)."""
+
         def parts() -> tuple:
-            gen = dict(N=self.N, templates_per_attribute=self.T_tmpl, permute_sentences=self.permute_sentences,
-                       birth_years=list(self.years), gender=self.gender, assets=self.assets["digest"])
+            gen = dict(
+                N=self.N,
+                templates_per_attribute=self.T_tmpl,
+                permute_sentences=self.permute_sentences,
+                birth_years=list(self.years),
+                gender=self.gender,
+                assets=self.assets["digest"],
+            )
             if split == "val":  # the val subset's choice; test renderings never depend on val settings
                 gen.update(val_people=self.val_people)
             return "canonlm.data", "capo", "render", gen
@@ -90,7 +114,7 @@ class Renderer:
         """(tA, tB, order index) of renderings (r, person): tA / tB in [0, T^3) encode the templates of attributes
         0-2 / 3-5 in mixed radix T; order index in [0, 720) (0 = fixed order)."""
         keys = instance_keys(ns, r, person)
-        T3 = self.T_tmpl ** 3
+        T3 = self.T_tmpl**3
         tA = below(words(keys, P_TA, 0), T3)
         tB = below(words(keys, P_TB, 0), T3)
         order = below(words(keys, P_ORDER, 0), 720) if self.permute_sentences else np.zeros_like(tA)
@@ -99,9 +123,12 @@ class Renderer:
     def lengths(self, pop: dict[str, np.ndarray], ns: int, r: np.ndarray, person: np.ndarray) -> np.ndarray:
         """int64: tokens of the renderings (r, person), <EOS> included (no order needed: it does not change it)."""
         keys = instance_keys(ns, r, person)
-        T3 = self.T_tmpl ** 3
-        return (pop["base_len"][person].astype(np.int64) + self.frags.TLA[below(words(keys, P_TA, 0), T3)]
-                + self.frags.TLB[below(words(keys, P_TB, 0), T3)])
+        T3 = self.T_tmpl**3
+        return (
+            pop["base_len"][person].astype(np.int64)
+            + self.frags.TLA[below(words(keys, P_TA, 0), T3)]
+            + self.frags.TLB[below(words(keys, P_TB, 0), T3)]
+        )
 
     def tokens(self, pop: dict[str, np.ndarray], ns: int, r: Any, person: Any) -> dict[str, np.ndarray]:
         """Token ids of renderings (r[b], person[b]) (vectorised), each biography followed by <EOS>.
@@ -162,8 +189,7 @@ class Renderer:
         span_len[:, 1:6] = vend - vstart
         span_start[:, 6] = fstart[:, _SLOTS]
         span_len[:, 6] = fl[:, _SLOTS]
-        return dict(tokens=tokens, offsets=offsets, span_start=span_start, span_len=span_len, order=order,
-                    tmpl=tmpl)
+        return dict(tokens=tokens, offsets=offsets, span_start=span_start, span_len=span_len, order=order, tmpl=tmpl)
 
     def texts(self, pop: dict[str, np.ndarray], ns: int, r: Any, person: Any) -> list[str]:
         """Plain-text renderings (r[b], person[b]) (no <EOS>), from the same random choices as :meth:`tokens`."""
@@ -176,8 +202,15 @@ class Renderer:
             rec = {k: int(v[person[b]]) for k, v in pop.items()}
             ta, tb = int(tA[b]), int(tB[b])
             tm = [ta % T, (ta // T) % T, ta // (T * T), tb % T, (tb // T) % T, tb // (T * T)]
-            out.append(compose_text(field_texts(self.assets, rec, self.years[0]), tm, [int(x) for x in ORDERS[oi[b]]],
-                                    rec["gender"], self.frags.templates))
+            out.append(
+                compose_text(
+                    field_texts(self.assets, rec, self.years[0]),
+                    tm,
+                    [int(x) for x in ORDERS[oi[b]]],
+                    rec["gender"],
+                    self.frags.templates,
+                )
+            )
         return out
 
     def first_misaligned(self, pop: dict[str, np.ndarray], encode: Callable[[str], np.ndarray]) -> str | None:
@@ -189,7 +222,7 @@ class Renderer:
         b = self.tokens(pop, 12345, r, person)
         texts = self.texts(pop, 12345, r, person)
         for k in range(n):
-            got = b["tokens"][b["offsets"][k]:b["offsets"][k + 1] - 1]
+            got = b["tokens"][b["offsets"][k] : b["offsets"][k + 1] - 1]
             try:
                 want = encode(texts[k])
             except KeyError:  # a token no fragment produces

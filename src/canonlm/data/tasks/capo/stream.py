@@ -29,9 +29,18 @@ from canonlm.data.tasks.capo.population import Population
 from canonlm.data.tasks.capo.render import P_OFFSET, P_PERM, Renderer
 
 
-def fill_windows(out: dict[str, np.ndarray], rows: np.ndarray, rel: np.ndarray, T: int, seg_tok: np.ndarray,
-                 span_pos: np.ndarray, span_len: np.ndarray, span_group: np.ndarray, lo_ok: int,
-                 valid_hi: np.ndarray | None = None) -> None:
+def fill_windows(
+    out: dict[str, np.ndarray],
+    rows: np.ndarray,
+    rel: np.ndarray,
+    T: int,
+    seg_tok: np.ndarray,
+    span_pos: np.ndarray,
+    span_len: np.ndarray,
+    span_group: np.ndarray,
+    lo_ok: int,
+    valid_hi: np.ndarray | None = None,
+) -> None:
     """Cut windows [rel[k], rel[k] + T) of a segment into ``out[...][rows[k]]`` with per-window answers: an answer
     is scored iff it lies in [rel + lo_ok, rel + T) (and ends at or before ``valid_hi[k]``, if given).
 
@@ -105,7 +114,7 @@ class TrainLayout:
         while len(tot) <= upto:
             p = len(tot) - 1
             tot.append(tot[-1] + int(self.renderer.lengths(pop, ns, np.full(self.N, p, dtype=np.int64), people).sum()))
-        return np.asarray(tot[:upto + 1], dtype=np.int64)
+        return np.asarray(tot[: upto + 1], dtype=np.int64)
 
     def _locate(self, off: int, seed: int | None) -> tuple[int, int, int]:
         """(pass, position in pass, token offset of that biography) of the biography holding stream token off."""
@@ -151,8 +160,15 @@ class TrainLayout:
         o = np.argsort(sp, kind="stable")
         sp, sl, sg = sp[o], sl[o], sg[o]
         keep = (sp + sl > lo) & (sp < hi)
-        return dict(tokens=b["tokens"][lo - start: hi - start], span_pos=sp[keep], span_len=sl[keep],
-                    span_group=sg[keep], people=people_a, passes=passes_a, bio_start=bio_start)
+        return dict(
+            tokens=b["tokens"][lo - start : hi - start],
+            span_pos=sp[keep],
+            span_len=sl[keep],
+            span_group=sg[keep],
+            people=people_a,
+            passes=passes_a,
+            bio_start=bio_start,
+        )
 
     def window_starts(self, w: np.ndarray, window: int, seed: int | None = None) -> np.ndarray:
         """int64: stream offset of training windows ``w`` (``consecutive``: w T; ``random_offset``: w T + o_w)."""
@@ -169,8 +185,10 @@ class TrainLayout:
         must lie in [1, T)), ``group`` int32 (1..7 on scored tokens, 0 elsewhere)."""
         w = np.asarray(w, dtype=np.int64).reshape(-1)
         T = int(window)
-        out = {k: np.empty((w.shape[0], T), dtype=dt) for k, dt in
-               (("tokens", np.int64), ("answer_id", np.int32), ("group", np.int32))}
+        out = {
+            k: np.empty((w.shape[0], T), dtype=dt)
+            for k, dt in (("tokens", np.int64), ("answer_id", np.int32), ("group", np.int32))
+        }
         starts = self.window_starts(w, T, seed)
         # render contiguous runs of windows together (a step's windows form one run)
         order = np.argsort(starts, kind="stable")
@@ -180,8 +198,17 @@ class TrainLayout:
             idx = order[run]
             lo, hi = int(starts[idx].min()), int(starts[idx].max()) + T
             seg = self.segment(lo, hi, seed)
-            fill_windows(out, idx, starts[idx] - lo, T, seg["tokens"], seg["span_pos"] - lo, seg["span_len"],
-                         seg["span_group"], lo_ok=1)
+            fill_windows(
+                out,
+                idx,
+                starts[idx] - lo,
+                T,
+                seg["tokens"],
+                seg["span_pos"] - lo,
+                seg["span_len"],
+                seg["span_group"],
+                lo_ok=1,
+            )
         out["loss_mask"] = np.ones((w.shape[0], T), dtype=bool)
         out["loss_mask"][:, 0] = False
         return out
@@ -199,8 +226,20 @@ class CapoStream(StepStream):
     an unknown tail, ValueError for bad sizes, ranks, steps or split.
     """
 
-    def __init__(self, task: Any, split: str, *, window: int, batch_size: int, seed: int, rank: int = 0,
-                 world_size: int = 1, start_step: int = 0, num_steps: int | None = None, tail: str = "drop"):
+    def __init__(
+        self,
+        task: Any,
+        split: str,
+        *,
+        window: int,
+        batch_size: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        start_step: int = 0,
+        num_steps: int | None = None,
+        tail: str = "drop",
+    ):
         check_split(split)
         need = task.max_instance_len(split)
         if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < need:
@@ -208,8 +247,16 @@ class CapoStream(StepStream):
         if tail not in ("drop", "carry"):
             raise ConfigError("task.tail", tail, "drop | carry")
         self.window, self.tail = int(window), tail
-        super().__init__(task, split, batch_size=batch_size, seed=seed, rank=rank, world_size=world_size,
-                         start_step=start_step, num_steps=num_steps)
+        super().__init__(
+            task,
+            split,
+            batch_size=batch_size,
+            seed=seed,
+            rank=rank,
+            world_size=world_size,
+            start_step=start_step,
+            num_steps=num_steps,
+        )
 
     def batch_numpy(self, step: int) -> dict[str, np.ndarray]:
         """This rank's batch at ``step`` as numpy arrays (pure function of the step)."""

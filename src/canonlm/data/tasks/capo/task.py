@@ -21,8 +21,15 @@ import numpy as np
 
 from canonlm.data import ConfigError
 from canonlm.data.tasks import Instance, InstanceBatch, check_split
-from canonlm.data.tasks._common import check_bool, check_choice, check_indices, check_int, is_int, merge_config, \
-    parse_index
+from canonlm.data.tasks._common import (
+    check_bool,
+    check_choice,
+    check_indices,
+    check_int,
+    is_int,
+    merge_config,
+    parse_index,
+)
 from canonlm.data.tasks.capo.assets import MAX_TEMPLATES, PRONOUNS, load_assets
 from canonlm.data.tasks.capo.evaluation import EvalWindows
 from canonlm.data.tasks.capo.fragments import Fragments
@@ -31,14 +38,28 @@ from canonlm.data.tasks.capo.render import Renderer, field_texts
 from canonlm.data.tasks.capo.stream import CapoStream, TrainLayout
 from canonlm.data.tasks.capo.tokenizer import bpe_training_texts, cached_bpe, default_cache_dir, load_tokenizer
 
-GROUP_LABELS = {1: "name", 2: "birth_date", 3: "birth_city", 4: "university", 5: "major", 6: "employer",
-                7: "gender"}
+GROUP_LABELS = {1: "name", 2: "birth_date", 3: "birth_city", 4: "university", 5: "major", 6: "employer", 7: "gender"}
 PAPER_N = (50_000, 100_000, 200_000, 500_000, 1_000_000, 2_000_000)
 
 DEFAULTS: dict[str, Any] = dict(
-    name="capo", N=100_000, exposures=100, templates_per_attribute=50, birth_years=[1900, 2099], gender="random",
-    permute_sentences=True, window="consecutive", context=512, tail="drop", seed=0, tokenizer=None,
-    bpe_vocab_size=4096, bpe_train_bios=20_000, cache_dir=None, val_people=None, eval_renderings_per_person=1)
+    name="capo",
+    N=100_000,
+    exposures=100,
+    templates_per_attribute=50,
+    birth_years=[1900, 2099],
+    gender="random",
+    permute_sentences=True,
+    window="consecutive",
+    context=512,
+    tail="drop",
+    seed=0,
+    tokenizer=None,
+    bpe_vocab_size=4096,
+    bpe_train_bios=20_000,
+    cache_dir=None,
+    val_people=None,
+    eval_renderings_per_person=1,
+)
 KEYS = tuple(DEFAULTS)
 
 
@@ -79,16 +100,31 @@ class CapoTask:
         self.name = name
         A = load_assets()
         self._A = A
-        self.list_sizes = {k: len(A[k]) for k in ("first_names", "middle_names", "last_names", "birth_cities",
-                                                  "universities", "majors", "employers")}
+        self.list_sizes = {
+            k: len(A[k])
+            for k in (
+                "first_names",
+                "middle_names",
+                "last_names",
+                "birth_cities",
+                "universities",
+                "majors",
+                "employers",
+            )
+        }
         n_first, n_mid, n_last = (self.list_sizes[k] for k in ("first_names", "middle_names", "last_names"))
         self.N0 = n_first * n_mid * n_last
         self.N = _int("N", c["N"], 1, self.N0 // 4)
         self.exposures = _int("exposures", c["exposures"], 1)
         self.T_tmpl = _int("templates_per_attribute", c["templates_per_attribute"], 1, MAX_TEMPLATES)
         by = c["birth_years"]
-        if (isinstance(by, (str, bytes)) or not isinstance(by, Sequence) or len(by) != 2
-                or not all(is_int(y) for y in by) or not 1 <= by[0] <= by[1] <= 9999):
+        if (
+            isinstance(by, (str, bytes))
+            or not isinstance(by, Sequence)
+            or len(by) != 2
+            or not all(is_int(y) for y in by)
+            or not 1 <= by[0] <= by[1] <= 9999
+        ):
             raise ConfigError("task.birth_years", by, "[first, last]: integers with 1 <= first <= last <= 9999")
         self.years = (int(by[0]), int(by[1]))
         self.n_years = self.years[1] - self.years[0] + 1
@@ -100,8 +136,12 @@ class CapoTask:
         self.seed = _int("seed", c["seed"], 0)
         tok_path = c["tokenizer"]
         if tok_path is not None and (not isinstance(tok_path, (str, os.PathLike)) or str(tok_path) == ""):
-            raise ConfigError("task.tokenizer", tok_path, "null (train/cache canonlm's BPE) or a local path to a "
-                                                          "tokenizer.json or a Hugging Face tokenizer directory")
+            raise ConfigError(
+                "task.tokenizer",
+                tok_path,
+                "null (train/cache canonlm's BPE) or a local path to a "
+                "tokenizer.json or a Hugging Face tokenizer directory",
+            )
         self.bpe_vocab_size = _int("bpe_vocab_size", c["bpe_vocab_size"], 257, 65536)
         self.bpe_train_bios = _int("bpe_train_bios", c["bpe_train_bios"], 1, 10**6)
         cd = c["cache_dir"]
@@ -112,8 +152,14 @@ class CapoTask:
         self.val_people = min(self.N, 1000) if vp is None else _int("val_people", vp, 1, self.N)
         self.eval_renderings = _int("eval_renderings_per_person", c["eval_renderings_per_person"], 1)
         self.cfg = {**c, "birth_years": list(self.years), "val_people": vp}
-        self.S0 = (2 * (12 * 28 * self.n_years) * self.list_sizes["birth_cities"] * self.list_sizes["universities"]
-                   * self.list_sizes["majors"] * self.list_sizes["employers"])
+        self.S0 = (
+            2
+            * (12 * 28 * self.n_years)
+            * self.list_sizes["birth_cities"]
+            * self.list_sizes["universities"]
+            * self.list_sizes["majors"]
+            * self.list_sizes["employers"]
+        )
 
         # ---- tokenizer (train or load), fragments, compact vocabulary
         foreign = tok_path is not None
@@ -123,8 +169,11 @@ class CapoTask:
             try:
                 tokenizer = load_tokenizer(tok_path)
             except Exception as e:  # noqa: BLE001 - any load failure is a config error
-                raise ConfigError("task.tokenizer", tok_path,
-                                  f"a loadable tokenizer.json or tokenizer directory ({type(e).__name__}: {e})")
+                raise ConfigError(
+                    "task.tokenizer",
+                    tok_path,
+                    f"a loadable tokenizer.json or tokenizer directory ({type(e).__name__}: {e})",
+                )
             self.tokenizer_path = Path(tok_path).expanduser()
         self._frags = F = Fragments(tokenizer, A, self.T_tmpl, self.years, self.list_sizes)
         self.vocab_size, self.eos_id, self.n_used_tokens = F.vocab_size, F.eos_id, F.n_used_tokens
@@ -132,30 +181,40 @@ class CapoTask:
 
         # ---- the parts built on the fragments (their caches are rebuilt lazily in every process)
         self._pop = Population(self.N, self.N0, self.list_sizes, self.years, self.gender, A["digest"], self.seed, F)
-        self._renderer = Renderer(F, A, self.T_tmpl, self.permute_sentences, self.years, self.gender, self.N,
-                                  self.val_people, self.seed)
+        self._renderer = Renderer(
+            F, A, self.T_tmpl, self.permute_sentences, self.years, self.gender, self.N, self.val_people, self.seed
+        )
         self._train = TrainLayout(self.N, self.window, self.seed, self._pop, self._renderer)
-        self._eval = EvalWindows(self.N, self.val_people, self.eval_renderings, self.seed, self.eos_id, self._pop,
-                                 self._renderer)
+        self._eval = EvalWindows(
+            self.N, self.val_people, self.eval_renderings, self.seed, self.eos_id, self._pop, self._renderer
+        )
         bad = self._renderer.first_misaligned(self._pop.sample(48), F.encode)
         if bad is not None:
             if foreign:
-                raise ConfigError("task.tokenizer", tok_path,
-                                  "a byte-level BPE whose pre-tokenizer splits before a space+word and around "
-                                  "punctuation like GPT-2's (concatenated fragment ids differ from tokenizing the "
-                                  "whole biography)")
+                raise ConfigError(
+                    "task.tokenizer",
+                    tok_path,
+                    "a byte-level BPE whose pre-tokenizer splits before a space+word and around "
+                    "punctuation like GPT-2's (concatenated fragment ids differ from tokenizing the "
+                    "whole biography)",
+                )
             raise RuntimeError(f"capo fragments are not pre-token aligned for {bad!r}")
         if foreign:
             conflicts = F.prefix_conflicts()
             if conflicts:
-                raise ConfigError("task.tokenizer", tok_path,
-                                  "a tokenizer under which no template prefix is a token-level prefix of another "
-                                  f"(value losses would include template uncertainty); conflicts: {conflicts[:3]}")
+                raise ConfigError(
+                    "task.tokenizer",
+                    tok_path,
+                    "a tokenizer under which no template prefix is a token-level prefix of another "
+                    f"(value losses would include template uncertainty); conflicts: {conflicts[:3]}",
+                )
         need = self.max_instance_len("test")
         if self.context < need:
-            raise ConfigError("task.context", self.context,
-                              f"an integer >= {need} (an evaluation window holds <EOS> + the longest biography + "
-                              "<EOS>)")
+            raise ConfigError(
+                "task.context",
+                self.context,
+                f"an integer >= {need} (an evaluation window holds <EOS> + the longest biography + <EOS>)",
+            )
 
     @property
     def tokenizer(self):
@@ -272,8 +331,9 @@ class CapoTask:
         w = np.asarray(w, dtype=np.int64).reshape(-1)
         i = np.asarray(i, dtype=np.int64).reshape(-1)
         person = self._instance_people(split, w, i, seed)
-        return self._renderer.lengths(self.population(seed), self._renderer.namespace(split, seed), w,
-                                      person).astype(np.float64)
+        return self._renderer.lengths(self.population(seed), self._renderer.namespace(split, seed), w, person).astype(
+            np.float64
+        )
 
     def generate(self, split: str, w: Any, i: Any, seed: int | None = None) -> InstanceBatch:
         """Biographies as instances (the generic protocol; Capo's training schedule is :meth:`make_stream`).
@@ -294,28 +354,40 @@ class CapoTask:
         ss, sl = b["span_start"], b["span_len"]
         order = np.argsort(ss, axis=1, kind="stable")
         grp = np.broadcast_to(np.arange(1, 8, dtype=np.int32), (I, 7))
-        return InstanceBatch(tokens=b["tokens"], loss_mask=np.ones(b["tokens"].shape[0], dtype=bool),
-                             offsets=b["offsets"], ans_inst=np.repeat(np.arange(I, dtype=np.int64), 7),
-                             ans_start=np.take_along_axis(ss, order, 1).reshape(-1),
-                             ans_len=np.take_along_axis(sl, order, 1).reshape(-1),
-                             ans_group=np.take_along_axis(grp, order, 1).reshape(-1).astype(np.int32),
-                             ans_offsets=np.arange(0, 7 * I + 1, 7, dtype=np.int64),
-                             meta={"person": person, "gender": pop["gender"][person].astype(np.int64),
-                                   "span_start": ss, "span_len": sl})
+        return InstanceBatch(
+            tokens=b["tokens"],
+            loss_mask=np.ones(b["tokens"].shape[0], dtype=bool),
+            offsets=b["offsets"],
+            ans_inst=np.repeat(np.arange(I, dtype=np.int64), 7),
+            ans_start=np.take_along_axis(ss, order, 1).reshape(-1),
+            ans_len=np.take_along_axis(sl, order, 1).reshape(-1),
+            ans_group=np.take_along_axis(grp, order, 1).reshape(-1).astype(np.int32),
+            ans_offsets=np.arange(0, 7 * I + 1, 7, dtype=np.int64),
+            meta={"person": person, "gender": pop["gender"][person].astype(np.int64), "span_start": ss, "span_len": sl},
+        )
 
     def instance(self, split: str, index: int | tuple[int, int], seed: int | None = None) -> Instance:
         """One biography (+ <EOS>). ``index`` = (w, i) as in :meth:`generate`, or an int k meaning biography k of
         the split's sequence (train: pass k // N, position k % N; val/test: rendering k // n, person k % n of the n
         evaluated people). Meta: ``person``, ``gender`` (ints), ``text`` (str). ValueError on bad input."""
         check_split(split)
-        w, i = parse_index(index, lambda k: divmod(k, self.N if split == "train"
-                                                   else self.eval_people(split, seed).shape[0]))
+        w, i = parse_index(
+            index, lambda k: divmod(k, self.N if split == "train" else self.eval_people(split, seed).shape[0])
+        )
         b = self.generate(split, [w], [i], seed)
         aid, grp = b.token_answers()
         person = int(b.meta["person"][0])
-        return Instance(tokens=b.tokens, loss_mask=b.loss_mask, answer_id=aid, group=grp,
-                        meta={"person": person, "gender": int(b.meta["gender"][0]),
-                              "text": self.biography_text(split, w, person, seed)})
+        return Instance(
+            tokens=b.tokens,
+            loss_mask=b.loss_mask,
+            answer_id=aid,
+            group=grp,
+            meta={
+                "person": person,
+                "gender": int(b.meta["gender"][0]),
+                "text": self.biography_text(split, w, person, seed),
+            },
+        )
 
     # ------------------------------------------------------------------ training stream (TrainLayout)
     def pass_starts(self, upto: int, seed: int | None = None) -> np.ndarray:
@@ -360,13 +432,34 @@ class CapoTask:
         return self._eval.batch(split, w, T, seed)
 
     # ------------------------------------------------------------------ stream, schedule, metrics
-    def make_stream(self, split: str, *, window: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1,
-                    start_step: int = 0, num_steps: int | None = None, tail: str = "drop") -> CapoStream:
+    def make_stream(
+        self,
+        split: str,
+        *,
+        window: int,
+        batch_size: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        start_step: int = 0,
+        num_steps: int | None = None,
+        tail: str = "drop",
+    ) -> CapoStream:
         """The Capo data stream of ``split`` (:class:`CapoStream`; same interface and yield format as
         :class:`canonlm.data.stream.SyntheticStream`). ``tail`` is validated but has no effect (the training stream
         is consecutive; evaluation windows always hold whole biographies)."""
-        return CapoStream(self, split, window=window, batch_size=batch_size, seed=seed, rank=rank,
-                          world_size=world_size, start_step=start_step, num_steps=num_steps, tail=tail)
+        return CapoStream(
+            self,
+            split,
+            window=window,
+            batch_size=batch_size,
+            seed=seed,
+            rank=rank,
+            world_size=world_size,
+            start_step=start_step,
+            num_steps=num_steps,
+            tail=tail,
+        )
 
     def exposure_tokens(self, seed: int | None = None) -> int:
         """Tokens of passes 0..exposures-1 of the training stream (every person seen ``exposures`` times)."""
@@ -399,8 +492,10 @@ class CapoTask:
         rows = int(model_info.get("vocab_size", self.vocab_size))
         unused = rows - self.n_used_tokens
         if unused < 0 or P <= 0 or d <= 0:
-            raise ValueError(f"model_info {dict(model_info)!r} inconsistent with the task's vocabulary "
-                             f"({self.n_used_tokens} used ids)")
+            raise ValueError(
+                f"model_info {dict(model_info)!r} inconsistent with the task's vocabulary "
+                f"({self.n_used_tokens} used ids)"
+            )
         return P - unused * d * (1 if tied else 2)
 
     def finalize_metrics(self, split: str, table: Mapping[str, Any], model_info: Mapping[str, Any]) -> dict[str, float]:
@@ -440,12 +535,23 @@ class CapoTask:
         p2 = sum(avg[g] for g in range(2, 8))
         bits = bits_of(p1, p2)
         ln_v = math.log(int(model_info.get("vocab_size", self.vocab_size)))
-        uniform = ({"bits_uniform": bits_of(toks[1] * ln_v, sum(toks[g] for g in range(2, 8)) * ln_v)}
-                   if len(toks) == 7 else {})
+        uniform = (
+            {"bits_uniform": bits_of(toks[1] * ln_v, sum(toks[g] for g in range(2, 8)) * ln_v)}
+            if len(toks) == 7
+            else {}
+        )
         bmax = N * math.log2(self.N0 / N) + N * math.log2(self.S0)
         P = self.params_counted(model_info)
-        return {"bits": bits, "bits_per_param": bits / P, "bits_per_param_max": bmax / P, "bits_total_max": bmax,
-                "p1_name_nats": p1, "p2_value_nats": p2, "params_counted": float(P), **uniform}
+        return {
+            "bits": bits,
+            "bits_per_param": bits / P,
+            "bits_per_param_max": bmax / P,
+            "bits_total_max": bmax,
+            "p1_name_nats": p1,
+            "p2_value_nats": p2,
+            "params_counted": float(P),
+            **uniform,
+        }
 
     def explain_metrics(self, metrics: Mapping[str, float]) -> list[str]:
         """Lines that say how to read :meth:`finalize_metrics`'s numbers (printed under a run's closing table).
@@ -456,18 +562,27 @@ class CapoTask:
         stored yet. Returns a list of str; never raises on missing keys (those lines are left out)."""
         out = []
         if "bits" in metrics:
-            sign = ("negative: the loss on the answers is still above a uniform guess among the valid names and "
-                    "values, so nothing is proven stored yet" if metrics["bits"] < 0 else
-                    "positive: the loss on the answers is below a uniform guess among the valid names and values")
-            out.append(f"bits = N log2(N0/e^p1) + N log2(S0/e^p2) (Part 3.3 Def. 4.3, N={self.N}, log2 N0 = "
-                       f"{math.log2(self.N0):.1f}, log2 S0 = {math.log2(self.S0):.1f}); 0 = a uniform guess among "
-                       f"the valid answers; here {sign}")
+            sign = (
+                "negative: the loss on the answers is still above a uniform guess among the valid names and "
+                "values, so nothing is proven stored yet"
+                if metrics["bits"] < 0
+                else "positive: the loss on the answers is below a uniform guess among the valid names and values"
+            )
+            out.append(
+                f"bits = N log2(N0/e^p1) + N log2(S0/e^p2) (Part 3.3 Def. 4.3, N={self.N}, log2 N0 = "
+                f"{math.log2(self.N0):.1f}, log2 S0 = {math.log2(self.S0):.1f}); 0 = a uniform guess among "
+                f"the valid answers; here {sign}"
+            )
         if "bits_uniform" in metrics and "bits_total_max" in metrics:
-            out.append(f"scale: a model uniform over the vocabulary (about an untrained one) scores bits "
-                       f"{metrics['bits_uniform']:.6g}; a perfect one {metrics['bits_total_max']:.6g} "
-                       f"(bits_per_param_max {metrics.get('bits_per_param_max', float('nan')):.4g})")
+            out.append(
+                f"scale: a model uniform over the vocabulary (about an untrained one) scores bits "
+                f"{metrics['bits_uniform']:.6g}; a perfect one {metrics['bits_total_max']:.6g} "
+                f"(bits_per_param_max {metrics.get('bits_per_param_max', float('nan')):.4g})"
+            )
         return out
 
     def __repr__(self) -> str:
-        return (f"CapoTask(N={self.N}, exposures={self.exposures}, templates={self.T_tmpl}, "
-                f"vocab_size={self.vocab_size}, context={self.context})")
+        return (
+            f"CapoTask(N={self.N}, exposures={self.exposures}, templates={self.T_tmpl}, "
+            f"vocab_size={self.vocab_size}, context={self.context})"
+        )

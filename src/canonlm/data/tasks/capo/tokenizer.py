@@ -76,8 +76,12 @@ def train_bpe(texts: Sequence[str], vocab_size: int):
     tok = tk.Tokenizer(tk.models.BPE())
     tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = tk.decoders.ByteLevel()
-    trainer = tk.trainers.BpeTrainer(vocab_size=int(vocab_size), special_tokens=[EOS_TEXT], show_progress=False,
-                                     initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet())
+    trainer = tk.trainers.BpeTrainer(
+        vocab_size=int(vocab_size),
+        special_tokens=[EOS_TEXT],
+        show_progress=False,
+        initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(list(texts), trainer=trainer, length=len(texts))
     return tok
 
@@ -90,26 +94,51 @@ def bpe_training_texts(assets: Mapping[str, Any], n: int) -> list[str]:
     key = stable_hash64("canonlm.data", "capo", "bpe-sample", _TOKENIZER_RECIPE, _BPE_SEED)
     k = instance_keys(key, np.zeros(n, dtype=np.int64), np.arange(n, dtype=np.int64))
     draw = lambda p, hi: below(words(k, p, 0), hi)
-    recs = dict(first=draw(0, len(A["first_names"])), middle=draw(1, len(A["middle_names"])),
-                last=draw(2, len(A["last_names"])), month=draw(3, 12), day=draw(4, 28),
-                year=1900 + draw(5, 200), city=draw(6, len(A["birth_cities"])),
-                univ=draw(7, len(A["universities"])), major=draw(8, len(A["majors"])),
-                emp=draw(9, len(A["employers"])), gender=draw(10, 2))
+    recs = dict(
+        first=draw(0, len(A["first_names"])),
+        middle=draw(1, len(A["middle_names"])),
+        last=draw(2, len(A["last_names"])),
+        month=draw(3, 12),
+        day=draw(4, 28),
+        year=1900 + draw(5, 200),
+        city=draw(6, len(A["birth_cities"])),
+        univ=draw(7, len(A["universities"])),
+        major=draw(8, len(A["majors"])),
+        emp=draw(9, len(A["employers"])),
+        gender=draw(10, 2),
+    )
     tmpl = np.stack([draw(11 + a, MAX_TEMPLATES) for a in range(6)], axis=1)
     order = ORDERS[draw(17, 720)]
     texts = []
     for b in range(n):
         fields = field_texts(A, {key_: int(v[b]) for key_, v in recs.items()}, 0)
-        texts.append(compose_text(fields, [int(t) for t in tmpl[b]], [int(o) for o in order[b]],
-                                  int(recs["gender"][b]), pools=A["templates"]))
+        texts.append(
+            compose_text(
+                fields,
+                [int(t) for t in tmpl[b]],
+                [int(o) for o in order[b]],
+                int(recs["gender"][b]),
+                pools=A["templates"],
+            )
+        )
     return texts
 
 
 def bpe_key(assets_digest: str, vocab_size: int, n_bios: int) -> str:
     """16 hex digits naming the cached BPE of (the assets' digest, ``vocab_size``, ``n_bios``, this recipe, the
     ``tokenizers`` version)."""
-    return "{:016x}".format(stable_hash64("canonlm.data", "capo", "bpe", _TOKENIZER_RECIPE, assets_digest,
-                                         vocab_size, n_bios, _tokenizers().__version__))
+    return "{:016x}".format(
+        stable_hash64(
+            "canonlm.data",
+            "capo",
+            "bpe",
+            _TOKENIZER_RECIPE,
+            assets_digest,
+            vocab_size,
+            n_bios,
+            _tokenizers().__version__,
+        )
+    )
 
 
 def cached_bpe(cache_dir: Path, assets: Mapping[str, Any], vocab_size: int, n_bios: int) -> tuple[Any, Path]:
