@@ -27,7 +27,7 @@ from canonlm.data.packing import pack_windows
 from canonlm.data.stream import SyntheticStream
 from canonlm.data.tasks import build_task
 
-from _timing import rate  # noqa: E402  (bench/ is on sys.path when a script runs)
+from _timing import rate  # bench/ is on sys.path when a script runs
 
 # (label, task, cfg, split, official tokens/s per core, measured, or None)
 ROWS = [

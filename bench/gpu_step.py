@@ -564,7 +564,7 @@ def _measure(
         oom = None
         try:
             first = stepper.wall()
-        except Exception as e:  # noqa: BLE001 - OOM: try the next batch; anything else fails the variant
+        except Exception as e:  # OOM: try the next batch; anything else is re-raised
             if not is_oom(e):
                 raise
             oom = _reason(e)

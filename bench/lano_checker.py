@@ -33,16 +33,16 @@ import os
 os.environ.setdefault("NUMBA_NUM_THREADS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import argparse  # noqa: E402
-import multiprocessing as mp  # noqa: E402
-import resource  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import multiprocessing as mp
+import resource
+import time
+from pathlib import Path
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from canonlm.data.cfg import check, load_grammar, next_symbol_probs, preset_grammar, sample_sentences  # noqa: E402
-from canonlm.data.seeding import instance_keys  # noqa: E402
+from canonlm.data.cfg import check, load_grammar, next_symbol_probs, preset_grammar, sample_sentences
+from canonlm.data.seeding import instance_keys
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DIR = ROOT.parent / "shared" / "data" / "physicslm4" / "lano"

@@ -112,14 +112,14 @@ def main() -> None:
     h0 = torch.randn(B, H, K, V, generator=g, dtype=d)
     labels = ["o", "S", "dq", "dk", "dv", "dg", "dh0"]
     want = _grads(lambda *a: gla_loop(*a[:4], initial_state=a[4]), [q, k, v, gk, h0])
-    ref = lambda *a: chunk_gla_reference(*a[:4], initial_state=a[4], output_final_state=True, chunk_size=CHUNK)  # noqa: E731
+    ref = lambda *a: chunk_gla_reference(*a[:4], initial_state=a[4], output_final_state=True, chunk_size=CHUNK)
     print("GLA (chunk_gla_reference)")
     _report("fp64 vs loop oracle", _grads(ref, [q, k, v, gk, h0]), want, labels)
     got32 = _grads(ref, [t.float() for t in (q, k, v, gk, h0)])
     _report("fp32 vs fp64 loop oracle", got32, want, labels)
     naive = load_fla_naive("gla")
     if naive is not None:  # fla's naive uses the scale K^-1/2 as canonlm's default
-        fn = lambda *a: naive.naive_recurrent_gla(*a[:4], initial_state=a[4], output_final_state=True)  # noqa: E731
+        fn = lambda *a: naive.naive_recurrent_gla(*a[:4], initial_state=a[4], output_final_state=True)
         _report(
             "fla naive_recurrent_gla fp32 vs ref", _grads(fn, [t.float() for t in (q, k, v, gk, h0)]), got32, labels
         )
@@ -134,10 +134,7 @@ def main() -> None:
     labels = ["o", "S", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
     want = _grads(lambda *a: gdn_loop(*a[:5], initial_state=a[5]), [q, k, v, gg, beta, h0])
     ref = lambda *a: chunk_gated_delta_rule_reference(
-        *a[:5],
-        initial_state=a[5],
-        output_final_state=True,  # noqa: E731
-        chunk_size=CHUNK,
+        *a[:5], initial_state=a[5], output_final_state=True, chunk_size=CHUNK
     )
     print("GDN (chunk_gated_delta_rule_reference, q/k L2-normalised)")
     _report("fp64 vs loop oracle", _grads(ref, [q, k, v, gg, beta, h0]), want, labels)
@@ -149,20 +146,10 @@ def main() -> None:
         kn = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
         ins = [t.float() for t in (qn, kn, v, gg, beta, h0)]
         ref_nol2 = lambda *a: chunk_gated_delta_rule_reference(
-            *a[:5],
-            initial_state=a[5],
-            output_final_state=True,  # noqa: E731
-            chunk_size=CHUNK,
-            use_qk_l2norm=False,
+            *a[:5], initial_state=a[5], output_final_state=True, chunk_size=CHUNK, use_qk_l2norm=False
         )
         fn = lambda *a: naive.naive_recurrent_gated_delta_rule(
-            a[0],
-            a[1],
-            a[2],
-            a[4],
-            a[3],
-            initial_state=a[5],  # noqa: E731
-            output_final_state=True,
+            a[0], a[1], a[2], a[4], a[3], initial_state=a[5], output_final_state=True
         )
         _report("fla naive_recurrent fp32 vs ref", _grads(fn, ins), _grads(ref_nol2, ins), labels)
 
@@ -177,12 +164,7 @@ def main() -> None:
     labels = ["y", "S", "dx", "ddt", "dA", "dB", "dC", "dD", "ddt_bias", "dh0"]
     want = _grads(lambda *a: ssd_loop(*a[:7], initial_state=a[7]), [x, dt, A, Bm, Cm, Dv, db, h0])
     ref = lambda *a: ssd_scan_reference(
-        *a[:5],
-        D=a[5],
-        dt_bias=a[6],
-        initial_state=a[7],  # noqa: E731
-        output_final_state=True,
-        chunk_size=CHUNK,
+        *a[:5], D=a[5], dt_bias=a[6], initial_state=a[7], output_final_state=True, chunk_size=CHUNK
     )
     print("SSD (ssd_scan_reference)")
     _report("fp64 vs loop oracle", _grads(ref, [x, dt, A, Bm, Cm, Dv, db, h0]), want, labels)

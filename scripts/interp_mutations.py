@@ -28,15 +28,15 @@ sys.path.insert(0, str(ROOT / "tests"))
 MUTATIONS = {
     "gdn_g_beta": (
         "ops/gdn/_fla.py",
-        "o, s = chunk(qc, kc, vc, g, beta, scale=scale,",
-        "o, s = chunk(qc, kc, vc, beta, g, scale=scale,",
+        "o, s = chunk(\n            qc,\n            kc,\n            vc,\n            g,\n            beta,\n",
+        "o, s = chunk(\n            qc,\n            kc,\n            vc,\n            beta,\n            g,\n",
         ["gdn_chunk-fp32"],
         "GDN: g and beta swapped in the chunk_gated_delta_rule call",
     ),
     "gdn_no_l2norm": (
         "ops/gdn/_fla.py",
-        "output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm)",
-        "output_final_state=output_final_state)",
+        "output_final_state=output_final_state,\n            use_qk_l2norm_in_kernel=use_qk_l2norm,\n        )\n    else:",
+        "output_final_state=output_final_state,\n        )\n    else:",
         ["gdn_decode-fp32"],
         "GDN decode: use_qk_l2norm_in_kernel dropped (fla's default is False)",
     ),
@@ -49,23 +49,23 @@ MUTATIONS = {
     ),
     "ssd_b_c": (
         "ops/ssd/_mamba.py",
-        "out = fn(x.contiguous(), dt.contiguous(), A.float(), B.to(x.dtype).contiguous(), C.to(x.dtype).contiguous(),",
-        "out = fn(x.contiguous(), dt.contiguous(), A.float(), C.to(x.dtype).contiguous(), B.to(x.dtype).contiguous(),",
+        "A.float(),\n        B.to(x.dtype).contiguous(),\n        C.to(x.dtype).contiguous(),\n        int(chunk_size),",
+        "A.float(),\n        C.to(x.dtype).contiguous(),\n        B.to(x.dtype).contiguous(),\n        int(chunk_size),",
         ["ssd_chunk-fp32"],
         "SSD: B and C swapped in mamba_chunk_scan_combined",
     ),
     "ssd_softplus": (
         "ops/ssd/_mamba.py",
-        "dt_softplus=bool(dt_softplus), dt_limit=(float(dt_limit[0]), float(dt_limit[1])),",
+        "dt_softplus=bool(dt_softplus),\n        dt_limit=(float(dt_limit[0]), float(dt_limit[1])),",
         "dt_limit=(float(dt_limit[0]), float(dt_limit[1])),",
         ["ssd_chunk-fp32"],
         "SSD: dt_softplus dropped (mamba-ssm's default is False)",
     ),
     "ssd_groups": (
         "ops/ssd/_mamba.py",
-        "y = fn(state, xt, dt_e, A_e, B[:, 0].to(x.dtype).contiguous(), C[:, 0].to(x.dtype).contiguous(),",
-        "y = fn(state, xt, dt_e, A_e, B[:, 0].to(x.dtype).repeat(1, H // B.shape[2], 1), "
-        "C[:, 0].to(x.dtype).repeat(1, H // B.shape[2], 1),",
+        "B[:, 0].to(x.dtype).contiguous(),\n        C[:, 0].to(x.dtype).contiguous(),\n        D=D_e,",
+        "B[:, 0].to(x.dtype).repeat(1, H // B.shape[2], 1),\n        C[:, 0].to(x.dtype).repeat(1, H // B.shape[2], 1),\n"
+        "        D=D_e,",
         ["ssd_decode-fp32"],
         "SSD decode: groups expanded to heads by tiling (head h gets group h % G, not h // (H / G))",
     ),
@@ -78,8 +78,8 @@ MUTATIONS = {
     ),
     "canon_fold_twice": (
         "ops/canon/_cuda.py",
-        "residual=xin if residual and not fold else None, initial_state=state,",
-        "residual=xin if residual else None, initial_state=state,",
+        "residual=xin if residual and not fold else None,\n        initial_state=state,",
+        "residual=xin if residual else None,\n        initial_state=state,",
         ["canon_residual_state-fp32"],
         "Canon (fla): residual folded into the weight and also passed as fla's residual (added twice)",
     ),

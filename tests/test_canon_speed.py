@@ -21,7 +21,7 @@ import torch
 
 from canonlm.arch import CanonLM, build_model_config
 from canonlm.arch.canon import Canon
-from canonlm.ops.canon import _cuda, causal_conv1d, fold_residual
+from canonlm.ops.canon import _cuda, fold_residual
 from canonlm.ops.canon.naive import canon_loop
 
 

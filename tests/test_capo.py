@@ -59,7 +59,7 @@ def parse_bio(text, pools):
     sents = [s + "." for s in text[:-1].split(". ")]
     assert len(sents) == 6, text
     out = []
-    for k, s in enumerate(sents):
+    for s in sents:
         hits = []
         for a, pool in pools.items():
             for ti, t in enumerate(pool):

@@ -31,7 +31,7 @@ from canonlm.ops.canon.naive import canon_loop
 from canonlm.ops.gdn.naive import gdn_loop
 from canonlm.ops.gla.naive import gla_loop
 from canonlm.ops.ssd.naive import ssd_loop
-from conftest import ARCH_PRESETS, perturb_  # noqa: E402
+from conftest import ARCH_PRESETS, perturb_
 
 HERE = Path(__file__).resolve().parent
 
@@ -269,7 +269,7 @@ def test_gla_and_gdn_cu_seqlens_equal_loops_per_document():
     """The references with ``cu_seqlens`` (chunk 4: chunks straddle documents) against the per-token loops run on
     each document alone, forward and input gradients."""
     g = torch.Generator().manual_seed(5)
-    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)
     q, k, v = r(2, T, 2, 4), r(2, T, 2, 4), r(2, T, 2, 6)
     gk, gh, beta = F.logsigmoid(r(2, T, 2, 4)) / 4, F.logsigmoid(r(2, T, 2)), torch.sigmoid(r(2, T, 2))
     for t in (q, k, v, gk, gh, beta):
@@ -302,7 +302,7 @@ def test_gla_and_gdn_cu_seqlens_equal_loops_per_document():
 
 def test_ssd_seq_idx_equals_loop_per_document():
     g = torch.Generator().manual_seed(6)
-    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)
     x, dt, A, Bm, Cm, D, dtb = (
         r(2, T, 4, 3),
         r(2, T, 4),
@@ -336,7 +336,7 @@ def _interp_cases() -> dict:
     launches = _triton_interp.enable()
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(7)
-    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    r = lambda *s: torch.randn(*s, generator=g)
     lengths = ([30, 7, 3], [1, 39])  # 2 rows of 40: a document over a 64-chunk boundary when flattened, 1-token docs
     ids = doc_ids_of(lengths)
     cu, cu_cpu = varlen.cu_seqlens_of(ids)

@@ -20,11 +20,11 @@ from conftest import perturb_
 pytest.importorskip("safetensors")
 hf = pytest.importorskip("canonlm.hf")
 
-from canonlm.arch.config import build_model_config  # noqa: E402
-from canonlm.arch.model import CanonLM  # noqa: E402
-from canonlm.config.rundir import resolve_run  # noqa: E402
-from canonlm.eval.load import load_model  # noqa: E402
-from canonlm.export import main as export_main  # noqa: E402
+from canonlm.arch.config import build_model_config
+from canonlm.arch.model import CanonLM
+from canonlm.config.rundir import resolve_run
+from canonlm.eval.load import load_model
+from canonlm.export import main as export_main
 
 DATA = Path(__file__).parent / "data"
 V = 64

@@ -256,7 +256,7 @@ def test_bad_paths(tmp_path, capsys):
     (exported / "config.json").write_text("{}")
     assert main([str(exported), "--prompt", "1"]) == 2  # config.json without weights
     try:
-        import canonlm.hf  # noqa: F401
+        import canonlm.hf  # noqa: F401 -- imported to check whether the hf extra is installed
     except ImportError:
         assert "exported directories need canonlm.hf" in capsys.readouterr().err
     else:

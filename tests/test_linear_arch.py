@@ -19,7 +19,7 @@ from canonlm.ops.gdn.naive import gdn_loop
 from canonlm.ops.gla.naive import gla_loop
 from canonlm.ops.ssd.naive import ssd_loop
 
-from conftest import ARCH_PRESETS as PRESETS  # noqa: E402
+from conftest import ARCH_PRESETS as PRESETS
 
 
 def build(preset, canon="", size="2L64D", vocab=32, dtype=torch.float64, **kw):

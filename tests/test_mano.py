@@ -352,7 +352,7 @@ def naive_generate(task, split, w, i, seed=0):
     gen = dict(L=task.L, ops=list(task.ops), mod=task.mod)
     ns = stable_hash64("canonlm.data", "mano", gen, split, seed)
     key = instance_keys(ns, np.array([w]), np.array([i]))
-    wd = lambda p, j: int(words(key, p, np.array([j]))[0])  # noqa: E731
+    wd = lambda p, j: int(words(key, p, np.array([j]))[0])
     l = 1 + wd(0, 0) % task.L if split == "train" else task.L
     n_ops = len(task.ops)
     att = 0

@@ -76,7 +76,7 @@ def test_cpu_has_no_peak():
 
 
 @pytest.mark.parametrize("device_name", ["NVIDIA L40S", "NVIDIA L40X"])
-def test_mfu_is_logged_only_for_a_known_device(device_name, tmp_path, counted, monkeypatch):
+def test_mfu_is_logged_only_for_a_known_device(device_name, tmp_path, counted, monkeypatch):  # noqa: F811 -- `counted`: the pytest fixture imported above
     """A CPU run whose device is reported as ``device_name``: a known one logs perf/mfu = tokens/s x training
     FLOPs per token / peak (the formula of docs/mfu.md, FLOPs from arch.flops), an unknown one logs no perf/mfu."""
     from canonlm.arch import flops
@@ -95,7 +95,7 @@ def test_mfu_is_logged_only_for_a_known_device(device_name, tmp_path, counted, m
         assert m["perf/mfu"] == pytest.approx(m["perf/tokens_per_s"] * per_token / peak, rel=1e-9)
 
 
-def test_first_step_seconds_are_logged_once(tmp_path, counted):
+def test_first_step_seconds_are_logged_once(tmp_path, counted):  # noqa: F811 -- the fixture imported above
     """``perf/first_step_s``: logged once, at the first optimizer step of the fit, positive and no longer than the
     whole fit took (timed around ``trainer.fit`` here: an independent clock)."""
     import time
@@ -108,7 +108,7 @@ def test_first_step_seconds_are_logged_once(tmp_path, counted):
     assert module.first_step_s == pytest.approx(firsts[0])
 
 
-def test_first_step_waits_for_the_optimizer_step_under_accumulation(tmp_path, counted, monkeypatch):
+def test_first_step_waits_for_the_optimizer_step_under_accumulation(tmp_path, counted, monkeypatch):  # noqa: F811 -- the fixture imported above
     """With gradient accumulation the first batch end is a micro-batch: ``perf/first_step_s`` is logged at the step
     where ``global_step`` first moves (the batch end of the 2nd micro-batch here), not before."""
     from canonlm.train import module as M

@@ -15,7 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from canonlm.data.prepare import MERGE_BELOW, assign_units

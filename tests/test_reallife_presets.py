@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import CONF, ROOT, compose
+from conftest import CONF, ROOT
 
 PRESETS = CONF / "experiment" / "reallife"
 LLAMA2_VOCAB, LLAMA3_VOCAB = 32_000, 128_256

@@ -266,6 +266,35 @@ TABLE: list[Row] = [
     ),
     # ---- item 7: repeated Canon letters
     R("canon_repeat", ["canon.set=AAB"], "canon.set='AAB'; allowed: each letter at most once", "26.7", alone=True),
+    # ---- issue 33, item 4: a run directory outside paths.log_dir; pos keys the chosen type does not read
+    R(
+        "run_name_escape",
+        ["run_name=../../../escape"],
+        "run_name='../../../escape'; allowed: one folder name, no path separator and not . or ..",
+        "33.4",
+        alone=True,
+        run_name=False,
+    ),
+    R("run_name_nested", ["run_name=a/b"], "run_name='a/b'; allowed: one folder name", "33.4", run_name=False),
+    R(
+        "pos_fraction_unread",
+        ["pos.fraction=2"],
+        f"pos.fraction=2; {KEYS} (pos.fraction is read only when pos.type is partial_rope; here rope)",
+        "33.4",
+        alone=True,
+    ),
+    R(
+        "pos_theta_nope",
+        ["pos=nope", "pos.theta=500000"],
+        f"pos.theta=500000; {KEYS} (pos.theta is read only when pos.type is rope | partial_rope; here nope)",
+        "33.4",
+    ),
+    R(
+        "pos_fraction_linear",
+        ["arch=gla", "pos=partial_rope", "pos.fraction=1.5"],
+        "pos.fraction=1.5; allowed: a number in (0, 1]",
+        "33.4",
+    ),
     # ---- refusals that already held: tests/test_configs.py
     R("canon_option", ["canon=ABE"], "canon='ABE'; allowed: A | AB | ABC", "configs"),
     R("pos_option", ["pos=sinusoidal"], "pos='sinusoidal'; allowed: nope | partial_rope | rope", "configs"),
@@ -451,7 +480,7 @@ def _one(row: Row, tmp: Path) -> dict:
         ro = tmp / "ro"
         ro.mkdir()
         before = _snapshot(tmp)
-        script = f'mount --bind "$1" "$1" && mount -o remount,bind,ro "$1" && shift && exec "$@"'
+        script = 'mount --bind "$1" "$1" && mount -o remount,bind,ro "$1" && shift && exec "$@"'
         cmd = ["unshare", "-rm", "sh", "-c", script, "sh", str(ro), *cmd, *_overrides(row, tmp, ro)]
     else:
         cmd = [*cmd, *_overrides(row, tmp)]

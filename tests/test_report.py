@@ -494,7 +494,7 @@ def test_per_cell_learning_rate_sets_are_stated_as_such(tmp_path, capsys):
     for i, (size, lr, acc) in enumerate(
         [("2L64D", 1e-3, 0.3), ("2L64D", 2e-3, 0.4), ("4L64D", 1e-2, 0.5), ("4L64D", 2e-2, 0.6)]
     ):
-        d = _run(tmp_path, f"r{i}", 16, size, lr, acc, acc / 2)
+        _run(tmp_path, f"r{i}", 16, size, lr, acc, acc / 2)
     assert main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert (

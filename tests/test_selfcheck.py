@@ -233,7 +233,7 @@ def test_full_and_quick_plans(capsys):
                 else:
                     assert s.group == s.name.split()[1].split("/")[0] + " " + s.name.split()[2] and s.est_compiles > 0
         train = [s for s in specs if s.name.startswith("train ")]
-        assert all(s.args[0]["autotune"] == "first" and f"data.batch_size=8" in s.args[0]["overrides"] for s in train)
+        assert all(s.args[0]["autotune"] == "first" and "data.batch_size=8" in s.args[0]["overrides"] for s in train)
     no_cuda = plan.build_plan(plan.Options(quick=True), cuda=False, n_gpu=0)
     assert all(s.static == [SKIP, env.NO_CUDA] for s in no_cuda if not s.name.startswith("cpu "))
     two = plan.build_plan(plan.Options(size="4L128D", steps=3, autotune="full"), cuda=True, n_gpu=2)

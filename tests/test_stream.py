@@ -136,7 +136,7 @@ def naive_score(pred, batch, G):
         for t in range(1, len(tok[b])):
             if aid[b][t] >= 0:
                 answers.setdefault(aid[b][t], []).append(t)
-        for a, ts in answers.items():
+        for ts in answers.values():
             g = grp[b][ts[0]]
             right = [pred[b][t] == tok[b][t] for t in ts]
             out["tokens_total"][g] += len(ts)

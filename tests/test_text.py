@@ -303,6 +303,22 @@ def test_prepare_errors_and_overwrite(tmp_path, tok_path, capsys):
     assert not list(tmp_path.glob(".o.*"))
 
 
+def test_a_folder_of_unknown_suffixes_names_format_text(tmp_path, tok_path, capsys):
+    """A folder of source files (no .txt / .jsonl / .parquet) is refused in one line that names what it holds and
+    the way out, ``--format text``; with it the same folder is prepared (each file read as text)."""
+    src = tmp_path / "code"
+    src.mkdir()
+    for i in range(3):
+        (src / f"m{i}.py").write_text("".join(f"def f{j}(x):\n    return x + {j}\n" for j in range(40)))
+    out = tmp_path / "o"
+    assert prep(["--input", str(src), "--tokenizer", str(tok_path), "--out", str(out)]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "holds no file with a known suffix" in line and ".py files" in line and "--format text" in line
+    assert not out.exists()
+    assert prep(["--input", str(src), "--tokenizer", str(tok_path), "--out", str(out), "--format", "text"]) == 0
+    assert (out / "meta.json").exists()
+
+
 def _tree(d: Path) -> dict[str, bytes]:
     """Every file under ``d`` (relative path -> bytes), read directly."""
     return {str(f.relative_to(d)): f.read_bytes() for f in sorted(d.rglob("*")) if f.is_file()}

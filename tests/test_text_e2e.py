@@ -16,6 +16,7 @@ commands with their timings.
 from __future__ import annotations
 
 import json
+import re
 import math
 import os
 import signal
@@ -154,7 +155,7 @@ def e2e(tmp_path_factory):
     # one after the other, one thread each (ENV): on 2 shared cores, two at once with torch's default 2 threads each
     # made this fixture take 445 s instead of 40 s
     t0 = time.perf_counter()
-    _py([*train, *train_args(data, logs, "ref")], root)
+    ref = _py([*train, *train_args(data, logs, "ref")], root)
     secs["train (uninterrupted)"] = time.perf_counter() - t0
     killed_log = root / "kr.out"
     ckdir = logs / "train" / "runs" / "kr" / "checkpoints"
@@ -197,6 +198,7 @@ def e2e(tmp_path_factory):
         secs=secs,
         killed_at=max(steps_before, default=0),
         resumed_out=resumed.stdout + resumed.stderr,
+        ref_out=ref.stdout + ref.stderr,
     )
 
 
@@ -256,6 +258,13 @@ def test_validation_loss_falls_for_each_source(e2e):
             + " ".join(f"@{s + 1}:{v:.3f}" for s, v in val)
             + f"; test {res['test']['sources'][name]['loss']:.3f}"
         )
+    # the closing summary prints each source's test loss (from results.json), and `metric` says what was measured
+    for name in SOURCES:
+        row = res["test"]["sources"][name]
+        assert re.search(
+            rf"^  {name} +{row['loss']:.4f} +{row['ppl']:.3f} +{row['tokens']:,}$", e2e["ref_out"], re.M
+        ), e2e["ref_out"][-2000:]
+    assert res["metric"].startswith("loss: mean cross-entropy in nats per token")  # not answer accuracy
     print("timings (s):", {k: round(v, 1) for k, v in e2e["secs"].items()})
 
 
@@ -280,7 +289,7 @@ def test_killed_run_resumes_exactly(e2e):
     oa, ob = ca["optimizer_states"][0]["state"], cb["optimizer_states"][0]["state"]
     assert oa.keys() == ob.keys() and all(torch.equal(oa[i][k], ob[i][k]) for i in oa for k in oa[i])
     ra, rb = read_metrics(runs / "ref" / "metrics.jsonl"), read_metrics(runs / "kr" / "metrics.jsonl")
-    keys = lambda r: {k: v for k, v in r.items() if k.startswith(("train/", "val/", "test/"))}  # noqa: E731
+    keys = lambda r: {k: v for k, v in r.items() if k.startswith(("train/", "val/", "test/"))}
     la, lb = ({r["step"]: keys(r) for r in rows if keys(r)} for rows in (ra, rb))
     assert la == lb and max(la) >= STEPS - 1
 

@@ -309,7 +309,7 @@ def test_bad_mixtures_are_one_config_error(corpora, tmp_path):
         assert e.value.key == key, e.value
         return e.value.allowed
 
-    two = lambda wa, wb: {"a": {"data_dir": a, "weight": wa}, "b": {"data_dir": b, "weight": wb}}  # noqa: E731
+    two = lambda wa, wb: {"a": {"data_dir": a, "weight": wa}, "b": {"data_dir": b, "weight": wb}}
     err({"data_dir": a, "sources": two(1, 1)}, "task.sources")
     err({"sources": two(0, 1)}, "task.sources.a.weight")
     err({"sources": two(-1, 1)}, "task.sources.a.weight")
@@ -372,7 +372,7 @@ def test_validation_loss_per_source_through_the_module(corpora):
             module.validation_step(b, i)
         module._eval_end("val")
         res = module.results["val"]["sources"]
-        for s, name in enumerate(("a", "b")):  # windows 0..5 of each source alone (12 mixture windows, in turn)
+        for name in ("a", "b"):  # windows 0..5 of each source alone (12 mixture windows, in turn)
             x = torch.from_numpy(alone(corpora[name]).windows("val", np.arange(6)))
             logits = module.model(x)
             want = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), x[:, 1:].reshape(-1))
@@ -459,7 +459,7 @@ def test_mixture_run_with_token_budget_logs_tokens_per_source_across_a_resume(co
     res = run(_compose_mix(corpora, out, ["trainer.max_steps=8", "ckpt_path=auto"]))
     assert res["steps"] == 8 and res["tokens_seen"] == 8 * per_step and res["attempts"] == 2
     task = mix(corpora, seed=0)  # the run's task (task.seed: 0)
-    naive = lambda steps: np.bincount(task.locate("train", np.arange(steps * 4))[0], minlength=2) * T  # noqa: E731
+    naive = lambda steps: np.bincount(task.locate("train", np.arange(steps * 4))[0], minlength=2) * T
     assert [res["sources"][n]["tokens_seen"] for n in ("a", "b")] == naive(8).tolist()
     assert res["sources"]["a"]["share"] == pytest.approx(0.7, abs=1e-4)
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

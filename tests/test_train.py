@@ -28,7 +28,7 @@ TINY = [
 ]
 
 
-def _train(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+def _train(args: list[str], cwd: Path, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, str(ROOT / "train.py"), *args, f"paths.log_dir={cwd}/logs"]
     p = subprocess.run(
         cmd,
@@ -36,7 +36,7 @@ def _train(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.Complet
         text=True,
         timeout=timeout,
         cwd=cwd,
-        env={**__import__("os").environ, "WANDB_MODE": "disabled"},
+        env={**__import__("os").environ, "WANDB_MODE": "disabled", **(env or {})},
     )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     return p
@@ -46,7 +46,35 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def _srun_on_path(tmp_path: Path) -> dict:
+    """An environment whose PATH has an ``srun`` (outside any SLURM job), and proof that Lightning warns in it."""
+    import os
+    import warnings
+
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "srun").chmod(0o755)
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    old = os.environ["PATH"]
+    os.environ["PATH"] = env["PATH"]
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            SLURMEnvironment._validate_srun_used()
+    finally:
+        os.environ["PATH"] = old
+    assert any("srun" in str(w.message) for w in caught)  # Lightning's hint, which train.py must not print
+    return env
+
+
+LIGHTNING_NOISE = ("The `srun` command is available", "exists and is not empty")
+
+
 def test_train_py_end_to_end(tmp_path):
+    env = _srun_on_path(tmp_path)
     p = _train(
         [
             *TINY,
@@ -56,7 +84,9 @@ def test_train_py_end_to_end(tmp_path):
             "callbacks.checkpoint.every_n_train_steps=15",
         ],
         tmp_path,
+        env=env,
     )
+    assert not [n for n in LIGHTNING_NOISE if n in p.stdout + p.stderr], p.stderr[-3000:]
     run = tmp_path / "logs" / "train" / "runs" / "e2e"
     res = json.loads((run / "results.json").read_text())
     assert res["steps"] == 30 and res["tokens_seen"] == 30 * 8 * 128
@@ -85,7 +115,7 @@ def test_train_py_end_to_end(tmp_path):
     p2 = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert p2.returncode != 0 and "ckpt_path=auto" in p2.stderr
     # ... and ckpt_path=auto resumes it to a longer schedule
-    _train(
+    p3 = _train(
         [
             *TINY,
             "run_name=e2e",
@@ -95,7 +125,9 @@ def test_train_py_end_to_end(tmp_path):
             "test=false",
         ],
         tmp_path,
+        env=env,
     )
+    assert not [n for n in LIGHTNING_NOISE if n in p3.stdout + p3.stderr], p3.stderr[-3000:]  # canonlm resumes there
     steps = [r["step"] for r in _metrics(run) if "train/loss" in r]
     assert max(steps) >= 35
     # the resumed attempt logs to its own CSV file; the first attempt's is kept (Lightning's CSVLogger would delete it)

@@ -138,7 +138,7 @@ def _linear_inputs(dt, T, op, B=1, H=2, K=16, V=32, seed=0):
     F = torch.nn.functional
     g = torch.Generator().manual_seed(seed)
     lo = _dtype(dt)
-    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    r = lambda *s: torch.randn(*s, generator=g)
     out = dict(q=r(B, T, H, K).to(lo), k=r(B, T, H, K).to(lo), v=r(B, T, H, V).to(lo))
     if op == "gla":
         return dict(out, g=F.logsigmoid(r(B, T, H, K)) / 8, initial_state=r(B, H, K, V))
@@ -224,7 +224,7 @@ def _canon_inputs(dt, T=40, B=2, C=24, K=4, seed=0, layout="contiguous", state=T
     torch = _torch()
     g = torch.Generator().manual_seed(seed)
     lo = _dtype(dt)
-    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    r = lambda *s: torch.randn(*s, generator=g)
     if layout == "contiguous":
         x = r(B, T, C).to(lo)
     elif layout == "strided":  # a slice of a wider (B, T, 3C) activation, as Canon-B's q|k|v
@@ -248,8 +248,8 @@ def _canon_case(dt, residual, activation, **kw):
     if inputs["initial_state"] is None:
         inputs.pop("initial_state")
     x = inputs["x"]
-    fast = lambda **a: canon.causal_conv1d(**a, residual=residual, activation=activation, backend="fla")  # noqa
-    ref = lambda **a: canon.causal_conv1d_reference(**a, residual=residual, activation=activation)  # noqa
+    fast = lambda **a: canon.causal_conv1d(**a, residual=residual, activation=activation, backend="fla")
+    ref = lambda **a: canon.causal_conv1d_reference(**a, residual=residual, activation=activation)
     err = compare(fast, ref, inputs, grad=True)
     expect = ["causal_conv1d_fwd_kernel", "causal_conv1d_bwd_kernel"]
     if "initial_state" in inputs:  # d(initial_state) has its own kernel
@@ -321,7 +321,7 @@ def _ssd_inputs(dt, T, B=1, H=4, P=16, G=2, N=16, seed=0):
     torch = _torch()
     g = torch.Generator().manual_seed(seed)
     lo = _dtype(dt)
-    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    r = lambda *s: torch.randn(*s, generator=g)
     return dict(
         x=r(B, T, H, P).to(lo),
         dt=r(B, T, H) - 1,
@@ -379,7 +379,7 @@ def ssd_split(dt):
     lo = _dtype(dt)
     B, T, H, P, G, N, W = 1, 70, 4, 16, 2, 16, 4
     d_inner, conv_dim = H * P, H * P + 2 * G * N
-    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    r = lambda *s: torch.randn(*s, generator=g)
     inputs = dict(
         zxbcdt=r(B, T, 2 * d_inner + 2 * G * N + H).to(lo),
         conv_weight=(torch.rand(conv_dim, W, generator=g) - 0.5),
@@ -429,7 +429,7 @@ def _run_all(names=None) -> dict:
         t0 = time.perf_counter()
         try:
             res = fn(dt)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 -- a failing case is recorded with its traceback
             res = {"error": traceback.format_exc(limit=8)}
         res["seconds"] = round(time.perf_counter() - t0, 2)
         res["launches"] = dict(launches)

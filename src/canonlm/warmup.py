@@ -112,7 +112,7 @@ def warmup_config(cfg, run_dir: Path) -> None:
         cfg.paths.log_dir = str(run_dir / "logs")
 
 
-def StepClock():  # noqa: N802 -- a Hydra `_target_`: builds the callback (Lightning is imported only here)
+def StepClock():  # a Hydra `_target_`: builds the callback (Lightning is imported only here)
     """A Lightning callback recording ``time.perf_counter()`` of the run's events in :data:`clock`: the start of fit
     and of the first training batch, the end of each of the first optimizer steps (``step1``, ``step2``), the start
     and end of validation and test."""

@@ -349,7 +349,7 @@ def validate(cfg: ModelConfig) -> ModelConfig:
     _positive_float("model.norm_eps", cfg.norm_eps)
     _bool("model.tie_embeddings", cfg.tie_embeddings)
     _choice("model.ops", cfg.ops, ("auto", "reference", "fused"))
-    for op, backend in cfg.kernels.items():
+    for op in cfg.kernels:
         _choice("model.kernels", op, ("canon", "attention", "gla", "gdn", "ssd"))
     if linear:
         _validate_linear(cfg)

@@ -155,12 +155,52 @@ def _canon_letters_once(v: Any) -> bool:
 
 
 def _folder_name(v: Any) -> bool:
-    return isinstance(v, (str, int)) and not isinstance(v, bool) and str(v) != ""
+    """One path component: a non-empty name without ``/`` or ``\\`` that is not ``.`` or ``..`` (so the run directory
+    stays inside ``paths.log_dir``)."""
+    if not isinstance(v, (str, int)) or isinstance(v, bool):
+        return False
+    s = str(v)
+    return s not in ("", ".", "..") and "/" not in s and "\\" not in s and "\0" not in s
+
+
+def _fraction(v: Any) -> bool:
+    return 0 < v <= 1
 
 
 def _tags(v: Any) -> bool:
     return isinstance(v, list) and all(isinstance(t, (str, int, float)) and not isinstance(t, bool) for t in v)
 
+
+@dataclass(frozen=True)
+class Unread:
+    """A key that a config group's file sets for every option but that only some options read (``pos.fraction`` is
+    read by ``pos=partial_rope`` only): under another option any value but the file's ``default`` is refused, since
+    it would change nothing."""
+
+    key: str
+    default: Any
+    when: tuple[str, tuple[str, ...]]
+
+    def problem(self, cfg: DictConfig) -> ConfigError | None:
+        now = plain(OmegaConf.select(cfg, self.when[0], default=None))
+        v = plain(OmegaConf.select(cfg, self.key, default=_ABSENT))
+        if str(now) in self.when[1] or v is _ABSENT or v == self.default:
+            return None
+        return ConfigError(
+            self.key,
+            v,
+            f"a key canonlm reads ({self.key} is read only when {self.when[0]} is "
+            f"{' | '.join(self.when[1])}; here {now})",
+        )
+
+
+_ROTARY = ("pos.type", ("rope", "partial_rope"))
+#: ``conf/pos/*.yaml`` keys that some ``pos`` types ignore, with the value every file gives them.
+_UNREAD_POS = (
+    Unread("pos.fraction", 1.0, ("pos.type", ("partial_rope",))),
+    Unread("pos.theta", 10000.0, _ROTARY),
+    Unread("pos.pairing", "half", _ROTARY),
+)
 
 #: The training keys, in the order they are checked (the first bad one is reported). Together with the nodes
 #: whose keys are declared elsewhere (``model`` / ``canon`` / ``pos``: the fields of the model config; ``task``: the
@@ -168,7 +208,7 @@ def _tags(v: Any) -> bool:
 #: the extension points ``callbacks`` and ``logger``), these keys are every key canonlm reads: any other key is
 #: refused (:func:`canonlm.config.strict.check_keys`), and tests/test_refusals.py checks that every key of every
 #: ``conf/`` file is one of them.
-TRAINING_RULES: tuple[Rule | KnownKeys, ...] = (
+TRAINING_RULES: tuple[Rule | KnownKeys | Unread, ...] = (
     Rule(
         "seed",
         f"an integer in [0, {MAX_SEED}] (model init and torch's RNG; the data has task.seed)",
@@ -183,12 +223,24 @@ TRAINING_RULES: tuple[Rule | KnownKeys, ...] = (
         null=True,
         test=_canon_letters_once,
     ),
+    *_UNREAD_POS,
+    Rule(
+        "pos.fraction",
+        "a number in (0, 1] (the fraction of each head's dims that partial_rope rotates)",
+        float,
+        optional=True,
+        test=_fraction,
+    ),
     Rule("train", BOOL, bool, optional=True),
     Rule("test", BOOL, bool, optional=True),
     Rule("compile", BOOL, bool, optional=True),
     Rule("activation_checkpointing", BOOL, bool, optional=True),
-    Rule("task_name", "a folder name (logs/<task_name>/...)", test=_folder_name),
-    Rule("run_name", "a folder name (logs/<task_name>/runs/<run_name>)", test=_folder_name),
+    Rule("task_name", "one folder name, no path separator and not . or .. (logs/<task_name>/...)", test=_folder_name),
+    Rule(
+        "run_name",
+        "one folder name, no path separator and not . or .. (logs/<task_name>/runs/<run_name>, inside paths.log_dir)",
+        test=_folder_name,
+    ),
     Rule("tags", "a list of tags, e.g. [baseline,lr_sweep]", optional=True, test=_tags),
     Rule("ops", "auto | reference | fused", choices=("auto", "reference", "fused"), optional=True),
     *(
@@ -321,19 +373,19 @@ TRAINING_RULES: tuple[Rule | KnownKeys, ...] = (
 _BY_KEY = {r.key: r for r in TRAINING_RULES if isinstance(r, Rule)}
 
 
-def declared_keys(cfg: DictConfig, rules: tuple[Rule | KnownKeys, ...] = TRAINING_RULES) -> set[str]:
+def declared_keys(cfg: DictConfig, rules: tuple[Rule | KnownKeys | Unread, ...] = TRAINING_RULES) -> set[str]:
     """The keys of ``rules`` that canonlm reads under ``cfg``'s choices (each rule's ``when``), with the keys a
     :class:`KnownKeys` node holds."""
     out: set[str] = set()
     for r in rules:
         if isinstance(r, KnownKeys):
             out |= {f"{r.key}.{n}" for n in r.names}
-        elif r.applies(cfg):
+        elif isinstance(r, Rule) and r.applies(cfg):
             out.add(r.key)
     return out
 
 
-def check_training(cfg: DictConfig, rules: tuple[Rule | KnownKeys, ...] = TRAINING_RULES) -> None:
+def check_training(cfg: DictConfig, rules: tuple[Rule | KnownKeys | Unread, ...] = TRAINING_RULES) -> None:
     """Check every rule of ``rules`` against the composed config ``cfg``, in order; raises ConfigError for the first
     key whose value is not allowed."""
     for rule in rules:
@@ -374,6 +426,7 @@ __all__ = [
     "KnownKeys",
     "Rule",
     "TRAINING_RULES",
+    "Unread",
     "check_training",
     "check_value",
     "declared_keys",

@@ -61,7 +61,7 @@ from typing import Any, Iterator
 
 from omegaconf import DictConfig, OmegaConf
 
-from canonlm.config.rules import BOOL, TRAINING_RULES, declared_keys, plain
+from canonlm.config.rules import BOOL, TRAINING_RULES, Rule, declared_keys, plain
 from canonlm.errors import ConfigError
 
 #: Config nodes whose entries are free (each is instantiated from its ``_target_``): documented extension points.
@@ -358,7 +358,7 @@ def check_keys(cfg: DictConfig, light: bool = False) -> None:
             raise _unknown(cfg, f"{top}.{second}", _value(raw, f"{top}.{second}"), light)
         if key in declared or any(key.startswith(d + ".") for d in declared):
             continue
-        rule = next((r for r in TRAINING_RULES if getattr(r, "key", None) == key and r.when), None)
+        rule = next((r for r in TRAINING_RULES if isinstance(r, Rule) and r.key == key and r.when), None)
         if rule is not None:  # a key of another option of its group
             now = plain(OmegaConf.select(cfg, rule.when[0], default=None))
             raise ConfigError(

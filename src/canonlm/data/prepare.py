@@ -141,9 +141,12 @@ def resolve_inputs(spec: str, fmt: str = "auto") -> list[Path]:
         except OSError as e:
             raise PrepareError(f"input directory {spec}: cannot list {e.filename or spec}: {e.strerror or e}") from None
         if not files:
+            others = sorted({f.suffix or f.name for f in p.rglob("*") if f.is_file() and not f.name.startswith(".")})
+            what = f"; it holds {', '.join(others[:5])}{' ...' if len(others) > 5 else ''} files" if others else ""
             raise PrepareError(
                 f"input directory {spec} holds no file with a known suffix "
-                f"({', '.join(sorted(SUFFIXES))}, optionally .gz)"
+                f"({', '.join(sorted(SUFFIXES))}, optionally .gz){what}; to read every file of it "
+                f"as text, add --format text (or jsonl | parquet)"
             )
         return files
     files = sorted(Path(f) for f in glob.glob(str(p), recursive=True) if Path(f).is_file())

@@ -143,7 +143,7 @@ class TextTokenizer:
             f = p if p.is_file() else p / "tokenizer.json"
             try:
                 self._tk = Tokenizer.from_file(str(f))
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001 -- tokenizers raises its own exception types; re-raised as one clear error
                 raise ValueError(f"tokenizer: cannot load {f} with tokenizers.Tokenizer.from_file: {e}") from None
             self.kind = "tokenizers"
             vocab = self._tk.get_vocab(with_added_tokens=True)
@@ -464,6 +464,11 @@ class _TextMetrics:
     num_groups = 1
     chance = None
     eval_mode = "teacher_forced"
+    #: what a text run measures (``results.json`` ``metric``): no answers, only the language-modelling loss
+    metric = (
+        "loss: mean cross-entropy in nats per token (and its perplexity) under teacher forcing over every token "
+        "of each source's held-out split, overall and per source ('sources'); no answer accuracy"
+    )
 
 
 class TextTask(_TextMetrics):

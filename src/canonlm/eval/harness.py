@@ -374,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"canonlm.eval.harness: error: {e}", file=sys.stderr)
         return 2
     try:
-        import lm_eval  # noqa: F401
+        import lm_eval  # noqa: F401 -- imported to check that lm-eval is installed
     except ImportError:
         print(
             "canonlm.eval.harness: error: lm-evaluation-harness is not installed (pip install -e .[eval])",

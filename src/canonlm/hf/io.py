@@ -116,7 +116,7 @@ def _load_ckpt(path: Path) -> dict[str, Any]:
         return state
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 -- torch.load raises many types (pickle, zip, EOF); re-raised as one InteropError
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         raise InteropError(f"checkpoint {path} cannot be read with torch.load(weights_only=True): {first}") from None
     if not isinstance(state, dict):

@@ -213,7 +213,7 @@ def read_lingua_dir(
         raise InteropError(f"{root}: {variant}/{WEIGHTS} is missing (beside {variant}/{PARAMS})")
     try:
         state = torch.load(weights_path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 -- torch.load raises many types (pickle, zip, EOF); re-raised as one InteropError
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         raise InteropError(f"{weights_path} cannot be read with torch.load(weights_only=True): {first}") from None
     if not isinstance(state, dict) or not isinstance(state.get("model"), Mapping):

@@ -432,7 +432,7 @@ def tokenizer_files(tok: Any) -> dict[str, str]:
         del cfg["model_max_length"]
     if isinstance(getattr(tok, "chat_template", None), str):
         cfg["chat_template"] = tok.chat_template
-    dump = lambda d: json.dumps(d, indent=2, ensure_ascii=False) + "\n"  # noqa: E731
+    dump = lambda d: json.dumps(d, indent=2, ensure_ascii=False) + "\n"
     return {
         "tokenizer.json": json.dumps(spec, ensure_ascii=False),
         "tokenizer_config.json": dump(cfg),

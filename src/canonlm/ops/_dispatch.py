@@ -106,7 +106,7 @@ def probe(name: str, loader: Callable[[], object]) -> tuple[Optional[object], Op
     if name not in _probes:
         try:
             _probes[name] = (loader(), None)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 -- a kernel library that fails to load for any reason is reported, not raised
             _probes[name] = (None, f"{type(e).__name__}: {e}")
     return _probes[name]
 

@@ -41,5 +41,5 @@ def fla_version() -> Optional[str]:
         from importlib.metadata import version
 
         return version("fla-core")
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 -- fla-core absent or its metadata unreadable: no version
         return None

@@ -52,7 +52,7 @@ def _resolve_entry(module: str, attr: str, op: str, backend: str):
     (its backend cannot have run). Raises RuntimeError when a canonlm module or the function is missing."""
     try:
         mod = importlib.import_module(module)
-    except Exception:  # noqa: BLE001 -- ImportError, or an ABI mismatch raising OSError
+    except Exception:  # ImportError, or an ABI mismatch raising OSError (canonlm modules re-raise)
         if module.startswith("canonlm."):
             raise
         return None

@@ -77,7 +77,7 @@ def _probe_flash():
     if flash_available():
         return None
     try:  # canonlm's probe answers a bool: import again only to say why (the same import, already failed once)
-        from flash_attn import flash_attn_func  # noqa: F401
+        from flash_attn import flash_attn_func  # noqa: F401 -- imported to check that flash-attn loads
     except Exception as e:  # noqa: BLE001 -- ImportError, OSError (undefined symbol), RuntimeError
         return e
     return "flash_attn imports now, but canonlm.ops.attention.flash_available() found it unavailable"

@@ -70,19 +70,19 @@ def train_probe(out: str, autotune: str = "full"):
             self._ran: dict = {}
             self._first_step_wall = None
 
-        def on_train_start(self, trainer, pl_module):  # noqa: D401
+        def on_train_start(self, trainer, pl_module):
             self._ran = self._calls.enter_context(backend_calls(set(MIXER_OP.values()) | {"canon"}))
 
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # noqa: D401
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if self._first_step_wall is None:
                 if pl_module.device.type == "cuda":
                     torch.cuda.synchronize(pl_module.device)
                 self._first_step_wall = time.time()
 
-        def teardown(self, trainer, pl_module, stage):  # noqa: D401
+        def teardown(self, trainer, pl_module, stage):
             self._calls.close()
 
-        def on_train_end(self, trainer, pl_module):  # noqa: D401
+        def on_train_end(self, trainer, pl_module):
             self._calls.close()
             if not trainer.is_global_zero:
                 return

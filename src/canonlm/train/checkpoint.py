@@ -390,8 +390,8 @@ def check_run_dir(run_dir: str | os.PathLike, need_bytes: int) -> None:
 
 
 __all__ = [
-    "AtomicCheckpointIO",
-    "AtomicModelParallelStrategy",
+    "AtomicCheckpointIO",  # noqa: F822 -- made by the module __getattr__ (Lightning imported on first use)
+    "AtomicModelParallelStrategy",  # noqa: F822 -- made by the module __getattr__
     "CheckpointError",
     "CheckpointInfo",
     "check_compatible",

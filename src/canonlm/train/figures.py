@@ -404,7 +404,7 @@ def atlas(
                     ax.text(
                         j,
                         i,
-                        f"{v:.3g}" if p["bits"] else f"{v:.1f}",
+                        f"{v:#.3g}" if p["bits"] else f"{v:.1f}",
                         ha="center",
                         va="center",
                         fontsize=10,

@@ -61,7 +61,7 @@ class JSONLLogger(Logger):
             if not isinstance(params, Mapping):
                 params = vars(params)
             params = OmegaConf.to_container(OmegaConf.create(dict(params)), resolve=True)
-        except Exception:  # plain dicts of plain values
+        except Exception:  # noqa: BLE001 -- what OmegaConf cannot convert is logged as a plain dict
             params = dict(params) if isinstance(params, Mapping) else {}
         with open(os.path.join(self._save_dir, "hparams.json"), "w") as f:
             json.dump(params, f, indent=1, default=str)

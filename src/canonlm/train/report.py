@@ -144,7 +144,7 @@ def _run_config(d: Path) -> dict[str, Any] | None:
 
         cfg = yaml.safe_load((d / ".hydra" / "config.yaml").read_text())
         return cfg if isinstance(cfg, dict) and cfg else None
-    except Exception:  # OSError, yaml.YAMLError
+    except Exception:  # noqa: BLE001 -- OSError, yaml.YAMLError: a run without a readable config is skipped
         return None
 
 

@@ -262,7 +262,7 @@ def _save_hydra_files(cfg: DictConfig, output_dir: str) -> None:
         if not HydraConfig.initialized():
             return
         hc = HydraConfig.get()
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 -- not under Hydra (an in-process run): no .hydra files to save
         return
     d = Path(output_dir) / ".hydra"
     atomic_write_text(d / "config.yaml", OmegaConf.to_yaml(cfg))
@@ -635,6 +635,11 @@ def _tidy_logging() -> None:
     warnings.filterwarnings("ignore", message=".*does not have many workers which may be a bottleneck.*")
     # evaluation metrics are all-reduced by the module itself and logged from rank 0 (LMModule._eval_end)
     warnings.filterwarnings("ignore", message=".*It is recommended to use `self.log\\(.*sync_dist=True.*")
+    # handled by canonlm: SLURM jobs are launched by submitit with srun and get SLURMEnvironment (_build_trainer); a
+    # run outside SLURM is one process (or Lightning's own launcher), so srun on PATH is no mistake
+    warnings.filterwarnings("ignore", message=".*The `srun` command is available on your system but is not used.*")
+    # a resume writes into its own checkpoints/ on purpose; a fresh run beside checkpoints is refused (resolve_ckpt)
+    warnings.filterwarnings("ignore", message=".*Checkpoint directory .* exists and is not empty.*")
 
 
 def _trainer_kwargs(cfg: DictConfig) -> dict[str, Any]:
@@ -958,7 +963,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         "attempts": module.attempts,
         "world_size": trainer.world_size,
         "nonfinite_steps": module.nonfinite_steps,
-        "metric": (
+        "metric": getattr(task, "metric", None)
+        or (
             "generation accuracy (the task's validator on the model's generations)"
             if getattr(task, "eval_mode", "teacher_forced") == "generate"
             else "answer_exact (whole answer right under teacher forcing), token_acc per answer token"
@@ -1028,6 +1034,12 @@ def format_table(results: dict[str, Any], task: Any) -> str:
     else:
         ppl = res.get("ppl", float("nan"))
         lines.append(f"{task.name}: {split} loss {res['loss']:.4f} nats/token, perplexity {ppl:.3f}")
+        sources = res.get("sources") or {}
+        if sources:
+            w = max(len("source"), *(len(n) for n in sources))
+            lines.append(f"  {'source':<{w}} {'loss':>8} {'ppl':>10} {'tokens':>12}  ({split} split of each source)")
+            for name, row in sources.items():
+                lines.append(f"  {name:<{w}} {row['loss']:>8.4f} {row['ppl']:>10.3f} {row['tokens']:>12,}")
     for k, v in (res.get("task_metrics") or {}).items():
         lines.append(f"  {k} {v:.6g}")
         extras[k] = v

@@ -79,7 +79,7 @@ def require_wandb(key: str = "logger", value: str = "wandb", instead: str = "log
     from canonlm.errors import ConfigError
 
     try:
-        import wandb  # noqa: F401
+        import wandb  # noqa: F401 -- imported to check that wandb is installed
     except ImportError as e:
         raise ConfigError(
             key,

@@ -329,7 +329,7 @@ class LanoTask:
         """bool (n,): generation r (tokens after the prompt) is correct iff it ends with ``<bos>`` and the tokens
         before it form a non-empty derivable sentence."""
         cands, ok = [], np.zeros(len(generations), dtype=bool)
-        for r, gen in enumerate(generations):
+        for gen in generations:
             gen = np.asarray(gen, dtype=np.int64).reshape(-1)
             closed = gen.shape[0] >= 2 and int(gen[-1]) == self.bos_id
             cands.append(gen[:-1] if closed else np.zeros(0, dtype=np.int64))

@@ -58,8 +58,8 @@ BACKENDS = ("auto", "fused", "reference", "sdpa", "flash")
 def flash_available() -> bool:
     """True when ``flash_attn.flash_attn_func`` can be imported (result cached; no CUDA check)."""
     try:
-        from flash_attn import flash_attn_func  # noqa: F401
-    except Exception:  # ImportError, or an ABI mismatch raising OSError/RuntimeError
+        from flash_attn import flash_attn_func  # noqa: F401 -- imported to check that flash-attn loads
+    except Exception:  # noqa: BLE001 -- ImportError, or an ABI mismatch raising OSError/RuntimeError
         return False
     return True
 

@@ -198,7 +198,7 @@ def _dlclose(lib: ctypes.CDLL) -> None:
     try:
         import _ctypes
 
-        close = getattr(_ctypes, "dlclose", None) or getattr(_ctypes, "FreeLibrary")
+        close = getattr(_ctypes, "dlclose", None) or _ctypes.FreeLibrary
         close(lib._handle)
     except Exception:  # noqa: BLE001 -- best effort: a stale copy left mapped is harmless
         pass

@@ -47,7 +47,7 @@ _probe_cache: dict = {}
 
 def _load():
     mod = importlib.import_module("fla.ops.gated_delta_rule")
-    chunk = getattr(mod, "chunk_gated_delta_rule")
+    chunk = mod.chunk_gated_delta_rule
     recurrent = getattr(mod, "fused_recurrent_gated_delta_rule", None)
     return chunk, recurrent
 
@@ -71,7 +71,7 @@ def chunk_refuses_fp32() -> bool:
         try:
             src = inspect.getsource(importlib.import_module("fla.ops.gated_delta_rule.chunk"))
             refuses = "does not support float32" in src
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 -- the probe reads fla's source; unreadable means it does not refuse fp32
             pass
         _probe_cache["fp32"] = refuses
     return _probe_cache["fp32"]

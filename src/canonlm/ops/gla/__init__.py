@@ -128,11 +128,11 @@ class _ContiguousGrad(torch.autograd.Function):
     per-matrix path on CPU (measured two orders of magnitude slower for (256, 64, 64) batches)."""
 
     @staticmethod
-    def forward(ctx, x):  # noqa: D102
+    def forward(ctx, x):
         return x
 
     @staticmethod
-    def backward(ctx, grad):  # noqa: D102
+    def backward(ctx, grad):
         return grad.contiguous()
 
 
@@ -200,7 +200,7 @@ class _IntraChunk(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, qs: Tensor, k: Tensor, v: Tensor, b: Tensor) -> Tensor:  # noqa: D102
+    def forward(ctx, qs: Tensor, k: Tensor, v: Tensor, b: Tensor) -> Tensor:
         C2 = qs.shape[-2]
         A = qs.new_zeros(*qs.shape[:-1], C2)
         A.diagonal(dim1=-2, dim2=-1).copy_((qs * k).sum(-1))
@@ -213,7 +213,7 @@ class _IntraChunk(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, do: Tensor):  # noqa: D102
+    def backward(ctx, do: Tensor):
         qs, k, v, b, A = ctx.saved_tensors
         lead, (C2, K) = qs.shape[:-2], qs.shape[-2:]
         do = do.contiguous()

@@ -35,7 +35,7 @@ FUSED_RECURRENT_MAX_T = 64
 
 def _load_fla():
     mod = importlib.import_module("fla.ops.gla")
-    chunk = getattr(mod, "chunk_gla")
+    chunk = mod.chunk_gla
     fused = getattr(mod, "fused_recurrent_gla", None)
     return chunk, fused
 

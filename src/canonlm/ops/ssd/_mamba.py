@@ -85,7 +85,7 @@ def import_triton_module(name: str):
     if PACKAGE not in sys.modules:
         try:
             importlib.import_module(PACKAGE)
-        except Exception as e:  # noqa: BLE001 -- ImportError, OSError (undefined symbol): what the __init__ raises
+        except Exception as e:  # ImportError, OSError (undefined symbol): what the __init__ raises
             spec = importlib.util.find_spec(PACKAGE)
             if spec is None or not spec.submodule_search_locations:
                 raise
@@ -95,7 +95,7 @@ def import_triton_module(name: str):
             _package_error[0] = f"{type(e).__name__}: {e}"
     try:
         return importlib.import_module(name)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # re-raised unless the package's own import failed first
         if _package_error[0] is None:
             raise
         raise ImportError(
@@ -168,7 +168,7 @@ def _installed_causal_conv1d() -> str:
     """``causal_conv1d <version>`` or why it does not import (for messages)."""
     try:
         mod = importlib.import_module("causal_conv1d")
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 -- ImportError or an ABI mismatch (OSError): reported in the backend line
         return f"causal_conv1d not importable ({type(e).__name__}: {e})"
     return f"causal_conv1d {getattr(mod, '__version__', '(unknown version)')}"
 
@@ -189,7 +189,7 @@ def causal_conv1d_compat_reason(mod) -> Optional[str]:
             try:
                 importlib.import_module("causal_conv1d.cpp_functions")
                 why = "it did not import when mamba_ssm was imported"
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001 -- ImportError or an ABI mismatch (OSError): reported in the backend line
                 why = f"{type(e).__name__}: {e}"
             return (
                 f"mamba_ssm's fused Mamba2 path calls causal_conv1d.cpp_functions (mamba-ssm >= 2.2.5), which is "

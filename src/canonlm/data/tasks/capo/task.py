@@ -173,7 +173,7 @@ class CapoTask:
                     "task.tokenizer",
                     tok_path,
                     f"a loadable tokenizer.json or tokenizer directory ({type(e).__name__}: {e})",
-                )
+                ) from None
             self.tokenizer_path = Path(tok_path).expanduser()
         self._frags = F = Fragments(tokenizer, A, self.T_tmpl, self.years, self.list_sizes)
         self.vocab_size, self.eos_id, self.n_used_tokens = F.vocab_size, F.eos_id, F.n_used_tokens
