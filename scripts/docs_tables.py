@@ -18,9 +18,10 @@ Three kinds:
 * ``runs <folder> --keys K1,K2,... [--k K1,K2,...]``: a markdown table with one line per run: the config values of
   ``--keys`` (as ``hparams.json`` holds them), the steps, the training time (``results.json`` ``train_time_s``), and
   the test accuracy in percent at each hop count of ``--k`` (Depo ``by_group``), else the run's headline: the
-  generation accuracy (Brevo, Lano), bits per parameter (Capo) or the overall answer accuracy.
+  generation accuracy (Brevo, Lano), bits per parameter (Capo) or the overall answer accuracy; for Lano also the
+  KL divergence to the grammar's exact next-symbol law, beside that of a model uniform over the vocabulary.
 
-* ``atlas <png> <skill>=<folder>[:K1,K2] ...`` (``<skill>=-`` for a skill not run yet): the atlas figure of
+* ``atlas <png> <skill>=<folder>[:K1,K2][@KEY=VALUE] ...`` (``<skill>=-`` for a skill not run yet): the atlas figure of
   :mod:`canonlm.train.atlas` (the skills side by side, no Canon against Canon-ABCD under NoPE and RoPE): the picture
   (written to ``<png>``, relative to the repository root, as the README links it), its caption and a table of every
   number it draws. ``--check`` also fails when the PNG is missing or the numbers it embeds differ from the runs.
@@ -75,7 +76,8 @@ def _drop(cfg: dict[str, Any], dotted: str) -> None:
 
 
 def collect(sources: list[Path], into: Path) -> list[Path]:
-    """Copy the finished runs below ``sources`` (``results.json`` + ``hparams.json``) into ``into/<run name>/``;
+    """Copy the finished runs below ``sources`` (``results.json``, ``hparams.json`` and ``metrics.jsonl``) into
+    ``into/<run name>/``;
     returns the new folders. Raises :class:`Usage` (no finished run, a run name already in ``into``, or two runs
     with one name) before anything is written."""
     from canonlm.train.cells import load_runs
@@ -101,6 +103,8 @@ def collect(sources: list[Path], into: Path) -> list[Path]:
             for key in WHERE:
                 _drop(cfg, key)
             (dst / "hparams.json").write_text(json.dumps(cfg, indent=1, sort_keys=True) + "\n")
+        if (src / "metrics.jsonl").is_file():  # the logged series: learning curves, throughput
+            shutil.copyfile(src / "metrics.jsonl", dst / "metrics.jsonl")
         made.append(dst)
     return made
 
@@ -127,15 +131,31 @@ def _runs_block(folder: Path, keys: list[str], ks: list[int]) -> str:
     runs = sorted(load_runs(folder), key=lambda r: natural_key(Path(r["dir"]).name))
     if not runs:
         raise Usage(f"runs {folder}: no finished run")
-    head = ["run", *keys, "steps", "train s", *([f"acc@{k} %" for k in ks] or ["acc %"])]
+
+    def split_of(r: dict[str, Any]) -> dict[str, Any]:  # the test split's results, else the validation split's
+        return r.get("test") or r.get("val") or {}
+
+    kl = any("kl" in (split_of(r).get("generate") or {}) for r in runs)  # Lano: KL beside generation accuracy
+    capo = all("bits_per_param" in (split_of(r).get("task_metrics") or {}) for r in runs)  # Capo: bits/param, bits
+    head = [
+        "run",
+        *keys,
+        "steps",
+        "train s",
+        *([f"acc@{k} %" for k in ks] or ["bits / param (bits)" if capo else "acc %"]),
+    ]
+    head += ["KL (uniform model)"] if kl else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in runs:
-        split = r.get("test") or r.get("val") or {}
+        split = split_of(r)
         by = split.get("by_group") or {}
         if ks:
             accs = [_pct((by.get(str(k)) or {}).get("acc")) for k in ks]
         elif "bits_per_param" in (split.get("task_metrics") or {}):
-            accs = [f"{split['task_metrics']['bits_per_param']:.4g} bits/param"]
+            m = split["task_metrics"]
+            accs = [
+                f"{m['bits_per_param']:.4g} ({m['bits']:,.0f})" if capo else f"{m['bits_per_param']:.4g} bits/param"
+            ]
         else:  # the run's own headline: generation accuracy (Brevo, Lano), else the answer accuracy
             accs = [_pct((split.get("generate") or split.get("overall") or {}).get("acc"))]
         t = r.get("train_time_s")
@@ -146,6 +166,9 @@ def _runs_block(folder: Path, keys: list[str], ks: list[int]) -> str:
             f"{t:.0f}" if isinstance(t, (int, float)) else "n/a",
             *accs,
         ]
+        if kl:
+            g = split.get("generate") or {}
+            cells.append(f"{g['kl']:.3g} ({g['kl_uniform']:.3g})" if isinstance(g.get("kl"), (int, float)) else "n/a")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

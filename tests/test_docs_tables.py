@@ -192,3 +192,65 @@ def test_the_atlas_is_drawn_from_the_runs_and_a_changed_run_or_picture_is_caught
     matplotlib.image.imsave(png, np.zeros((4, 4, 3)))
     assert docs_tables.main(["--check", "--files", str(md)]) == 1
     assert str(png) in capsys.readouterr().err and "stale" not in md.read_text()
+
+
+def test_an_atlas_panel_picks_one_value_of_a_third_axis(tmp_path):
+    """Runs of two task.N values form two (Canon set x positions) tables: a plain panel is refused naming them, and
+    ``@task.N=<n>`` keeps only that population's runs (their best per cell, by hand), and says so in the caption."""
+    from canonlm.train.atlas import build, parse_panel
+
+    res = tmp_path / "runs"
+    for n, (none, abcd) in {5: (0.2, 0.9), 8: (0.1, 0.6)}.items():
+        _pos_run(res, f"n{n}a", "", "rope", 1e-3, none)
+        _pos_run(res, f"n{n}b", "ABCD", "rope", 1e-3, abcd)
+        for name in (f"n{n}a", f"n{n}b"):
+            hp = json.loads((res / name / "hparams.json").read_text())
+            hp["task"]["N"] = n
+            (res / name / "hparams.json").write_text(json.dumps(hp))
+    with pytest.raises(ValueError, match="form 2 settings"):
+        build(["depth=runs:2,1"], tmp_path)
+    assert parse_panel("depth=runs:2,1@task.N=8") == ("depth", "runs", (2, 1), ("task.N", "8"))
+    _, data, md, _ = build(["depth=runs:2,1@task.N=8"], tmp_path)
+    cells = data["panels"][0]["cells"]
+    assert cells["none"]["rope"] == 10.0 and cells["ABCD"]["rope"] == 60.0 and cells["none"]["nope"] is None
+    assert "depth (task.N=8):" in md
+    with pytest.raises(ValueError, match="no run below .* has task.N=7 .they have: 5, 8"):
+        build(["depth=runs:2,1@task.N=7"], tmp_path)
+    with pytest.raises(ValueError, match="must be KEY=VALUE"):
+        parse_panel("depth=runs@task.N")
+
+
+def _task_run(folder, name, task, test):
+    """A finished run of ``task`` (a fake Depo run whose results.json says ``task`` and holds ``test``)."""
+    d = _fake_run(folder, name, 5, "", 2e-3, {})
+    r = json.loads((d / "results.json").read_text())
+    r["task"], r["test"] = task, test
+    (d / "results.json").write_text(json.dumps(r))
+    return d
+
+
+def test_a_lano_runs_table_shows_the_kl_beside_the_generation_accuracy(tmp_path):
+    """Lano is scored by generation accuracy with its KL (Part 4.1, App. A.5): the runs table gives both, the KL next
+    to that of a model uniform over the vocabulary; a run without a KL says n/a."""
+    res = tmp_path / "lano"
+    for name, gen in {"l1": {"acc": 0.328, "kl": 0.02612, "kl_uniform": 0.8962}, "l2": {"acc": 0.0}}.items():
+        _task_run(res, name, "lano", {"by_group": {}, "generate": {"samples": 64, **gen}})
+    text = docs_tables._runs_block(res, ["canon.set"], [])
+    assert "| run | canon.set | steps | train s | acc % | KL (uniform model) |" in text
+    assert (
+        "| l1 | none | 3000 | 142 | 32.8 | 0.0261 (0.896) |" in text
+        and "| l2 | none | 3000 | 142 | 0.0 | n/a |" in text
+    )
+
+
+def test_a_capo_runs_table_gives_bits_per_parameter_and_the_bits(tmp_path):
+    """Capo's runs table heads its column with what it holds (Part 3.3's bits per parameter, then the bits)."""
+    res = tmp_path / "capo"
+    for name, (bpp, bits) in {"c1": (-1.622, -62747.2), "c2": (0.04048, 6392.4)}.items():
+        _task_run(res, name, "capo", {"by_group": {}, "task_metrics": {"bits_per_param": bpp, "bits": bits}})
+    text = docs_tables._runs_block(res, ["canon.set"], [])
+    assert "| run | canon.set | steps | train s | bits / param (bits) |" in text
+    assert (
+        "| c1 | none | 3000 | 142 | -1.622 (-62,747) |" in text
+        and "| c2 | none | 3000 | 142 | 0.04048 (6,392) |" in text
+    )

@@ -11,6 +11,7 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from omegaconf import OmegaConf
@@ -47,17 +48,21 @@ def _grid(preset: str) -> list[list[str]]:
 
 
 def test_the_three_presets_exist():
-    assert {"depth", "copy", "linear", "breadth"} <= set(PRESETS)
+    assert {"depth", "copy", "linear", "breadth", "manipulation", "structure", "capacity"} <= set(PRESETS)
+
+
+#: presets whose paper protocol is the best of two learning rates at one seed (Capo: Part 4.1 App. A.3 / Part 3.3)
+ONE_SEED = {"capacity"}
 
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_preset_follows_the_papers_protocol_best_of_two_lrs_and_two_seeds(preset, tmp_path):
     """The paper's protocol (Part 4.1, Section 2: the best over several learning rates, at several seeds): every
-    setting of the grid is trained at >= 2 learning rates x >= 2 seeds, and those are the only keys that vary
-    inside a setting."""
+    setting of the grid is trained at >= 2 learning rates x >= 2 seeds (Capo: >= 2 learning rates, one seed, as the
+    paper's capacity runs), and those are the only keys that vary inside a setting."""
     jobs = _jobs(preset, tmp_path)
     lrs, seeds = {c.optim.lr for c in jobs}, {c.seed for c in jobs}
-    assert len(lrs) >= 2 and len(seeds) >= 2
+    assert len(lrs) >= 2 and len(seeds) >= (1 if preset in ONE_SEED else 2)
     settings: dict = {}
     for c in jobs:
         d = OmegaConf.to_container(c)
@@ -74,7 +79,7 @@ def test_preset_is_a_multirun_whose_every_job_builds(preset, tmp_path):
 
     from canonlm.arch.model import LlamaCanon
     from canonlm.config.build import build_configs
-    from canonlm.train.run import validate_training
+    from canonlm.train.run import resolve_max_steps, validate_training
 
     from hydra.types import RunMode
 
@@ -85,6 +90,7 @@ def test_preset_is_a_multirun_whose_every_job_builds(preset, tmp_path):
         cfg = compose(job, output_dir=tmp_path)
         OmegaConf.resolve(cfg)
         task, mcfg = build_configs(cfg)
+        resolve_max_steps(cfg, task)  # trainer.max_steps: auto (Capo) -> the task's schedule, as the job does
         validate_training(cfg)
         with torch.device("meta"):
             assert LlamaCanon(mcfg).num_params() > 0
@@ -135,19 +141,28 @@ def test_depth_follows_the_paper_protocol_on_a_two_hop_depo(tmp_path):
     assert (h.rows, h.cols, h.k) == ("canon.set", "pos.type", "2,1")  # colour = acc@K (Fig. 7)
 
 
-def test_breadth_follows_the_paper_protocol_on_a_small_brevo1_scored_by_generation(tmp_path):
-    """Brevo1 (the paper's breadth task) with and without Canon-ABCD, RoPE and NoPE, >= 2 learning rates x 2 seeds,
-    scored as the paper scores it: generation accepted by the validator, here only in the final test; every job
-    sees the same task, data, model size and steps."""
-    jobs = _jobs("breadth", tmp_path)
+def _fig7_grid(preset: str, task_name: str, tmp_path) -> tuple[list, Any]:
+    """The jobs of a Fig. 7-style preset, checked: {RoPE, NoPE} x {no Canon, Canon-ABCD} x >= 2 learning rates x
+    >= 2 seeds, all on task ``task_name`` with the same task config, model size, steps and batch. Returns (jobs, the
+    first job)."""
+    jobs = _jobs(preset, tmp_path)
     grid = {(c.pos.type, c.canon.set, c.optim.lr, c.seed) for c in jobs}
     lrs, seeds = sorted({c.optim.lr for c in jobs}), sorted({c.seed for c in jobs})
     assert len(lrs) >= 2 and len(seeds) >= 2
     assert grid == set(itertools.product(["rope", "nope"], ["", "ABCD"], lrs, seeds))
     first = jobs[0]
     for c in jobs:
-        assert c.task.name == "brevo1" and c.task == first.task and c.model.size == first.model.size
-        assert c.trainer.max_steps == first.trainer.max_steps and c.data.gen_eval.on_val is False
+        assert c.task.name == task_name and c.task == first.task and c.model.size == first.model.size
+        assert c.trainer.max_steps == first.trainer.max_steps and c.data.batch_size == first.data.batch_size
+    return jobs, first
+
+
+def test_breadth_follows_the_paper_protocol_on_a_small_brevo1_scored_by_generation(tmp_path):
+    """Brevo1 (the paper's breadth task) with and without Canon-ABCD, RoPE and NoPE, >= 2 learning rates x 2 seeds,
+    scored as the paper scores it: generation accepted by the validator, here only in the final test; every job
+    sees the same task, data, model size and steps."""
+    jobs, first = _fig7_grid("breadth", "brevo1", tmp_path)
+    assert all(c.data.gen_eval.on_val is False for c in jobs)
     from canonlm.data.tasks import build_task
 
     task = build_task("brevo1", OmegaConf.to_container(first.task))
@@ -314,3 +329,61 @@ def test_depth_preset_end_to_end_at_toy_size(tmp_path):
     assert "canon.set \\ pos.type |" in p.stdout and "acc@2 / acc@1 (%)" in p.stdout
     last = p.stdout.strip().splitlines()[-1]
     assert last.startswith("report (tables") and f"{sweeps[0]} --rows canon.set --cols pos.type --k 2,1" in last
+
+
+def test_manipulation_follows_the_paper_protocol_on_a_small_mano_scored_at_l_equal_L(tmp_path):
+    """Mano (the paper's manipulation task) with and without Canon-ABCD, RoPE and NoPE, >= 2 learning rates x 2
+    seeds, scored as the paper scores it: the answer token at l = L (the task's val/test draw), chance 1/mod; every
+    job sees the same task, data, model size and steps; the expressions have more than one operator (L >= 2), so the
+    answer needs a composition of two table look-ups."""
+    from canonlm.data.tasks import build_task
+
+    jobs, first = _fig7_grid("manipulation", "mano", tmp_path)
+    assert first.task.L >= 2 and first.task.loss_on == "all" and first.task.knowledge_augment is False
+    task = build_task("mano", OmegaConf.to_container(first.task))
+    assert task.chance == pytest.approx(1 / first.task.mod)
+    b = task.generate("test", [0] * 64, list(range(64)))  # the test split draws l = L only (paper App. A.4)
+    assert set(b.meta["ell"].tolist()) == {first.task.L}
+    h = _hydra_cfg(["experiment=mini/manipulation"]).hydra.callbacks.report
+    assert (h.rows, h.cols) == ("canon.set", "pos.type")
+
+
+def test_capacity_measures_bits_per_parameter_at_fixed_exposures_for_two_populations(tmp_path):
+    """Capo (Part 3.3's capacity measure) at a fixed 100 exposures per person: no Canon against Canon-ABCD at two
+    population sizes, >= 2 learning rates; each job's step count is the one that shows every person exactly
+    ``exposures`` times at its batch (re-derived here from the stream's pass boundaries, not from the preset), and
+    the report tabulates Canon set against N."""
+    from canonlm.data.tasks import build_task
+
+    jobs = _jobs("capacity", tmp_path)
+    grid = {(c.task.N, c.canon.set, c.optim.lr) for c in jobs}
+    ns, lrs = sorted({c.task.N for c in jobs}), sorted({c.optim.lr for c in jobs})
+    assert len(ns) == 2 and len(lrs) >= 2
+    assert grid == set(itertools.product(ns, ["", "ABCD"], lrs))
+    for c in jobs:
+        assert c.task.name == "capo" and c.task.exposures == 100 and c.pos.type == "rope"
+        assert c.model.size == jobs[0].model.size and c.trainer.max_steps == "auto"
+    for n in ns:
+        c = next(j for j in jobs if j.task.N == n)
+        task = build_task("capo", OmegaConf.to_container(c.task))
+        window = c.data.batch_size * c.task.context
+        tokens = int(task.pass_starts(100)[100])  # the stream up to the end of the 100th pass
+        assert task.steps_for_exposures(c.data.batch_size) == -(-tokens // window)
+    h = _hydra_cfg(["experiment=mini/capacity"]).hydra.callbacks.report
+    assert (h.rows, h.cols) == ("canon.set", "task.N")
+
+
+def test_structure_follows_the_paper_protocol_on_a_small_cfg_scored_by_the_checker_and_kl(tmp_path):
+    """Lano (the paper's structure task) with and without Canon-ABCD, RoPE and NoPE, >= 2 learning rates x 2 seeds,
+    scored as the paper scores it: sentences sampled at temperature 1 and accepted by the CYK checker, with the KL to
+    the grammar's exact law; the window holds the grammar's longest sentence (nothing is cut), and every job sees the
+    same grammar, data, model size and steps."""
+    from canonlm.data.cfg.grammar import PRESETS as FAMILIES
+
+    jobs, first = _fig7_grid("structure", "lano", tmp_path)
+    assert all(c.data.gen_eval.on_val is False for c in jobs)
+    fam = FAMILIES[first.task.grammar]
+    assert first.task.context >= 1 + fam["len_max"] ** fam["depth"]  # the longest sentence and its <bos> fit
+    assert first.task.eval_temperature == 1.0 and first.task.kl_samples > 0 and first.task.eval_num_samples >= 64
+    h = _hydra_cfg(["experiment=mini/structure"]).hydra.callbacks.report
+    assert (h.rows, h.cols) == ("canon.set", "pos.type")

@@ -4,8 +4,10 @@ committed runs (Part 4.1, Fig. 7 and Results 2-5 read across tasks).
     python -m canonlm.train.atlas --out docs/figures/atlas.png depth=docs/results/mini_depth:2,1 \\
         copy=docs/results/mini_copy breadth=- manipulation=- structure=- capacity=-
 
-A panel is ``skill=<folder of runs>[:K1,K2]`` (Depo's hop counts, as ``--k`` of ``canonlm.train.report``: the cell
-is acc@K1) or ``skill=-`` (no runs yet: a grey panel that names the skill's preset). Skills: :data:`SKILLS`. Each
+A panel is ``skill=<folder of runs>[:K1,K2][@KEY=VALUE]`` (``:K1,K2``: Depo's hop counts, as ``--k`` of
+``canonlm.train.report``: the cell is acc@K1; ``@KEY=VALUE``: only the runs whose config has that value, for a sweep
+with a third axis, e.g. Capo's ``@task.N=1000``) or ``skill=-`` (no runs yet: a grey panel that names the skill's
+preset). Skills: :data:`SKILLS`. Each
 cell is the best run of its (Canon set, positions) over the learning rates and seeds it holds -- the rules of
 ``canonlm.train.report`` (:func:`canonlm.train.cells.tables`, rows ``canon.set``, columns ``pos.type``), so a number
 here is the number the report prints for those runs. The PNG embeds the numbers it draws (tEXt chunk
@@ -23,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from canonlm.train.cells import BEST_OF, load_runs, tables
+from canonlm.train.cells import BEST_OF, load_runs, tables, value
 from canonlm.train.figures import ATLAS_COL_NAMES, ATLAS_COLS, ATLAS_ROW_NAMES, ATLAS_ROWS, atlas as draw_atlas
 
 #: skill -> (task, its mini preset), in the atlas's order (the paper's Fig. 7: depth, breadth, manipulation,
@@ -39,15 +41,24 @@ SKILLS: dict[str, tuple[str, str]] = {
 KEY = "canonlm-atlas"  # the PNG tEXt key of the embedded numbers
 
 
-def parse_panel(spec: str) -> tuple[str, str | None, tuple[int, int] | None]:
-    """``"skill=folder[:K1,K2]"`` or ``"skill=-"`` -> (skill, folder or None, (K1, K2) or None). ValueError."""
+def parse_panel(spec: str) -> tuple[str, str | None, tuple[int, int] | None, tuple[str, str] | None]:
+    """``"skill=folder[:K1,K2][@KEY=VALUE]"`` or ``"skill=-"`` -> (skill, folder or None, (K1, K2) or None,
+    (KEY, VALUE) or None). ValueError."""
     skill, sep, rest = spec.partition("=")
     if not sep or skill not in SKILLS:
         raise ValueError(
-            f"panel {spec!r}: allowed: <skill>=<folder>[:K1,K2] or <skill>=-, skill one of {', '.join(SKILLS)}"
+            f"panel {spec!r}: allowed: <skill>=<folder>[:K1,K2][@KEY=VALUE] or <skill>=-, skill one of "
+            f"{', '.join(SKILLS)}"
         )
     if rest == "-":
-        return skill, None, None
+        return skill, None, None, None
+    rest, at, cond = rest.partition("@")
+    where = None
+    if at:
+        key, eq, val = cond.partition("=")
+        if not eq or not key or not val:
+            raise ValueError(f"panel {spec!r}: @{cond} must be KEY=VALUE, e.g. @task.N=1000")
+        where = (key, val)
     folder, _, k = rest.partition(":")
     ks = None
     if k:
@@ -57,13 +68,16 @@ def parse_panel(spec: str) -> tuple[str, str | None, tuple[int, int] | None]:
             ks = ()
         if len(ks) != 2 or min(ks) < 1:
             raise ValueError(f"panel {spec!r}: :{k} must be two positive hop counts, e.g. :2,1")
-    return skill, folder, ks
+    return skill, folder, ks, where
 
 
-def panel(skill: str, folder: Path | None, ks: tuple[int, int] | None = None) -> dict[str, Any]:
+def panel(
+    skill: str, folder: Path | None, ks: tuple[int, int] | None = None, where: tuple[str, str] | None = None
+) -> dict[str, Any]:
     """One panel: ``skill``, ``task``, ``preset``, ``metric``, ``bits``, ``cells`` ({canon label: {pos label: value
     in % (bits per parameter for Capo) or None}}; None without runs), ``protocol`` (budget, learning rates and seeds
-    the cells are the best of; None without runs) and ``runs`` (finished runs). ValueError (see the module docstring)."""
+    the cells are the best of, and ``where``'s KEY=VALUE; None without runs) and ``runs`` (finished runs). ``where``:
+    (KEY, VALUE) keeps the runs whose config value of KEY prints as VALUE. ValueError (see the module docstring)."""
     task, preset = SKILLS[skill]
     if folder is None:
         return {
@@ -77,6 +91,12 @@ def panel(skill: str, folder: Path | None, ks: tuple[int, int] | None = None) ->
             "runs": 0,
         }
     runs = load_runs(folder)
+    if where is not None:
+        kept = [r for r in runs if str(value(r, where[0])) == where[1]]
+        if not kept:
+            seen = sorted({str(value(r, where[0])) for r in runs})
+            raise ValueError(f"{skill}: no run below {folder} has {where[0]}={where[1]} (they have: {', '.join(seen)})")
+        runs = kept
     if ks is not None:
         for r in runs:
             r["report_k"] = ks
@@ -108,7 +128,7 @@ def panel(skill: str, folder: Path | None, ks: tuple[int, int] | None = None) ->
         "metric": first,
         "bits": bits,
         "cells": cells,
-        "protocol": f"{skill}: {t['protocol']['text']}",
+        "protocol": f"{skill}{'' if where is None else f' ({where[0]}={where[1]})'}: {t['protocol']['text']}",
         "runs": n,
     }
 
@@ -119,8 +139,8 @@ def build(specs: list[str], root: Path) -> tuple[bytes, dict[str, Any], str, dic
     table of every number drawn; ``info``: :func:`canonlm.train.figures.atlas`'s (cells with probe pixels)."""
     panels = []
     for spec in specs:
-        skill, folder, ks = parse_panel(spec)
-        panels.append(panel(skill, None if folder is None else root / folder, ks))
+        skill, folder, ks, where = parse_panel(spec)
+        panels.append(panel(skill, None if folder is None else root / folder, ks, where))
     done = [p for p in panels if p["cells"] is not None]
     missing = [p["skill"] for p in panels if p["cells"] is None]
     caption = (
@@ -151,7 +171,7 @@ def build(specs: list[str], root: Path) -> tuple[bytes, dict[str, Any], str, dic
             else (
                 "n/a"
                 if p["cells"][r][c] is None
-                else (f"{p['cells'][r][c]:.3g}" if p["bits"] else f"{p['cells'][r][c]:.1f}")
+                else (f"{p['cells'][r][c]:#.3g}" if p["bits"] else f"{p['cells'][r][c]:.1f}")
             )
             for c in ATLAS_COLS
             for r in ATLAS_ROWS
@@ -181,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m canonlm.train.atlas", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("panels", nargs="+", metavar="skill=folder[:K1,K2]")
+    ap.add_argument("panels", nargs="+", metavar="skill=folder[:K1,K2][@KEY=VALUE]")
     ap.add_argument(
         "--out", type=Path, required=True, help="the PNG to write (an existing file is replaced only with --force)"
     )
