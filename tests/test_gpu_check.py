@@ -1,4 +1,5 @@
-"""scripts/gpu_check.sh on this CPU machine: its dry run (inputs checked, each phase's command and limit printed, the
+"""scripts/gpu_check.sh (the phase runner) with scripts/gpu_check.py (its options, input checks, plan, phase bodies,
+key results and summary) on this CPU machine: its dry run (inputs checked, each phase's command and limit printed, the
 self-check's lines and the bench's variants listed -- document masking included --, nothing run or written), its
 refusals of bad input, and real runs whose GPU phases cannot run here.
 
@@ -34,7 +35,7 @@ PHASES = ["facts", "install", "restore", "warmup", "selfcheck", "pytest", "bench
 def _repo(tmp_path: Path, bench: bool = False) -> Path:
     repo = tmp_path / "repo"
     (repo / "scripts").mkdir(parents=True)
-    for s in ("gpu_check.sh", "setup.sh"):
+    for s in ("gpu_check.sh", "gpu_check.py", "setup.sh"):
         shutil.copy(ROOT / "scripts" / s, repo / "scripts" / s)
     shutil.copy(ROOT / "pyproject.toml", repo / "pyproject.toml")
     if bench:  # the bench and the presets it reads (conf/arch)
@@ -394,3 +395,117 @@ def test_a_cache_dir_that_holds_other_files_is_refused(tmp_path):
     res = _run(repo, "--dry-run", "--out", "out", "--cache-dir", str(d))
     assert res.returncode == 2 and "holds 'notes.txt'" in res.stderr, res.stdout + res.stderr
     assert stat.S_IMODE(d.stat().st_mode) == 0o755 and (d / "notes.txt").read_text() == "mine"
+
+
+def test_help_prints_the_phases_and_options_and_writes_nothing(tmp_path):
+    repo = _repo(tmp_path)
+    res = _run(repo, "--help")
+    assert res.returncode == 0, res.stderr
+    for p in PHASES:
+        assert re.search(rf"^  {p} +\S", res.stdout, re.M), p
+    for opt in ("--out DIR", "--cache-dir ABS", "--limit PHASE=S", "--dry-run", "Exit status:"):
+        assert opt in res.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bin", "repo"]
+
+
+def _logic():
+    """scripts/gpu_check.py loaded by path (it is a script, not a package module)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check_logic", ROOT / "scripts" / "gpu_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_key_results_are_read_from_the_tools_own_output(tmp_path):
+    """The table's result column from each tool's own output: the bench's ratio lines written by
+    bench/gpu_step.py's ratio_line, the self-check's report written by canonlm.selfcheck.report.render, pytest's
+    summary line, setup.sh's offline messages, the warm-up markers."""
+    g = _logic()
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import gpu_step
+    finally:
+        sys.path.pop(0)
+    q = {"kind": "canon_overhead", "shape": "12L768D", "what": "llama ABCD/none auto eager", "value": 1.0734}
+    lines = [
+        gpu_step.ratio_line({**q, "target": 1.15, "op": "<=", "met": True, "same_batch": True}),
+        gpu_step.ratio_line({**q, "what": "gla AbCD/b auto eager", "value": 1.2, "target": None, "same_batch": False}),
+    ]
+    o = {"out": str(tmp_path), "warmups": ["a=1", "b=2"]}
+    assert g.key_of("bench", 0, "noise\n" + "\n".join(lines) + "\n", o) == (
+        "llama ABCD/none auto eager 1.073x; gla AbCD/b auto eager 1.200x"
+    )
+    assert g.key_of("bench", 0, "no ratios here\n", o) == "no ratio (see gpu_step.md)"
+    assert g.key_of("bench", 1, "Traceback\nRuntimeError: CUDA out of memory\n\n", o) == (
+        "RuntimeError: CUDA out of memory"
+    )
+    log = "....s\n=== 4 passed, 1 skipped, 2390 deselected in 3.21s ===\n"
+    assert g.key_of("pytest", 0, log, o) == "4 passed, 1 skipped, 2390 deselected"
+    log = "--- python -m canonlm.warmup a=1\nWARMUP OK a=1\n--- python -m canonlm.warmup b=2\nWARMUP FAIL 1 b=2\n"
+    assert g.key_of("warmup", 1, log, o) == "1/2 configs warm; failed: b=2;"
+    log = (
+        "[setup] keeping torch 2.11.0+cu128 (CUDA 12.8) (from python3); offline, nothing replaces it\n"
+        "[setup] wheelhouse check (Python 3.12, cp312-cp312-manylinux_2_28_x86_64): every requirement is met, 40 "
+        "already installed, 12 from /data/wh: a 1\n"
+    )
+    assert g.key_of("install", 0, log, o) == (
+        "keeping torch 2.11.0+cu128 (CUDA 12.8) (from python3); 12 packages from the wheelhouse"
+    )
+    from canonlm.selfcheck.report import render
+    from canonlm.selfcheck.verdict import Result
+
+    results = [Result(st, "d", name=f"line {i}", seconds=1.0) for i, st in enumerate(["PASS", "PASS", "FAIL", "SKIP"])]
+    (tmp_path / "selfcheck.md").write_text(render(results, [("torch", "2.11")], {"budget": "105 s"}))
+    assert g.key_of("selfcheck", 1, "", o) == "2 PASS, 1 FAIL, 1 SKIP"
+    (tmp_path / "selfcheck.md").unlink()  # no report (cut before writing it): the lines it printed are counted
+    assert (
+        g.key_of("selfcheck", 124, "[PASS] a\n[PASS] b\n[SKIP] c\n", o)
+        == "2 PASS, 0 FAIL, 1 SKIP (lines printed; no report)"
+    )
+
+
+def test_limits_are_cut_to_the_budget_and_pack_keeps_its_time():
+    """A phase's limit is cut to what the budget leaves after pack's limit + 5 s (5 s when pack is skipped), and a
+    phase left with less than it needs is skipped saying so; pack itself may use all that is left."""
+    g = _logic()
+    o = g.parse(["--budget", "200", "--limit", "pack=30"], "/tmp")
+    assert g.limit_now(o, "selfcheck", 0) == (130, "")
+    assert g.limit_now(o, "selfcheck", 100) == (65, "")  # 200 - 100 - 35
+    lim, why = g.limit_now(o, "selfcheck", 120)  # 45 s < the 55 s it needs
+    assert lim == 45 and why.startswith("skipped: no time left (45 s of the --budget 200 s")
+    assert g.limit_now(o, "pack", 180) == (20, "")
+    o = g.parse(["--budget", "200", "--skip", "pack"], "/tmp")
+    assert g.limit_now(o, "bench", 100) == (95, "")
+
+
+def test_pack_without_room_in_out_keeps_the_archive_beside_the_cache(tmp_path):
+    """--max-files 3 and an archive that needs 3 parts of 1 MiB beside phases.log and summary.md: pack fails, says
+    where the archive was kept, and writes no part into --out."""
+    repo = _repo(tmp_path)
+    tar, files = _cache_tar(tmp_path, big=2_500_000)
+    cache = tmp_path / "cache"
+    res = _run(
+        repo,
+        "--out",
+        "out",
+        "--cache-in",
+        tar.name,
+        "--cache-dir",
+        str(cache),
+        "--skip",
+        "facts,selfcheck",
+        "--max-file-mib",
+        "1",
+        "--max-files",
+        "3",
+    )
+    assert res.returncode == 1, res.stdout + res.stderr
+    status, key = _table(res.stdout)["pack"]
+    assert status == "FAIL (exit 1)" and key.endswith(
+        f"would not fit the 1 files left in --out; kept at {cache}.tar.gz"
+    )
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["phases.log", "summary.md"]
+    with tarfile.open(f"{cache}.tar.gz") as t:
+        assert sorted(m.name[2:] for m in t if m.isfile()) == sorted(files)

@@ -65,7 +65,7 @@ def _repo(tmp: Path) -> Path:
     .venv."""
     repo = tmp / "repo"
     (repo / "scripts").mkdir(parents=True)
-    for s in ("setup.sh", "wheelhouse.sh", "gpu_check.sh"):
+    for s in ("setup.sh", "wheelhouse.sh", "gpu_check.sh", "gpu_check.py"):
         shutil.copy(ROOT / "scripts" / s, repo / "scripts" / s)
     for f in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / f, repo / f)
