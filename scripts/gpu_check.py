@@ -533,16 +533,9 @@ def key_of(phase: str, rc: int, log: str, o: dict) -> str:
         keys = re.findall(r"^KEY: (.*)$", log, re.M)
         return keys[-1] if keys else ""
     if phase == "install":
-        if "Missing:" in log:
-            block = log.split("Missing:", 1)[1].splitlines()[1:]
-            names = []
-            for line in block:
-                if not line.startswith("  "):
-                    break
-                n = line.split()[0]
-                if n not in names:
-                    names.append(n)
-            return "missing: " + ", ".join(names)
+        lacks = re.search(r"the wheelhouse \S+ lacks: (.*?) \(locked for ", log)
+        if lacks:
+            return "missing: " + lacks[1]
         if rc == 0:
             kept = re.search(r"^\[setup\] (keeping torch [^;]*);", log, re.M)
             n = re.search(r" ([0-9]+) from /", log)

@@ -35,9 +35,10 @@ PHASES = ["facts", "install", "restore", "warmup", "selfcheck", "pytest", "bench
 def _repo(tmp_path: Path, bench: bool = False) -> Path:
     repo = tmp_path / "repo"
     (repo / "scripts").mkdir(parents=True)
-    for s in ("gpu_check.sh", "gpu_check.py", "setup.sh"):
+    for s in ("gpu_check.sh", "gpu_check.py", "setup.sh", "_uv.sh", "wheelhouse.py"):
         shutil.copy(ROOT / "scripts" / s, repo / "scripts" / s)
-    shutil.copy(ROOT / "pyproject.toml", repo / "pyproject.toml")
+    for f in ("pyproject.toml", "uv.lock"):
+        shutil.copy(ROOT / f, repo / f)
     if bench:  # the bench and the presets it reads (conf/arch)
         (repo / "bench").mkdir()
         shutil.copy(ROOT / "bench" / "gpu_step.py", repo / "bench" / "gpu_step.py")
@@ -61,6 +62,7 @@ def _run(repo: Path, *args: str, gpu: bool = False, timeout: int = 180) -> subpr
     smi.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "CANONLM_KERNEL_CACHE", "SETUP_DRY_RUN")}
     env["PATH"] = f"{bindir}{os.pathsep}{env['PATH']}"
+    env["UV"] = str(Path(sys.executable).parent / "uv")  # setup.sh's dry run (install plan) uses this venv's uv
     return subprocess.run(
         ["bash", str(repo / "scripts" / "gpu_check.sh"), *args],
         cwd=repo.parent,
@@ -453,6 +455,24 @@ def test_key_results_are_read_from_the_tools_own_output(tmp_path):
     assert g.key_of("install", 0, log, o) == (
         "keeping torch 2.11.0+cu128 (CUDA 12.8) (from python3); 12 packages from the wheelhouse"
     )
+    # setup.sh's offline check (scripts/wheelhouse.py check) on an empty wheelhouse: what it names is the result
+    import contextlib
+    import importlib.util
+    import io
+
+    spec = importlib.util.spec_from_file_location("wheelhouse_logic", ROOT / "scripts" / "wheelhouse.py")
+    w = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(w)
+    (tmp_path / "wh").mkdir()
+    (tmp_path / "locked.txt").write_text(
+        "einops==0.8.2\nfoo-bar==1.0 ; sys_platform == 'linux'\nbaz==2 ; sys_platform == 'win32'\n"
+    )
+    (tmp_path / "have.txt").write_text("")
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = w.check(*(str(tmp_path / f) for f in ("wh", "locked.txt", "have.txt", "need.txt")), "dev")
+    assert rc == 2 and g.key_of("install", 2, err.getvalue(), o) == "missing: einops==0.8.2, foo-bar==1.0"
+
     from canonlm.selfcheck.report import render
     from canonlm.selfcheck.verdict import Result
 

@@ -45,11 +45,18 @@ EXTENSIONS = {
 BUILD_TOOLS = {"setuptools", "wheel", "packaging", "ninja", "psutil"}
 
 
+#: the uv the tests give setup.sh (the one installed with this venv's dev extra), so no test downloads one
+UV = str(Path(sys.executable).parent / "uv")
+VPY = ".venv/bin/python"
+
+
 def _repo(tmp_path: Path) -> Path:
     repo = tmp_path / "repo"
     (repo / "scripts").mkdir(parents=True)
-    shutil.copy(SCRIPT, repo / "scripts" / "setup.sh")
-    shutil.copy(ROOT / "pyproject.toml", repo / "pyproject.toml")  # the extras it checks names against
+    for s in ("setup.sh", "_uv.sh", "wheelhouse.py"):
+        shutil.copy(ROOT / "scripts" / s, repo / "scripts" / s)
+    for f in ("pyproject.toml", "uv.lock"):  # the extras it checks names against; the lock it syncs from
+        shutil.copy(ROOT / f, repo / f)
     return repo
 
 
@@ -80,13 +87,21 @@ def _fake_venv(repo: Path, torch: tuple[str, str | None] | None = None, dists: d
 
 
 def _setup(repo: Path, *args: str, gpu: bool | None, dry: bool = True, **env: str) -> subprocess.CompletedProcess:
-    """Run the copied setup.sh. gpu True/False: a fake nvidia-smi that lists a GPU / fails (no GPU) is first on PATH."""
-    full = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("TORCH_SPEC", "TORCH_CUDA", "TORCH_CUDA_INDEX", "TORCH_CPU_INDEX", "SETUP_DRY_RUN", "PYTHON")
-    }
-    full["PYTHON"] = sys.executable
+    """Run the copied setup.sh with this venv's uv and no pip configuration (so the CPU torch comes from its index,
+    not from a find-links folder of this machine). gpu True/False: a fake nvidia-smi that lists a GPU / fails (no
+    GPU) is first on PATH."""
+    drop = (
+        "PYTHONDONTWRITEBYTECODE",
+        "TORCH_SPEC",
+        "TORCH_CUDA",
+        "TORCH_CUDA_INDEX",
+        "TORCH_CPU_INDEX",
+        "SETUP_DRY_RUN",
+        "PYTHON",
+        "PIP_FIND_LINKS",
+    )
+    full = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("UV_")}
+    full.update(PYTHON=sys.executable, UV=UV, PIP_CONFIG_FILE=os.devnull)
     if dry:
         full["SETUP_DRY_RUN"] = "1"
     if gpu is not None:
@@ -117,19 +132,63 @@ def _index(cmds: list[str], pattern: str) -> int:
     return hits[0]
 
 
+def _torch_installs(cmds: list[str]) -> list[str]:
+    """The torch installs of a plan, without the uv prefix: 'torch==X [--index URL | --find-links DIR]'."""
+    pre = f"{UV} pip install --python {VPY} "
+    return [c[len(pre) :] for c in cmds if c.startswith(pre) and re.match(r"torch[=<>]", c[len(pre) :])]
+
+
+def _syncs(cmds: list[str]) -> list[tuple[dict[str, str], list[str]]]:
+    """Each `uv sync` of a plan as (environment variables set before it, its arguments after `sync`)."""
+    out = []
+    for c in cmds:
+        head, sep, tail = c.partition(f"{UV} sync ")
+        if sep:
+            out.append((dict(re.findall(r"(\w+)=(\w+)", head)), tail.split()))
+    return out
+
+
 def _cuda_pins() -> dict[str, str]:
     extra = re.search(r"^cuda = \[(.*?)^\]", (ROOT / "pyproject.toml").read_text(), re.S | re.M).group(1)
     pins = dict(re.findall(r'"([\w-]+)==([\w.]+)"', extra))
     return {p: pins[p] for p in ("flash-attn", "causal-conv1d", "mamba-ssm")}
 
 
+def _pyproject() -> dict:
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        from pip._vendor import tomli as tomllib
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_the_lock_matches_pyproject_and_builds_the_kernels_as_their_setup_needs(tmp_path):
+    """uv.lock is current (`uv lock --check`), the kernels' sdists build without isolation, and the `build` group
+    holds what their setup.py import (BUILD_TOOLS) and canonlm's build requirements."""
+    res = subprocess.run([UV, "lock", "--check"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    # ... and the same check fails on a pyproject.toml that asks for something the lock lacks (what .ci/run runs)
+    other = tmp_path / "p"
+    other.mkdir()
+    shutil.copy(ROOT / "uv.lock", other / "uv.lock")
+    text = (ROOT / "pyproject.toml").read_text().replace('"einops>=0.8",', '"einops>=0.8",\n  "iniconfig>=2",', 1)
+    (other / "pyproject.toml").write_text(text)
+    res = subprocess.run([UV, "lock", "--check"], cwd=other, capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0 and "needs to be updated" in res.stderr, res.stderr
+    cfg = _pyproject()
+    assert set(cfg["tool"]["uv"]["no-build-isolation-package"]) == set(_cuda_pins())
+    build = {re.split(r"[<>=!~ ]", r)[0] for r in cfg["dependency-groups"]["build"]}
+    assert build == BUILD_TOOLS
+    assert set(cfg["build-system"]["requires"]) <= set(cfg["dependency-groups"]["build"]) | {"wheel"}
+
+
 def test_gpu_plan_pins_a_torch_every_kernel_wheel_exists_for(tmp_path):
     repo = _repo(tmp_path)
     cmds = _plan(_setup(repo, "slurm,cuda", gpu=True))
     assert not (repo / ".venv").exists()  # a dry run changes nothing
-    assert cmds[0] == f"{sys.executable} -m venv .venv"
-    t = _index(cmds, r"^pip install torch==")
-    version, label, index = re.fullmatch(r"pip install torch==([\d.]+)\+(cu\d+) --index-url (\S+)", cmds[t]).groups()
+    assert cmds[0] == f"{UV} venv --quiet --python {sys.executable} .venv"
+    (torch,) = _torch_installs(cmds)
+    version, label, index = re.fullmatch(r"torch==([\d.]+)\+(cu\d+) --index (\S+)", torch).groups()
     torch_mm = ".".join(version.split(".")[:2])
     assert label.startswith("cu12") and index.endswith("/" + label)  # a CUDA 12 build, from its own index
     py = f"{sys.version_info[0]}.{sys.version_info[1]}"
@@ -139,19 +198,23 @@ def test_gpu_plan_pins_a_torch_every_kernel_wheel_exists_for(tmp_path):
         torches, pythons = PUBLISHED[pkg, ver]
         assert torch_mm in torches, f"{pkg} {ver} publishes no wheel for torch {torch_mm}"
         assert py in pythons
-    tools = _index(cmds, r"^pip install setuptools ")
-    assert set(cmds[tools].split()[2:]) == BUILD_TOOLS
-    k = _index(cmds, r"pip install .*-e \.\[slurm,cuda\]")
-    env = dict(re.findall(r"(\w+)=(\w+)", cmds[k].split(" pip ")[0]))
-    assert env == {
+    (env1, first), (env2, second) = _syncs(cmds)
+    for args in (first, second):  # from the lock, never torch or its triton; the extras asked for
+        assert args[:4] == ["--locked", "--inexact", "--no-install-package", "torch"]
+        assert "--extra slurm --extra cuda" in " ".join(args) and "--no-install-package triton" in " ".join(args)
+        assert "--group build" in " ".join(args)
+    # first everything but the kernels (the build group among it), then the kernels against that torch
+    assert {first[i + 1] for i, a in enumerate(first) if a == "--no-install-package"} == {"torch", "triton", *pins}
+    assert env1 == {} and "--no-cache" in second
+    assert env2 == {
         "FLASH_ATTENTION_SKIP_CUDA_BUILD": "TRUE",
         "CAUSAL_CONV1D_SKIP_CUDA_BUILD": "TRUE",
         "MAMBA_SKIP_CUDA_BUILD": "TRUE",
     }
-    assert "--no-build-isolation" in cmds[k].split() and "--no-cache-dir" in cmds[k].split()
+    k = max(i for i, c in enumerate(cmds) if " sync " in c)
     checks = [re.fullmatch(r"\.venv/bin/python -c 'import ([\w.]+)'.*", c) for c in cmds[k + 1 :]]
     assert [m.group(1) for m in checks if m] == list(EXTENSIONS)
-    assert t < tools < k < len(cmds) - len(EXTENSIONS)  # torch, build tools, kernels, checks
+    assert cmds.index(next(c for c in cmds if " torch==" in c)) < k < len(cmds) - len(EXTENSIONS)
     assert not any("uninstall" in c for c in cmds)
 
 
@@ -173,26 +236,27 @@ def test_gpu_plan_keeps_a_cuda_torch_from_2_7_and_replaces_another(tmp_path, ins
     _fake_venv(repo, torch=installed)
     res = _setup(repo, "cuda", gpu=True)
     cmds = _plan(res)
-    torch_cmds = [c for c in cmds if c.startswith("pip install torch")]
+    torch_cmds = _torch_installs(cmds)
     if replaced:  # stale kernel builds for the old torch go before the pinned torch comes
-        u = _index(cmds, r"^pip uninstall -y ")
-        assert set(cmds[u].split()[3:]) == set(_cuda_pins())
-        assert torch_cmds == ["pip install torch==2.8.0+cu128 --index-url https://download.pytorch.org/whl/cu128"]
-        assert u < cmds.index(torch_cmds[0])
+        u = _index(cmds, r" pip uninstall ")
+        assert cmds[u].startswith(f"{UV} pip uninstall --python {VPY} ")
+        assert set(cmds[u].split()[5:]) == set(_cuda_pins())
+        assert torch_cmds == ["torch==2.8.0+cu128 --index https://download.pytorch.org/whl/cu128"]
+        assert u < next(i for i, c in enumerate(cmds) if " torch==" in c)
     else:
         assert torch_cmds == [] and "already installed" in res.stdout
         assert not any("uninstall" in c for c in cmds)
         assert ("may not exist" in res.stderr) == (not installed[0].startswith("2.8."))
-    assert any("--no-build-isolation" in c and "-e .[cuda]" in c for c in cmds)
+    assert [a for _, a in _syncs(cmds)][-1][-3:] == ["--group", "build", "--no-cache"]
 
 
 def test_torch_spec_on_gpu_is_installed_with_a_warning(tmp_path):
     repo = _repo(tmp_path)
     res = _setup(repo, "cuda", gpu=True, TORCH_SPEC="torch==2.9.1")
     cmds = _plan(res)
-    assert [c for c in cmds if c.startswith("pip install torch")] == ["pip install torch==2.9.1"]
+    assert _torch_installs(cmds) == ["torch==2.9.1"]
     assert "TORCH_SPEC=torch==2.9.1" in res.stderr and "may not match" in res.stderr
-    assert any("--no-build-isolation" in c for c in cmds) and any("import flash_attn" in c for c in cmds)
+    assert len(_syncs(cmds)) == 2 and any("import flash_attn" in c for c in cmds)
 
 
 def test_cuda_extra_without_a_visible_gpu_still_gets_the_cuda_torch(tmp_path):
@@ -200,59 +264,63 @@ def test_cuda_extra_without_a_visible_gpu_still_gets_the_cuda_torch(tmp_path):
     res = _setup(repo, "cuda", gpu=False, TORCH_CUDA="cu126")
     cmds = _plan(res)
     assert "no CUDA GPU visible" in res.stdout
-    assert [c for c in cmds if c.startswith("pip install torch")] == [
-        "pip install torch==2.8.0+cu126 --index-url https://download.pytorch.org/whl/cu126"
-    ]
+    assert _torch_installs(cmds) == ["torch==2.8.0+cu126 --index https://download.pytorch.org/whl/cu126"]
 
 
 def test_gpu_without_cuda_extra_gets_the_cuda_torch_but_no_kernels(tmp_path):
     repo = _repo(tmp_path)
     cmds = _plan(_setup(repo, "slurm", gpu=True))
-    assert [c for c in cmds if c.startswith("pip install torch")] == [
-        "pip install torch==2.8.0+cu128 --index-url https://download.pytorch.org/whl/cu128"
-    ]
-    assert cmds[-1] == "pip install -e .[slurm]"
-    assert not any("import " in c or "build-isolation" in c for c in cmds)
+    assert _torch_installs(cmds) == ["torch==2.8.0+cu128 --index https://download.pytorch.org/whl/cu128"]
+    assert cmds[-1] == f"{UV} sync --locked --inexact --no-install-package torch --extra slurm"
+    assert not any("import " in c or "SKIP_CUDA_BUILD" in c for c in cmds)
 
 
-@pytest.mark.parametrize("extras, editable", [("dev,interp", "pip install -e .[dev,interp]"), ("", "pip install -e .")])
-def test_cpu_plan(tmp_path, extras, editable):
+@pytest.mark.parametrize("extras", ["dev,interp", ""])
+def test_cpu_plan(tmp_path, extras):
     repo = _repo(tmp_path)
     cmds = _plan(_setup(repo, *([extras] if extras else []), gpu=False))
-    assert cmds[:3] == [f"{sys.executable} -m venv .venv", "pip install torch==2.13.0+cpu", editable]
+    assert cmds[:2] == [
+        f"{UV} venv --quiet --python {sys.executable} .venv",
+        f"{UV} pip install --python {VPY} torch==2.13.0+cpu --index https://download.pytorch.org/whl/cpu",
+    ]
     assert not any("import " in c or "uninstall" in c or "cu12" in c for c in cmds)
+    syncs = _syncs(cmds)
     if not extras:
-        assert len(cmds) == 3
+        assert cmds[2:] == [f"{UV} sync --locked --inexact --no-install-package torch"]
         return
-    assert set(cmds[3].split()[2:]) == BUILD_TOOLS
-    env, _, pip = cmds[4].partition(" pip ")
-    assert dict(re.findall(r"(\w+)=(\w+)", env)) == {
+    assert len(cmds) == 4 and len(syncs) == 2
+    (env1, first), (env2, second) = syncs
+    assert env1 == {} and first == [
+        "--locked", "--inexact", "--no-install-package", "torch", "--extra", "dev", "--extra", "interp",
+        "--group", "build", "--no-install-package", "flash-attn", "--no-install-package", "causal-conv1d",
+        "--no-install-package", "mamba-ssm",
+    ]  # fmt: skip
+    assert env2 == {
         "MAMBA_SKIP_CUDA_BUILD": "TRUE",
         "MAMBA_FORCE_BUILD": "TRUE",
         "CAUSAL_CONV1D_SKIP_CUDA_BUILD": "TRUE",
         "CAUSAL_CONV1D_FORCE_BUILD": "TRUE",
     }
-    assert pip.split() == [
-        "install",
-        "--no-build-isolation",
-        "--no-deps",
-        "--no-cache-dir",
-        "mamba-ssm==2.3.1",
-        "causal-conv1d==1.6.2.post1",
-    ]
-    assert len(cmds) == 5
+    assert second == first[:10]  # the same sync, now building the kernels' Python parts
 
 
-@pytest.mark.parametrize("mamba, skipped", [("2.3.1", True), ("2.3.0", False)])
-def test_interp_step_skips_what_is_installed(tmp_path, mamba, skipped):
+def test_cpu_torch_from_a_find_links_folder_of_pips_configuration(tmp_path):
+    """uv does not read pip's configuration: a find-links folder named there (here PIP_FIND_LINKS) that holds the
+    CPU torch wheel is used instead of PyTorch's index (a machine with a local wheel mirror and no route to it)."""
     repo = _repo(tmp_path)
-    _fake_venv(repo, torch=("2.13.0+cpu", None), dists={"mamba-ssm": mamba, "causal-conv1d": "1.6.2.post1"})
-    res = _setup(repo, "dev,interp", gpu=False)
-    cmds = _plan(res)
-    assert cmds[0] == "pip install -e .[dev,interp]"  # torch present: not reinstalled
-    installs = [c for c in cmds if "mamba-ssm==2.3.1" in c]
-    assert (installs == []) == skipped
-    assert ("already installed" in res.stdout) == skipped
+    links = tmp_path / "links"
+    links.mkdir()
+    (links / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl").write_bytes(b"")
+    res = _setup(repo, gpu=False, PIP_FIND_LINKS=f"/nowhere {links}")
+    assert _torch_installs(_plan(res)) == [f"torch==2.13.0+cpu --find-links {links}"]
+    assert f"from pip's find-links folder {links}" in res.stdout
+
+
+def test_a_venv_with_torch_is_synced_without_installing_torch(tmp_path):
+    repo = _repo(tmp_path)
+    _fake_venv(repo, torch=("2.13.0+cpu", None))
+    cmds = _plan(_setup(repo, "dev", gpu=False))
+    assert cmds == [f"{UV} sync --locked --inexact --no-install-package torch --extra dev"]  # no venv, no torch
 
 
 @pytest.mark.parametrize(
@@ -262,15 +330,29 @@ def test_interp_step_skips_what_is_installed(tmp_path, mamba, skipped):
         ("dev,interp", True, {}, ["'interp'", "CPU test tier", "without a GPU"]),
         ("cuda", True, {"TORCH_CUDA": "cu130"}, ["TORCH_CUDA='cu130'", "cu126, cu128, cu129"]),
         ("--cuda", True, {}, ["'--cuda'", "--check-kernels"]),
+        ("dev,interp", False, {"FAKE_PY": "3.10"}, ["'interp' needs Python >= 3.11", "PYTHON=python3.11"]),
+        ("dev", False, {"FAKE_UNAME": "Darwin"}, ["uv.lock covers Linux only", "pip install -e"]),
     ],
 )
 def test_bad_requests_are_refused_before_any_work(tmp_path, extras, gpu, env, names):
     repo = _repo(tmp_path)
+    bindir = tmp_path / "fakes"
+    bindir.mkdir()
+    if "FAKE_PY" in env:  # a python3 that is 3.10: what setup.sh asks it is its version
+        py = bindir / "python3.10"
+        py.write_text(f"#!/bin/sh\necho {env.pop('FAKE_PY')}\n")
+        py.chmod(0o755)
+        env["PYTHON"] = str(py)
+    if "FAKE_UNAME" in env:
+        u = bindir / "uname"
+        u.write_text(f"#!/bin/sh\necho {env.pop('FAKE_UNAME')}\n")
+        u.chmod(0o755)
+        env["PATH"] = f"{bindir}{os.pathsep}{os.environ['PATH']}"
     res = _setup(repo, extras, gpu=gpu, **env)
-    assert res.returncode == 2
+    assert res.returncode == 2, res.stdout + res.stderr
     assert "+ " not in res.stdout and "[setup]" not in res.stdout  # nothing planned, not even the venv
     for name in names:
-        assert name in res.stderr
+        assert name in res.stderr, res.stderr
 
 
 def _independent_imports(mods) -> dict[str, str | None]:
@@ -299,7 +381,8 @@ def test_import_check_names_each_kernel_that_does_not_load_here(tmp_path):
             assert f"import {mod} ({ext}): ok" in res.stdout
         else:
             assert f"  {ext} (import {mod}): {errors[mod]}\n" in res.stderr
-    assert "pip uninstall -y flash-attn causal-conv1d mamba-ssm" in res.stderr and "docs/gpu.md" in res.stderr
+    assert "uv pip uninstall --python .venv/bin/python flash-attn causal-conv1d mamba-ssm" in res.stderr
+    assert "docs/gpu.md" in res.stderr
 
 
 def test_import_check_passes_when_every_kernel_imports_and_relays_the_import_error(tmp_path):
@@ -367,21 +450,21 @@ def test_base_interpreter_cuda_torch_is_kept_and_stays_visible(tmp_path, base, e
     py = _base_python(tmp_path, base, venv)
     res = _setup(repo, extras, gpu=gpu, PYTHON=str(py))
     cmds = _plan(res)
-    torch_cmds = [c for c in cmds if c.startswith("pip install torch")]
+    torch_cmds = _torch_installs(cmds)
     if sys_site and venv:
         pyv = f"{sys.version_info[0]}.{sys.version_info[1]}"
         assert cmds[:2] == [
-            f"{py} -m venv .venv",
+            f"{UV} venv --quiet --python {py} .venv",
             f"write .venv/lib/python{pyv}/site-packages/_base_python.pth: {_site_packages()}",
         ]
         assert torch_cmds == [] and f"has torch {base[0]}" in res.stdout and "is itself a venv" in res.stdout
     elif sys_site:
-        assert cmds[0] == f"{py} -m venv --system-site-packages .venv"
+        assert cmds[0] == f"{UV} venv --quiet --python {py} --system-site-packages .venv"
         assert torch_cmds == [] and f"has torch {base[0]}" in res.stdout and "--system-site-packages" in res.stdout
     else:
-        assert cmds[0] == f"{py} -m venv .venv"
+        assert cmds[0] == f"{UV} venv --quiet --python {py} .venv"
         assert len(torch_cmds) == 1
-    assert f"pip install -e .[{extras}]" in cmds
+    assert all(f"--extra {e}" in " ".join(a for _, args in _syncs(cmds) for a in args) for e in extras.split(","))
 
 
 def test_an_existing_venv_without_torch_does_not_take_the_base_torch(tmp_path):
@@ -391,13 +474,23 @@ def test_an_existing_venv_without_torch_does_not_take_the_base_torch(tmp_path):
     (repo / "fake_site" / "torch" / "__init__.py").write_text("raise ImportError('no torch in this venv')\n")
     py = _base_python(tmp_path, ("2.11.0+cu130", "13.0"))
     cmds = _plan(_setup(repo, "dev", gpu=True, PYTHON=str(py)))
-    assert not any("venv" in c for c in cmds)
-    assert [c for c in cmds if c.startswith("pip install torch")] == [
-        "pip install torch==2.8.0+cu128 --index-url https://download.pytorch.org/whl/cu128"
-    ]
+    assert not any(" venv " in c for c in cmds)
+    assert _torch_installs(cmds) == ["torch==2.8.0+cu128 --index https://download.pytorch.org/whl/cu128"]
 
 
 # --- offline: --wheelhouse DIR -------------------------------------------------------------------------------------
+
+
+def _locked() -> dict[str, list[str]]:
+    """canonical name -> the versions uv.lock holds (the oracle for what a machine needs offline)."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        from pip._vendor import tomli as tomllib
+    out: dict[str, list[str]] = {}
+    for p in tomllib.loads((ROOT / "uv.lock").read_text())["package"]:
+        out.setdefault(p["name"], []).append(p.get("version", ""))
+    return out
 
 
 def _wheel(wh: Path, name: str, version: str, requires: list[str] = (), tag: str = "py3-none-any") -> Path:
@@ -418,24 +511,26 @@ def _wheel(wh: Path, name: str, version: str, requires: list[str] = (), tag: str
 
 
 def _offline_cmds(cmds: list[str], wh: Path) -> list[str]:
-    pips = [c for c in cmds if c.startswith("pip ")]
-    assert pips and all(c.startswith(f"pip install --no-index --find-links {wh} ") for c in pips), cmds
-    assert not any("--index-url" in c or "torch" in c.split() or "flash-attn" in c for c in cmds)
-    return pips
+    """The installs of an offline plan: each reads the wheelhouse only, none fetches torch or a kernel."""
+    pips = [c for c in cmds if " pip " in c]
+    pre = f"{UV} pip install --python {VPY} --offline --no-index --find-links {wh} --no-deps "
+    assert pips and all(c.startswith(pre) for c in pips), cmds
+    assert not any("--index " in c or "torch" in c.split() or "flash-attn" in c or " sync " in c for c in cmds)
+    return [c[len(pre) :] for c in pips]
 
 
 def test_wheelhouse_plan_keeps_the_venv_torch_and_reads_the_wheelhouse_only(tmp_path):
+    """.venv with a CUDA torch and (through this interpreter) every locked package of .[dev] at its locked version:
+    nothing is needed from the (empty) wheelhouse but canonlm itself."""
     repo = _repo(tmp_path)
     _fake_venv(repo, torch=("2.11.0+cu130", "13.0"))  # plus everything this venv has installed
     wh = tmp_path / "wh"
     wh.mkdir()
     res = _setup(repo, "--wheelhouse", str(wh), "dev", gpu=True)
-    pips = _offline_cmds(_plan(res), wh)
-    assert pips[0].split()[-2:] == ["setuptools>=68", "wheel"]  # canonlm's build requirements, then canonlm
-    assert pips[1].endswith("--prefer-binary --no-build-isolation -e .[dev] fla-core==0.6.0")
+    assert _offline_cmds(_plan(res), wh) == ["--no-build-isolation -e ."]
     assert "keeping torch 2.11.0+cu130 (CUDA 13.0) (in .venv)" in res.stdout
-    assert "every requirement is met" in res.stdout and "0 from" in res.stdout
-    assert "hf451" not in " ".join(pips)
+    assert re.search(rf"every locked requirement is met, \d+ already installed, 0 from {wh}$", res.stdout, re.M)
+    assert "hf451" not in res.stdout.replace("not side-installed", "")
 
 
 def test_wheelhouse_plan_with_the_base_interpreter_torch(tmp_path):
@@ -445,39 +540,37 @@ def test_wheelhouse_plan_with_the_base_interpreter_torch(tmp_path):
     wh.mkdir()
     res = _setup(repo, "--wheelhouse", str(wh), "dev", gpu=True, PYTHON=str(py))
     cmds = _plan(res)
-    assert cmds[0] == f"{py} -m venv .venv" and cmds[1].startswith("write .venv/lib/python")  # python3 is a venv
-    pips = _offline_cmds(cmds, wh)
-    assert pips[-1].endswith("--only-binary=:all: --no-deps mamba-ssm==2.3.1 causal-conv1d==1.6.2.post1")
-    assert len(pips) == 3
+    assert cmds[0] == f"{UV} venv --quiet --python {py} .venv" and cmds[1].startswith("write .venv/lib/python")
+    assert _offline_cmds(cmds, wh) == ["--no-build-isolation -e ."]
 
 
 def test_wheelhouse_missing_packages_are_named_before_anything_is_written(tmp_path):
-    """A fresh venv (no .venv, a CPU torch in python3: no --system-site-packages) has nothing installed: every
-    requirement must come from the wheelhouse. The message names each missing one with what requires it, a wheel for
-    another Python, and the torch hint; exit 2, no plan, no .venv."""
+    """A fresh venv (no .venv, a CPU torch in python3: no --system-site-packages) has nothing installed: every locked
+    package it needs must come from the wheelhouse. One line names each missing one at its locked version, and a
+    wheel there for another Python; exit 2, no plan, no .venv. Locked versions read from uv.lock itself."""
     repo = _repo(tmp_path)
     wh = tmp_path / "wh"
     wh.mkdir()
-    _wheel(wh, "hydra-core", "1.3.2", ["omegaconf<2.4,>=2.2", "antlr4-python3-runtime==4.9.*", "packaging"])
-    _wheel(wh, "omegaconf", "2.3.0", ["antlr4-python3-runtime==4.9.*", "PyYAML>=5.1.0"])
-    _wheel(wh, "PyYAML", "6.0.2", tag="cp39-cp39-manylinux_2_17_x86_64")  # for another Python
-    _wheel(wh, "einops", "0.8.1")
-    res = _setup(repo, "--wheelhouse", str(wh), gpu=False)
+    lock = _locked()
+    (hydra,) = lock["hydra-core"]
+    (omegaconf,) = lock["omegaconf"]
+    (antlr,) = lock["antlr4-python3-runtime"]
+    (einops,) = lock["einops"]
+    pyyaml = lock["pyyaml"][0]
+    _wheel(wh, "hydra-core", hydra)
+    _wheel(wh, "omegaconf", omegaconf)
+    _wheel(wh, "PyYAML", pyyaml, tag="cp39-cp39-manylinux_2_17_x86_64")  # for another Python
+    _wheel(wh, "einops", einops)
+    res = _setup(repo, "--wheelhouse", str(wh), gpu=False, PYTHON=str(_base_python(tmp_path, ("2.13.0+cpu", None))))
     assert res.returncode == 2, res.stdout + res.stderr
     assert "+ " not in res.stdout and not (repo / ".venv").exists()
-    err = res.stderr
-    assert re.search(r"^  antlr4-python3-runtime==4\.9\.\*\s+\(required by hydra-core 1\.3\.2\)$", err, re.M), err
-    assert re.search(r"^  antlr4-python3-runtime==4\.9\.\*\s+\(required by omegaconf 2\.3\.0\)$", err, re.M), err
-    assert re.search(
-        r"^  pyyaml>=6\s+\(required by canonlm; the wheelhouse has only wheels for another Python or "
-        r"platform: PyYAML-6\.0\.2-cp39-cp39-manylinux_2_17_x86_64\.whl\)$",
-        err,
-        re.M | re.I,
-    ), err
-    assert re.search(r"^  torch>=2\.5\s+\(required by canonlm\)$", err, re.M) and "torch is never put into" in err
-    for name in ("hydra-core", "omegaconf", "einops"):  # present: not named as missing
-        assert not re.search(rf"^  {name}[<>=!~ ]", err, re.M | re.I), name
-    assert "bash scripts/wheelhouse.sh" in err and "--have" in err
+    (line,) = [x for x in res.stderr.splitlines() if "lacks" in x]  # one line
+    named = re.search(r"lacks: (.*?) \(locked for ", line)[1]
+    assert f"antlr4-python3-runtime=={antlr}" in named and "lightning==" in named and "fla-core==0.6.0" in named
+    assert f"pyyaml=={pyyaml} (only PyYAML-{pyyaml}-cp39-cp39-manylinux_2_17_x86_64.whl)" in named
+    for name in ("hydra-core", "omegaconf", "einops", "torch", "triton"):  # present, or never from a wheelhouse
+        assert f"{name}==" not in named, name
+    assert "bash scripts/wheelhouse.sh" in line and "--have" in line
 
 
 @pytest.mark.parametrize(

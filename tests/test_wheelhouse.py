@@ -1,19 +1,18 @@
-"""scripts/wheelhouse.sh and ``scripts/setup.sh --wheelhouse``, for real: a wheelhouse built from the package index,
-then installed from with ``--no-index`` into a fresh venv that already has torch, with no network at all.
+"""scripts/wheelhouse.sh and ``scripts/setup.sh --wheelhouse``, for real: a wheelhouse of uv.lock's files built from
+the package index, then installed from with ``--no-index`` into a fresh venv that already has torch, with no network.
 
 The fresh venv is made as a GPU node's would be, cheaply: ``python -m venv --without-pip``, then the installed files
 of this venv's pip and torch (and of torch's own requirements) are hard-linked into it, file by file from their
-RECORD (pip installing the 200 MB torch wheel instead took 50 s here). pip sees them as installed distributions, as
-it would a torch that came with the node. The wheelhouse is built for that venv with ``--have`` = its
-``pip list --format=freeze``, and setup.sh runs under ``unshare -n`` (no network namespace) where the kernel lets it,
-else with every proxy pointed at a closed port.
+RECORD. The wheelhouse is built for that venv with ``--have`` = its ``pip list --format=freeze``, and setup.sh runs
+under ``unshare -rn`` (no network namespace) where the kernel lets it, else with every proxy pointed at a closed port,
+with an empty user cache, so that uv itself comes from the wheelhouse too.
 
-The three tests that build or install are marked ``slow`` (they take 10-65 s each here; the wheelhouse builds need the
-package index); the refusals of bad input run in a fraction of a second, before anything is fetched.
+The three tests that build or install are marked ``slow`` (the wheelhouse builds need the package index); the
+refusals of bad input run in a fraction of a second, before anything is fetched.
 
-Oracles: pip's own ``pip check`` (every installed distribution's requirements met) in the installed venv; the
-venv's ``pip list`` before and after (torch kept, nothing installed on a refused run); the wheels' own METADATA, with
-environment markers evaluated by ``packaging`` for an explicit target environment (the cross-target test).
+Oracles: uv.lock itself (every wheel is a locked version), ``uv pip check`` in the installed venv, the venv's
+``uv pip list`` before and after (torch kept, nothing installed on a refused run), and the wheels' own METADATA
+(Requires-Python, Requires-Dist markers evaluated by ``packaging`` for an explicit target environment).
 """
 
 from __future__ import annotations
@@ -33,7 +32,8 @@ from packaging.utils import canonicalize_name, parse_wheel_filename
 
 ROOT = Path(__file__).resolve().parents[1]
 NEVER = re.compile(r"^(torch|triton|nvidia-.*)$")
-NO_DEPS = {"mamba-ssm": "2.3.1", "causal-conv1d": "1.6.2.post1"}  # setup.sh installs them with --no-deps
+NO_DEPS = {"mamba-ssm": "2.3.1", "causal-conv1d": "1.6.2.post1"}  # their Python parts: torch / triton are the node's
+UV = str(Path(sys.executable).parent / "uv")
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -53,11 +53,12 @@ def _run(cmd, timeout=600, **kw) -> subprocess.CompletedProcess:
 
 
 def _can_download(tmp: Path) -> None:
-    res = _run(
-        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(tmp / "probe"), "iniconfig"], timeout=120
-    )
-    if res.returncode != 0:
-        pytest.skip(f"pip cannot download from the package index here: {res.stderr.strip().splitlines()[-1:]}")
+    import urllib.request
+
+    try:
+        urllib.request.urlopen("https://pypi.org/simple/iniconfig/", timeout=60).read(1)
+    except OSError as e:
+        pytest.skip(f"the package index cannot be reached from here: {e}")
 
 
 def _repo(tmp: Path) -> Path:
@@ -65,9 +66,9 @@ def _repo(tmp: Path) -> Path:
     .venv."""
     repo = tmp / "repo"
     (repo / "scripts").mkdir(parents=True)
-    for s in ("setup.sh", "wheelhouse.sh", "gpu_check.sh", "gpu_check.py"):
+    for s in ("setup.sh", "_uv.sh", "wheelhouse.sh", "wheelhouse.py", "gpu_check.sh", "gpu_check.py"):
         shutil.copy(ROOT / "scripts" / s, repo / "scripts" / s)
-    for f in ("pyproject.toml", "README.md"):
+    for f in ("pyproject.toml", "uv.lock", "README.md"):
         shutil.copy(ROOT / f, repo / f)
     shutil.copytree(ROOT / "src", repo / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     return repo
@@ -92,12 +93,12 @@ def _closure(names) -> list:
 
 
 def _venv_with_torch(dest: Path) -> None:
-    """A fresh venv at ``dest`` holding this venv's pip and torch (with torch's requirements), hard-linked file by
-    file from their RECORD (copied where a hard link cannot be made). Nothing of this venv is written to: pip
-    replaces files by unlinking, never in place."""
+    """A fresh venv at ``dest`` holding this venv's torch (with torch's requirements), hard-linked file by file from
+    their RECORD (copied where a hard link cannot be made). Nothing of this venv is written to: uv replaces files by
+    unlinking, never in place."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(dest)], check=True)
     site = next(dest.glob("lib/python*/site-packages"))
-    for dist in _closure(["pip", "torch"]):
+    for dist in _closure(["torch"]):
         _link_dist(dist, site)
 
 
@@ -117,9 +118,18 @@ def _link_dist(dist, site: Path) -> None:
 
 
 def _freeze(py: Path) -> dict[str, str]:
-    res = _run([str(py), "-m", "pip", "list", "--format=freeze"], env=_env(PIP_CONFIG_FILE=os.devnull))
+    """What the venv of ``py`` has installed (``uv pip list``, editable installs too), canonical name -> version."""
+    import json
+
+    res = _run([UV, "pip", "list", "--python", str(py), "--format", "json"], env=_env())
     assert res.returncode == 0, res.stderr
-    return {canonicalize_name(n): v for n, v in (line.split("==") for line in res.stdout.split())}
+    return {canonicalize_name(d["name"]): d["version"] for d in json.loads(res.stdout)}
+
+
+def _check(py: Path) -> set[str]:
+    """The packages whose requirements are not met in the venv of ``py`` (``uv pip check``)."""
+    res = _run([UV, "pip", "check", "--python", str(py)], env=_env())
+    return {canonicalize_name(m) for m in re.findall(r"The package `([^`]+)` requires", res.stdout + res.stderr)}
 
 
 def _offline(cmd: list[str]) -> list[str]:
@@ -130,10 +140,13 @@ def _offline(cmd: list[str]) -> list[str]:
     return cmd
 
 
-def _offline_env() -> dict[str, str]:
-    """No PIP_FIND_LINKS of this machine; an index and proxies that lead nowhere."""
+def _offline_env(home: Path) -> dict[str, str]:
+    """No PIP_FIND_LINKS of this machine; an index and proxies that lead nowhere; an empty user cache at ``home``
+    (no uv installed earlier, no uv cache)."""
     dead = "http://127.0.0.1:9"
+    home.mkdir(exist_ok=True)
     env = _env(
+        XDG_CACHE_HOME=str(home),
         http_proxy=dead,
         https_proxy=dead,
         HTTP_PROXY=dead,
@@ -143,6 +156,17 @@ def _offline_env() -> dict[str, str]:
     )
     env.pop("PIP_FIND_LINKS", None)
     return env
+
+
+def _locked() -> set[tuple[str, str]]:
+    """(canonical name, version) of every package uv.lock holds."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        from pip._vendor import tomli as tomllib
+    return {
+        (p["name"], p["version"]) for p in tomllib.loads((ROOT / "uv.lock").read_text())["package"] if "version" in p
+    }
 
 
 def _wheels(wh: Path) -> dict[str, str]:
@@ -163,7 +187,7 @@ def built(tmp_path_factory):
     wh = tmp / "wh"
     res = _run(
         ["bash", str(repo / "scripts" / "wheelhouse.sh"), "--have", str(tmp / "have.txt"), "--out", str(wh)],
-        env=_env(PYTHON=sys.executable),
+        env=_env(PYTHON=sys.executable, UV=UV),
         cwd=tmp,
     )
     assert res.returncode == 0, res.stdout + res.stderr
@@ -175,38 +199,32 @@ def test_wheelhouse_installs_offline_into_a_venv_that_has_torch(built, tmp_path)
     repo, wh, have = built
     vpy = repo / ".venv" / "bin" / "python"
     wheels = _wheels(wh)
-    # what the wheelhouse holds: never torch & co, nothing the venv already has, the kernels' Python parts built here
+    # what the wheelhouse holds: never torch & co, nothing the venv has at that version, the lock's versions only,
+    # the kernels' Python parts and the sdists built here, and uv for the node
     assert not [n for n in wheels if NEVER.match(n)]
-    assert not set(wheels) & set(have), "a wheel of something the target has"
-    for name in (
-        "hydra-core",
-        "omegaconf",
-        "antlr4-python3-runtime",
-        "fla-core",
-        "mamba-ssm",
-        "causal-conv1d",
-        "lightning",
-        "numpy",
-    ):
+    versions = {n: str(parse_wheel_filename(f)[1]) for n, f in wheels.items()}
+    assert not {(n, v) for n, v in versions.items()} & set(have.items()), "a wheel of something the target has"
+    assert set(versions.items()) <= _locked()
+    for name in ("hydra-core", "omegaconf", "antlr4-python3-runtime", "fla-core", "mamba-ssm", "causal-conv1d"):
         assert name in wheels, name
+    for name in ("lightning", "numpy", "uv", "setuptools", "wheel"):
+        assert name in wheels or name in have, name
     for name in ("antlr4-python3-runtime", "mamba-ssm", "causal-conv1d"):  # sdists on PyPI: built here
         assert wheels[name].endswith("-py3-none-any.whl")
-    assert wheels["mamba-ssm"].startswith("mamba_ssm-2.3.1-") and wheels["causal-conv1d"].startswith(
-        "causal_conv1d-1.6.2.post1-"
-    )
+    assert versions["mamba-ssm"] == NO_DEPS["mamba-ssm"] and versions["causal-conv1d"] == NO_DEPS["causal-conv1d"]
+    assert "install there: bash scripts/setup.sh --wheelhouse" in (wh / "wheelhouse.txt").read_text()
     setup = ["bash", str(repo / "scripts" / "setup.sh"), "--wheelhouse"]
 
-    # a wheelhouse that lacks one package: named, exit 2, nothing installed
+    # a wheelhouse that lacks one package: named in one line at its locked version, exit 2, nothing installed
     partial = tmp_path / "partial"
     shutil.copytree(wh, partial)
     (partial / wheels["antlr4-python3-runtime"]).unlink()
-    res = _run(_offline([*setup, str(partial)]), env=_offline_env())
+    res = _run(_offline([*setup, str(partial)]), env=_offline_env(tmp_path / "home1"))
     assert res.returncode == 2, res.stdout + res.stderr
-    assert re.search(
-        r"^  antlr4-python3-runtime==4\.9\.\*\s+\(required by (hydra-core|omegaconf) ", res.stderr, re.M
-    ), res.stderr
-    assert "Missing:" in res.stderr and "Traceback" not in res.stderr
-    assert len(res.stderr.splitlines()) < 12  # one message, not pip's wall of text
+    antlr = f"antlr4-python3-runtime=={versions['antlr4-python3-runtime']}"
+    (line,) = [x for x in res.stderr.splitlines() if x.startswith("[setup] ERROR")]
+    assert f"lacks: {antlr} (locked for .[] on Python" in line, res.stderr
+    assert "Traceback" not in res.stderr
     assert _freeze(vpy) == have
     # gpu_check.sh's install phase (setup.sh, as on a node) reports it in its table and goes on
     check = [
@@ -215,29 +233,32 @@ def test_wheelhouse_installs_offline_into_a_venv_that_has_torch(built, tmp_path)
         "--skip",
         "facts,restore,warmup,selfcheck,pytest,bench,pack",
     ]
-    res = _run(_offline([*check, "--wheelhouse", str(partial), "--out", str(tmp_path / "o1")]), env=_offline_env())
+    res = _run(
+        _offline([*check, "--wheelhouse", str(partial), "--out", str(tmp_path / "o1")]),
+        env=_offline_env(tmp_path / "home2"),
+    )
     assert res.returncode == 1, res.stdout + res.stderr
     assert re.search(
-        r"^\| install \| FAIL \(exit 2\) \| \d+ \| \d+ \| missing: antlr4-python3-runtime==4\.9\.\* \|$",
-        res.stdout,
-        re.M,
+        rf"^\| install \| FAIL \(exit 2\) \| \d+ \| \d+ \| missing: {re.escape(antlr)} \|$", res.stdout, re.M
     ), res.stdout[-1500:]
 
-    # the whole wheelhouse: every command pip gets sees the wheelhouse only ...
-    plan = _run([*setup, str(wh)], env=_env(SETUP_DRY_RUN="1"))
+    # the whole wheelhouse: every install reads the wheelhouse only ...
+    plan = _run([*setup, str(wh)], env=_env(SETUP_DRY_RUN="1", UV=UV))
     assert plan.returncode == 0, plan.stderr
-    pips = [c[2:] for c in plan.stdout.splitlines() if c.startswith("+ ")]
-    assert len(pips) == 3 and all(c.startswith("pip install --no-index --find-links " + str(wh) + " ") for c in pips)
-    # ... and it installs with no network at all (through gpu_check.sh's install phase, as on a node)
-    res = _run(_offline([*check, "--wheelhouse", str(wh), "--out", str(tmp_path / "o2")]), env=_offline_env())
+    cmds = [c[2:] for c in plan.stdout.splitlines() if c.startswith("+ ")]
+    assert len(cmds) == 2 and all(f" --offline --no-index --find-links {wh} --no-deps " in c for c in cmds), cmds
+    # ... and it installs with no network at all (through gpu_check.sh's install phase, as on a node), uv from it too
+    home = tmp_path / "home3"
+    res = _run(_offline([*check, "--wheelhouse", str(wh), "--out", str(tmp_path / "o2")]), env=_offline_env(home))
     assert res.returncode == 0, res.stdout + res.stderr
-    n_from_wh = len([n for n in wheels if n not in NO_DEPS])
+    n_from_wh = len([n for n in wheels if n != "uv"])  # uv is for setup.sh itself
     assert re.search(
         rf"^\| install \| OK \| \d+ \| \d+ \| keeping torch {re.escape(have['torch'])} \(CUDA None\) "
         rf"\(in \.venv\); {n_from_wh} packages from the wheelhouse \|$",
         res.stdout,
         re.M,
     ), res.stdout[-3000:]
+    assert (home / "canonlm" / f"uv-{versions['uv']}" / "bin" / "uv").exists()  # installed from the wheelhouse
     after = _freeze(vpy)
     assert after["torch"] == have["torch"]
     assert after["mamba-ssm"] == NO_DEPS["mamba-ssm"] and after["causal-conv1d"] == NO_DEPS["causal-conv1d"]
@@ -247,10 +268,8 @@ def test_wheelhouse_installs_offline_into_a_venv_that_has_torch(built, tmp_path)
     )
     assert res_import.returncode == 0, res_import.stderr
     assert Path(res_import.stdout.strip()).is_relative_to(repo / "src")  # the editable install of the copy
-    # pip's own check: every requirement of every installed distribution met, except those setup.sh skips on purpose
-    check = _run([str(vpy), "-m", "pip", "check"], env=_env(PIP_CONFIG_FILE=os.devnull))
-    problems = [line for line in check.stdout.splitlines() if line.strip()]
-    assert all(canonicalize_name(line.split()[0]) in NO_DEPS for line in problems if "No broken" not in line), problems
+    # pip's own check: every requirement of every installed distribution met, but the kernels' torch-side ones
+    assert _check(vpy) <= set(NO_DEPS)  # their wheels' own METADATA still names triton / transformers
 
 
 def _python310() -> str | None:
@@ -265,10 +284,11 @@ def _python310() -> str | None:
 
 @pytest.mark.slow
 def test_wheelhouse_for_another_python_takes_its_wheels_and_markers(tmp_path):
-    """Built here (this Python) for CPython 3.10 / manylinux_2_17 with a --have that lists everything this venv has
-    except pytest, hydra-core, omegaconf, PyYAML and their own requirements: the wheelhouse holds exactly those, with
-    pytest's requirements whose markers hold on 3.10 (tomli, exceptiongroup: ``python_version < "3.11"``), a cp310
-    PyYAML for manylinux_2_17 or older, and installs into a real Python 3.10 venv offline where one exists."""
+    """Built here (this Python) for CPython 3.10 / manylinux_2_28 with a --have that lists everything this venv has
+    except pytest, hydra-core, omegaconf, PyYAML and their own requirements: every wheel is a version uv.lock holds,
+    installable on the target (its Requires-Python admits 3.10, its tags a cp310 manylinux_2_28-or-older platform),
+    with pytest's requirements whose markers hold on 3.10 (tomli, exceptiongroup: ``python_version < "3.11"``), and
+    it installs into a real Python 3.10 venv offline where one exists."""
     _can_download(tmp_path)
     left_out = {
         "pytest",
@@ -282,7 +302,7 @@ def test_wheelhouse_for_another_python_takes_its_wheels_and_markers(tmp_path):
         "exceptiongroup",
     }
     have = {canonicalize_name(d.metadata["Name"]): d.version for d in md.distributions()}
-    assert {"fla-core", "mamba-ssm", "causal-conv1d", "torch"} <= set(have)  # so nothing is built but antlr4
+    assert {"fla-core", "mamba-ssm", "causal-conv1d", "torch"} <= set(have)
     (tmp_path / "have.txt").write_text("".join(f"{n}=={v}\n" for n, v in have.items() if n not in left_out))
     wh = tmp_path / "wh"
     res = _run(
@@ -294,17 +314,18 @@ def test_wheelhouse_for_another_python_takes_its_wheels_and_markers(tmp_path):
             "--python-version",
             "3.10",
             "--platform",
-            "manylinux_2_17_x86_64",
+            "manylinux_2_28_x86_64",
             "--have",
             str(tmp_path / "have.txt"),
             "--out",
             str(wh),
         ],
-        env=_env(PYTHON=sys.executable),
+        env=_env(PYTHON=sys.executable, UV=UV),
         cwd=tmp_path,
     )
     assert res.returncode == 0, res.stdout + res.stderr
     wheels = _wheels(wh)
+    assert {(n, str(parse_wheel_filename(f)[1])) for n, f in wheels.items()} <= _locked()
     # the oracle for pytest's requirements: its own METADATA, markers evaluated for a 3.10 Linux x86_64 target
     target = {
         **default_environment(),
@@ -319,19 +340,24 @@ def test_wheelhouse_for_another_python_takes_its_wheels_and_markers(tmp_path):
     import zipfile
     from email.parser import Parser
 
-    with zipfile.ZipFile(wh / wheels["pytest"]) as z:
-        meta = Parser().parsestr(z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode())
-    reqs = [Requirement(r) for r in meta.get_all("Requires-Dist")]
+    from packaging.specifiers import SpecifierSet
+
+    def meta(name):
+        with zipfile.ZipFile(wh / wheels[name]) as z:
+            text = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+        return Parser().parsestr(text)
+
+    reqs = [Requirement(r) for r in meta("pytest").get_all("Requires-Dist")]
     on_310 = {canonicalize_name(r.name) for r in reqs if r.marker is None or r.marker.evaluate({**target, "extra": ""})}
     assert {"tomli", "exceptiongroup"} <= on_310 and "colorama" not in on_310
-    expected = {"pytest", "hydra-core", "omegaconf", "antlr4-python3-runtime", "pyyaml"} | (
-        on_310 - set(n for n in have if n not in left_out)
+    assert {"pytest", "hydra-core", "omegaconf", "antlr4-python3-runtime", "pyyaml", "tomli", "exceptiongroup"} <= set(
+        wheels
     )
-    expected |= {"typing-extensions"} - set(have)  # exceptiongroup's, if this venv lacks it
-    assert set(wheels) == expected, (sorted(wheels), sorted(expected))
+    for name in wheels:  # each installs on 3.10
+        assert SpecifierSet(meta(name).get("Requires-Python") or "").contains("3.10.0"), wheels[name]
     assert wheels["antlr4-python3-runtime"].endswith("-py3-none-any.whl")
     legacy = {17: "manylinux2014", 12: "manylinux2010", 5: "manylinux1"}
-    ok_platforms = {f"manylinux_2_{y}_x86_64" for y in range(5, 18)} | {f"{v}_x86_64" for v in legacy.values()}
+    ok_platforms = {f"manylinux_2_{y}_x86_64" for y in range(5, 29)} | {f"{v}_x86_64" for v in legacy.values()}
     tags = parse_wheel_filename(wheels["pyyaml"])[3]
     assert any(t.interpreter == "cp310" and t.platform in ok_platforms for t in tags), wheels["pyyaml"]
     py310 = _python310()
@@ -355,7 +381,7 @@ def test_wheelhouse_for_another_python_takes_its_wheels_and_markers(tmp_path):
                 *map(str, sorted(wh.glob("*.whl"))),
             ]
         ),
-        env=_offline_env() | {"PIP_CONFIG_FILE": os.devnull},
+        env=_offline_env(tmp_path / "home") | {"PIP_CONFIG_FILE": os.devnull},
     )
     assert inst.returncode == 0, inst.stdout + inst.stderr
     imp = _run([str(venv / "bin" / "python"), "-c", "import omegaconf, tomli, iniconfig; from yaml import CSafeLoader"])
@@ -381,7 +407,7 @@ def test_base_python_that_is_a_venv_lends_its_torch_and_packages(tmp_path):
         Requirement(r).name for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     ]
     keep = [d for d in deps if canonicalize_name(d) != "torch"]
-    for dist in _closure(["pip", "setuptools", "wheel", "fla-core", *NO_DEPS, *keep]):
+    for dist in _closure(["setuptools", "wheel", "packaging", "ninja", "psutil", "fla-core", *NO_DEPS, *keep]):
         if canonicalize_name(dist.metadata["Name"]) != "torch":
             _link_dist(dist, site)
     (site / "torch").mkdir(exist_ok=True)
@@ -396,9 +422,9 @@ def test_base_python_that_is_a_venv_lends_its_torch_and_packages(tmp_path):
     repo = _repo(tmp_path)
     wh = tmp_path / "empty-wheelhouse"
     wh.mkdir()
-    res = _run(
+    res = _run(  # uv: this venv's (a node has it from its wheelhouse; this one is empty)
         _offline(["bash", str(repo / "scripts" / "setup.sh"), "--wheelhouse", str(wh)]),
-        env=_offline_env() | {"PYTHON": str(base / "bin" / "python")},
+        env=_offline_env(tmp_path / "home") | {"PYTHON": str(base / "bin" / "python"), "UV": UV},
     )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "is itself a venv" in res.stdout and "keeping torch 2.11.0+cu130 (CUDA 13.0)" in res.stdout
