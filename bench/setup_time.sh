@@ -14,7 +14,7 @@ once() {  # COMMIT EXTRAS ENV: seconds, or FAIL
   [ -e "$repo/../shared" ] && ln -s "$(cd "$repo/../shared" && pwd)" "$d/shared"
   git clone -q "$repo" "$d/p" && git -C "$d/p" checkout -q "$1" || { echo FAIL; return; }
   local s e; s=$(date +%s.%N)
-  if (cd "$d/p" && env $3 bash scripts/setup.sh $2 >"$d/log" 2>&1); then e=$(date +%s.%N); echo "$e - $s" | bc
+  if (cd "$d/p" && env $3 bash scripts/setup.sh $2 >"$d/log" 2>&1); then e=$(date +%s.%N); printf '%.1f\n' "$(echo "$e - $s" | bc)"
   else echo FAIL; tail -n 5 "$d/log" >&2; fi
   rm -rf "$d"
 }
