@@ -92,11 +92,13 @@ def check(wh: str, export: str, have_file: str, out: str, extras: str) -> int:
     py = f"{sys.version_info[0]}.{sys.version_info[1]}"
     tag = next(str(t) for t in sys_tags())
     if missing:
+        what = f"canonlm[{extras}]" if extras else "canonlm"
+        opt = f"--extras {extras} " if extras else ""
         print(
-            f"[setup] ERROR: offline, the wheelhouse {wh} lacks: {', '.join(missing)} (locked for .[{extras}] on Python "
+            f"[setup] ERROR: offline, the wheelhouse {wh} lacks: {', '.join(missing)} (locked for {what} on Python "
             f"{py}, {tag}); nothing was installed. Rebuild it on a connected machine: bash scripts/wheelhouse.sh "
-            f"--extras '{extras}' --python-version {py} --have <this machine's `python3 -m pip list --format=freeze`> "
-            "--out DIR (docs/gpu_node.md)",
+            f"{opt}--python-version {py} --have <this machine's `python3 -m pip list --format=freeze`> --out DIR "
+            "(docs/gpu_node.md)",
             file=sys.stderr,
         )
         return 2
