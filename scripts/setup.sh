@@ -52,6 +52,7 @@ if [ -n "$wheelhouse" ]; then
   [ -d "$wheelhouse" ] || die "--wheelhouse '$wheelhouse': no such directory (build one with bash scripts/wheelhouse.sh on a connected machine; docs/gpu_node.md)"
   wheelhouse=$(cd "$wheelhouse" && pwd)
 fi
+case "$PY" in */*) PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY") ;; esac   # before the cd, like the paths
 cd "$(dirname "$0")/.."
 
 # Import each kernel in a fresh python process; one message naming every one that does not load, exit status 1.
@@ -86,7 +87,7 @@ if [ -n "$check_only" ]; then if check_kernels; then exit 0; else exit 1; fi; fi
 has() { [[ ",$extras," == *",$1,"* ]]; }
 known=$(sed -n '/^\[project.optional-dependencies\]/,/^\[/s/^\([A-Za-z0-9_-]\+\) *=.*/\1/p' pyproject.toml | tr '\n' ' ')
 IFS=, read -r -a asked <<<"$extras"
-for e in "${asked[@]}"; do                                          # a misspelt extra is an error, not a no-op
+for e in ${asked[@]+"${asked[@]}"}; do                             # a misspelt extra is an error, not a no-op
   [[ " $known" == *" $e "* ]] || die "extras '$extras': unknown extra '$e' (pyproject.toml defines: ${known% })"
 done
 gpu=""
@@ -162,10 +163,14 @@ if [ -n "${PYTHONDONTWRITEBYTECODE:-}" ]; then compile=(--compile-bytecode); fi
 # --- offline: the locked versions this machine needs, checked against the wheelhouse before anything is written ------
 if [ -n "$wheelhouse" ]; then
   need=$(mktemp); trap 'rm -f "$need" "$need.all" "$need.have"' EXIT
-  groups=(); for e in "${asked[@]}"; do groups+=(--extra "$e"); done
+  groups=(); for e in ${asked[@]+"${asked[@]}"}; do groups+=(--extra "$e"); done
   "$UV" export --frozen --offline --no-hashes --no-header --no-annotate --no-emit-project --no-emit-package torch \
-    --no-emit-package triton --group build --group node "${groups[@]}" -o "$need.all" >/dev/null \
+    --no-emit-package triton --group build --group node ${groups[@]+"${groups[@]}"} -o "$need.all" >/dev/null \
     || die "uv export from uv.lock failed (its error is above)"
+  # the check evaluates markers and wheel tags for $PY: it must be the Python .venv runs
+  if [ -x "$VPY" ] && [ "$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')" != "$pyv" ]; then
+    die "offline: .venv runs Python $pyv but PYTHON='$PY' is another; run with PYTHON=<the Python .venv was made from>"
+  fi
   # what .venv will see installed: .venv's own packages, or python3's when .venv is to share them
   seen=$PY; if [ -x "$VPY" ]; then seen=$VPY; fi
   if [ -x "$VPY" ] || [ -n "$sys_site" ]; then
@@ -184,19 +189,19 @@ if [ ! -x "$VPY" ]; then
   if [ -n "$sys_site" ] && [ -n "$base_sites" ]; then
     pth=.venv/lib/python$pyv/site-packages/_base_python.pth
     echo "[setup] $PY has torch $tv (CUDA $tc) and is itself a venv: creating .venv with its site-packages" \
-         "($base_sites) in $pth, so that this torch and $PY's other packages stay visible in it (and are kept)"
+         "($base_sites) in $pth, so that this torch stays visible in it and is kept"
     run "$UV" venv --quiet --python "$PY" .venv
     if [ -n "$DRY" ]; then echo "+ write $pth: $base_sites"; else printf '%s\n' $base_sites >"$pth"; fi
   elif [ -n "$sys_site" ]; then
-    echo "[setup] $PY has torch $tv (CUDA $tc): creating .venv with --system-site-packages, so that this torch and" \
-         "$PY's other packages stay visible in it (and are kept, not replaced)"
+    echo "[setup] $PY has torch $tv (CUDA $tc): creating .venv with --system-site-packages, so that this torch" \
+         "stays visible in it and is kept, not replaced"
     run "$UV" venv --quiet --python "$PY" --system-site-packages .venv
   else
     echo "[setup] creating .venv with $("$PY" --version 2>&1)"
     run "$UV" venv --quiet --python "$PY" .venv
   fi
 fi
-pip=("$UV" pip install --python "$VPY" "${compile[@]}")
+pip=("$UV" pip install --python "$VPY" ${compile[@]+"${compile[@]}"})
 if [ -n "$wheelhouse" ]; then
   if [ -n "$torch_now" ]; then echo "[setup] keeping torch $tv (CUDA $tc)$torch_from; offline, nothing replaces it"
   else run "${pip[@]}" --offline --no-index --find-links "$wheelhouse" "$TORCH_SPEC"; fi
@@ -253,8 +258,8 @@ if [ -n "$wheelhouse" ]; then
   if [ -s "$need" ]; then run "${pip[@]}" --offline --no-index --find-links "$wheelhouse" --no-deps -r "$need"; fi
   run "${pip[@]}" --offline --no-index --find-links "$wheelhouse" --no-deps --no-build-isolation -e .
 else
-  sync=("$UV" sync --locked --inexact --no-install-package torch "${compile[@]}")
-  for e in "${asked[@]}"; do sync+=(--extra "$e"); done
+  sync=("$UV" sync --locked --inexact --no-install-package torch ${compile[@]+"${compile[@]}"})
+  for e in ${asked[@]+"${asked[@]}"}; do sync+=(--extra "$e"); done
   if has cuda; then sync+=(--no-install-package triton); fi                       # torch's own, kept
   if has cuda || has interp; then
     # the sdists build against .venv's torch and the build group, so those come first

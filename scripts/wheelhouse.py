@@ -31,13 +31,13 @@ try:
     from packaging.requirements import Requirement
     from packaging.tags import compatible_tags, cpython_tags, sys_tags
     from packaging.utils import canonicalize_name, parse_wheel_filename
-    from packaging.version import Version
+    from packaging.version import InvalidVersion, Version
 except ImportError:  # a bare python3: pip's copy
     from pip._vendor.packaging.markers import default_environment
     from pip._vendor.packaging.requirements import Requirement
     from pip._vendor.packaging.tags import compatible_tags, cpython_tags, sys_tags
     from pip._vendor.packaging.utils import canonicalize_name, parse_wheel_filename
-    from pip._vendor.packaging.version import Version
+    from pip._vendor.packaging.version import InvalidVersion, Version
 
 #: sdists of the CUDA kernels: only their Python parts, built without isolation against --builder's torch
 KERNEL_SDISTS = ("mamba-ssm", "causal-conv1d")
@@ -60,12 +60,17 @@ def pins(export: str, env: dict | None) -> list[tuple[str, Version]]:
 
 
 def have(path: str) -> dict[str, Version]:
-    """``name==version`` lines (``pip list --format=freeze``) as {canonical name: version}; other lines skipped."""
+    """``name==version`` lines (``pip list --format=freeze``) as {canonical name: version}; other lines, and versions
+    that are not PEP 440 (a distribution's ``1.1build1``: never a locked version), skipped. A name listed twice keeps
+    its first version, the one Python imports."""
     out = {}
     for line in open(path).read().splitlines():
         n, sep, v = line.strip().partition("==")
         if sep:
-            out[canonicalize_name(n)] = Version(v)
+            try:
+                out.setdefault(canonicalize_name(n), Version(v))
+            except InvalidVersion:
+                continue
     return out
 
 
@@ -93,11 +98,12 @@ def check(wh: str, export: str, have_file: str, out: str, extras: str) -> int:
     tag = next(str(t) for t in sys_tags())
     if missing:
         what = f"canonlm[{extras}]" if extras else "canonlm"
-        opt = f"--extras {extras} " if extras else ""
+        plat = next((t.platform for t in sys_tags() if t.platform.startswith("manylinux_")), "")
+        opt = (f"--extras {extras} " if extras else "") + (f"--platform {plat} " if plat else "")
         print(
             f"[setup] ERROR: offline, the wheelhouse {wh} lacks: {', '.join(missing)} (locked for {what} on Python "
             f"{py}, {tag}); nothing was installed. Rebuild it on a connected machine: bash scripts/wheelhouse.sh "
-            f"{opt}--python-version {py} --have <this machine's `python3 -m pip list --format=freeze`> --out DIR "
+            f"{opt}--python-version {py} --have <`pip list --format=freeze` of the Python .venv uses> --out DIR "
             "(docs/gpu_node.md)",
             file=sys.stderr,
         )
@@ -141,7 +147,10 @@ def locked_files(lock: str) -> dict[tuple[str, Version], dict]:
     try:
         import tomllib
     except ImportError:  # Python 3.10
-        from pip._vendor import tomli as tomllib
+        try:
+            import tomli as tomllib
+        except ImportError:
+            from pip._vendor import tomli as tomllib
     with open(lock, "rb") as f:
         data = tomllib.load(f)
     return {
@@ -155,14 +164,17 @@ def fetch(url: str, sha: str, dest: str) -> None:
     """Download ``url`` to ``dest`` (written whole, then renamed) and check its sha256 against uv.lock's."""
     tmp = dest + ".part"
     h = hashlib.sha256()
-    with urllib.request.urlopen(url, timeout=120) as r, open(tmp, "wb") as f:
-        while chunk := r.read(1 << 20):
-            h.update(chunk)
-            f.write(chunk)
-    if sha and f"sha256:{h.hexdigest()}" != sha:
-        os.remove(tmp)
-        raise SystemExit(f"[wheelhouse] ERROR: {url}: sha256 {h.hexdigest()} is not uv.lock's {sha}")
-    os.replace(tmp, dest)
+    try:
+        with urllib.request.urlopen(url, timeout=120) as r, open(tmp, "wb") as f:
+            while chunk := r.read(1 << 20):
+                h.update(chunk)
+                f.write(chunk)
+        if sha and f"sha256:{h.hexdigest()}" != sha:
+            raise SystemExit(f"[wheelhouse] ERROR: {url}: sha256 {h.hexdigest()} is not uv.lock's {sha}")
+        os.replace(tmp, dest)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def build(export, lock, pyver, platform, have_file, out, builder, uv, also=()) -> int:
@@ -205,7 +217,11 @@ def build(export, lock, pyver, platform, have_file, out, builder, uv, also=()) -
 
 def build_sdist(n, v, sdist, out, builder, uv, tags) -> str:
     """Build the sdist of ``n`` ``v`` into a wheel in ``out`` (kept when one is already there); its file name."""
-    have_one = [f for f in os.listdir(out) if f.endswith(".whl") and parse_wheel_filename(f)[:2] == (n, v)]
+    have_one = [
+        f
+        for f in os.listdir(out)
+        if f.endswith(".whl") and parse_wheel_filename(f)[:2] == (n, v) and parse_wheel_filename(f)[3] & set(tags)
+    ]
     if have_one:
         return have_one[0]
     work = os.path.join(out, ".build")

@@ -49,10 +49,10 @@ if [ -n "$have" ]; then
   [ -z "$bad" ] || die "--have $have line ${bad%%:*}: '${bad#*:}' is not 'name==version' (write the file with
 \`python3 -m pip list --format=freeze\` on the target)"
 fi
-cd "$(dirname "$0")/.."
 PY=${PYTHON:-}
-if [ -z "$PY" ]; then if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi; fi
-if [[ $PY == */* ]]; then PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY"); fi     # absolute, not resolved
+if [[ $PY == */* ]]; then PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY"); fi     # from the caller's directory
+cd "$(dirname "$0")/.."
+if [ -z "$PY" ]; then if [ -x .venv/bin/python ]; then PY=$PWD/.venv/bin/python; else PY=python3; fi; fi
 "$PY" -c 'import sys; assert sys.version_info >= (3, 10)' 2>/dev/null || die "PYTHON='$PY' is not a Python >= 3.10"
 if [ -z "$pyver" ]; then pyver=$("$PY" -c 'import platform; print(platform.python_version())'); fi
 [[ $pyver =~ ^3\.[0-9]+(\.[0-9]+)?$ ]] || die "--python-version '$pyver' (allowed: X.Y or X.Y.Z, e.g. 3.12 or 3.12.3)"
@@ -62,7 +62,7 @@ if [ -z "$platform" ]; then platform=manylinux_2_28_$(uname -m); fi
 known=$(sed -n '/^\[project.optional-dependencies\]/,/^\[/s/^\([A-Za-z0-9_-]\+\) *=.*/\1/p' pyproject.toml | tr '\n' ' ')
 IFS=, read -r -a asked <<<"$extras"
 groups=()
-for e in "${asked[@]}"; do
+for e in ${asked[@]+"${asked[@]}"}; do
   [[ " $known" == *" $e "* ]] || die "--extras '$extras': unknown extra '$e' (pyproject.toml defines: ${known% })"
   case "$e" in cuda|interp)
     die "--extras '$extras': '$e' cannot go into a wheelhouse (setup.sh installs neither offline: 'cuda' is flash-attn and
@@ -75,9 +75,9 @@ done
 . scripts/_uv.sh
 find_uv || die "no uv (neither \$UV, nor uv 0.13+ on PATH, nor could pip install uv==$UV_PIN)"
 T=$(mktemp -d "${TMPDIR:-/tmp}/canonlm-wheelhouse.XXXXXX")
-trap 'rm -rf "$T"' EXIT
+trap 'rm -rf "$T" "$out/.build" "$out/pins.txt"' EXIT
 "$UV" export --locked --no-hashes --no-header --no-annotate --no-emit-project --no-emit-package torch \
-  --no-emit-package triton --group build --group node "${groups[@]}" -o "$T/locked.txt" >/dev/null \
+  --no-emit-package triton --group build --group node ${groups[@]+"${groups[@]}"} -o "$T/locked.txt" >/dev/null \
   || die "uv export from uv.lock failed (its error is above)"
 mkdir -p "$out"
 # the files, and uv's own wheel for the target (setup.sh installs it from here before anything else)

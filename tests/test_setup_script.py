@@ -593,3 +593,16 @@ def test_bad_offline_requests_are_refused_before_any_work(tmp_path, args, names)
     assert "+ " not in res.stdout and "[setup]" not in res.stdout
     for name in names:
         assert name.replace("NOWHERE", str(tmp_path / "NOWHERE")) in res.stderr, res.stderr
+
+
+def test_a_package_list_with_distribution_versions_is_read_without_them(tmp_path):
+    """A system python3's package list may hold versions that are not PEP 440 (Debian's ``1.1build1``): they are
+    skipped (never a locked version), and a name listed twice keeps its first version, the one Python imports."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("wheelhouse_logic", ROOT / "scripts" / "wheelhouse.py")
+    w = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(w)
+    f = tmp_path / "have.txt"
+    f.write_text("distro-info==1.1build1\nPyYAML==6.0.4\npyyaml==5.4\n# a comment\n-e file:///x\n")
+    assert {n: str(v) for n, v in w.have(str(f)).items()} == {"pyyaml": "6.0.4"}

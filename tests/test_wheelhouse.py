@@ -129,7 +129,9 @@ def _freeze(py: Path) -> dict[str, str]:
 def _check(py: Path) -> set[str]:
     """The packages whose requirements are not met in the venv of ``py`` (``uv pip check``)."""
     res = _run([UV, "pip", "check", "--python", str(py)], env=_env())
-    return {canonicalize_name(m) for m in re.findall(r"The package `([^`]+)` requires", res.stdout + res.stderr)}
+    found = {canonicalize_name(m) for m in re.findall(r"The package `([^`]+)` requires", res.stdout + res.stderr)}
+    assert (res.returncode == 0) == (not found), res.stdout + res.stderr  # a failure it could not read is no pass
+    return found
 
 
 def _offline(cmd: list[str]) -> list[str]:
