@@ -1,4 +1,5 @@
-# Sourced by scripts/setup.sh and scripts/wheelhouse.sh: find uv, or install it. Needs PY (a python3 with pip).
+# Sourced by scripts/setup.sh, scripts/wheelhouse.sh and .ci/run: find uv, or install it; the offline node's lock
+# export. Needs PY (a python3 with pip).
 #   find_uv [WHEELHOUSE]   sets UV: $UV when set; else .venv's, PATH's or a earlier-installed uv when it is 0.13 or
 #                          newer (the lock format and options these scripts use); else uv==$UV_PIN installed by pip into
 #                          $UV_HOME (once per user, shared by every checkout), from PyPI or, offline, from the wheel
@@ -21,4 +22,12 @@ find_uv() {
       "uv==$UV_PIN" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2) || return 2
   fi
   UV=$UV_HOME/bin/uv
+}
+# node_export OUT [OPTION...]: what an offline node gets from uv.lock, one pinned line per package with its markers
+# (uv export: canonlm's dependencies, the OPTIONs' extras, the build and node groups; never torch or triton, which
+# come with the node's torch). Used by setup.sh --wheelhouse and wheelhouse.sh, so both read the same list.
+node_export() {
+  local out=$1; shift
+  "$UV" export --no-hashes --no-header --no-annotate --no-emit-project --no-emit-package torch \
+    --no-emit-package triton --group build --group node "$@" -o "$out" >/dev/null
 }

@@ -282,7 +282,8 @@ def foreign_entry(d: str) -> str:
 
 
 def check_inputs(o: dict) -> list[str]:
-    """Every problem with the inputs, one message each (empty: all good). Reads only."""
+    """Every problem with the inputs, one message each (empty: all good). Reads only; records the archive's file
+    count in ``o["cache_files"]``."""
     problems = []
     wh = o["wheelhouse"]
     if wh:
@@ -296,7 +297,7 @@ def check_inputs(o: dict) -> list[str]:
             problems.append(f"--cache-in '{o['cache_in']}': no such file (nor its parts {o['cache_in']}.00, .01, ...)")
         else:
             try:
-                archive_files(parts)
+                o["cache_files"] = archive_files(parts)  # read once: the dry run prints it
             except (tarfile.TarError, OSError, EOFError):
                 problems.append(
                     f"--cache-in '{o['cache_in']}': not a readable .tar.gz (tarfile cannot list it; {len(parts)} file(s))"
@@ -428,7 +429,7 @@ def dry_run(o: dict, gpu: bool) -> int:
     n_whl = f" ({sum(f.endswith('.whl') for f in os.listdir(wh))} wheels)" if wh else ""
     say(f"  --wheelhouse {wh or 'none'}{n_whl}")
     parts = cache_parts(o["cache_in"]) if o["cache_in"] else []
-    say(f"  --cache-in {o['cache_in'] or 'none'}" + (f" ({archive_files(parts)} files)" if parts else ""))
+    say(f"  --cache-in {o['cache_in'] or 'none'}" + (f" ({o['cache_files']} files)" if parts else ""))
     g = "yes (nvidia-smi -L)" if gpu else "no (nvidia-smi -L lists none)"
     say(f"  --cache-dir {o['cache_dir']}; CUDA GPU: {g}; --budget {o['budget']} s")
     for i, p in enumerate(PHASES, 1):

@@ -164,9 +164,7 @@ if [ -n "${PYTHONDONTWRITEBYTECODE:-}" ]; then compile=(--compile-bytecode); fi
 if [ -n "$wheelhouse" ]; then
   need=$(mktemp); trap 'rm -f "$need" "$need.all" "$need.have"' EXIT
   groups=(); for e in ${asked[@]+"${asked[@]}"}; do groups+=(--extra "$e"); done
-  "$UV" export --frozen --offline --no-hashes --no-header --no-annotate --no-emit-project --no-emit-package torch \
-    --no-emit-package triton --group build --group node ${groups[@]+"${groups[@]}"} -o "$need.all" >/dev/null \
-    || die "uv export from uv.lock failed (its error is above)"
+  node_export "$need.all" --frozen --offline ${groups[@]+"${groups[@]}"} || die "uv export from uv.lock failed (its error is above)"
   # the check evaluates markers and wheel tags for $PY: it must be the Python .venv runs
   if [ -x "$VPY" ] && [ "$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')" != "$pyv" ]; then
     die "offline: .venv runs Python $pyv but PYTHON='$PY' is another; run with PYTHON=<the Python .venv was made from>"

@@ -76,6 +76,10 @@ def have(path: str) -> dict[str, Version]:
 
 # --- the target's side ----------------------------------------------------------------------------------------------
 def check(wh: str, export: str, have_file: str, out: str, extras: str) -> int:
+    """The target's side (module docstring, ``check``): write to ``out`` the ``name==version`` pins of ``export`` that
+    hold here and are not installed at that version (``have_file``), each with a wheel in ``wh`` this interpreter's
+    tags accept. Returns 0, or 2 after one stderr line naming every missing pin (a wheel for another Python or
+    platform named beside it); nothing is written then. ``extras`` only names the install in the messages."""
     here = set(sys_tags())
     ok, other = set(), {}
     for f in os.listdir(wh):
@@ -178,6 +182,11 @@ def fetch(url: str, sha: str, dest: str) -> None:
 
 
 def build(export, lock, pyver, platform, have_file, out, builder, uv, also=()) -> int:
+    """The connected side (module docstring, ``build``): into ``out`` the uv.lock file of each pin of ``export`` whose
+    marker holds on CPython ``pyver`` / ``platform`` and that ``have_file`` lacks at that version, plus ``also``
+    (``NAME==VERSION`` pins of uv.lock); sdists built by ``uv`` (kernels by ``builder``). Writes ``out/pins.txt``
+    ("pypi: FILE" / "built: FILE" lines). Returns 0, or 2 naming what has neither a fitting wheel nor an sdist.
+    Raises SystemExit on a sha256 mismatch, a failed build, or a built wheel the target cannot install."""
     tags = target_tags(pyver, platform)
     rank = {t: i for i, t in enumerate(tags)}
     files = locked_files(lock)
@@ -247,6 +256,7 @@ def build_sdist(n, v, sdist, out, builder, uv, tags) -> str:
 
 
 def main(argv: list[str]) -> int:
+    """``check`` / ``build`` as the module docstring gives them; anything else prints it and returns 2."""
     if argv[:1] == ["check"] and len(argv) == 6:
         return check(*argv[1:])
     if argv[:1] == ["build"]:

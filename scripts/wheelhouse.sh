@@ -76,9 +76,7 @@ done
 find_uv || die "no uv (neither \$UV, nor uv 0.13+ on PATH, nor could pip install uv==$UV_PIN)"
 T=$(mktemp -d "${TMPDIR:-/tmp}/canonlm-wheelhouse.XXXXXX")
 trap 'rm -rf "$T" "$out/.build" "$out/pins.txt"' EXIT
-"$UV" export --locked --no-hashes --no-header --no-annotate --no-emit-project --no-emit-package torch \
-  --no-emit-package triton --group build --group node ${groups[@]+"${groups[@]}"} -o "$T/locked.txt" >/dev/null \
-  || die "uv export from uv.lock failed (its error is above)"
+node_export "$T/locked.txt" --locked ${groups[@]+"${groups[@]}"} || die "uv export from uv.lock failed (its error is above)"
 mkdir -p "$out"
 # the files, and uv's own wheel for the target (setup.sh installs it from here before anything else)
 "$PY" scripts/wheelhouse.py build "$T/locked.txt" uv.lock --python-version "$pyver" --platform "$platform" \
